@@ -1,0 +1,33 @@
+# Every target creates/uses the project virtual environment in .venv.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: install test demo bench bench-core chaos lint clean
+
+$(BIN)/jetrouter: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	@touch $@
+
+install: $(BIN)/jetrouter
+
+test: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+demo: install
+	$(BIN)/jetrouter demo
+
+bench: install
+	$(BIN)/jetrouter bench core
+	$(BIN)/jetrouter demo
+
+bench-core: install
+	$(BIN)/jetrouter bench core --json
+
+lint: install
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .jetrouter build *.egg-info

@@ -1,0 +1,100 @@
+"""`jetrouter` command line: one verb per module, flags named as in the seeds (design.md §10).
+
+Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
+this file only wires them up and makes every ``--some-flag`` also settable as
+``JETROUTER_SOME_FLAG`` in the environment (flags on the command line win).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+# verb -> (module, help). Modules are imported lazily so `jetrouter worker` never loads FastAPI
+# routing code it does not need, and a broken verb cannot break the others.
+VERBS: dict[str, tuple[str, str]] = {
+    "serve": ("api.serve", "run one router replica"),
+    "worker": ("workers.cli", "run one simulated inference engine"),
+    "up": ("api.up", "run a whole local cluster (nats-server, replicas, workers)"),
+    "bench": ("api.bench.cli", "benchmarks: `bench core` (state machine) or a trace replay"),
+    "demo": ("api.demo", "start a local cluster, replay a trace slice in kv and round-robin mode"),
+    "admin": ("api.admin_cli", "admin API client"),
+}
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def env_name(option: str) -> str:
+    return "JETROUTER_" + option.lstrip("-").replace("-", "_").upper()
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
+    """Let JETROUTER_<FLAG> set each long option's default, converted by the option's own type."""
+    for action in parser._actions:
+        long_opts = [o for o in action.option_strings if o.startswith("--")]
+        if not long_opts or action.dest == "help":
+            continue
+        for opt in long_opts:
+            raw = os.environ.get(env_name(opt))
+            if raw is None:
+                continue
+            if isinstance(action, argparse._StoreTrueAction):
+                value: object = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif isinstance(action, argparse._StoreFalseAction):
+                value = raw.strip().lower() not in ("1", "true", "yes", "on")
+            elif action.type is not None:
+                try:
+                    value = action.type(raw)  # type: ignore[misc]
+                except (TypeError, ValueError) as exc:
+                    parser.error(f"environment variable {env_name(opt)}={raw!r}: {exc}")
+            else:
+                value = raw
+            if action.choices is not None and value not in action.choices:
+                parser.error(f"environment variable {env_name(opt)}={raw!r}: not one of "
+                             f"{', '.join(map(str, action.choices))}")
+            action.default = value
+            action.required = False
+            break
+
+
+def build_parser(verbs: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jetrouter", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+    for verb in verbs or VERBS:
+        module_name, help_text = VERBS[verb]
+        p = sub.add_parser(verb, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        module.add_arguments(p)
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    apply_env_defaults(child)
+        apply_env_defaults(p)
+        p.set_defaults(_module=module_name)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Import only the module of the verb asked for (fast start, isolated failures).
+    verb = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser([verb] if verb in VERBS else None)
+    args = parser.parse_args(argv)
+    module = importlib.import_module(args._module)
+    try:
+        return int(module.run(args) or 0)
+    except CliError as exc:
+        print(f"jetrouter {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

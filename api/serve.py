@@ -1,0 +1,117 @@
+"""`jetrouter serve`: one router replica (flags named as in the seeds, design.md §10)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import secrets
+
+from replicas.runtime import ReplicaConfig
+from replicas.selection import BusyThresholds, RoutingConfig
+from replicas.state import StateConfig
+
+MODES = ("kv", "round-robin", "random", "least-loaded")
+
+
+def _positive_int(v: str) -> int:
+    n = int(v)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+    return n
+
+
+def _fraction(v: str) -> float:
+    x = float(v)
+    if not 0.0 <= x <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {v}")
+    return x
+
+
+def _non_negative(v: str) -> float:
+    x = float(v)
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return x
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--replica-id", default=None, help="stable id (default: random r-xxxxxx)")
+    g.add_argument("--nats-url", default="nats://127.0.0.1:4222",
+                   help="NATS server URL, or a comma-separated list for a cluster")
+    g.add_argument("--namespace", default="jr", help="prefix of every stream, subject and bucket")
+    g.add_argument("--data-dir", default=".jetrouter/replica")
+    g.add_argument("--admin-token", default=None, help="bearer token enabling /admin/*")
+    g.add_argument("--tokenizer", default=None, help="path to a HuggingFace tokenizer.json")
+    g.add_argument("--max-prompt-tokens", type=_positive_int, default=131072)
+    g.add_argument("--log-level", default="warning",
+                   choices=("debug", "info", "warning", "error"))
+    r = p.add_argument_group("routing")
+    r.add_argument("--router-mode", default="kv", choices=MODES)
+    r.add_argument("--router-temperature", type=_non_negative, default=0.0)
+    r.add_argument("--router-kv-overlap-score-weight", type=_non_negative, default=1.0)
+    r.add_argument("--kv-cache-block-size", type=_positive_int, default=16)
+    r.add_argument("--no-router-kv-events", dest="router_kv_events", action="store_false",
+                   help="approximate mode: predict caches from routing decisions (TTL + pruning)")
+    r.add_argument("--router-ttl-secs", type=_non_negative, default=120.0)
+    r.add_argument("--router-max-tree-size", type=_positive_int, default=2**20)
+    r.add_argument("--router-prune-target-ratio", type=_fraction, default=0.8)
+    r.add_argument("--active-decode-blocks-threshold", type=_fraction, default=None)
+    r.add_argument("--active-prefill-tokens-threshold", type=int, default=None)
+    r.add_argument("--active-prefill-tokens-threshold-frac", type=_non_negative, default=None)
+    r.add_argument("--router-queue-threshold", type=float, default=None,
+                   help="hold requests while every worker is over this fraction of "
+                        "max_num_batched_tokens (must be > 0)")
+    r.add_argument("--router-queue-policy", default="fcfs", choices=("fcfs", "lcfs", "wspt"))
+    r.add_argument("--request-max-age", type=_non_negative, default=600.0,
+                   help="in-flight requests older than this (event time) stop counting as load")
+    r.add_argument("--seed", type=int, default=None, help="seed of the routing random source")
+    s = p.add_argument_group("durability")
+    s.add_argument("--router-snapshot-threshold", type=_positive_int, default=1_000_000)
+    s.add_argument("--router-reset-states", action="store_true")
+
+
+def build_config(args: argparse.Namespace) -> ReplicaConfig:
+    if args.router_queue_threshold is not None and args.router_queue_threshold <= 0:
+        raise SystemExit("jetrouter serve: error: --router-queue-threshold must be > 0")
+    replica_id = args.replica_id or f"r-{secrets.token_hex(3)}"
+    return ReplicaConfig(
+        replica_id=replica_id,
+        nats_url=args.nats_url,
+        namespace=args.namespace,
+        state=StateConfig(block_size=args.kv_cache_block_size,
+                          approximate=not args.router_kv_events,
+                          ttl_secs=args.router_ttl_secs,
+                          max_tree_size=args.router_max_tree_size,
+                          prune_target_ratio=args.router_prune_target_ratio,
+                          request_max_age=args.request_max_age),
+        routing=RoutingConfig(mode=args.router_mode,
+                              kv_overlap_score_weight=args.router_kv_overlap_score_weight,
+                              temperature=args.router_temperature,
+                              block_size=args.kv_cache_block_size),
+        default_thresholds=BusyThresholds(args.active_decode_blocks_threshold,
+                                          args.active_prefill_tokens_threshold,
+                                          args.active_prefill_tokens_threshold_frac),
+        queue_threshold=args.router_queue_threshold,
+        queue_policy=args.router_queue_policy,
+        seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api.app import AppConfig, create_app
+    from replicas.runtime import Replica
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = build_config(args)
+    replica = Replica(config)
+    app = create_app(replica, AppConfig(max_prompt_tokens=args.max_prompt_tokens,
+                                        admin_token=args.admin_token, tokenizer=args.tokenizer))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=False, timeout_graceful_shutdown=30)
+    return 0

@@ -1,0 +1,590 @@
+"""`jetrouter up`: a whole local cluster in one command (design.md §10).
+
+An embedded nats-server with JetStream (or an existing NATS via ``--nats-url``), N router replicas
+(`jetrouter serve`) and M simulated engines (`jetrouter worker`) as child processes, each logging
+to ``<data-dir>/logs/<name>.log``. A child that dies is restarted with exponential backoff unless
+``--no-restart``. ``<data-dir>/cluster.json`` always describes the running cluster (URLs, pids,
+admin token), so scripts and tests can find it. Ctrl-C / SIGTERM stops the children first, then
+nats-server, and exits 0.
+
+`LocalCluster` is the reusable part (the bench, the demo and chaos tests start clusters with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from eventlog import server as nats_server
+
+log = logging.getLogger("jetrouter.up")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BACKOFF_MIN = 0.5
+BACKOFF_MAX = 10.0
+STABLE_AFTER = 30.0  # a child up this long has its backoff reset
+REPLICA_PORT_OFFSET = 0
+WORKER_PORT_OFFSET = 100
+DEFAULT_MODEL = "jetrouter-sim"
+
+
+class ClusterStartError(Exception):
+    """The cluster did not become ready; the message names the children and their log tails."""
+
+
+@dataclass
+class Child:
+    """One supervised child process (a replica or a worker); `proc` changes on every restart."""
+
+    name: str
+    kind: str  # "replica" | "worker"
+    argv: list[str]
+    url: str
+    probe_path: str  # "/ready" for replicas, "/health" for workers
+    log_path: Path
+    proc: asyncio.subprocess.Process | None = None
+    started_at: float = 0.0
+    exits: int = 0
+    restarts: int = 0
+    last_returncode: int | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the kernel hands out now; all sockets are held until every port is chosen."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _load_prctl() -> Any:
+    """libc's prctl, looked up in the parent: nothing may be imported between fork and exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(prctl: Any, parent_pid: int) -> None:
+    """Runs in the child before exec: if `jetrouter up` is SIGKILLed its children get SIGTERM
+    instead of lingering (Linux only; elsewhere a no-op)."""
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"  # logs reach the file as they happen
+    paths = [str(REPO_ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+def _log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "    (no log)"
+    return "\n".join("    " + line for line in text[-lines:])
+
+
+class LocalCluster:
+    """nats-server + replicas + workers on loopback, supervised; an async context manager."""
+
+    def __init__(
+        self,
+        *,
+        replicas: int = 2,
+        workers: int = 4,
+        base_port: int | None = None,
+        data_dir: Path = Path(".jetrouter"),
+        router_args: Sequence[str] = (),
+        worker_args: Sequence[str] = (),
+        nats_url: str | None = None,
+        restart: bool = True,
+        namespace: str = "jr",
+        nats_cluster: int = 1,
+        admin_token: str | None = None,
+        ready_timeout: float = 60.0,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        if replicas < 1 or workers < 1:
+            raise ValueError("a cluster needs at least one replica and one worker")
+        self.replicas = replicas
+        self.workers = workers
+        self.base_port = base_port
+        self.data_dir = Path(data_dir).resolve()
+        self.router_args = list(router_args)
+        self.worker_args = list(worker_args)
+        self.nats_url = nats_url or ""
+        self.restart = restart
+        self.namespace = namespace
+        self.nats_cluster = nats_cluster
+        self.admin_token = admin_token or secrets.token_urlsafe(24)
+        self.ready_timeout = ready_timeout
+        self.stop_timeout = stop_timeout
+        self.children: dict[str, Child] = {}
+        self._nats: Any = None  # eventlog.server.NatsServer | NatsCluster when embedded
+        self._supervisors: dict[str, asyncio.Task[None]] = {}
+        self._stopping = asyncio.Event()
+        self._closed = False
+        self._prctl = _load_prctl()
+
+    # -- public view ------------------------------------------------------------------------
+
+    @property
+    def router_urls(self) -> list[str]:
+        return [c.url for c in self.children.values() if c.kind == "replica"]
+
+    @property
+    def worker_urls(self) -> list[str]:
+        return [c.url for c in self.children.values() if c.kind == "worker"]
+
+    @property
+    def processes(self) -> dict[str, int]:
+        """name -> current pid of every child that has been started."""
+        return {n: c.pid for n, c in self.children.items() if c.pid is not None}
+
+    @property
+    def cluster_json_path(self) -> Path:
+        return self.data_dir / "cluster.json"
+
+    @property
+    def admin_token_path(self) -> Path:
+        return self.data_dir / "admin-token"
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
+        """Send `sig` to child `name` (chaos tests); returns the pid signalled."""
+        child = self.children[name]
+        if child.proc is None or child.proc.returncode is not None:
+            raise ProcessLookupError(f"{name} is not running")
+        self._signal(child, sig)
+        return child.proc.pid
+
+    async def wait_ready(self, names: Sequence[str] | None = None,
+                         timeout: float | None = None) -> None:
+        """Poll until each named child (default: all) answers 200 on its probe path."""
+        deadline = time.monotonic() + (self.ready_timeout if timeout is None else timeout)
+        pending = list(names or self.children)
+        max_exits = 3 if self.restart else 1
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while pending:
+                still = []
+                for name in pending:
+                    child = self.children[name]
+                    if not await self._probe(client, child):
+                        still.append(name)
+                pending = still
+                if not pending:
+                    return
+                crashed = [n for n in pending if self.children[n].exits >= max_exits]
+                if crashed or time.monotonic() > deadline:
+                    raise ClusterStartError(self._not_ready_report(crashed or pending))
+                await asyncio.sleep(0.1)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> LocalCluster:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        if not self.nats_url:
+            # Fail before creating anything when nats-server is missing (one-line message).
+            nats_server.find_nats_server()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "logs").mkdir(exist_ok=True)
+        self._plan_children()
+        if not self.nats_url:
+            await self._start_nats()
+        for child in self.children.values():
+            self._finish_argv(child)
+        self._write_token_file()
+        for child in self.children.values():
+            await self._spawn(child)
+        self._write_cluster_json()
+        for name, child in self.children.items():
+            self._supervisors[name] = asyncio.create_task(self._supervise(child),
+                                                          name=f"supervise-{name}")
+        await self.wait_ready()
+
+    async def stop(self) -> None:
+        """SIGTERM every child, SIGKILL what is left after `stop_timeout`, then stop nats."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping.set()
+        for child in self.children.values():
+            self._signal(child, signal.SIGTERM)
+        tasks = list(self._supervisors.values())
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.stop_timeout)
+            if pending:
+                for child in self.children.values():
+                    self._signal(child, signal.SIGKILL)
+                await asyncio.wait(pending, timeout=5.0)
+                for task in pending:
+                    task.cancel()
+        # Children spawned but never supervised (start-up failed half-way).
+        for child in self.children.values():
+            if child.running and child.proc is not None:
+                self._signal(child, signal.SIGKILL)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(child.proc.wait(), 5.0)
+        if self._nats is not None:
+            await asyncio.to_thread(self._nats.stop)
+            self._nats = None
+        if self.cluster_json_path.exists():
+            self._write_cluster_json()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _plan_children(self) -> None:
+        if self.base_port is None:
+            ports = free_ports(self.replicas + self.workers)
+            replica_ports, worker_ports = ports[: self.replicas], ports[self.replicas:]
+        else:
+            replica_ports = [self.base_port + REPLICA_PORT_OFFSET + i for i in range(self.replicas)]
+            worker_ports = [self.base_port + WORKER_PORT_OFFSET + i for i in range(self.workers)]
+            busy = [p for p in replica_ports + worker_ports if port_in_use(p)]
+            if busy:
+                raise ClusterStartError(
+                    f"port(s) {', '.join(map(str, busy))} already in use; choose another "
+                    "--base-port (or --base-port 0 for free ports)")
+        logs = self.data_dir / "logs"
+        for i, port in enumerate(replica_ports):
+            name = f"r{i}"
+            self.children[name] = Child(name, "replica", [], f"http://127.0.0.1:{port}",
+                                        "/ready", logs / f"{name}.log")
+        for i, port in enumerate(worker_ports):
+            name = f"w{i}"
+            self.children[name] = Child(name, "worker", [], f"http://127.0.0.1:{port}",
+                                        "/health", logs / f"{name}.log")
+
+    def _finish_argv(self, child: Child) -> None:
+        port = child.url.rsplit(":", 1)[1]
+        common = ["--host", "127.0.0.1", "--port", port]
+        if child.kind == "replica":
+            replica_dir = self.data_dir / child.name
+            replica_dir.mkdir(exist_ok=True)
+            child.argv = [sys.executable, "-m", "api.cli", "serve", *common,
+                          "--replica-id", child.name, "--nats-url", self.nats_url,
+                          "--namespace", self.namespace, "--data-dir", str(replica_dir),
+                          "--admin-token", self.admin_token, *self.router_args]
+        else:
+            child.argv = [sys.executable, "-m", "api.cli", "worker", *common,
+                          "--worker-id", child.name, "--nats-url", self.nats_url,
+                          "--namespace", self.namespace, *self.worker_args]
+
+    async def _start_nats(self) -> None:
+        store = self.data_dir / "nats"
+        store.mkdir(exist_ok=True)
+        nats: Any
+        if self.nats_cluster > 1:
+            nats = nats_server.NatsCluster(self.nats_cluster, base_dir=store)
+            servers = list(nats.servers)
+        else:
+            nats = nats_server.NatsServer(store_dir=store)
+            servers = [nats]
+        self._nats = nats
+        for server in servers:
+            self._launch_nats(server)
+        await asyncio.to_thread(nats.wait_ready)
+        self.nats_url = nats.url
+        log.info("nats-server up at %s (store %s)", self.nats_url, store)
+
+    def _launch_nats(self, server: Any) -> None:
+        """Like `NatsServer.launch`, but in its own session (so Ctrl-C reaches only `up`, which
+        stops nats-server last) and tied to our life (no orphan if `up` is SIGKILLed)."""
+        server.proc = subprocess.Popen(
+            server.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=functools.partial(_die_with_parent, self._prctl, os.getpid()))
+
+    async def _spawn(self, child: Child) -> None:
+        with child.log_path.open("ab") as logf:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            logf.write(f"\n=== {stamp} jetrouter up: starting {child.name} ===\n".encode())
+            logf.flush()
+            child.proc = await asyncio.create_subprocess_exec(
+                *child.argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf,
+                stderr=asyncio.subprocess.STDOUT, env=_child_env(), cwd=str(REPO_ROOT),
+                # Own process group: Ctrl-C reaches only `up`, which stops children in order.
+                start_new_session=True,
+                preexec_fn=functools.partial(_die_with_parent, self._prctl, os.getpid()))
+        child.started_at = time.monotonic()
+        log.info("started %s (pid %d) on %s", child.name, child.proc.pid, child.url)
+
+    async def _supervise(self, child: Child) -> None:
+        backoff = BACKOFF_MIN
+        while True:
+            assert child.proc is not None
+            rc = await child.proc.wait()
+            child.exits += 1
+            child.last_returncode = rc
+            if self._stopping.is_set():
+                return
+            uptime = time.monotonic() - child.started_at
+            if uptime >= STABLE_AFTER:
+                backoff = BACKOFF_MIN
+            if not self.restart:
+                log.warning("%s (pid %d) exited with %s; not restarting (--no-restart)",
+                            child.name, child.proc.pid, rc)
+                self._write_cluster_json()
+                return
+            log.warning("%s (pid %d) exited with %s after %.1f s; restarting in %.1f s",
+                        child.name, child.proc.pid, rc, uptime, backoff)
+            # Waiting here IS the restart policy; a stop request cuts it short.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), timeout=backoff)
+            if self._stopping.is_set():
+                return
+            backoff = min(backoff * 2, BACKOFF_MAX)
+            await self._spawn(child)
+            child.restarts += 1
+            if self._stopping.is_set():  # stop() ran while we were spawning
+                self._signal(child, signal.SIGTERM)
+            self._write_cluster_json()
+
+    async def _probe(self, client: httpx.AsyncClient, child: Child) -> bool:
+        if not child.running:
+            return False
+        try:
+            resp = await client.get(child.url + child.probe_path)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    def _signal(self, child: Child, sig: int) -> None:
+        proc = child.proc
+        if proc is None or proc.returncode is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)  # the whole group: a child's own children go too
+        except (ProcessLookupError, PermissionError):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, sig)
+
+    def _not_ready_report(self, names: Sequence[str]) -> str:
+        parts = []
+        for name in names:
+            c = self.children[name]
+            state = (f"running (pid {c.pid}), {c.probe_path} not 200" if c.running
+                     else f"exited {c.exits}x, last code {c.last_returncode}")
+            parts.append(f"{name} at {c.url}: {state}; log {c.log_path}:\n{_log_tail(c.log_path)}")
+        return "cluster not ready: " + "\n".join(parts)
+
+    def describe(self) -> dict[str, Any]:
+        def entry(c: Child) -> dict[str, Any]:
+            return {"id": c.name, "url": c.url, "pid": c.pid if c.running else None}
+
+        kids = self.children.values()
+        return {
+            "nats_url": self.nats_url,
+            "namespace": self.namespace,
+            "admin_token": self.admin_token,
+            "state": "stopped" if self._closed else "running",
+            "replicas": [entry(c) for c in kids if c.kind == "replica"],
+            "workers": [entry(c) for c in kids if c.kind == "worker"],
+        }
+
+    def _write_private(self, path: Path, text: str) -> None:
+        """Atomic write, readable by the owner only (the files hold the admin token)."""
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+
+    def _write_cluster_json(self) -> None:
+        self._write_private(self.cluster_json_path, json.dumps(self.describe(), indent=2) + "\n")
+
+    def _write_token_file(self) -> None:
+        self._write_private(self.admin_token_path, self.admin_token + "\n")
+
+
+# -- the `jetrouter up` verb -----------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = (
+        "Ports: replicas listen on BASE..BASE+N-1, workers on BASE+100..; --base-port 0 picks\n"
+        "free ports. <data-dir>/cluster.json lists URLs, pids and the admin token (also in\n"
+        "<data-dir>/admin-token); logs go to <data-dir>/logs/<name>.log. Other flags reach the\n"
+        "children with --router-arg=--flag=value / --worker-arg=--flag=value (repeatable).\n"
+        "Every flag can also be set as JETROUTER_<FLAG>, e.g. JETROUTER_REPLICAS=3.")
+    p.add_argument("--replicas", type=int, default=2, help="router replicas (default 2)")
+    p.add_argument("--workers", type=int, default=4, help="simulated workers (default 4)")
+    p.add_argument("--base-port", type=int, default=8000,
+                   help="first replica port (default 8000); 0 = free ports")
+    p.add_argument("--data-dir", type=Path, default=Path(".jetrouter"),
+                   help="logs, nats store, replica data, cluster.json (default .jetrouter)")
+    p.add_argument("--nats-url", default=None,
+                   help="use this NATS (JetStream enabled) instead of an embedded nats-server")
+    p.add_argument("--nats-cluster", type=int, default=1,
+                   help="embedded nats-server cluster size (1 or 3; default 1)")
+    p.add_argument("--namespace", default="jr", help="stream/subject prefix (default jr)")
+    p.add_argument("--no-restart", action="store_true",
+                   help="do not restart a replica or worker that dies")
+    p.add_argument("--admin-token", default=None,
+                   help="admin bearer token (default: a fresh random one)")
+    p.add_argument("--ready-timeout", type=float, default=60.0,
+                   help="seconds to wait for every child to be ready (default 60)")
+    g = p.add_argument_group("forwarded to the children")
+    g.add_argument("--router-mode", default=None,
+                   help="replicas: kv | round-robin | random | least-loaded")
+    g.add_argument("--kv-cache-block-size", type=int, default=None,
+                   help="replicas and workers: tokens per KV block (must match)")
+    g.add_argument("--num-gpu-blocks", type=int, default=None, help="workers: KV cache blocks")
+    g.add_argument("--speedup-ratio", type=float, default=None,
+                   help="workers: divide simulated step times by this")
+    g.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                   help="extra raw argument for every replica (repeatable)")
+    g.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                   help="extra raw argument for every worker (repeatable)")
+
+
+def forwarded_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(router_args, worker_args) from the forwarding flags; unset flags are left to the child."""
+    router: list[str] = []
+    worker: list[str] = []
+    if args.router_mode is not None:
+        router += ["--router-mode", args.router_mode]
+    if args.kv_cache_block_size is not None:
+        router += ["--kv-cache-block-size", str(args.kv_cache_block_size)]
+        worker += ["--kv-cache-block-size", str(args.kv_cache_block_size)]
+    if args.num_gpu_blocks is not None:
+        worker += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
+    if args.speedup_ratio is not None:
+        worker += ["--speedup-ratio", str(args.speedup_ratio)]
+    return router + list(args.router_arg), worker + list(args.worker_arg)
+
+
+def banner(cluster: LocalCluster) -> str:
+    url = cluster.router_urls[0]
+    token = cluster.admin_token_path
+    lines = [
+        "jetrouter cluster is up",
+        f"  routers : {' '.join(cluster.router_urls)}",
+        f"  workers : {' '.join(cluster.worker_urls)}",
+        f"  nats    : {cluster.nats_url}  (namespace {cluster.namespace})",
+        f"  admin   : token in {token} (and {cluster.cluster_json_path})",
+        f"  logs    : {cluster.data_dir / 'logs'}",
+        "try:",
+        f"  curl -s {url}/v1/completions -H 'content-type: application/json' \\",
+        f"    -d '{{\"model\": \"{DEFAULT_MODEL}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+        f"  curl -s -H \"Authorization: Bearer $(cat {token})\" {url}/admin/state",
+        f"  OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY=unused python -c \"import openai; "
+        f"print(openai.OpenAI().completions.create(model='{DEFAULT_MODEL}', prompt='Hi', "
+        "max_tokens=8).choices[0].text)\"",
+        "Ctrl-C stops everything.",
+    ]
+    return "\n".join(lines)
+
+
+async def _serve_until_signalled(cluster: LocalCluster) -> None:
+    """Start the cluster, print the banner, run until SIGINT/SIGTERM (even mid start-up)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.create_task(cluster.start())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            starting.result()  # start-up errors propagate
+            print(banner(cluster), flush=True)
+            await stopping
+        log.info("stopping")
+    finally:
+        for task in (starting, stopping):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await cluster.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from api.cli import CliError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s up: %(message)s",
+                        datefmt="%H:%M:%S")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per readiness poll
+    router_args, worker_args = forwarded_args(args)
+    cluster = LocalCluster(
+        replicas=args.replicas, workers=args.workers, base_port=args.base_port or None,
+        data_dir=args.data_dir, router_args=router_args, worker_args=worker_args,
+        nats_url=args.nats_url, restart=not args.no_restart, namespace=args.namespace,
+        nats_cluster=args.nats_cluster, admin_token=args.admin_token,
+        ready_timeout=args.ready_timeout)
+    try:
+        asyncio.run(_serve_until_signalled(cluster))
+    except nats_server.NatsServerNotFound as exc:
+        raise CliError(str(exc)) from None
+    except ClusterStartError as exc:
+        print(f"jetrouter up: error: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,120 @@
+"""Append event batches to JetStream exactly once (design.md §2).
+
+Each append carries a caller-chosen ``Nats-Msg-Id``; the stream's duplicate window turns a retried
+publish into a duplicate ack that points at the original message. That is what makes retrying
+safe: a publish whose ack was lost (timeout, reconnect, leader change) is simply sent again, and
+the caller gets the same stream sequence either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import nats.errors
+from nats.js import JetStreamContext
+from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
+from tenacity import (
+    AsyncRetrying,
+    RetryError,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+)
+
+from eventlog.events import Event, encode_batch
+
+log = logging.getLogger(__name__)
+
+MSG_ID_HEADER = "Nats-Msg-Id"
+
+
+class AppendFailed(RuntimeError):
+    """An append that did not reach the stream after every retry (or failed for good)."""
+
+    def __init__(self, subject: str, msg_id: str, cause: BaseException) -> None:
+        super().__init__(f"append to {subject} (msg id {msg_id}) failed: {cause!r}")
+        self.subject = subject
+        self.msg_id = msg_id
+        self.cause = cause
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Failures that a retry can cure: no ack in time, no stream leader (election or restart),
+    JetStream temporarily unavailable, or the connection being re-established."""
+    return isinstance(
+        exc,
+        nats.errors.TimeoutError
+        | asyncio.TimeoutError
+        | nats.errors.NoRespondersError
+        | NoStreamResponseError
+        | ServiceUnavailableError
+        | nats.errors.ConnectionReconnectingError
+        | nats.errors.StaleConnectionError
+        | nats.errors.OutboundBufferLimitError,
+    )
+
+
+class Appender:
+    """Publishes batches with a message id, retrying transient failures with exponential backoff.
+
+    ``timeout`` bounds each attempt's wait for the ack; ``attempts`` counts every try (so the
+    default retries five times, spanning roughly 1.5 s of backoff plus the attempts' own waits).
+    """
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        *,
+        timeout: float = 5.0,
+        attempts: int = 6,
+        backoff_initial: float = 0.05,
+        backoff_max: float = 2.0,
+    ) -> None:
+        if attempts < 1:
+            raise ValueError("attempts must be at least 1")
+        self._js = js
+        self.timeout = timeout
+        self.attempts = attempts
+        self._backoff = wait_exponential(multiplier=backoff_initial, max=backoff_max)
+        self.duplicates = 0
+        self.retries = 0
+
+    async def append(self, subject: str, events: Sequence[Event], msg_id: str) -> int:
+        """Append ``events`` as one message; return its stream sequence (the original one when
+        the stream already holds ``msg_id`` within its duplicate window)."""
+        if not msg_id:
+            raise ValueError("msg_id must be non-empty: it is what makes a retried append safe")
+        return await self.append_raw(subject, encode_batch(list(events)), msg_id)
+
+    async def append_raw(self, subject: str, payload: bytes, msg_id: str) -> int:
+        """Append pre-encoded bytes (used to inject malformed messages in tests, and by bridges
+        that already hold an encoded batch)."""
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.attempts),
+            wait=self._backoff,
+            retry=retry_if_exception(is_transient),
+            before_sleep=self._note_retry,
+            reraise=False,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    ack = await self._js.publish(
+                        subject, payload, timeout=self.timeout, headers={MSG_ID_HEADER: msg_id}
+                    )
+        except RetryError as exc:
+            cause = exc.last_attempt.exception() or exc
+            raise AppendFailed(subject, msg_id, cause) from cause
+        except Exception as exc:  # not transient: a bad subject, payload too large, closed conn
+            raise AppendFailed(subject, msg_id, exc) from exc
+        if ack.duplicate:
+            self.duplicates += 1
+        return int(ack.seq)
+
+    def _note_retry(self, state: object) -> None:
+        self.retries += 1
+        outcome = getattr(state, "outcome", None)
+        exc = outcome.exception() if outcome is not None else None
+        log.debug("append retry %d after %r", getattr(state, "attempt_number", 0), exc)

@@ -1,0 +1,64 @@
+"""Stream, subject and bucket names, all under one namespace prefix (design.md §2)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+KV = "kv"
+ROUTER = "router"
+CONTROL = "control"
+STREAM_KINDS: tuple[str, ...] = (KV, ROUTER, CONTROL)
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def check_token(value: str, what: str) -> str:
+    """Reject ids that would break a NATS subject (dots, wildcards, spaces)."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} must match [A-Za-z0-9_-]+ (it becomes a subject token)")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    namespace: str = "jr"
+
+    def __post_init__(self) -> None:
+        check_token(self.namespace, "namespace")
+
+    def stream(self, kind: str) -> str:
+        """`JR_KV`, `JR_ROUTER`, `JR_CONTROL` for namespace `jr`."""
+        return f"{self.namespace.upper().replace('-', '_')}_{kind.upper()}"
+
+    def subjects(self, kind: str) -> str:
+        return f"{self.namespace}.{kind}.>"
+
+    def kv_subject(self, worker_id: str) -> str:
+        return f"{self.namespace}.{KV}.{check_token(worker_id, 'worker id')}"
+
+    def router_subject(self, replica_id: str) -> str:
+        return f"{self.namespace}.{ROUTER}.{check_token(replica_id, 'replica id')}"
+
+    def control_subject(self, kind: str) -> str:
+        return f"{self.namespace}.{CONTROL}.{check_token(kind, 'control kind')}"
+
+    def load_subject(self, worker_id: str) -> str:
+        """Core-NATS gauges (not replayed)."""
+        return f"{self.namespace}.load.{check_token(worker_id, 'worker id')}"
+
+    def reannounce_subject(self, worker_id: str = "*") -> str:
+        """Core-NATS request to a worker to re-announce its whole cache."""
+        return f"{self.namespace}.reannounce.{worker_id}"
+
+    @property
+    def snapshot_bucket(self) -> str:
+        return f"{self.namespace}-snapshots"
+
+    @property
+    def replicas_bucket(self) -> str:
+        return f"{self.namespace}-replicas"
+
+    @property
+    def leases_bucket(self) -> str:
+        return f"{self.namespace}-leases"

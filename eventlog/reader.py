@@ -1,0 +1,326 @@
+"""Replay a stream from a sequence, then follow it live, in order, without gaps (design.md §7).
+
+:class:`StreamReader` drives an ephemeral *pull* consumer itself (rather than through the
+client's ``fetch``) so that it alone decides what counts as progress:
+
+* one pull request of ``batch`` messages at a time, with an idle heartbeat, on an inbox that
+  belongs to one consumer *generation*;
+* every delivered message carries its stream and consumer sequences in its reply subject. A
+  consumer-sequence gap means a delivery was lost (slow inbox, reconnect): the consumer is
+  recreated from ``last_seq + 1``. A stream-sequence gap with no delivery lost means the stream
+  no longer holds those messages (purged under us): :class:`StartPurged`.
+* silence longer than a few heartbeats, a reconnect of the connection, or an error status from
+  the server also recreate the consumer from ``last_seq + 1`` (with backoff while the server is
+  away), so a server restart or a dead cluster node costs neither duplicates nor gaps.
+
+A message that does not decode is yielded as ``(seq, [])``: the sequence still advances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from typing import Self
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from eventlog.events import Event, MalformedMessage, decode_batch
+
+log = logging.getLogger(__name__)
+
+_ACK_PREFIX = "$JS.ACK."
+# Reply subject token positions ($JS.ACK.<...>): v1 has 9 tokens, v2 adds domain + account hash.
+_V1_TOKENS = 9
+_V1 = (5, 6, 8)  # stream seq, consumer seq, pending
+_V2 = (7, 8, 10)
+_STATUS_HEARTBEAT = "100"
+_STATUS_REQUEST_DONE = ("404", "408")
+
+
+class StartPurged(Exception):
+    """The stream no longer holds ``wanted``: it starts at ``first_seq`` (purged or deleted).
+
+    The caller must restore from a snapshot at or beyond ``first_seq - 1`` and read again.
+    """
+
+    def __init__(self, stream: str, wanted: int, first_seq: int) -> None:
+        super().__init__(
+            f"stream {stream}: sequence {wanted} was purged (stream now starts at {first_seq})"
+        )
+        self.stream = stream
+        self.wanted = wanted
+        self.first_seq = first_seq
+
+
+class StreamReader:
+    """``async for seq, events in StreamReader(js, "JR_KV", start_seq=n):`` replay then follow.
+
+    ``last_seq`` is the last yielded sequence (``start_seq - 1`` before any), ``pending`` how many
+    messages the server says remain after it, ``malformed`` how many messages failed to decode,
+    ``resets`` how many times the consumer was recreated.
+    """
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        stream: str,
+        *,
+        start_seq: int = 1,
+        batch: int = 256,
+        idle_heartbeat: float = 1.0,
+        expires: float = 30.0,
+        create_timeout: float = 2.0,
+    ) -> None:
+        if start_seq < 1:
+            raise ValueError(f"start_seq must be >= 1, got {start_seq}")
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        self._js = js
+        self._nc = js._nc
+        self._api_prefix: str = getattr(js, "_prefix", "$JS.API")
+        self.stream = stream
+        self.start_seq = start_seq
+        self.batch = batch
+        self.idle_heartbeat = idle_heartbeat
+        self.expires = max(expires, 2 * idle_heartbeat)
+        self.create_timeout = create_timeout
+        self.liveness = 3 * idle_heartbeat
+
+        self.last_seq = start_seq - 1
+        self.pending = 0
+        self.malformed = 0
+        self.resets = 0
+
+        self._started = False
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._buf: deque[Msg] = deque()
+        self._wake = asyncio.Event()
+        self._gen = 0
+        self._sub: Subscription | None = None
+        self._consumer: str | None = None
+        self._request_left = 0
+        self._expect_cseq = 1
+        self._last_activity = time.monotonic()
+        self._need_reset: str | None = None
+        self._reconnects_seen = self._reconnects()
+
+    # --- public API ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Check ``start_seq`` is still in the stream and create the consumer (done lazily by the
+        first iteration when not called)."""
+        if self._started:
+            return
+        first, last = await self._bounds()
+        if first > self.start_seq:
+            self._closed = True
+            raise StartPurged(self.stream, self.start_seq, first)
+        self.pending = max(0, last - self.last_seq)
+        self._started = True
+        await self._reset("start")
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> tuple[int, list[Event]]:
+        if self._failure is not None:
+            raise self._failure
+        if not self._started:
+            await self.start()
+        while not self._closed:
+            if self._reconnects() != self._reconnects_seen:
+                self._reconnects_seen = self._reconnects()
+                self._need_reset = self._need_reset or "connection re-established"
+            if self._need_reset is not None:
+                await self._reset(self._need_reset)
+                continue
+            if not self._buf:
+                await self._wait_for_messages()
+                continue
+            item = self._process(self._buf.popleft())
+            if item is not None:
+                return item
+        raise StopAsyncIteration
+
+    async def close(self) -> None:
+        """Stop iterating (a pending ``__anext__`` ends with ``StopAsyncIteration``) and delete
+        the consumer (best effort: an unreachable server drops it after its inactivity limit)."""
+        if self._closed and self._sub is None:
+            return
+        self._closed = True
+        self._wake.set()
+        await self._drop_consumer()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- message handling ----------------------------------------------------------------------
+
+    def _process(self, msg: Msg) -> tuple[int, list[Event]] | None:
+        """One inbox message: a status, a stale duplicate, a gap, or the next event batch."""
+        reply = msg.reply
+        if not reply or not reply.startswith(_ACK_PREFIX):
+            self._on_status(msg)
+            return None
+        tokens = reply.split(".")
+        i_sseq, i_cseq, i_pending = _V1 if len(tokens) == _V1_TOKENS else _V2
+        sseq, cseq = int(tokens[i_sseq]), int(tokens[i_cseq])
+        if cseq != self._expect_cseq:
+            self._need_reset = f"lost delivery (consumer seq {cseq}, expected {self._expect_cseq})"
+            return None
+        self._expect_cseq += 1
+        self._request_left -= 1
+        if sseq <= self.last_seq:
+            return None
+        if sseq != self.last_seq + 1:
+            self._fail(StartPurged(self.stream, self.last_seq + 1, sseq))
+        try:
+            events = decode_batch(msg.data)
+        except MalformedMessage as exc:
+            self.malformed += 1
+            log.warning("stream %s seq %d: skipping malformed message (%s)", self.stream, sseq, exc)
+            events = []
+        self.last_seq = sseq
+        self.pending = int(tokens[i_pending])
+        return sseq, events
+
+    def _on_status(self, msg: Msg) -> None:
+        headers = msg.headers or {}
+        status = headers.get("Status", "")
+        if status == _STATUS_HEARTBEAT:
+            return
+        if status in _STATUS_REQUEST_DONE:  # the pull request expired or ran dry
+            self._request_left = 0
+            return
+        # 409 consumer deleted / leadership change / server shutdown, 503 no responders, ...
+        self._need_reset = f"status {status} {headers.get('Description', '')}".strip()
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failure = exc
+        self._closed = True
+        raise exc
+
+    async def _wait_for_messages(self) -> None:
+        """Keep one pull request open and wait for the inbox; declare the consumer dead after
+        ``liveness`` seconds without a message or heartbeat."""
+        if self._request_left <= 0:
+            await self._pull()
+            if self._need_reset is not None:
+                return
+        remaining = self._last_activity + self.liveness - time.monotonic()
+        if remaining <= 0:
+            self._need_reset = f"no heartbeat for {self.liveness:.1f}s"
+            return
+        self._wake.clear()
+        if self._buf or self._closed:
+            return
+        try:
+            await asyncio.wait_for(self._wake.wait(), remaining)
+        except TimeoutError:
+            pass
+
+    async def _pull(self) -> None:
+        request = {
+            "batch": self.batch,
+            "expires": int(self.expires * 1e9),
+            "idle_heartbeat": int(self.idle_heartbeat * 1e9),
+        }
+        subject = f"{self._api_prefix}.CONSUMER.MSG.NEXT.{self.stream}.{self._consumer}"
+        assert self._sub is not None
+        try:
+            await self._nc.publish(subject, json.dumps(request).encode(), reply=self._sub.subject)
+        except Exception as exc:  # reconnecting with a full buffer, closed connection, ...
+            self._need_reset = f"pull request failed: {exc!r}"
+            return
+        self._request_left = self.batch
+        self._last_activity = time.monotonic()
+
+    # --- consumer lifecycle --------------------------------------------------------------------
+
+    async def _reset(self, reason: str) -> None:
+        """Recreate the consumer at ``last_seq + 1`` on a fresh inbox, retrying with backoff
+        while JetStream is unreachable; messages buffered from the old one are dropped."""
+        if reason != "start":
+            self.resets += 1
+            log.info("stream %s: resuming after seq %d (%s)", self.stream, self.last_seq, reason)
+        await self._drop_consumer(delete=False)
+        delay = 0.05
+        while not self._closed:
+            try:
+                await self._create_consumer()
+                self._need_reset = None
+                return
+            except Exception as exc:
+                await self._drop_consumer(delete=False)
+                log.warning("stream %s: cannot create consumer yet (%r); retry in %.2fs",
+                            self.stream, exc, delay)
+                try:
+                    await asyncio.wait_for(self._closed_event(), delay)
+                except TimeoutError:
+                    pass
+                delay = min(delay * 2, 2.0)
+
+    async def _closed_event(self) -> None:
+        while not self._closed:
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def _create_consumer(self) -> None:
+        self._gen += 1
+        gen = self._gen
+
+        async def on_msg(msg: Msg) -> None:
+            if gen == self._gen:
+                self._buf.append(msg)
+                self._last_activity = time.monotonic()
+                self._wake.set()
+
+        self._sub = await self._nc.subscribe(self._nc.new_inbox(), cb=on_msg)
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=self.last_seq + 1,
+            ack_policy=AckPolicy.NONE,
+            mem_storage=True,
+            num_replicas=1,
+            inactive_threshold=max(30.0, 10 * self.idle_heartbeat),
+        )
+        info = await self._js.add_consumer(self.stream, config, timeout=self.create_timeout)
+        self._consumer = info.name
+        self._reconnects_seen = self._reconnects()
+        self._request_left = 0
+        self._expect_cseq = 1
+        self._last_activity = time.monotonic()
+
+    async def _drop_consumer(self, *, delete: bool = True) -> None:
+        self._gen += 1
+        self._buf.clear()
+        self._request_left = 0
+        sub, self._sub = self._sub, None
+        consumer, self._consumer = self._consumer, None
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # connection closed or reconnecting: nothing left to undo
+                pass
+        if delete and consumer is not None:
+            try:
+                await self._js.delete_consumer(self.stream, consumer)
+            except Exception:  # gone already, or server away: its inactivity limit reaps it
+                pass
+
+    async def _bounds(self) -> tuple[int, int]:
+        state = (await self._js.stream_info(self.stream)).state
+        return state.first_seq, state.last_seq
+
+    def _reconnects(self) -> int:
+        return int(self._nc.stats.get("reconnects", 0))

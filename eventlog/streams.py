@@ -1,0 +1,158 @@
+"""Create-or-update the three jetrouter streams, idempotently (design.md §2).
+
+Every process calls :func:`ensure_streams` at start-up, possibly at the same moment: a create
+with the exact same config succeeds on an existing stream, and a stream that already exists keeps
+its replica count unless one is asked for explicitly. Streams use file storage, a duplicate
+window (publishers set ``Nats-Msg-Id``), and no age or size limits: only an explicit purge after a
+snapshot removes events, never a silent expiry.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from nats.js import JetStreamContext
+from nats.js.api import StorageType, StreamConfig, StreamInfo
+from nats.js.errors import APIError, NotFoundError
+
+from eventlog.names import STREAM_KINDS, Names
+
+log = logging.getLogger(__name__)
+
+MAX_REPLICAS = 5
+
+# JetStream API error codes (nats-server errors.json) that mean "this replica count cannot be
+# placed here": single server, too few peers, not enough resources.
+_ERR_NOT_CLUSTERED = 10074
+_ERR_NO_PEERS = 10005
+_ERR_INSUFFICIENT_RESOURCES = 10023
+_PLACEMENT_ERRORS = {_ERR_NOT_CLUSTERED, _ERR_NO_PEERS, _ERR_INSUFFICIENT_RESOURCES}
+_ERR_NAME_IN_USE = 10058
+
+
+class StreamConfigConflict(RuntimeError):
+    """An existing stream has a config that cannot be updated in place (e.g. memory storage)."""
+
+
+def cluster_size_hint(js: JetStreamContext) -> int:
+    """How many servers the connected NATS cluster has, from the server's INFO, capped at 5.
+
+    A server outside a cluster sends no ``cluster`` field: 1. A clustered one gossips every
+    member's client URL in ``connect_urls``. This is a first guess only: creation steps down when
+    the server says the count cannot be placed (see :func:`_create`).
+    """
+    info = getattr(getattr(js, "_nc", None), "_server_info", None) or {}
+    if not info.get("cluster"):
+        return 1
+    urls = info.get("connect_urls") or []
+    return max(1, min(MAX_REPLICAS, len(urls) or 3))
+
+
+def _wanted_config(names: Names, kind: str, replicas: int, duplicate_window: float) -> StreamConfig:
+    return StreamConfig(
+        name=names.stream(kind),
+        subjects=[names.subjects(kind)],
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        duplicate_window=duplicate_window,
+    )
+
+
+async def _create(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
+    """Create with ``config.num_replicas``, stepping down while the cluster cannot place it."""
+    wanted = config.num_replicas or 1
+    replicas = wanted
+    while True:
+        try:
+            info = await js.add_stream(config.evolve(num_replicas=replicas))
+        except APIError as exc:
+            if exc.err_code not in _PLACEMENT_ERRORS or replicas == 1:
+                raise
+            replicas = 1 if exc.err_code == _ERR_NOT_CLUSTERED else replicas - 1
+            continue
+        if replicas != wanted:
+            log.warning("stream %s created with %d replicas (%d could not be placed)",
+                        config.name, replicas, wanted)
+        return info
+
+
+def _differences(have: StreamConfig, want: StreamConfig, check_replicas: bool) -> list[str]:
+    diffs = []
+    if sorted(have.subjects or []) != sorted(want.subjects or []):
+        diffs.append(f"subjects {have.subjects} -> {want.subjects}")
+    if abs((have.duplicate_window or 0.0) - (want.duplicate_window or 0.0)) > 1e-6:
+        diffs.append(f"duplicate_window {have.duplicate_window} -> {want.duplicate_window}")
+    if check_replicas and (have.num_replicas or 1) != want.num_replicas:
+        diffs.append(f"replicas {have.num_replicas} -> {want.num_replicas}")
+    return diffs
+
+
+async def _reconcile(
+    js: JetStreamContext, info: StreamInfo, want: StreamConfig, check_replicas: bool
+) -> StreamInfo:
+    """Update an existing stream to ``want`` where it differs; a no-op when it already matches."""
+    have = info.config
+    if have.storage not in (None, StorageType.FILE):
+        raise StreamConfigConflict(
+            f"stream {have.name} uses {have.storage} storage, jetrouter needs file storage: "
+            "delete it (losing its events) or use another --namespace"
+        )
+    diffs = _differences(have, want, check_replicas)
+    if not diffs:
+        return info
+    log.info("updating stream %s: %s", have.name, "; ".join(diffs))
+    return await js.update_stream(
+        have.evolve(
+            subjects=want.subjects,
+            duplicate_window=want.duplicate_window,
+            num_replicas=want.num_replicas if check_replicas else have.num_replicas,
+        )
+    )
+
+
+async def ensure_stream(
+    js: JetStreamContext, config: StreamConfig, *, replicas_given: bool
+) -> StreamInfo:
+    """Create ``config.name`` or bring the existing stream in line with ``config``."""
+    assert config.name is not None
+    try:
+        info = await js.stream_info(config.name)
+    except NotFoundError:
+        try:
+            return await _create(js, config)
+        except APIError as exc:
+            if exc.err_code != _ERR_NAME_IN_USE:
+                raise
+            # Another process created it between our lookup and our create: reconcile with it.
+            info = await js.stream_info(config.name)
+    return await _reconcile(js, info, config, replicas_given)
+
+
+async def ensure_streams(
+    js: JetStreamContext,
+    names: Names,
+    *,
+    replicas: int | None = None,
+    duplicate_window: float = 120.0,
+) -> dict[str, StreamInfo]:
+    """Create or update the KV, router and control streams; returns ``{stream name: info}``.
+
+    ``replicas`` defaults to the JetStream cluster size (1 on a single server, 3 on three,
+    at most 5); an existing stream keeps its replica count unless ``replicas`` is given.
+    """
+    if replicas is not None and not 1 <= replicas <= MAX_REPLICAS:
+        raise ValueError(f"replicas must be between 1 and {MAX_REPLICAS}, got {replicas}")
+    count = replicas if replicas is not None else cluster_size_hint(js)
+    result: dict[str, StreamInfo] = {}
+    for kind in STREAM_KINDS:
+        config = _wanted_config(names, kind, count, duplicate_window)
+        info = await ensure_stream(js, config, replicas_given=replicas is not None)
+        result[names.stream(kind)] = info
+    return result
+
+
+async def stream_bounds(js: JetStreamContext, stream: str) -> tuple[int, int]:
+    """``(first_seq, last_seq)`` of ``stream``; an empty stream has ``first_seq == last_seq + 1``
+    once it has held messages, and ``(0, 0)`` before that."""
+    state = (await js.stream_info(stream)).state
+    return state.first_seq, state.last_seq

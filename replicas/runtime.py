@@ -1,0 +1,453 @@
+"""The replica runtime: feeds the pure RouterState from JetStream and turns requests into decisions.
+
+Thin adapter around the core (design.md §7): connect → ensure streams → replay each stream from
+its position + 1 → ready once caught up → follow live. Routing decisions are appended to the router
+stream before the request is proxied, so a replica killed mid-request leaves a trace every peer can
+account for. A decision counts in this replica's load at once (the optimistic overlay) and is
+reconciled when it comes back from the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import nats
+from eventlog.hashing import prompt_hashes
+from eventlog.reader import StartPurged, StreamReader
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from eventlog import events as ev
+from eventlog.appender import Appender
+from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
+from eventlog.streams import ensure_streams, stream_bounds
+from replicas.index import WorkerKey
+from replicas.queue import RequestQueue, should_queue
+from replicas.selection import (
+    BusyThresholds,
+    Candidate,
+    Decision,
+    Overloaded,
+    RoutingConfig,
+    Selector,
+)
+from replicas.state import RouterState, StateConfig
+
+log = logging.getLogger("jetrouter.replica")
+
+HEALTH_WEIGHT = {"healthy": 1.0, "suspicious": 0.5}
+
+
+class RoutingError(Exception):
+    """Base of the request-level failures the HTTP layer maps to statuses."""
+
+
+class NoWorkers(RoutingError):
+    pass
+
+
+class UnknownModel(RoutingError):
+    def __init__(self, model: str, known: Sequence[str]) -> None:
+        super().__init__(f"The model `{model}` does not exist. Available: {', '.join(known)}")
+        self.model = model
+
+
+class AllWorkersBusy(RoutingError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    replica_id: str
+    nats_url: str
+    namespace: str = "jr"
+    state: StateConfig = field(default_factory=StateConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    default_thresholds: BusyThresholds = field(default_factory=BusyThresholds)
+    queue_threshold: float | None = None
+    queue_policy: str = "fcfs"
+    queue_timeout: float = 30.0
+    ready_lag: int = 0
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    request_id: str
+    model: str
+    token_ids: Sequence[int]
+    expected_osl: int = 128
+    priority: int = 0
+    overlap_weight: float | None = None
+    latency_sensitivity: float = 0.0
+
+
+@dataclass(slots=True)
+class Routed:
+    request_id: str
+    worker_id: str
+    worker_url: str
+    dp_rank: int
+    isl_tokens: int
+    overlap_blocks: int
+    total_blocks: int
+    decision: Decision
+    event: ev.RequestRouted
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
+
+
+@dataclass(slots=True)
+class _Pending:
+    worker: WorkerKey
+    prefill_tokens: int
+    new_blocks: int
+
+
+class Replica:
+    def __init__(self, config: ReplicaConfig) -> None:
+        self.config = config
+        self.replica_id = config.replica_id
+        self.names = Names(config.namespace)
+        self.state = RouterState(config.state)
+        self.selector = Selector(config.routing)
+        self.rng = random.Random(config.seed)
+        self.nc: NatsClient | None = None
+        self.js: JetStreamContext | None = None
+        self.appender: Appender | None = None
+        self.ready = False
+        self.stream_last: dict[str, int] = {k: 0 for k in STREAM_KINDS}
+        self.malformed: dict[str, int] = {k: 0 for k in STREAM_KINDS}
+        self._catch_up_targets: dict[str, int] = {}
+        self._readers: list[asyncio.Task[None]] = []
+        self._bg: set[asyncio.Task[object]] = set()
+        self._pending: dict[str, _Pending] = {}
+        self._overlay_prefill: dict[WorkerKey, int] = {}
+        self._overlay_decode: dict[WorkerKey, int] = {}
+        self._queue: RequestQueue = RequestQueue(config.queue_policy)
+        self._load_changed = asyncio.Event()
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._ready_event = asyncio.Event()
+        self._reannounce_asked: set[str] = set()
+        # Hooks for the HTTP layer's metrics (no prometheus in here).
+        self.on_applied: Callable[[str, int, Sequence[ev.Event]], None] | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        servers = [s.strip() for s in self.config.nats_url.split(",") if s.strip()]
+        async for attempt in AsyncRetrying(stop=stop_after_delay(30),
+                                           wait=wait_exponential(0.1, max=2.0),
+                                           retry=retry_if_exception_type(Exception),
+                                           reraise=True):
+            with attempt:
+                self.nc = await nats.connect(servers=servers, name=self.replica_id,
+                                             max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                             connect_timeout=2)
+        assert self.nc is not None
+        self.js = self.nc.jetstream()
+        await ensure_streams(self.js, self.names)
+        self.appender = Appender(self.js)
+        for kind in STREAM_KINDS:
+            _, last = await stream_bounds(self.js, self.names.stream(kind))
+            self._catch_up_targets[kind] = last
+            self.stream_last[kind] = last
+        self._check_ready()
+        for kind in STREAM_KINDS:
+            self._readers.append(asyncio.create_task(self._follow(kind), name=f"follow-{kind}"))
+        self._dispatcher = asyncio.create_task(self._dispatch_queue(), name="queue-dispatcher")
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        await asyncio.wait_for(self._ready_event.wait(), timeout)
+
+    async def stop(self) -> None:
+        self.ready = False
+        tasks = [*self._readers, *( [self._dispatcher] if self._dispatcher else [])]
+        for t in tasks:
+            t.cancel()
+        if self._bg:
+            await asyncio.wait(self._bg, timeout=5)
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self.nc is not None and not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+
+    # --- following the streams --------------------------------------------------------------
+
+    async def _follow(self, kind: str) -> None:
+        assert self.js is not None
+        stream = self.names.stream(kind)
+        while True:
+            reader = StreamReader(self.js, stream, start_seq=self.state.positions[kind] + 1)
+            try:
+                async for seq, batch in reader:
+                    self._apply(kind, seq, batch, reader)
+            except StartPurged as exc:
+                # Without a snapshot to reload (issue 4) the best we can do is continue from what
+                # is left; this is logged loudly because the state may now differ from peers'.
+                log.error("stream %s purged below our position (%s); resuming at %s",
+                          stream, exc, exc.first_seq)
+                self.state.positions[kind] = exc.first_seq - 1
+            except asyncio.CancelledError:
+                await reader.close()
+                raise
+            except Exception:
+                log.exception("reader for %s failed; restarting it", stream)
+                await asyncio.sleep(0.5)
+            finally:
+                self.malformed[kind] += reader.malformed
+                with contextlib.suppress(Exception):
+                    await reader.close()
+
+    def _apply(self, kind: str, seq: int, batch: Sequence[ev.Event], reader: StreamReader) -> None:
+        self.state.apply(kind, seq, batch)
+        self.stream_last[kind] = max(self.stream_last[kind], seq + reader.pending)
+        if kind == ROUTER:
+            for e in batch:
+                if isinstance(e, ev.RequestRouted):
+                    self._reconcile(e.request_id)
+            self._load_changed.set()
+        elif kind == KV and self.state.out_of_sync:
+            self._ask_reannounce()
+        elif kind == CONTROL:
+            self._load_changed.set()
+        if self.on_applied is not None:
+            self.on_applied(kind, seq, batch)
+        if not self.ready:
+            self._check_ready()
+
+    def _check_ready(self) -> None:
+        lag = self.config.ready_lag
+        if all(self.state.positions[k] + lag >= self._catch_up_targets.get(k, 0)
+               for k in STREAM_KINDS):
+            self.ready = True
+            self._ready_event.set()
+
+    def lag(self) -> dict[str, int]:
+        return {k: max(self.stream_last[k] - self.state.positions[k], 0) for k in STREAM_KINDS}
+
+    def _ask_reannounce(self) -> None:
+        assert self.nc is not None
+        for worker_id in self.state.out_of_sync - self._reannounce_asked:
+            self._reannounce_asked.add(worker_id)
+            self._spawn(self.nc.publish(self.names.reannounce_subject(worker_id), b""))
+        self._reannounce_asked &= self.state.out_of_sync
+
+    # --- routing -----------------------------------------------------------------------------
+
+    def models(self) -> list[str]:
+        return sorted({w.model for w in self.state.workers.values()})
+
+    def thresholds_for(self, model: str) -> BusyThresholds:
+        return self.state.thresholds_for(model) or self.config.default_thresholds
+
+    def candidates(self, model: str, seq_hashes: Sequence[int]) -> list[Candidate]:
+        state = self.state
+        scores = state.index.find_matches(seq_hashes)
+        out: list[Candidate] = []
+        n = len(seq_hashes)
+        load = state.load
+        for w in state.workers.values():
+            if w.model != model:
+                continue
+            weight = HEALTH_WEIGHT.get(state.health.get(w.worker_id, "healthy"), 0.0)
+            if weight <= 0.0:
+                continue
+            for rank in range(w.dp_size):
+                key = (w.worker_id, rank)
+                active_prefix = load.active_prefix_len(key, seq_hashes) if n else 0
+                out.append(Candidate(
+                    worker=key,
+                    overlap_blocks=scores.scores.get(key, 0),
+                    tree_size=scores.tree_sizes.get(key, 0),
+                    active_prefill_tokens=load.active_prefill_tokens(key)
+                    + self._overlay_prefill.get(key, 0),
+                    active_decode_blocks=load.active_decode_blocks(key)
+                    + self._overlay_decode.get(key, 0),
+                    new_request_blocks=n - active_prefix,
+                    kv_total_blocks=w.kv_total_blocks,
+                    max_num_batched_tokens=w.max_num_batched_tokens,
+                    weight=weight,
+                ))
+        return out
+
+    def _decide(
+        self, req: RouteRequest
+    ) -> tuple[Decision | Overloaded, list[int], dict[str, float]]:
+        if not self.state.workers:
+            raise NoWorkers("no inference workers are registered yet")
+        if not any(w.model == req.model for w in self.state.workers.values()):
+            raise UnknownModel(req.model, self.models())
+        t0 = time.perf_counter()
+        seq_hashes = prompt_hashes(req.token_ids, self.config.state.block_size)
+        t1 = time.perf_counter()
+        cands = self.candidates(req.model, seq_hashes)
+        t2 = time.perf_counter()
+        thresholds = self.thresholds_for(req.model)
+        self.selector.config = _with_thresholds(self.selector.config, thresholds)
+        result = self.selector.select(cands, len(req.token_ids), self.rng,
+                                      overlap_weight=req.overlap_weight)
+        t3 = time.perf_counter()
+        return result, seq_hashes, {"hashing": t1 - t0, "matching": t2 - t1,
+                                    "selection": t3 - t2, "total": t3 - t0}
+
+    async def route(self, req: RouteRequest) -> Routed:
+        """Decide, count the decision in our load at once, append it, hand back the worker."""
+        if self.config.queue_threshold is not None and self._must_queue(req):
+            fut: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
+            self._queue.push((req, fut), arrival=time.monotonic(),
+                             priority_jump=req.latency_sensitivity,
+                             uncached_isl_tokens=len(req.token_ids))
+            self._load_changed.set()
+            try:
+                routed = await asyncio.wait_for(asyncio.shield(fut), self.config.queue_timeout)
+            except TimeoutError:
+                with contextlib.suppress(ValueError):
+                    self._queue.remove((req, fut))
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    self._reconcile(req.request_id)
+                raise AllWorkersBusy("waited too long in the router queue") from None
+        else:
+            routed = self._prepare(req)
+        try:
+            await self._append(ROUTER, routed.event, f"{req.request_id}.routed")
+        except BaseException:
+            self._reconcile(req.request_id)
+            raise
+        return routed
+
+    def _prepare(self, req: RouteRequest) -> Routed:
+        """Synchronous part of routing: select and add the decision to the overlay."""
+        result, seq_hashes, timings = self._decide(req)
+        if isinstance(result, Overloaded):
+            raise AllWorkersBusy(result.reason)
+        worker_id, dp_rank = result.worker
+        info = self.state.workers[worker_id]
+        event = ev.RequestRouted(
+            request_id=req.request_id, replica_id=self.replica_id, worker_id=worker_id,
+            dp_rank=dp_rank, isl_tokens=len(req.token_ids), block_seq_hashes=list(seq_hashes),
+            overlap_blocks=result.overlap_blocks, expected_osl=req.expected_osl,
+            priority=req.priority, ts=time.time())
+        prefill = max(len(req.token_ids) - result.overlap_blocks * info.block_size, 0)
+        new_blocks = len(seq_hashes) - self.state.load.active_prefix_len(result.worker,
+                                                                         seq_hashes)
+        self._add_overlay(req.request_id, _Pending(result.worker, prefill, new_blocks))
+        return Routed(req.request_id, worker_id, info.url, dp_rank, len(req.token_ids),
+                      result.overlap_blocks, len(seq_hashes), result, event, timings)
+
+    def _must_queue(self, req: RouteRequest) -> bool:
+        threshold = self.config.queue_threshold
+        assert threshold is not None
+        if len(self._queue):
+            return True  # keep arrival order: nobody overtakes the queue
+        cands = self.candidates(req.model, ())
+        return bool(cands) and should_queue(cands, threshold)
+
+    def prefill_completed(self, request_id: str) -> None:
+        self._spawn(self._append(ROUTER, ev.PrefillCompleted(request_id, time.time()),
+                                 f"{request_id}.prefilled"))
+
+    def finished(self, request_id: str, outcome: str, output_tokens: int) -> None:
+        self._reconcile(request_id)
+        self._spawn(self._append(ROUTER, ev.RequestFinished(request_id, outcome, output_tokens,
+                                                            time.time()),
+                                 f"{request_id}.finished"))
+
+    # --- config changes through the control stream -------------------------------------------
+
+    async def set_busy_thresholds(self, model: str, decode_blocks: float | None,
+                                  prefill_tokens: int | None,
+                                  prefill_tokens_frac: float | None) -> None:
+        event = ev.BusyThresholdsSet(model, decode_blocks, prefill_tokens, prefill_tokens_frac,
+                                     time.time())
+        seq = await self._append(CONTROL, event, None, control_kind="thresholds")
+        await self.wait_applied(CONTROL, seq)
+
+    async def wait_applied(self, kind: str, seq: int, timeout: float = 10.0) -> None:
+        """Wait until this replica's state has applied `seq` of a stream (read-your-writes)."""
+        deadline = time.monotonic() + timeout
+        while self.state.positions[kind] < seq:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{kind} stream not applied up to {seq}")
+            self._load_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._load_changed.wait(), 0.05)
+
+    # --- internals ----------------------------------------------------------------------------
+
+    async def _append(self, kind: str, event: ev.Event, msg_id: str | None, *,
+                      control_kind: str = "config") -> int:
+        assert self.appender is not None
+        if kind == ROUTER:
+            subject = self.names.router_subject(self.replica_id)
+        elif kind == CONTROL:
+            subject = self.names.control_subject(control_kind)
+        else:
+            raise ValueError("replicas append only to the router and control streams")
+        mid = msg_id or f"{self.replica_id}.{time.time_ns()}.{self.rng.getrandbits(32)}"
+        return await self.appender.append(subject, [event], mid)
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._bg.add(task)
+        task.add_done_callback(self._bg_done)
+
+    def _bg_done(self, task: asyncio.Future[object]) -> None:
+        self._bg.discard(task)  # type: ignore[arg-type]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background append failed: %s", task.exception())
+
+    def _add_overlay(self, request_id: str, p: _Pending) -> None:
+        self._pending[request_id] = p
+        self._overlay_prefill[p.worker] = self._overlay_prefill.get(p.worker, 0) + p.prefill_tokens
+        self._overlay_decode[p.worker] = self._overlay_decode.get(p.worker, 0) + p.new_blocks
+
+    def _reconcile(self, request_id: str) -> None:
+        p = self._pending.pop(request_id, None)
+        if p is None:
+            return
+        self._overlay_prefill[p.worker] -= p.prefill_tokens
+        self._overlay_decode[p.worker] -= p.new_blocks
+
+    async def _dispatch_queue(self) -> None:
+        """Release queued requests in policy order while some worker has capacity. The decision
+        is made here, synchronously, so each release already counts in the load the next
+        release is judged by."""
+        threshold = self.config.queue_threshold
+        while True:
+            await self._load_changed.wait()
+            self._load_changed.clear()
+            if threshold is None:
+                continue
+            while len(self._queue):
+                cands = [c for m in self.models() for c in self.candidates(m, ())]
+                if cands and should_queue(cands, threshold):
+                    break
+                item = self._queue.pop()
+                if item is None:
+                    break
+                req, fut = item
+                if fut.done():
+                    continue
+                try:
+                    fut.set_result(self._prepare(req))
+                except RoutingError as exc:
+                    fut.set_exception(exc)
+
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+
+def _with_thresholds(cfg: RoutingConfig, t: BusyThresholds) -> RoutingConfig:
+    if cfg.thresholds == t:
+        return cfg
+    return RoutingConfig(mode=cfg.mode, kv_overlap_score_weight=cfg.kv_overlap_score_weight,
+                         temperature=cfg.temperature, block_size=cfg.block_size, thresholds=t)

