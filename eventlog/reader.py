@@ -23,10 +23,11 @@ import json
 import logging
 import time
 from collections import deque
-from typing import Self
+from typing import NoReturn, Self
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import ConnectionClosedError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -98,10 +99,13 @@ class StreamReader:
         self.resets = 0
 
         self._started = False
+        self._start_lock = asyncio.Lock()
         self._closed = False
         self._failure: BaseException | None = None
         self._buf: deque[Msg] = deque()
         self._wake = asyncio.Event()
+        self._closed_evt = asyncio.Event()
+        self._background: set[asyncio.Task[None]] = set()
         self._gen = 0
         self._sub: Subscription | None = None
         self._consumer: str | None = None
@@ -116,15 +120,15 @@ class StreamReader:
     async def start(self) -> None:
         """Check ``start_seq`` is still in the stream and create the consumer (done lazily by the
         first iteration when not called)."""
-        if self._started:
-            return
-        first, last = await self._bounds()
-        if first > self.start_seq:
-            self._closed = True
-            raise StartPurged(self.stream, self.start_seq, first)
-        self.pending = max(0, last - self.last_seq)
-        self._started = True
-        await self._reset("start")
+        async with self._start_lock:
+            if self._started:
+                return
+            first, last = await self._bounds()
+            if first > self.start_seq:
+                self._fail(StartPurged(self.stream, self.start_seq, first))
+            self.pending = max(0, last - self.last_seq)
+            await self._reset("start")
+            self._started = True
 
     def __aiter__(self) -> Self:
         return self
@@ -139,12 +143,18 @@ class StreamReader:
                 self._reconnects_seen = self._reconnects()
                 self._need_reset = self._need_reset or "connection re-established"
             if self._need_reset is not None:
+                if self._nc.is_closed:
+                    self._fail(ConnectionClosedError())
                 await self._reset(self._need_reset)
                 continue
             if not self._buf:
                 await self._wait_for_messages()
                 continue
-            item = self._process(self._buf.popleft())
+            try:
+                item = self._process(self._buf.popleft())
+            except StartPurged:
+                await self._drop_consumer()
+                raise
             if item is not None:
                 return item
         raise StopAsyncIteration
@@ -155,8 +165,13 @@ class StreamReader:
         if self._closed and self._sub is None:
             return
         self._closed = True
+        self._closed_evt.set()
         self._wake.set()
         await self._drop_consumer()
+        if self._background:  # deletions started by resets; do not leave them to die pending
+            _, late = await asyncio.wait(self._background, timeout=1.0)
+            for task in late:
+                task.cancel()
 
     async def __aenter__(self) -> Self:
         return self
@@ -205,9 +220,10 @@ class StreamReader:
         # 409 consumer deleted / leadership change / server shutdown, 503 no responders, ...
         self._need_reset = f"status {status} {headers.get('Description', '')}".strip()
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException) -> NoReturn:
         self._failure = exc
         self._closed = True
+        self._closed_evt.set()
         raise exc
 
     async def _wait_for_messages(self) -> None:
@@ -217,17 +233,17 @@ class StreamReader:
             await self._pull()
             if self._need_reset is not None:
                 return
-        remaining = self._last_activity + self.liveness - time.monotonic()
-        if remaining <= 0:
-            self._need_reset = f"no heartbeat for {self.liveness:.1f}s"
-            return
         self._wake.clear()
         if self._buf or self._closed:
             return
+        # Wait at least one heartbeat interval even when the deadline looks past: a caller that
+        # held the loop for a while has not let the heartbeats in the socket reach us yet.
+        remaining = self._last_activity + self.liveness - time.monotonic()
         try:
-            await asyncio.wait_for(self._wake.wait(), remaining)
+            await asyncio.wait_for(self._wake.wait(), max(remaining, self.idle_heartbeat))
         except TimeoutError:
-            pass
+            if time.monotonic() - self._last_activity >= self.liveness:
+                self._need_reset = f"no heartbeat for {self.liveness:.1f}s"
 
     async def _pull(self) -> None:
         request = {
@@ -253,27 +269,26 @@ class StreamReader:
         if reason != "start":
             self.resets += 1
             log.info("stream %s: resuming after seq %d (%s)", self.stream, self.last_seq, reason)
-        await self._drop_consumer(delete=False)
+        await self._drop_consumer(wait=False)
         delay = 0.05
-        while not self._closed:
+        while not self._closed and not self._nc.is_closed:
             try:
                 await self._create_consumer()
                 self._need_reset = None
                 return
             except Exception as exc:
-                await self._drop_consumer(delete=False)
-                log.warning("stream %s: cannot create consumer yet (%r); retry in %.2fs",
-                            self.stream, exc, delay)
+                await self._drop_consumer(wait=False)
+                log.warning(
+                    "stream %s: cannot create consumer yet (%r); retry in %.2fs",
+                    self.stream,
+                    exc,
+                    delay,
+                )
                 try:
-                    await asyncio.wait_for(self._closed_event(), delay)
+                    await asyncio.wait_for(self._closed_evt.wait(), delay)
                 except TimeoutError:
                     pass
                 delay = min(delay * 2, 2.0)
-
-    async def _closed_event(self) -> None:
-        while not self._closed:
-            self._wake.clear()
-            await self._wake.wait()
 
     async def _create_consumer(self) -> None:
         self._gen += 1
@@ -301,7 +316,9 @@ class StreamReader:
         self._expect_cseq = 1
         self._last_activity = time.monotonic()
 
-    async def _drop_consumer(self, *, delete: bool = True) -> None:
+    async def _drop_consumer(self, *, wait: bool = True) -> None:
+        """Forget the current consumer and its inbox; delete it on the server, in the background
+        unless ``wait`` (a server that is away would hold a reset up for the API timeout)."""
         self._gen += 1
         self._buf.clear()
         self._request_left = 0
@@ -312,11 +329,20 @@ class StreamReader:
                 await sub.unsubscribe()
             except Exception:  # connection closed or reconnecting: nothing left to undo
                 pass
-        if delete and consumer is not None:
-            try:
-                await self._js.delete_consumer(self.stream, consumer)
-            except Exception:  # gone already, or server away: its inactivity limit reaps it
-                pass
+        if consumer is None:
+            return
+        if wait:
+            await self._delete_consumer(consumer)
+        else:
+            task = asyncio.create_task(self._delete_consumer(consumer))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _delete_consumer(self, consumer: str) -> None:
+        try:
+            await self._js.delete_consumer(self.stream, consumer)
+        except Exception:  # gone already, or server away: its inactivity limit reaps it
+            pass
 
     async def _bounds(self) -> tuple[int, int]:
         state = (await self._js.stream_info(self.stream)).state

@@ -176,8 +176,10 @@ class NatsServer:
             if status == 200:
                 return
             if time.monotonic() > deadline:
-                raise NatsServerFailed(f"nats-server {self.url} not ready after {timeout}s; "
-                                       f"log tail:\n{self.log_tail()}")
+                raise NatsServerFailed(
+                    f"nats-server {self.url} not ready after {timeout}s; "
+                    f"log tail:\n{self.log_tail()}"
+                )
             time.sleep(_POLL_INTERVAL)
 
     def jsz(self) -> dict[str, Any] | None:

@@ -71,8 +71,12 @@ async def _create(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
             replicas = 1 if exc.err_code == _ERR_NOT_CLUSTERED else replicas - 1
             continue
         if replicas != wanted:
-            log.warning("stream %s created with %d replicas (%d could not be placed)",
-                        config.name, replicas, wanted)
+            log.warning(
+                "stream %s created with %d replicas (%d could not be placed)",
+                config.name,
+                replicas,
+                wanted,
+            )
         return info
 
 

@@ -91,6 +91,12 @@ class RouterState:
         self.stats = ApplyStats()
         # (routed ts, request_id) of active requests, for expiry in event time.
         self._expiry: list[tuple[float, str]] = []
+        # Ended requests (id -> routed ts), kept as long as the request could still be live, so a
+        # RequestRouted delivered again (a retry that escaped the stream's dedup window) does not
+        # bring back phantom load. Past request_max_age it would expire at once anyway.
+        self._ended: dict[str, float] = {}
+        self._ended_expiry: list[tuple[float, str]] = []
+        self._routed_ts: dict[str, float] = {}
 
     # --- applying --------------------------------------------------------------------------
 
@@ -119,7 +125,12 @@ class RouterState:
         while heap and heap[0][0] < bound:
             _, request_id = heapq.heappop(heap)
             if self.load.finish(request_id):
+                self._end((request_id,))
                 self.stats.bump(ROUTER, "RequestExpired", "ok")
+        ended = self._ended_expiry
+        while ended and ended[0][0] < bound:
+            _, request_id = heapq.heappop(ended)
+            self._ended.pop(request_id, None)
         if self.config.approximate:
             self.index.expire(self.now)
 
@@ -180,13 +191,23 @@ class RouterState:
 
     # Router stream
 
+    def _end(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            if request_id not in self._ended:
+                ts = self._routed_ts.pop(request_id, self.now)
+                self._ended[request_id] = ts
+                heapq.heappush(self._ended_expiry, (ts, request_id))
+
     def _request_routed(self, e: ev.RequestRouted) -> str:
+        if e.request_id in self._ended:
+            return "duplicate_request"
         prefill = max(e.isl_tokens - e.overlap_blocks * self._block_size(e.worker_id), 0)
         added = self.load.add(e.request_id, e.replica_id, (e.worker_id, e.dp_rank), prefill,
                               e.block_seq_hashes, e.ts)
         if not added:
             return "duplicate_request"
         heapq.heappush(self._expiry, (e.ts, e.request_id))
+        self._routed_ts[e.request_id] = e.ts
         if self.config.approximate:
             self.index.store_routed((e.worker_id, e.dp_rank), e.block_seq_hashes, e.ts)
         return "ok"
@@ -195,10 +216,14 @@ class RouterState:
         return "ok" if self.load.prefill_completed(e.request_id) else "unknown_request"
 
     def _request_finished(self, e: ev.RequestFinished) -> str:
-        return "ok" if self.load.finish(e.request_id) else "unknown_request"
+        if not self.load.finish(e.request_id):
+            return "unknown_request"
+        self._end((e.request_id,))
+        return "ok"
 
     def _replica_lost(self, e: ev.ReplicaLost) -> str:
         freed = self.load.replica_lost(e.replica_id)
+        self._end(freed)
         return "ok" if freed else "nothing_owned"
 
     # Control stream
@@ -227,6 +252,9 @@ class RouterState:
                                  prune_target_ratio=c.prune_target_ratio)
         self.load = ActiveLoad()
         self._expiry.clear()
+        self._routed_ts.clear()
+        self._ended.clear()
+        self._ended_expiry.clear()
         self.last_event_id.clear()
         self.out_of_sync.clear()
         return "ok"
@@ -280,6 +308,7 @@ class RouterState:
             "load": self.load.to_plain(),
             # Only live entries: finished requests linger in the heap until they age out.
             "expiry": sorted(x for x in self._expiry if self.load.request(x[1]) is not None),
+            "ended": self._ended,
         }
         return msgspec.msgpack.encode(doc)
 
@@ -302,6 +331,10 @@ class RouterState:
         state.load = ActiveLoad.from_plain(doc["load"])
         state._expiry = [tuple(x) for x in doc["expiry"]]  # type: ignore[misc]
         heapq.heapify(state._expiry)
+        state._routed_ts = {rid: ts for ts, rid in state._expiry}
+        state._ended = dict(doc["ended"])
+        state._ended_expiry = [(ts, rid) for rid, ts in state._ended.items()]
+        heapq.heapify(state._ended_expiry)
         return state
 
 

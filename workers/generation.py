@@ -9,19 +9,16 @@ must produce.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import sys
 from array import array
+from collections.abc import Sequence
 
 import xxhash
 
 _SEED = 0x6A6574  # "jet"
 # Printable ASCII (32..126), letters and spaces weighted so output looks vaguely like words.
-_ALPHABET = bytes(
-    b"eeeeettttaaaooiinnsshhrrddllcuumwfgypbvkjxqz     "
-    b"EETAOINSHR.,;:!?'-0123456789()"
-)
+_ALPHABET = (b"eeeeettttaaaooiinnsshhrrddllcuumwfgypbvkjxqz     "
+    b"EETAOINSHR.,;:!?'-0123456789()")
 assert all(32 <= b <= 126 for b in _ALPHABET)
 
 

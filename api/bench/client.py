@@ -101,6 +101,8 @@ class Progress:
         self.in_flight = 0
         self._t0 = time.monotonic()
         self._last = 0.0
+        # Rewriting one line is for terminals; a log file gets a line every few seconds only.
+        self._interval = 0.2 if getattr(self.stream, "isatty", lambda: False)() else 5.0
 
     def done(self, outcome: str) -> None:
         self.counts[outcome] += 1
@@ -108,7 +110,7 @@ class Progress:
 
     def render(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not self.enabled or (not force and now - self._last < 0.2):
+        if not self.enabled or (not force and now - self._last < self._interval):
             return
         self._last = now
         finished = sum(self.counts.values())

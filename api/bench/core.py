@@ -1,0 +1,316 @@
+"""`jetrouter bench core`: how fast the router's state machine is, with no network in the way.
+
+Three figures, each printed (never asserted):
+
+* ``index_apply_blocks_per_s`` - BlocksStored batches of 64 blocks (hashes precomputed) applied to
+  a fresh ``PrefixIndex`` until it holds ``--blocks`` blocks over ``--workers`` workers.
+* ``decision_p50_us`` / ``decision_p99_us`` - one routing decision on that index, timed per call
+  with ``perf_counter_ns``: hash a ``--prompt-tokens`` prompt, ``find_matches``, build one
+  ``Candidate`` per worker, ``Selector.select``. Each query is a new turn of a conversation one
+  worker has cached most of (``--hit-fraction``); every other worker holds the shared system
+  prompt the conversation starts with, so several workers match at different depths.
+* ``replay_block_events_per_s`` - a real ``nats-server``: ``--replay-batches`` BlocksStored
+  batches are published (not timed), then a ``StreamReader`` from sequence 1 decodes them and
+  applies each into a fresh index; the clock runs from creating the reader to the last batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from eventlog.hashing import prompt_hashes, tokens_hashes
+from replicas.index import PrefixIndex, WorkerKey
+
+BATCH_BLOCKS = 64
+VOCAB = 50_000
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print only the JSON object")
+    p.add_argument("--workers", type=int, default=64, help="workers (dp rank 0 each)")
+    p.add_argument("--blocks", type=int, default=1_000_000, help="blocks held by the index")
+    p.add_argument("--prompt-tokens", type=int, default=8192, help="tokens per routed prompt")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--samples", type=int, default=2000, help="routing decisions to time")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--system-prompt-blocks", type=int, default=64,
+                   help="blocks of the system prompt every worker holds")
+    p.add_argument("--hit-fraction", type=float, default=0.9,
+                   help="share of a query prompt its conversation's worker has cached")
+    p.add_argument("--replay-batches", type=int, default=4000,
+                   help="BlocksStored batches of 64 blocks for the replay figure (0 = skip)")
+
+
+@dataclass(slots=True)
+class Workload:
+    batches: list[tuple[WorkerKey, int | None, list[tuple[int, int]]]]
+    prompts: list[list[int]]
+    owners: list[WorkerKey]
+    stored_blocks: int
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    """Deterministic KV events and query prompts (everything hashed before any clock starts)."""
+    rng = random.Random(args.seed)
+    workers: list[WorkerKey] = [(f"worker-{i:03d}", 0) for i in range(args.workers)]
+    bs = args.block_size
+    system = [rng.randrange(VOCAB) for _ in range(args.system_prompt_blocks * bs)]
+    prompt_blocks = args.prompt_tokens // bs
+    batches: list[tuple[WorkerKey, int | None, list[tuple[int, int]]]] = []
+
+    def chain(worker: WorkerKey, local: Sequence[int]) -> int:
+        parent: int | None = None
+        for start in range(0, len(local), BATCH_BLOCKS):
+            blocks = [(rng.getrandbits(64), t) for t in local[start:start + BATCH_BLOCKS]]
+            batches.append((worker, parent, blocks))
+            parent = blocks[-1][0]
+        return len(local)
+
+    stored = 0
+    prompts: list[list[int]] = []
+    owners: list[WorkerKey] = []
+    system_local = tokens_hashes(system, bs)
+    for worker in workers:
+        # one cached conversation per worker: the system prompt plus its own turns
+        tail = [rng.randrange(VOCAB) for _ in range(args.prompt_tokens - len(system))]
+        prompt = system + tail
+        prompts.append(prompt)
+        owners.append(worker)
+        cached = max(len(system_local), int(prompt_blocks * args.hit_fraction))
+        stored += chain(worker, tokens_hashes(prompt, bs)[:cached])
+    # fill the rest with unrelated conversations (random block contents), round-robin workers
+    i = 0
+    while stored < args.blocks:
+        worker = workers[i % len(workers)]
+        i += 1
+        n = min(prompt_blocks, args.blocks - stored)
+        local = [rng.getrandbits(64) for _ in range(n)]
+        if n > len(system_local):
+            local[: len(system_local)] = system_local  # most conversations share the system prompt
+        stored += chain(worker, local)
+    return Workload(batches, prompts, owners, stored)
+
+
+def bench_apply(work: Workload) -> tuple[PrefixIndex, float]:
+    index = PrefixIndex()
+    gc.collect()
+    t0 = time.perf_counter()
+    for worker, parent, blocks in work.batches:
+        index.store(worker, parent, blocks)
+    elapsed = time.perf_counter() - t0
+    return index, elapsed
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def bench_decisions(index: PrefixIndex, work: Workload, args: argparse.Namespace
+                    ) -> dict[str, Any]:
+    try:
+        from replicas.selection import Candidate, RoutingConfig, Selector
+    except ImportError:  # selection arrives in parallel: measure without it and say so
+        Candidate = RoutingConfig = Selector = None  # type: ignore[assignment,misc]
+    rng = random.Random(args.seed + 1)
+    keys = sorted({w for w, _, _ in work.batches})
+    load = {k: (rng.randrange(0, 4096), rng.randrange(0, 2000)) for k in keys}
+    selector = Selector(RoutingConfig(block_size=args.block_size)) if Selector else None
+    bs = args.block_size
+    stages: dict[str, list[int]] = {"hashing": [], "matching": [], "candidates": [],
+                                    "selection": []}
+    totals: list[int] = []
+    core: list[int] = []  # the decision without building Candidate objects
+    right = 0
+    clock = time.perf_counter_ns
+    for i in range(args.samples + 50):  # the first 50 warm caches and are not recorded
+        q = i % len(work.prompts)
+        tokens = work.prompts[q]
+        t0 = clock()
+        seq = prompt_hashes(tokens, bs)
+        t1 = clock()
+        scores = index.find_matches(seq)
+        t2 = clock()
+        n = len(seq)
+        if Candidate is not None:
+            overlap, sizes = scores.scores, scores.tree_sizes
+            cands = [
+                Candidate(k, overlap.get(k, 0), sizes.get(k, 0), load[k][0], load[k][1],
+                          n, 100_000, 8192)
+                for k in keys
+            ]
+        t3 = clock()
+        if selector is not None:
+            decision = selector.select(cands, len(tokens), rng)
+        t4 = clock()
+        if i >= 50:
+            if selector is not None:
+                right += getattr(decision, "worker", None) == work.owners[q]
+            for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                stages[name].append(dt)
+            totals.append(t4 - t0)
+            core.append(t4 - t0 - (t3 - t2))
+    us = 1e-3
+    return {
+        "decision_p50_us": round(statistics.median(totals) * us, 1),
+        "decision_p99_us": round(percentile(totals, 0.99) * us, 1),
+        "decision_excluding_candidates_p50_us": round(statistics.median(core) * us, 1),
+        "decision_stage_p50_us": {k: round(statistics.median(v) * us, 1)
+                                  for k, v in stages.items()},
+        "decision_with_selection": selector is not None,
+        "decision_picked_cached_worker": round(right / max(len(totals), 1), 3),
+        "query_blocks": len(prompt_hashes(work.prompts[0], bs)),
+    }
+
+
+async def bench_replay(work: Workload, batches: int) -> dict[str, Any]:
+    try:
+        import nats
+
+        from eventlog.appender import Appender
+        from eventlog.events import BlocksStored
+        from eventlog.names import KV, Names
+        from eventlog.reader import StreamReader
+        from eventlog.server import NatsServer
+        from eventlog.streams import ensure_streams
+    except ImportError as exc:  # pragma: no cover - the event log pieces are written in parallel
+        return {"replay_block_events_per_s": None, "replay_skipped": f"missing {exc.name}"}
+    server = NatsServer()
+    await asyncio.to_thread(server.start)
+    nc = None
+    try:
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        names = Names(namespace="jrbench")
+        await ensure_streams(js, names)
+        appender = Appender(js)
+        published = work.batches[:batches]
+        event_ids: dict[str, int] = {}
+        pending: list[asyncio.Future[int]] = []
+        for n, (worker, parent, blocks) in enumerate(published):
+            event_ids[worker[0]] = event_ids.get(worker[0], 0) + 1
+            event = BlocksStored(worker[0], event_ids[worker[0]], worker[1], parent, blocks,
+                                 1.7e9 + n)
+            pending.append(asyncio.ensure_future(appender.append(
+                names.kv_subject(worker[0]), [event], f"bench-{n}")))
+            if len(pending) >= 256:  # publishing is not timed; keep a window of acks in flight
+                await asyncio.gather(*pending)
+                pending.clear()
+        await asyncio.gather(*pending)
+        last = (await js.stream_info(names.stream(KV))).state.last_seq
+        index = PrefixIndex()
+        applied = 0
+        gc.collect()
+        t0 = time.perf_counter()
+        reader = StreamReader(js, names.stream(KV), start_seq=1)
+        try:
+            async for seq, events in reader:
+                for e in events:
+                    if isinstance(e, BlocksStored):
+                        index.store((e.worker_id, e.dp_rank), e.parent_hash, e.blocks)
+                        applied += len(e.blocks)
+                if seq >= last:
+                    break
+        finally:
+            elapsed = time.perf_counter() - t0
+            await reader.close()
+        return {
+            "replay_block_events_per_s": round(applied / elapsed),
+            "replay_batches_per_s": round(len(published) / elapsed),
+            "replay_blocks": applied,
+            "replay_seconds": round(elapsed, 3),
+        }
+    finally:
+        if nc is not None:
+            await nc.close()
+        await asyncio.to_thread(server.cleanup)
+
+
+def machine_facts() -> dict[str, Any]:
+    facts: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "machine": platform.machine(),
+        "numpy": np.__version__,
+        "xxhash": xxhash.VERSION,
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    facts["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+        facts["loadavg_1m"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    return facts
+
+
+def run(args: argparse.Namespace) -> int:
+    t_build = time.perf_counter()
+    work = build_workload(args)
+    build_s = time.perf_counter() - t_build
+    index, apply_s = bench_apply(work)
+    result: dict[str, Any] = {
+        "index_apply_blocks_per_s": round(work.stored_blocks / apply_s),
+        "index_blocks": index.total_blocks,
+        "index_nodes": index.node_count,
+    }
+    result.update(bench_decisions(index, work, args))
+    if args.replay_batches > 0:
+        result.update(asyncio.run(bench_replay(work, args.replay_batches)))
+    else:
+        result["replay_block_events_per_s"] = None
+    result["config"] = {
+        "workers": args.workers, "blocks": args.blocks, "prompt_tokens": args.prompt_tokens,
+        "block_size": args.block_size, "samples": args.samples, "seed": args.seed,
+        "system_prompt_blocks": args.system_prompt_blocks, "hit_fraction": args.hit_fraction,
+        "replay_batches": args.replay_batches, "batch_blocks": BATCH_BLOCKS,
+        "workload_build_s": round(build_s, 2),
+    }
+    result["machine"] = machine_facts()
+    if not args.json:
+        print_table(result)
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+def print_table(result: dict[str, Any]) -> None:
+    stages = result.get("decision_stage_p50_us", {})
+    rows = [
+        ("index apply (blocks/s)", result["index_apply_blocks_per_s"]),
+        ("decision p50 (us)", result["decision_p50_us"]),
+        ("decision p99 (us)", result["decision_p99_us"]),
+        *((f"  {k} p50 (us)", v) for k, v in stages.items()),
+        ("replay (block events/s)", result.get("replay_block_events_per_s")),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    print()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m api.bench.core", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,463 @@
+"""Prefix index: which worker (dp rank) holds which KV blocks, by sequence hash (design.md §5).
+
+Pure and deterministic: no clock (time arrives as arguments taken from events), no randomness.
+
+Layout, chosen for the two hot paths (applying KV events and ``find_matches``):
+
+* Every block is a node keyed by its *sequence hash* (``eventlog.hashing.chain_hash`` from the
+  parent's sequence hash; a root block's sequence hash is its ``tokens_hash``), so equal prefixes on
+  different workers share a node. A node's value is an int bitmask of the worker *slots* holding it.
+* Per slot, ``block_hash -> seq`` maps the engine's opaque ids back to nodes, for removals and for
+  the parent of a later store.
+* ``find_matches`` ANDs the masks along the query in C (``itertools.accumulate``); the running
+  intersection only shrinks, so each worker's matched length is found by bisecting for the points
+  where it changes.
+
+Membership is *flat*: removing a mid-chain block clears that one node for that worker, so matches
+stop there; if the block is stored again, the worker's deeper blocks (which it never reported
+removed, and which the engine's own prefix cache would hit again) match again. Dynamo's radix tree
+instead detaches the children of a node nobody holds any more; the flat form makes answers depend
+only on membership, never on the order other workers' events arrived in.
+
+Counters: ``("stored", "ok" | "parent_block_not_found")`` and ``("removed", "ok")`` count events,
+``("removed", "block_not_found")`` counts unknown block hashes, ``("cleared", "ok")`` counts clears,
+``("expired", "ok")`` / ``("pruned", "ok")`` count approximate-mode entries dropped.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate, compress, repeat
+from operator import and_
+
+import xxhash
+
+from eventlog.hashing import CHAIN_MULTIPLIER, MASK64
+
+WorkerKey = tuple[str, int]  # (worker_id, dp_rank)
+
+PLAIN_VERSION = 1
+_DIGEST_SALT = 0x5BD1E9955BD1E995  # xored into seq hashes so that seq 0 still moves the digest
+_P = CHAIN_MULTIPLIER
+_BITS = bytes.maketrans(b"01", b"\x00\x01")  # '0'/'1' digits -> falsy/truthy bytes
+
+
+@dataclass(frozen=True, slots=True)
+class OverlapScores:
+    scores: dict[WorkerKey, int]  # matched prefix blocks per worker key (only keys with > 0)
+    tree_sizes: dict[WorkerKey, int]  # blocks held per worker key (every key that holds any)
+
+
+def _worker_weight(worker: WorkerKey) -> int:
+    """Odd 64-bit weight of a worker key in the digest (odd, so it never cancels a change)."""
+    return xxhash.xxh3_64_intdigest(f"{worker[0]}\x1f{worker[1]}".encode(), 0x4A52) | 1
+
+
+def _membership_mix(block_hash: int, seq: int) -> int:
+    """Digest term of one (block_hash -> seq) entry; nonlinear so swapped pairs do not cancel."""
+    return ((seq ^ _DIGEST_SALT) * (2 * block_hash + 1)) & MASK64
+
+
+class PrefixIndex:
+    def __init__(
+        self,
+        *,
+        approximate: bool = False,
+        ttl_secs: float = 120.0,
+        max_tree_size: int = 2**20,
+        prune_target_ratio: float = 0.8,
+    ) -> None:
+        self.approximate = approximate
+        self.ttl_secs = float(ttl_secs)
+        self.max_tree_size = int(max_tree_size)
+        self.prune_target_ratio = float(prune_target_ratio)
+        self.counters: dict[tuple[str, str], int] = {}
+        self._nodes: dict[int, int] = {}  # seq hash -> bitmask of slots holding it
+        self._slots: dict[WorkerKey, int] = {}
+        self._keys: list[WorkerKey | None] = []  # slot -> worker key
+        self._free: list[int] = []  # released slots (heap: lowest reused first)
+        self._blocks: list[dict[int, int]] = []  # slot -> {block_hash: seq}
+        self._dups: list[dict[int, int]] = []  # slot -> {seq: block ids beyond the first}
+        self._sums: list[int] = []  # slot -> sum of membership mixes (mod 2**64, lazily)
+        self._weights: list[int] = []  # slot -> digest weight of its worker key
+        self._total = 0
+        self._sizes_cache: dict[WorkerKey, int] | None = None
+        # approximate mode: (slot, seq) -> (expiry, depth); heap of (expiry, -depth, id, rank, seq)
+        self._expiry: dict[tuple[int, int], tuple[float, int]] = {}
+        self._heap: list[tuple[float, int, str, int, int]] = []
+
+    # --- bookkeeping -------------------------------------------------------------------------
+
+    def _count(self, event_type: str, status: str, n: int = 1) -> None:
+        key = (event_type, status)
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    def _slot_for(self, worker: WorkerKey) -> int:
+        slot = self._slots.get(worker)
+        if slot is not None:
+            return slot
+        worker = (str(worker[0]), int(worker[1]))
+        if self._free:
+            slot = heapq.heappop(self._free)
+            self._keys[slot] = worker
+            self._weights[slot] = _worker_weight(worker)
+        else:
+            slot = len(self._keys)
+            self._keys.append(worker)
+            self._blocks.append({})
+            self._dups.append({})
+            self._sums.append(0)
+            self._weights.append(_worker_weight(worker))
+        self._slots[worker] = slot
+        return slot
+
+    def _release(self, slot: int, block_hash: int, seq: int) -> None:
+        """Drop one block id's membership (the caller already popped it from the slot's map)."""
+        self._sums[slot] -= _membership_mix(block_hash, seq)
+        self._total -= 1
+        dups = self._dups[slot]
+        extra = dups.get(seq)
+        if extra:  # another block id of this worker still maps to the same node
+            if extra == 1:
+                del dups[seq]
+            else:
+                dups[seq] = extra - 1
+            return
+        mask = self._nodes[seq] ^ (1 << slot)
+        if mask:
+            self._nodes[seq] = mask
+        else:
+            del self._nodes[seq]
+        if self.approximate:
+            self._expiry.pop((slot, seq), None)
+
+    def _free_slot(self, slot: int) -> None:
+        worker = self._keys[slot]
+        assert worker is not None
+        del self._slots[worker]
+        self._keys[slot] = None
+        self._blocks[slot] = {}
+        self._dups[slot] = {}
+        self._sums[slot] = 0
+        heapq.heappush(self._free, slot)
+
+    # --- KV events ---------------------------------------------------------------------------
+
+    def store(
+        self,
+        worker: WorkerKey,
+        parent_block_hash: int | None,
+        blocks: Sequence[tuple[int, int]],
+    ) -> str:
+        """Apply a BlocksStored: ``blocks`` are ``(block_hash, tokens_hash)`` in chain order."""
+        if parent_block_hash is None:
+            slot = self._slot_for(worker)
+            parent = 0  # chain_hash(0, t) == t: a root block's sequence hash is its tokens_hash
+        else:
+            slot = self._slots.get(worker, -1)
+            known = self._blocks[slot].get(parent_block_hash) if slot >= 0 else None
+            if known is None:
+                self._count("stored", "parent_block_not_found")
+                return "parent_block_not_found"
+            parent = known
+        self._sizes_cache = None
+        bmap = self._blocks[slot]
+        before = len(bmap)
+        moved = 0
+        get_block = bmap.get
+        nodes = self._nodes
+        get = nodes.get
+        bit = 1 << slot
+        mult, mask64, salt = _P, MASK64, _DIGEST_SALT  # locals: this loop is the apply hot path
+        acc = 0
+        for block_hash, tokens_hash in blocks:
+            seq = parent = (parent * mult + tokens_hash) & mask64
+            held = get_block(block_hash)
+            if held is None:
+                bmap[block_hash] = seq
+            elif held == seq:
+                continue  # re-announced: nothing changes
+            else:  # the engine reused the id for other content: move it
+                bmap[block_hash] = seq
+                self._release(slot, block_hash, held)
+                moved += 1
+            acc += (seq ^ salt) * (2 * block_hash + 1)  # digest term, reduced once per batch
+            mask = get(seq, 0)
+            if mask & bit:
+                dups = self._dups[slot]
+                dups[seq] = dups.get(seq, 0) + 1
+            else:
+                nodes[seq] = mask | bit
+        self._sums[slot] = (self._sums[slot] + acc) & MASK64
+        self._total += len(bmap) - before + moved
+        self._count("stored", "ok")
+        return "ok"
+
+    def remove(self, worker: WorkerKey, block_hashes: Sequence[int]) -> int:
+        """Apply a BlocksRemoved; returns how many block hashes were unknown (the rest apply)."""
+        slot = self._slots.get(worker)
+        unknown = 0
+        if slot is None:
+            unknown = len(block_hashes)
+        else:
+            self._sizes_cache = None
+            bmap = self._blocks[slot]
+            for block_hash in block_hashes:
+                seq = bmap.pop(block_hash, None)
+                if seq is None:
+                    unknown += 1
+                else:
+                    self._release(slot, block_hash, seq)
+            self._sums[slot] &= MASK64
+        self._count("removed", "ok")
+        if unknown:
+            self._count("removed", "block_not_found", unknown)
+        return unknown
+
+    def _clear_slot(self, slot: int) -> None:
+        bit = 1 << slot
+        nodes = self._nodes
+        bmap = self._blocks[slot]
+        dups = self._dups[slot]
+        for seq in set(bmap.values()) if dups else bmap.values():
+            mask = nodes[seq] ^ bit
+            if mask:
+                nodes[seq] = mask
+            else:
+                del nodes[seq]
+            if self.approximate:
+                self._expiry.pop((slot, seq), None)
+        self._total -= len(bmap)
+        self._free_slot(slot)
+
+    def clear(self, worker: WorkerKey) -> None:
+        """Apply AllBlocksCleared for one dp rank of a worker."""
+        slot = self._slots.get(worker)
+        if slot is not None:
+            self._sizes_cache = None
+            self._clear_slot(slot)
+        self._count("cleared", "ok")
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget every dp rank of a worker (retired or lost)."""
+        for worker, slot in sorted(self._slots.items()):
+            if worker[0] == worker_id:
+                self._sizes_cache = None
+                self._clear_slot(slot)
+
+    # --- queries -----------------------------------------------------------------------------
+
+    def find_matches(self, seq_hashes: Sequence[int]) -> OverlapScores:
+        """Matched prefix length (in blocks) of ``seq_hashes`` per worker key, plus tree sizes."""
+        scores: dict[WorkerKey, int] = {}
+        nodes = self._nodes
+        if seq_hashes and nodes:
+            first = nodes.get(seq_hashes[0], 0)
+            if first:
+                # running intersection of the holders of blocks 0..i, computed in C
+                running = list(accumulate(map(nodes.get, seq_hashes, repeat(0)), and_))
+                keys = self._keys
+                end = len(running)
+                start = 0
+                held = first
+                while held:
+                    # holders stay equal to `held` for a run, then shrink: bisect its end
+                    stop = bisect_left(running, True, start, end, key=held.__ne__)
+                    left = running[stop] if stop < end else 0
+                    # slots whose bit is in `dropped` matched exactly `stop` blocks; decode
+                    # the bits in C: binary digits, least significant first, as 0/1 bytes
+                    flags = bin(held ^ left)[:1:-1].encode().translate(_BITS)
+                    scores.update(zip(compress(keys, flags), repeat(stop)))  # type: ignore[arg-type]
+                    held = left
+                    start = stop
+        return OverlapScores(scores, dict(self._tree_sizes()))
+
+    def _tree_sizes(self) -> dict[WorkerKey, int]:
+        sizes = self._sizes_cache
+        if sizes is None:
+            blocks = self._blocks
+            sizes = {w: len(blocks[s]) for w, s in self._slots.items() if blocks[s]}
+            self._sizes_cache = sizes
+        return sizes
+
+    def tree_size(self, worker: WorkerKey) -> int:
+        slot = self._slots.get(worker)
+        return 0 if slot is None else len(self._blocks[slot])
+
+    @property
+    def total_blocks(self) -> int:
+        """Block ids held, summed over worker keys."""
+        return self._total
+
+    @property
+    def node_count(self) -> int:
+        """Distinct sequence hashes held by anyone (shared prefixes count once)."""
+        return len(self._nodes)
+
+    @property
+    def digest(self) -> int:
+        """Order-independent digest of every (worker key, block_hash, seq hash) membership."""
+        total = 0
+        for slot, worker in enumerate(self._keys):
+            if worker is not None:
+                total += self._weights[slot] * (self._sums[slot] & MASK64)
+        return total & MASK64
+
+    # --- approximate mode --------------------------------------------------------------------
+
+    def store_routed(self, worker: WorkerKey, seq_hashes: Sequence[int], now: float) -> None:
+        """Record a routing decision as blocks the worker will hold until ``now + ttl_secs``."""
+        self.expire(now)
+        if not seq_hashes:
+            return
+        self._sizes_cache = None
+        slot = self._slot_for(worker)
+        bmap = self._blocks[slot]
+        nodes = self._nodes
+        expiry_map = self._expiry
+        heap = self._heap
+        bit = 1 << slot
+        expires = now + self.ttl_secs
+        worker_id, dp_rank = self._keys[slot]  # type: ignore[misc]
+        acc = 0
+        added = 0
+        for depth, seq in enumerate(seq_hashes, 1):
+            if seq not in bmap:
+                bmap[seq] = seq  # no engine id in this mode: the sequence hash names the block
+                added += 1
+                acc += ((seq ^ _DIGEST_SALT) * (2 * seq + 1)) & MASK64
+                nodes[seq] = nodes.get(seq, 0) | bit
+            expiry_map[(slot, seq)] = (expires, depth)
+            heapq.heappush(heap, (expires, -depth, worker_id, dp_rank, seq))
+        self._sums[slot] = (self._sums[slot] + acc) & MASK64
+        self._total += added
+        if self._total > self.max_tree_size:
+            self._prune()
+        if len(heap) > 4 * max(len(expiry_map), 1024):
+            self._compact_heap()
+
+    def _pop_live(self, until: float | None = None) -> tuple[int, int] | None:
+        """Pop the earliest heap entry that is still current (and expires at or before ``until``
+        when given); stale entries (refreshed or already dropped) are discarded on the way."""
+        heap = self._heap
+        while heap and (until is None or heap[0][0] <= until):
+            expires, _neg_depth, worker_id, dp_rank, seq = heapq.heappop(heap)
+            slot = self._slots.get((worker_id, dp_rank))
+            if slot is None:
+                continue
+            current = self._expiry.get((slot, seq))
+            if current is None or current[0] != expires:
+                continue
+            return slot, seq
+        return None
+
+    def _drop_entry(self, slot: int, seq: int) -> None:
+        self._blocks[slot].pop(seq)
+        self._expiry.pop((slot, seq), None)
+        self._release(slot, seq, seq)
+        self._sums[slot] &= MASK64
+
+    def expire(self, now: float) -> int:
+        """Drop approximate-mode entries whose expiry is at or before event time ``now``."""
+        dropped = 0
+        while (entry := self._pop_live(now)) is not None:
+            self._drop_entry(*entry)
+            dropped += 1
+        if dropped:
+            self._sizes_cache = None
+            self._count("expired", "ok", dropped)
+        return dropped
+
+    def _prune(self) -> None:
+        target = int(self.max_tree_size * self.prune_target_ratio)
+        pruned = 0
+        while self._total > target:
+            entry = self._pop_live()
+            if entry is None:
+                break
+            self._drop_entry(*entry)
+            pruned += 1
+        self._count("pruned", "ok", pruned)
+
+    def _compact_heap(self) -> None:
+        keys = self._keys
+        self._heap = [
+            (expires, -depth, *keys[slot], seq)  # type: ignore[misc]
+            for (slot, seq), (expires, depth) in self._expiry.items()
+        ]
+        heapq.heapify(self._heap)
+
+    # --- snapshots ---------------------------------------------------------------------------
+
+    def to_plain(self) -> dict[str, object]:
+        """Lists/dicts/ints/strs/floats only (msgspec-encodable); block pairs are flattened."""
+        workers: list[list[object]] = []
+        expiry: list[list[object]] = []
+        for worker, slot in sorted(self._slots.items()):
+            flat: list[int] = []
+            for block_hash, seq in self._blocks[slot].items():
+                flat.append(block_hash)
+                flat.append(seq)
+            workers.append([worker[0], worker[1], flat])
+        if self.approximate:
+            per_slot: dict[int, list[float | int]] = {}
+            for (slot, seq), (expires, depth) in self._expiry.items():
+                per_slot.setdefault(slot, []).extend((seq, expires, depth))
+            for slot, entries in sorted(per_slot.items(), key=lambda kv: self._keys[kv[0]]):
+                worker = self._keys[slot]
+                assert worker is not None
+                expiry.append([worker[0], worker[1], entries])
+        return {
+            "version": PLAIN_VERSION,
+            "approximate": self.approximate,
+            "ttl_secs": self.ttl_secs,
+            "max_tree_size": self.max_tree_size,
+            "prune_target_ratio": self.prune_target_ratio,
+            "workers": workers,
+            "expiry": expiry,
+            "counters": [[t, s, n] for (t, s), n in sorted(self.counters.items())],
+        }
+
+    @classmethod
+    def from_plain(cls, obj: object) -> PrefixIndex:
+        if not isinstance(obj, dict) or obj.get("version") != PLAIN_VERSION:
+            raise ValueError("not a plain PrefixIndex (version mismatch)")
+        index = cls(
+            approximate=bool(obj["approximate"]),
+            ttl_secs=float(obj["ttl_secs"]),
+            max_tree_size=int(obj["max_tree_size"]),
+            prune_target_ratio=float(obj["prune_target_ratio"]),
+        )
+        for worker_id, dp_rank, flat in obj["workers"]:
+            index._restore_blocks((worker_id, dp_rank), flat)
+        for worker_id, dp_rank, entries in obj["expiry"]:
+            slot = index._slots[(worker_id, dp_rank)]
+            for i in range(0, len(entries), 3):
+                seq, expires, depth = entries[i], float(entries[i + 1]), int(entries[i + 2])
+                index._expiry[(slot, seq)] = (expires, depth)
+                index._heap.append((expires, -depth, worker_id, dp_rank, seq))
+        heapq.heapify(index._heap)
+        index.counters = {(t, s): int(n) for t, s, n in obj["counters"]}
+        return index
+
+    def _restore_blocks(self, worker: WorkerKey, flat: Sequence[int]) -> None:
+        slot = self._slot_for(worker)
+        bmap = self._blocks[slot]
+        dups = self._dups[slot]
+        nodes = self._nodes
+        bit = 1 << slot
+        acc = 0
+        pairs: Iterable[tuple[int, int]] = zip(flat[0::2], flat[1::2], strict=True)
+        for block_hash, seq in pairs:
+            bmap[block_hash] = seq
+            acc += ((seq ^ _DIGEST_SALT) * (2 * block_hash + 1)) & MASK64
+            mask = nodes.get(seq, 0)
+            if mask & bit:
+                dups[seq] = dups.get(seq, 0) + 1
+            else:
+                nodes[seq] = mask | bit
+        self._sums[slot] = (self._sums[slot] + acc) & MASK64
+        self._total += len(bmap)

@@ -1,0 +1,164 @@
+"""StreamReader against real nats-server: replay + follow, purges, malformed input, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+import pytest
+
+from eventlog.appender import Appender
+from eventlog.events import BlocksStored, Event
+from eventlog.names import Names
+from eventlog.reader import StartPurged, StreamReader
+from eventlog.server import NatsServer
+
+NAMES = Names("jr")
+KV = NAMES.stream("kv")
+SUBJECT = NAMES.kv_subject("w1")
+
+
+def stored(event_id: int) -> BlocksStored:
+    return BlocksStored(
+        worker_id="w1", event_id=event_id, dp_rank=0, parent_hash=None,
+        blocks=[(event_id, event_id)], ts=1.0,
+    )  # fmt: skip
+
+
+async def append_range(appender: Appender, ids: range) -> None:
+    for i in ids:
+        await appender.append(SUBJECT, [stored(i)], msg_id=f"w1-{i}")
+
+
+Items = list[tuple[int, list[Event]]]
+
+
+async def take(reader: StreamReader, n: int, timeout: float = 10.0) -> Items:
+    """The next ``n`` items, failing (not hanging) if they do not come within ``timeout``."""
+
+    async def collect() -> Items:
+        out = []
+        async for item in reader:
+            out.append(item)
+            if len(out) == n:
+                break
+        return out
+
+    return await asyncio.wait_for(collect(), timeout)
+
+
+def event_ids(items: Items) -> list[int]:
+    return [e.event_id for _, events in items for e in events]  # type: ignore[union-attr]
+
+
+async def test_replays_then_follows_live_in_order(js):
+    _, context = js
+    appender = Appender(context)
+    await append_range(appender, range(1, 11))
+    async with StreamReader(context, KV, start_seq=3, batch=4) as reader:
+        replayed = await take(reader, 8)
+        assert [seq for seq, _ in replayed] == list(range(3, 11))
+        assert event_ids(replayed) == list(range(3, 11))
+        assert reader.pending == 0 and reader.last_seq == 10
+
+        follower = asyncio.create_task(take(reader, 5))
+        await append_range(appender, range(11, 16))
+        live = await follower
+        assert [seq for seq, _ in live] == list(range(11, 16))
+        assert event_ids(live) == list(range(11, 16))
+        assert reader.resets == 0
+
+
+async def test_pending_counts_what_is_left(js):
+    _, context = js
+    await append_range(Appender(context), range(1, 21))
+    async with StreamReader(context, KV, batch=8) as reader:
+        await reader.start()
+        assert reader.pending == 20
+        await take(reader, 5)
+        assert (reader.last_seq, reader.pending) == (5, 15)
+
+
+async def test_start_below_purged_sequence_raises(js):
+    _, context = js
+    await append_range(Appender(context), range(1, 11))
+    await context.purge_stream(KV, seq=6)  # keeps 6..10
+    reader = StreamReader(context, KV, start_seq=2)
+    with pytest.raises(StartPurged) as info:
+        await take(reader, 1)
+    assert (info.value.stream, info.value.wanted, info.value.first_seq) == (KV, 2, 6)
+    async with StreamReader(context, KV, start_seq=6) as ok:
+        assert [seq for seq, _ in await take(ok, 5)] == [6, 7, 8, 9, 10]
+
+
+async def test_purge_under_a_slow_reader_raises(js):
+    _, context = js
+    await append_range(Appender(context), range(1, 21))
+    async with StreamReader(context, KV, batch=4) as reader:
+        assert [seq for seq, _ in await take(reader, 4)] == [1, 2, 3, 4]
+        await context.purge_stream(KV, seq=15)
+        with pytest.raises(StartPurged) as info:
+            await take(reader, 1)
+        assert (info.value.wanted, info.value.first_seq) == (5, 15)
+
+
+async def test_malformed_messages_are_counted_and_skipped(js, caplog):
+    _, context = js
+    appender = Appender(context)
+    await append_range(appender, range(1, 3))
+    await context.publish(NAMES.kv_subject("x"), b"\xc1 not msgpack at all")
+    await context.publish(NAMES.kv_subject("x"), msgspec.msgpack.encode([{"type": "Nope", "a": 1}]))
+    await append_range(appender, range(3, 5))
+    caplog.set_level(logging.WARNING, logger="eventlog.reader")
+    async with StreamReader(context, KV) as reader:
+        items = await take(reader, 6)
+    assert [seq for seq, _ in items] == [1, 2, 3, 4, 5, 6]
+    assert [len(events) for _, events in items] == [1, 1, 0, 0, 1, 1]
+    assert event_ids(items) == [1, 2, 3, 4]
+    assert reader.malformed == 2
+    logged = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(logged) == 2 and "seq 3" in logged[0] and "seq 4" in logged[1]
+
+
+async def test_resumes_across_server_restart_without_gaps_or_duplicates(
+    nats_server: NatsServer, js
+):
+    _, context = js
+    appender = Appender(context, timeout=1.0, attempts=10)
+    await append_range(appender, range(1, 51))
+    reader = StreamReader(context, KV, batch=8, idle_heartbeat=0.2)
+    seen = await take(reader, 20)
+    await nats_server.arestart()  # same port, same store dir
+    await append_range(appender, range(51, 81))
+    seen += await take(reader, 60, timeout=20)
+    await reader.close()
+    assert [seq for seq, _ in seen] == list(range(1, 81))
+    assert event_ids(seen) == list(range(1, 81))
+    assert reader.resets >= 1
+
+
+async def test_close_ends_a_waiting_iteration(js):
+    _, context = js
+    reader = StreamReader(context, KV)
+    waiting = asyncio.create_task(take(reader, 1))
+    await reader.start()
+    await reader.close()
+    assert await asyncio.wait_for(waiting, 5) == []
+
+
+async def test_consumer_deleted_under_the_reader_is_recreated(js):
+    _, context = js
+    appender = Appender(context)
+    await append_range(appender, range(1, 6))
+    async with StreamReader(context, KV, batch=4) as reader:
+        assert [seq for seq, _ in await take(reader, 5)] == [1, 2, 3, 4, 5]
+        follower = asyncio.create_task(take(reader, 3))
+        consumers = []
+        while not consumers:  # the follower's pull request is open once the consumer is listed
+            consumers = await context.consumers_info(KV)
+        for info in consumers:
+            await context.delete_consumer(KV, info.name)
+        await append_range(appender, range(6, 9))
+        assert [seq for seq, _ in await follower] == [6, 7, 8]
+        assert reader.resets >= 1

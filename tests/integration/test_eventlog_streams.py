@@ -1,0 +1,68 @@
+"""ensure_streams against real nats-server: idempotent, file storage, dedup window, replicas."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.js.api import StorageType
+
+from eventlog.names import STREAM_KINDS, Names
+from eventlog.server import NatsCluster, NatsServer
+from eventlog.streams import ensure_streams, stream_bounds
+
+NAMES = Names("jr")
+
+
+async def test_streams_have_file_storage_dedup_window_and_r1(nats_server: NatsServer, nats_connect):
+    js = (await nats_connect(nats_server.url)).jetstream()
+    infos = await ensure_streams(js, NAMES, duplicate_window=90.0)
+    assert sorted(infos) == sorted(NAMES.stream(k) for k in STREAM_KINDS)
+    for kind in STREAM_KINDS:
+        config = (await js.stream_info(NAMES.stream(kind))).config
+        assert config.subjects == [NAMES.subjects(kind)]
+        assert config.storage == StorageType.FILE
+        assert config.duplicate_window == 90.0
+        assert config.num_replicas == 1
+        assert not config.max_age  # events leave only by an explicit purge
+
+
+async def test_second_and_concurrent_calls_change_nothing(nats_server: NatsServer, nats_connect):
+    first = (await nats_connect(nats_server.url)).jetstream()
+    before = await ensure_streams(first, NAMES)
+    others = [(await nats_connect(nats_server.url)).jetstream() for _ in range(3)]
+    results = await asyncio.gather(*(ensure_streams(js, NAMES) for js in [first, *others]))
+    for result in results:
+        for name, info in result.items():
+            assert info.config == before[name].config
+            assert info.created == before[name].created  # same stream, not re-created
+
+
+async def test_changed_duplicate_window_is_updated_in_place(nats_server, nats_connect):
+    js = (await nats_connect(nats_server.url)).jetstream()
+    await ensure_streams(js, NAMES)
+    await js.publish(NAMES.kv_subject("w1"), b"x")
+    infos = await ensure_streams(js, NAMES, duplicate_window=30.0)
+    kv = infos[NAMES.stream("kv")]
+    assert kv.config.duplicate_window == 30.0
+    assert await stream_bounds(js, NAMES.stream("kv")) == (1, 1)  # data kept
+
+
+async def test_stream_bounds_follow_appends_and_purges(js):
+    _, context = js
+    stream = NAMES.stream("router")
+    for i in range(5):
+        await context.publish(NAMES.router_subject("r1"), str(i).encode())
+    assert await stream_bounds(context, stream) == (1, 5)
+    await context.purge_stream(stream, seq=4)
+    assert await stream_bounds(context, stream) == (4, 5)
+
+
+async def test_three_node_cluster_gets_r3(nats_cluster: NatsCluster, nats_connect):
+    js = (await nats_connect(nats_cluster.url)).jetstream()
+    infos = await ensure_streams(js, NAMES)
+    again = await ensure_streams((await nats_connect(nats_cluster.urls[2])).jetstream(), NAMES)
+    for name, info in infos.items():
+        assert info.config.num_replicas == 3
+        assert again[name].config == info.config
+        cluster = (await js.stream_info(name)).cluster
+        assert cluster is not None and cluster.leader

@@ -1,0 +1,262 @@
+"""vLLM-like continuous-batching scheduler for the simulated engine; pure, no clock.
+
+Each :meth:`EngineCore.step` plans one forward pass and applies it at once, returning how long that
+pass takes in simulated seconds; the async driver (:mod:`workers.engine`) sleeps that long. Tests
+drive the core directly and add the durations up: a virtual clock, no sleeping.
+
+One step, like vLLM v1's unified scheduler with chunked prefill:
+1. running requests first, in admission order, each asking for all its uncomputed tokens (a
+   decode asks for 1), within ``max_num_batched_tokens``; a request that needs a new KV block when
+   none is free preempts the most recently admitted running request (recompute: its blocks are
+   released, it goes back to the head of the queue and later re-prefills, mostly from cache);
+2. then waiting requests, first come first served, while the budget, ``max_num_seqs`` and free
+   blocks allow (a request that cannot get its blocks waits, and so does everything behind it).
+Step time = ``decode_ms_base + decode_ms_per_seq * decoding_seqs + prefill_ms_per_token *
+prefill_tokens``, divided by ``speedup_ratio``. Cached prefix tokens cost nothing: they are never
+scheduled. When a request's computed tokens reach its context length it emits one token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from eventlog.hashing import tokens_hashes
+from workers.generation import ContextState, next_token, wrong_token
+from workers.kvcache import Block, KVCache, KvChange
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    num_gpu_blocks: int = 4096
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    prefill_ms_per_token: float = 0.05
+    decode_ms_base: float = 8.0
+    decode_ms_per_seq: float = 0.05
+    speedup_ratio: float = 1.0
+    # Admission keeps this share of blocks free so running requests can grow without thrashing.
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.speedup_ratio <= 0:
+            raise ValueError("speedup_ratio must be positive")
+
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
+        ms = (self.decode_ms_base + self.decode_ms_per_seq * decode_seqs
+              + self.prefill_ms_per_token * prefill_tokens)
+        return ms / 1000.0 / self.speedup_ratio
+
+
+@dataclass(eq=False)
+class SimRequest:
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    tokens: list[int]  # prompt + output so far
+    context: ContextState
+    tag: Any = None  # the driver's handle; opaque here
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    blocks: list[Block] = field(default_factory=list)
+    num_committed: int = 0  # leading blocks already committed to the cache
+    block_hashes: list[int] = field(default_factory=list)  # tokens_hash of full token blocks
+    cached_tokens: int | None = None  # prefix-cache hit at first admission
+    preemptions: int = 0
+    done: bool = False
+
+    def decoding(self) -> bool:
+        """Computing only the last emitted token (a decode step, not prefill)."""
+        return bool(self.output) and self.num_computed == len(self.tokens) - 1
+
+    def uncomputed(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    duration: float
+    prefill_tokens: int
+    decode_seqs: int
+    emitted: list[tuple[SimRequest, int]]
+    finished: list[SimRequest]
+    changes: list[KvChange]
+
+
+class RequestTooLarge(ValueError):
+    """Prompt + max_tokens can never fit in this engine's KV cache."""
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, *, salt: int = 0) -> None:
+        self.config = config
+        self.cache = KVCache(config.num_gpu_blocks, config.block_size, salt)
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.wrong_output = False  # the wrong_output fault
+        self._watermark_blocks = int(config.watermark * config.num_gpu_blocks)
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, tag: Any = None
+            ) -> SimRequest:
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        bs = self.config.block_size
+        if -(-(len(prompt) + max_tokens) // bs) > self.config.num_gpu_blocks:
+            raise RequestTooLarge(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the KV cache "
+                f"({self.config.num_gpu_blocks} blocks of {bs} tokens)")
+        req = SimRequest(request_id, len(prompt), max_tokens, list(prompt), ContextState(prompt),
+                         tag)
+        self.waiting.append(req)
+        return req
+
+    def abort(self, req: SimRequest) -> None:
+        """Drop a request wherever it is and free its blocks (client went away)."""
+        if req.done:
+            return
+        req.done = True
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.cache.release(req.blocks)
+        req.blocks = []
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # --- one forward pass -------------------------------------------------------------------
+
+    def step(self) -> StepOutcome:
+        plan = self._schedule()
+        prefill = sum(n for req, n in plan if not req.decoding())
+        decode = sum(1 for req, _ in plan if req.decoding())
+        duration = self.config.step_seconds(prefill, decode) if plan else 0.0
+        emitted: list[tuple[SimRequest, int]] = []
+        finished: list[SimRequest] = []
+        for req, n in plan:
+            req.num_computed += n
+            self._commit_full_blocks(req)
+            if req.num_computed < len(req.tokens):
+                continue  # a prefill chunk, more to come
+            token = wrong_token(req.context) if self.wrong_output else next_token(req.context)
+            req.output.append(token)
+            req.tokens.append(token)
+            req.context.append(token)
+            emitted.append((req, token))
+            if len(req.output) >= req.max_tokens:
+                req.done = True
+                self.running.remove(req)
+                self.cache.release(req.blocks)
+                req.blocks = []
+                finished.append(req)
+        return StepOutcome(duration, prefill, decode, emitted, finished, self.cache.drain_changes())
+
+    def _schedule(self) -> list[tuple[SimRequest, int]]:
+        budget = self.config.max_num_batched_tokens
+        plan: list[tuple[SimRequest, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.uncomputed(), budget)
+            while not self._grow(req, req.num_computed + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if self.running[i:i + 1] != [req]:
+                break  # req preempted itself: nothing after it is running any more
+            plan.append((req, n))
+            budget -= n
+            i += 1
+        if preempted:
+            return plan  # memory is tight: admit nothing new this step
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            n = self._admit(self.waiting[0], budget)
+            if n is None:
+                break
+            req = self.waiting.popleft()
+            self.running.append(req)
+            plan.append((req, n))
+            budget -= n
+        return plan
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.cache.release(req.blocks)
+        req.blocks = []
+        req.num_computed = 0
+        req.num_committed = 0
+        req.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _grow(self, req: SimRequest, upto_tokens: int) -> bool:
+        need = -(-upto_tokens // self.config.block_size) - len(req.blocks)
+        if need <= 0:
+            return True
+        blocks = self.cache.allocate(need)
+        if blocks is None:
+            return False
+        req.blocks.extend(blocks)
+        return True
+
+    def _admit(self, req: SimRequest, budget: int) -> int | None:
+        """Pin the request's cached prefix and its first chunk's blocks; tokens to schedule."""
+        bs = self.config.block_size
+        hits = self.cache.match_prefix(self._hashes(req, len(req.tokens) // bs))
+        self.cache.pin(hits)
+        computed = min(len(hits) * bs, len(req.tokens) - 1)
+        n = min(len(req.tokens) - computed, budget)
+        need = -(-(computed + n) // bs) - len(hits)
+        reserve = self._watermark_blocks if self.running else 0
+        blocks = self.cache.allocate(need) if need + reserve <= self.cache.available() else None
+        if blocks is None:
+            self.cache.release(hits)
+            return None
+        req.blocks = hits + blocks
+        req.num_committed = len(hits)
+        req.num_computed = computed
+        if req.cached_tokens is None:
+            req.cached_tokens = min(len(hits) * bs, req.prompt_len)
+        return n
+
+    def _hashes(self, req: SimRequest, full_blocks: int) -> list[int]:
+        have = len(req.block_hashes)
+        if have < full_blocks:
+            bs = self.config.block_size
+            req.block_hashes.extend(tokens_hashes(req.tokens[have * bs:full_blocks * bs], bs))
+        return req.block_hashes[:full_blocks]
+
+    def _commit_full_blocks(self, req: SimRequest) -> None:
+        full = req.num_computed // self.config.block_size
+        if full <= req.num_committed:
+            return
+        hashes = self._hashes(req, full)
+        for j in range(req.num_committed, full):
+            parent = req.blocks[j - 1] if j > 0 else None
+            req.blocks[j] = self.cache.commit(req.blocks[j], parent, hashes[j])
+        req.num_committed = full
+
+    # --- gauges -----------------------------------------------------------------------------
+
+    def load(self) -> dict[str, int]:
+        stats = self.cache.stats()
+        prefill = sum(r.uncomputed() for r in (*self.running, *self.waiting) if not r.decoding())
+        return {
+            "active_decode_blocks": stats.pinned,
+            "kv_total_blocks": stats.total,
+            "kv_cached_blocks": stats.cached,
+            "active_prefill_tokens": prefill,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+        }

@@ -1,0 +1,329 @@
+"""HTTP face of the simulated worker: OpenAI endpoints, health, metrics, fault injection.
+
+:class:`WorkerRuntime` owns the engines (one per dp rank), the fault switches, the metrics and
+the KV publisher; :func:`create_app` exposes it over FastAPI; :func:`serve` runs it under uvicorn
+with a graceful SIGTERM: announce ``WorkerRetired`` first (so routers stop sending), refuse new
+requests, let in-flight ones finish (bounded by ``shutdown_timeout``), flush events, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import socket
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from eventlog.events import WorkerRegistered
+from eventlog.names import Names, check_token
+from eventlog.tokens import decode
+from workers.engine import Engine, RequestHandle
+from workers.faults import FaultState, crash_now
+from workers.metrics import WorkerMetrics
+from workers.openai_shapes import (
+    BadRequest,
+    ResponseShaper,
+    error_body,
+    parse_request,
+    usage,
+)
+from workers.publisher import KvPublisher
+from workers.scheduler import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    worker_id: str
+    model: str = "jetrouter-sim"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    nats_url: str = ""
+    namespace: str = "jr"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    dp_size: int = 1
+    advertise_url: str | None = None
+    default_max_tokens: int = 256  # chat requests without max_tokens
+    shutdown_timeout: float = 30.0
+    load_interval: float = 0.5
+
+
+class WorkerRuntime:
+    def __init__(self, settings: WorkerSettings) -> None:
+        check_token(settings.worker_id, "worker id")
+        if settings.dp_size < 1:
+            raise ValueError("dp_size must be at least 1")
+        self.settings = settings
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.faults = FaultState()
+        self.publisher = KvPublisher(
+            settings.nats_url, Names(settings.namespace), settings.worker_id, self.incarnation,
+            dump=self._dump, load=self._loads, load_interval=settings.load_interval)
+        rng = random.SystemRandom()
+        self.engines = [
+            Engine(settings.engine, dp_rank=rank, salt=rng.getrandbits(64), faults=self.faults,
+                   on_kv_changes=self.publisher.emit)
+            for rank in range(settings.dp_size)
+        ]
+        self.metrics = WorkerMetrics(self.engines, settings.worker_id)
+        self.url: str | None = None
+        self.draining = False
+
+    def _dump(self) -> list[tuple[int, list[Any]]]:
+        return [(engine.dp_rank, list(engine.dump())) for engine in self.engines]
+
+    def _loads(self) -> list[dict[str, Any]]:
+        return [{"dp_rank": e.dp_rank, **e.load()} for e in self.engines]
+
+    async def start(self) -> None:
+        for engine in self.engines:
+            engine.start()
+        await self.publisher.start()
+
+    def announce(self, url: str) -> None:
+        """Called once the HTTP port is bound: the first event of this incarnation."""
+        self.url = self.settings.advertise_url or url
+        s = self.settings
+        self.publisher.register(WorkerRegistered(
+            s.worker_id, self.url, s.model, s.engine.block_size, s.engine.num_gpu_blocks,
+            s.engine.max_num_batched_tokens, time.time(), dp_size=s.dp_size))
+
+    def begin_shutdown(self) -> None:
+        if not self.draining:
+            self.draining = True
+            self.publisher.retire("shutdown")
+
+    async def stop(self) -> None:
+        self.begin_shutdown()
+        await self.publisher.close(flush_timeout=5.0)
+        for engine in self.engines:
+            await engine.stop()
+
+    def pick_engine(self, dp_rank: int | None) -> Engine:
+        if dp_rank is not None and 0 <= dp_rank < len(self.engines):
+            return self.engines[dp_rank]
+        return min(self.engines, key=lambda e: len(e.core.running) + len(e.core.waiting))
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error",
+           param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, param, status), status_code=status)
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body has been read: only disconnect can come)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def create_app(runtime: WorkerRuntime) -> FastAPI:
+    settings = runtime.settings
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await runtime.start()
+        try:
+            yield
+        finally:
+            await runtime.stop()
+
+    app = FastAPI(title=f"jetrouter worker {settings.worker_id}", lifespan=lifespan)
+    app.state.runtime = runtime
+
+    async def inference(request: Request, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        if runtime.draining:
+            runtime.metrics.requests.labels(endpoint, "rejected").inc()
+            return _error(503, "worker is shutting down", "service_unavailable")
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return _error(400, "request body is not valid JSON")
+        try:
+            parsed = parse_request(body, chat=chat, default_max_tokens=settings.default_max_tokens,
+                                   header_request_id=request.headers.get("x-request-id"))
+        except BadRequest as exc:
+            runtime.metrics.requests.labels(endpoint, "bad_request").inc()
+            return _error(400, str(exc), param=exc.param)
+        if parsed.model is not None and parsed.model != settings.model:
+            return _error(404, f"The model `{parsed.model}` does not exist.", "NotFoundError",
+                          "model")
+        ext = body.get("jetrouter") if isinstance(body.get("jetrouter"), dict) else {}
+        rank = ext.get("dp_rank")
+        engine = runtime.pick_engine(rank if isinstance(rank, int) else None)
+        request_id = parsed.request_id or uuid.uuid4().hex
+        try:
+            handle = engine.submit(request_id, parsed.prompt_ids, parsed.max_tokens)
+        except ValueError as exc:
+            runtime.metrics.requests.labels(endpoint, "bad_request").inc()
+            return _error(400, str(exc), param="max_tokens")
+        crash_budget = runtime.faults.claim_crash_budget()
+        if crash_budget == 0:
+            crash_now()
+        shaper = ResponseShaper(("chatcmpl-" if chat else "cmpl-") + request_id,
+                                settings.model, chat)
+        headers = {"x-request-id": request_id, "x-jetrouter-worker": settings.worker_id,
+                   "x-jetrouter-dp-rank": str(engine.dp_rank)}
+        if parsed.stream:
+            stream = _stream(runtime, handle, shaper, parsed.include_usage, crash_budget, endpoint)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        return await _complete(runtime, request, handle, shaper, crash_budget, endpoint, headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await inference(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await inference(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": settings.model, "object": "model",
+                                            "created": 0, "owned_by": "jetrouter"}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        status = 503 if runtime.draining else 200
+        return JSONResponse({"status": "draining" if runtime.draining else "ok",
+                             "worker_id": settings.worker_id, "url": runtime.url,
+                             "incarnation": runtime.incarnation,
+                             "nats_connected": runtime.publisher.connected,
+                             "load": runtime._loads()}, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(runtime.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/fault")
+    async def fault(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+            if not isinstance(body, dict):
+                raise ValueError("body must be a JSON object")
+            return JSONResponse(runtime.faults.apply(body))
+        except ValueError as exc:
+            return _error(400, str(exc))
+
+    return app
+
+
+async def _stream(runtime: WorkerRuntime, handle: RequestHandle, shaper: ResponseShaper,
+                  include_usage: bool, crash_budget: int | None, endpoint: str
+                  ) -> AsyncIterator[str]:
+    outcome = "cancelled"
+    runtime.metrics.in_flight.inc()
+    try:
+        if shaper.chat:
+            yield _sse(shaper.chunk("", first=True))
+        sent = 0
+        async for token in handle.tokens():
+            yield _sse(shaper.chunk(decode([token])))
+            sent += 1
+            if crash_budget is not None and sent >= crash_budget:
+                crash_now()  # the Nth chunk has been handed to the socket by now
+        yield _sse(shaper.chunk(None if shaper.chat else "", "length"))
+        if include_usage:
+            yield _sse(shaper.usage_chunk(usage(handle.prompt_tokens, len(handle.output),
+                                                handle.cached_tokens)))
+        yield _sse("[DONE]")
+        outcome = "ok"
+    finally:
+        runtime.metrics.in_flight.dec()
+        runtime.metrics.requests.labels(endpoint, outcome).inc()
+        if not handle.finished:
+            handle.abort()  # client went away (or we were cancelled): free its blocks
+
+
+async def _complete(runtime: WorkerRuntime, request: Request, handle: RequestHandle,
+                    shaper: ResponseShaper, crash_budget: int | None, endpoint: str,
+                    headers: dict[str, str]) -> Response:
+    async def collect() -> None:
+        count = 0
+        async for _token in handle.tokens():
+            count += 1
+            if crash_budget is not None and count >= crash_budget:
+                crash_now()
+
+    runtime.metrics.in_flight.inc()
+    done = asyncio.create_task(collect())
+    gone = asyncio.create_task(_wait_disconnect(request))
+    try:
+        await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        runtime.metrics.in_flight.dec()
+        gone.cancel()
+        if not done.done():
+            done.cancel()
+            handle.abort()
+    if not handle.finished:
+        runtime.metrics.requests.labels(endpoint, "cancelled").inc()
+        return Response(status_code=499)
+    runtime.metrics.requests.labels(endpoint, "ok").inc()
+    body = shaper.full(handle.output, "length",
+                       usage(handle.prompt_tokens, len(handle.output), handle.cached_tokens))
+    return JSONResponse(body, headers=headers)
+
+
+class _WorkerServer(uvicorn.Server):
+    """uvicorn with the worker's start-up announcement and graceful SIGTERM."""
+
+    def __init__(self, config: uvicorn.Config, runtime: WorkerRuntime) -> None:
+        super().__init__(config)
+        self.runtime = runtime
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.should_exit or not self.servers:
+            return
+        port = self.servers[0].sockets[0].getsockname()[1]
+        host = self.config.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        url = f"http://{host}:{port}"
+        self.runtime.announce(url)
+        print(f"jetrouter worker {self.runtime.settings.worker_id} listening on {url}",
+              flush=True)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # Runs in a signal handler: hop onto the loop before touching asyncio objects.
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().call_soon_threadsafe(self.runtime.begin_shutdown)
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        # A SIGTERM we handled is a clean stop: do not let uvicorn re-raise it (exit status 0).
+        self._captured_signals.clear()
+
+
+def serve(settings: WorkerSettings) -> int:
+    runtime = WorkerRuntime(settings)
+    config = uvicorn.Config(
+        create_app(runtime), host=settings.host, port=settings.port, log_level="warning",
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout)), access_log=False)
+    server = _WorkerServer(config, runtime)
+    server.run()
+    if server.started:
+        return 0
+    print("jetrouter worker: failed to start", file=sys.stderr)
+    return 1
