@@ -193,7 +193,7 @@ class LocalCluster:
 
     @property
     def processes(self) -> dict[str, int]:
-        """name -> current pid of every child that has been started."""
+        """name -> pid of each child's latest process (it may be dead, awaiting restart)."""
         return {n: c.pid for n, c in self.children.items() if c.pid is not None}
 
     @property
@@ -214,10 +214,12 @@ class LocalCluster:
 
     async def wait_ready(self, names: Sequence[str] | None = None,
                          timeout: float | None = None) -> None:
-        """Poll until each named child (default: all) answers 200 on its probe path."""
+        """Poll until each named child (default: all) answers 200 on its probe path; give up
+        early on a child that keeps crashing (3 exits during the wait, 1 without restarts)."""
         deadline = time.monotonic() + (self.ready_timeout if timeout is None else timeout)
         pending = list(names or self.children)
         max_exits = 3 if self.restart else 1
+        exits_before = {n: self.children[n].exits for n in pending}
         async with httpx.AsyncClient(timeout=2.0) as client:
             while pending:
                 still = []
@@ -228,7 +230,9 @@ class LocalCluster:
                 pending = still
                 if not pending:
                     return
-                crashed = [n for n in pending if self.children[n].exits >= max_exits]
+                crashed = [n for n in pending
+                           if self.children[n].exits - exits_before[n] >= max_exits
+                           or (not self.restart and self.children[n].exits > 0)]
                 if crashed or time.monotonic() > deadline:
                     raise ClusterStartError(self._not_ready_report(crashed or pending))
                 await asyncio.sleep(0.1)
@@ -563,6 +567,7 @@ async def _serve_until_signalled(cluster: LocalCluster) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await cluster.stop()
+        log.info("stopped")
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
 

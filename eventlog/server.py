@@ -326,7 +326,12 @@ class NatsCluster:
             # Every live node names the same meta leader and passes the full JetStream health
             # check (its meta state is current), so an R3 stream can be placed right away.
             leaders = {self._meta_leader(s) for s in live}
-            if len(leaders) == 1 and None not in leaders and all(map(_healthy, live)):
+            if (
+                len(leaders) == 1
+                and None not in leaders
+                and all(map(_healthy, live))
+                and self._leader_sees_current(live)
+            ):
                 return
             if time.monotonic() > deadline:
                 raise NatsServerFailed(f"no JetStream meta leader after {timeout}s: {leaders}")
@@ -339,6 +344,16 @@ class NatsCluster:
         doc = server.jsz()
         meta = (doc or {}).get("meta_cluster") or {}
         return meta.get("leader") or None
+
+    @staticmethod
+    def _leader_sees_current(live: list[NatsServer]) -> bool:
+        """The meta leader counts every live node as a current peer (placement needs that)."""
+        leader = next((s for s in live if NatsCluster._meta_leader(s) == s.server_name), None)
+        if leader is None:
+            return False
+        meta = (leader.jsz() or {}).get("meta_cluster") or {}
+        current = {r.get("name") for r in meta.get("replicas") or [] if r.get("current")}
+        return all(s.server_name in current for s in live if s is not leader)
 
     def meta_leader(self) -> str | None:
         """Server name of the current JetStream meta leader, as seen by the first live node."""

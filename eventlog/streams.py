@@ -9,7 +9,9 @@ snapshot removes events, never a silent expiry.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 from nats.js import JetStreamContext
 from nats.js.api import StorageType, StreamConfig, StreamInfo
@@ -58,17 +60,32 @@ def _wanted_config(names: Names, kind: str, replicas: int, duplicate_window: flo
     )
 
 
-async def _create(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
-    """Create with ``config.num_replicas``, stepping down while the cluster cannot place it."""
+async def _create(
+    js: JetStreamContext, config: StreamConfig, *, step_down: bool, placement_wait: float
+) -> StreamInfo:
+    """Create with ``config.num_replicas``. A cluster that cannot place that many replicas yet
+    (peers still joining) is given ``placement_wait`` seconds; after that, and only when the
+    count was our guess (``step_down``), one replica fewer is tried, down to 1."""
     wanted = config.num_replicas or 1
     replicas = wanted
+    deadline = time.monotonic() + placement_wait
+    delay = 0.05
     while True:
         try:
             info = await js.add_stream(config.evolve(num_replicas=replicas))
         except APIError as exc:
             if exc.err_code not in _PLACEMENT_ERRORS or replicas == 1:
                 raise
-            replicas = 1 if exc.err_code == _ERR_NOT_CLUSTERED else replicas - 1
+            if exc.err_code == _ERR_NOT_CLUSTERED and step_down:
+                replicas = 1
+            elif time.monotonic() < deadline:
+                await asyncio.sleep(delay)  # backoff between API calls, not synchronisation
+                delay = min(delay * 2, 0.5)
+            elif step_down:
+                replicas -= 1
+                deadline = time.monotonic() + placement_wait
+            else:
+                raise
             continue
         if replicas != wanted:
             log.warning(
@@ -115,7 +132,11 @@ async def _reconcile(
 
 
 async def ensure_stream(
-    js: JetStreamContext, config: StreamConfig, *, replicas_given: bool
+    js: JetStreamContext,
+    config: StreamConfig,
+    *,
+    replicas_given: bool,
+    placement_wait: float = 5.0,
 ) -> StreamInfo:
     """Create ``config.name`` or bring the existing stream in line with ``config``."""
     assert config.name is not None
@@ -123,7 +144,9 @@ async def ensure_stream(
         info = await js.stream_info(config.name)
     except NotFoundError:
         try:
-            return await _create(js, config)
+            return await _create(
+                js, config, step_down=not replicas_given, placement_wait=placement_wait
+            )
         except APIError as exc:
             if exc.err_code != _ERR_NAME_IN_USE:
                 raise

@@ -30,7 +30,7 @@ import heapq
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, compress, repeat
+from itertools import accumulate, compress, repeat, takewhile
 from operator import and_
 
 import xxhash
@@ -42,6 +42,7 @@ WorkerKey = tuple[str, int]  # (worker_id, dp_rank)
 PLAIN_VERSION = 1
 _DIGEST_SALT = 0x5BD1E9955BD1E995  # xored into seq hashes so that seq 0 still moves the digest
 _P = CHAIN_MULTIPLIER
+_ROOT = -1  # parent of a root block in the gap bookkeeping (sequence hashes are >= 0)
 _BITS = bytes.maketrans(b"01", b"\x00\x01")  # '0'/'1' digits -> falsy/truthy bytes
 
 
@@ -84,6 +85,12 @@ class PrefixIndex:
         self._sums: list[int] = []  # slot -> sum of membership mixes (mod 2**64, lazily)
         self._weights: list[int] = []  # slot -> digest weight of its worker key
         self._total = 0
+        # Gap tracking, so find_matches can bisect: a slot is "clean" when every node it holds
+        # has its parent held too (then holding block i implies holding blocks 0..i).
+        self._up: dict[int, int] = {}  # seq -> parent seq (_ROOT for a root block)
+        self._kids: list[dict[int, int]] = []  # slot -> {seq: held nodes whose parent is seq}
+        self._gaps: list[int] = []  # slot -> held nodes whose parent it does not hold
+        self._gappy = 0  # bitmask of slots with gaps
         self._sizes_cache: dict[WorkerKey, int] | None = None
         # approximate mode: (slot, seq) -> (expiry, depth); heap of (expiry, -depth, id, rank, seq)
         self._expiry: dict[tuple[int, int], tuple[float, int]] = {}
@@ -110,6 +117,8 @@ class PrefixIndex:
             self._blocks.append({})
             self._dups.append({})
             self._sums.append(0)
+            self._kids.append({})
+            self._gaps.append(0)
             self._weights.append(_worker_weight(worker))
         self._slots[worker] = slot
         return slot
@@ -126,13 +135,36 @@ class PrefixIndex:
             else:
                 dups[seq] = extra - 1
             return
-        mask = self._nodes[seq] ^ (1 << slot)
+        nodes = self._nodes
+        bit = 1 << slot
+        mask = nodes[seq] ^ bit
+        parent = self._up.get(seq, _ROOT)
         if mask:
-            self._nodes[seq] = mask
+            nodes[seq] = mask
         else:
-            del self._nodes[seq]
+            del nodes[seq]
+            self._up.pop(seq, None)
         if self.approximate:
             self._expiry.pop((slot, seq), None)
+        kids = self._kids[slot]
+        gaps = self._gaps[slot] + kids.get(seq, 0)  # its held children lose their parent
+        if parent != _ROOT:
+            left = kids.get(parent, 0) - 1
+            if left > 0:
+                kids[parent] = left
+            else:
+                kids.pop(parent, None)
+            if not nodes.get(parent, 0) & bit:
+                gaps -= 1  # it was itself a child without its parent
+        self._set_gaps(slot, gaps)
+
+    def _set_gaps(self, slot: int, gaps: int) -> None:
+        gaps = max(gaps, 0)  # only a 64-bit hash collision could drive it negative
+        self._gaps[slot] = gaps
+        if gaps:
+            self._gappy |= 1 << slot
+        else:
+            self._gappy &= ~(1 << slot)
 
     def _free_slot(self, slot: int) -> None:
         worker = self._keys[slot]
@@ -142,6 +174,8 @@ class PrefixIndex:
         self._blocks[slot] = {}
         self._dups[slot] = {}
         self._sums[slot] = 0
+        self._kids[slot] = {}
+        self._set_gaps(slot, 0)
         heapq.heappush(self._free, slot)
 
     # --- KV events ---------------------------------------------------------------------------
@@ -172,6 +206,12 @@ class PrefixIndex:
         get = nodes.get
         bit = 1 << slot
         mult, mask64, salt = _P, MASK64, _DIGEST_SALT  # locals: this loop is the apply hot path
+        up = self._up
+        kids = self._kids[slot]
+        gaps = self._gaps[slot]
+        prev = _ROOT if parent_block_hash is None else parent  # held by this worker (or root)
+        prev_kids = -1  # kids[prev] when known, else -1
+        moved_any = False  # a move may have released the chain's own parent
         acc = 0
         for block_hash, tokens_hash in blocks:
             seq = parent = (parent * mult + tokens_hash) & mask64
@@ -179,18 +219,35 @@ class PrefixIndex:
             if held is None:
                 bmap[block_hash] = seq
             elif held == seq:
+                prev, prev_kids = seq, -1
                 continue  # re-announced: nothing changes
             else:  # the engine reused the id for other content: move it
                 bmap[block_hash] = seq
+                self._gaps[slot] = gaps
                 self._release(slot, block_hash, held)
+                gaps = self._gaps[slot]
+                prev_kids = -1
                 moved += 1
+                moved_any = True
             acc += (seq ^ salt) * (2 * block_hash + 1)  # digest term, reduced once per batch
             mask = get(seq, 0)
-            if mask & bit:
+            if mask & bit:  # held under another block id: membership unchanged
                 dups = self._dups[slot]
                 dups[seq] = dups.get(seq, 0) + 1
-            else:
-                nodes[seq] = mask | bit
+                prev, prev_kids = seq, -1
+                continue
+            nodes[seq] = mask | bit
+            if not mask:
+                up[seq] = prev
+            if prev != _ROOT:
+                kids[prev] = (kids.get(prev, 0) if prev_kids < 0 else prev_kids) + 1
+                if moved_any and not get(prev, 0) & bit:
+                    gaps += 1  # stored under a parent this batch itself moved away
+            # children held without this node were gaps; only possible if the slot has gaps
+            prev_kids = kids.get(seq, 0) if gaps else 0
+            gaps -= prev_kids
+            prev = seq
+        self._set_gaps(slot, gaps)
         self._sums[slot] = (self._sums[slot] + acc) & MASK64
         self._total += len(bmap) - before + moved
         self._count("stored", "ok")
@@ -222,12 +279,14 @@ class PrefixIndex:
         nodes = self._nodes
         bmap = self._blocks[slot]
         dups = self._dups[slot]
+        up = self._up
         for seq in set(bmap.values()) if dups else bmap.values():
             mask = nodes[seq] ^ bit
             if mask:
                 nodes[seq] = mask
             else:
                 del nodes[seq]
+                up.pop(seq, None)
             if self.approximate:
                 self._expiry.pop((slot, seq), None)
         self._total -= len(bmap)
@@ -253,27 +312,44 @@ class PrefixIndex:
     def find_matches(self, seq_hashes: Sequence[int]) -> OverlapScores:
         """Matched prefix length (in blocks) of ``seq_hashes`` per worker key, plus tree sizes."""
         scores: dict[WorkerKey, int] = {}
-        nodes = self._nodes
-        if seq_hashes and nodes:
-            first = nodes.get(seq_hashes[0], 0)
-            if first:
-                # running intersection of the holders of blocks 0..i, computed in C
-                running = list(accumulate(map(nodes.get, seq_hashes, repeat(0)), and_))
-                keys = self._keys
-                end = len(running)
-                start = 0
-                held = first
+        get = self._nodes.get
+        first = get(seq_hashes[0], 0) if seq_hashes else 0
+        if first:
+            keys = self._keys
+            end = len(seq_hashes)
+            gappy = first & self._gappy
+            held = first ^ gappy
+            start = 0
+            # Clean slots hold every ancestor of what they hold, so "slot holds block i" only
+            # turns false once along the query: bisect for each point where the set shrinks.
+            while held:
+                stop = bisect_left(
+                    range(end), True, start + 1, end,
+                    key=lambda i: get(seq_hashes[i], 0) & held != held,
+                )
+                left = get(seq_hashes[stop], 0) & held if stop < end else 0
+                self._record(scores, keys, held ^ left, stop)
+                held, start = left, stop
+            if gappy:
+                # slots with gaps: running intersection along the query, in C, until empty
+                running = list(takewhile(bool, accumulate(
+                    map(get, seq_hashes, repeat(0)), and_, initial=gappy)))
+                end = len(running) - 1
+                held, start = gappy, 0
                 while held:
-                    # holders stay equal to `held` for a run, then shrink: bisect its end
-                    stop = bisect_left(running, True, start, end, key=held.__ne__)
-                    left = running[stop] if stop < end else 0
-                    # slots whose bit is in `dropped` matched exactly `stop` blocks; decode
-                    # the bits in C: binary digits, least significant first, as 0/1 bytes
-                    flags = bin(held ^ left)[:1:-1].encode().translate(_BITS)
-                    scores.update(zip(compress(keys, flags), repeat(stop)))  # type: ignore[arg-type]
-                    held = left
-                    start = stop
+                    stop = bisect_left(running, True, start + 1, end + 1, key=held.__ne__) - 1
+                    left = running[stop + 1] if stop < end else 0
+                    self._record(scores, keys, held ^ left, stop)
+                    held, start = left, stop + 1
         return OverlapScores(scores, dict(self._tree_sizes()))
+
+    @staticmethod
+    def _record(scores: dict[WorkerKey, int], keys: list[WorkerKey | None], slots: int,
+                matched: int) -> None:
+        """Give every slot whose bit is set in ``slots`` a score of ``matched`` blocks."""
+        # decode the bits in C: binary digits, least significant first, as 0/1 bytes
+        flags = bin(slots)[:1:-1].encode().translate(_BITS)
+        scores.update(zip(compress(keys, flags), repeat(matched)))  # type: ignore[arg-type]
 
     def _tree_sizes(self) -> dict[WorkerKey, int]:
         sizes = self._sizes_cache
@@ -324,14 +400,27 @@ class PrefixIndex:
         worker_id, dp_rank = self._keys[slot]  # type: ignore[misc]
         acc = 0
         added = 0
+        up = self._up
+        kids = self._kids[slot]
+        gaps = self._gaps[slot]
+        prev = _ROOT
         for depth, seq in enumerate(seq_hashes, 1):
             if seq not in bmap:
                 bmap[seq] = seq  # no engine id in this mode: the sequence hash names the block
                 added += 1
                 acc += ((seq ^ _DIGEST_SALT) * (2 * seq + 1)) & MASK64
-                nodes[seq] = nodes.get(seq, 0) | bit
+                mask = nodes.get(seq, 0)
+                nodes[seq] = mask | bit
+                if not mask:
+                    up[seq] = prev
+                if prev != _ROOT:
+                    kids[prev] = kids.get(prev, 0) + 1
+                if gaps:
+                    gaps -= kids.get(seq, 0)
+            prev = seq
             expiry_map[(slot, seq)] = (expires, depth)
             heapq.heappush(heap, (expires, -depth, worker_id, dp_rank, seq))
+        self._set_gaps(slot, gaps)
         self._sums[slot] = (self._sums[slot] + acc) & MASK64
         self._total += added
         if self._total > self.max_tree_size:
@@ -417,6 +506,7 @@ class PrefixIndex:
             "max_tree_size": self.max_tree_size,
             "prune_target_ratio": self.prune_target_ratio,
             "workers": workers,
+            "parents": [x for seq_parent in self._up.items() for x in seq_parent],
             "expiry": expiry,
             "counters": [[t, s, n] for (t, s), n in sorted(self.counters.items())],
         }
@@ -431,6 +521,8 @@ class PrefixIndex:
             max_tree_size=int(obj["max_tree_size"]),
             prune_target_ratio=float(obj["prune_target_ratio"]),
         )
+        parents = obj["parents"]
+        index._up = dict(zip(parents[0::2], parents[1::2], strict=True))
         for worker_id, dp_rank, flat in obj["workers"]:
             index._restore_blocks((worker_id, dp_rank), flat)
         for worker_id, dp_rank, entries in obj["expiry"]:
@@ -461,3 +553,12 @@ class PrefixIndex:
                 nodes[seq] = mask | bit
         self._sums[slot] = (self._sums[slot] + acc) & MASK64
         self._total += len(bmap)
+        kids = self._kids[slot]
+        gaps = 0
+        for seq in set(bmap.values()):
+            parent = self._up.get(seq, _ROOT)
+            if parent != _ROOT:
+                kids[parent] = kids.get(parent, 0) + 1
+                if not nodes.get(parent, 0) & bit:
+                    gaps += 1
+        self._set_gaps(slot, gaps)

@@ -68,6 +68,14 @@ def test_up_help_runs() -> None:
         assert flag in out.stdout
 
 
+def test_demo_help_runs() -> None:
+    out = subprocess.run([sys.executable, "-m", "api.cli", "demo", "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--workers", "--trace", "--max-requests", "--worker-speedup-ratio", "--compare"):
+        assert flag in out.stdout
+
+
 def test_missing_nats_server_is_one_line_error(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

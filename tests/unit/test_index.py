@@ -31,6 +31,16 @@ def roundtrip(index: PrefixIndex) -> PrefixIndex:
     return PrefixIndex.from_plain(plain)
 
 
+def gaps(index: PrefixIndex) -> dict[WorkerKey, int]:
+    """Per worker, held blocks whose parent it does not hold (what lets find_matches bisect)."""
+    return {k: index._gaps[s] for k, s in index._slots.items() if index._gaps[s]}
+
+
+def assert_gap_bookkeeping_consistent(index: PrefixIndex) -> None:
+    # from_plain recounts gaps from scratch; the incremental count must agree
+    assert gaps(roundtrip(index)) == gaps(index)
+
+
 def test_two_workers_share_prefix_and_roundtrip() -> None:
     index = PrefixIndex()
     assert index.store(W0, None, blocks(1, 2, 3)) == "ok"
@@ -54,7 +64,9 @@ def test_mid_chain_removal_stops_matches_and_restore_resumes() -> None:
     assert index.remove(W0, [300]) == 0
     assert scores(index, 1, 2, 3, 4, 5) == {W0: 2}
     assert index.tree_size(W0) == 4
+    assert gaps(index) == {W0: 1}  # block 4 is held without its parent
     assert index.store(W0, 200, blocks(3)) == "ok"  # block 3 again, under block 2
+    assert gaps(index) == {}
     assert scores(index, 1, 2, 3) == {W0: 3}
     # flat membership: the worker never reported 4 and 5 removed, so they match again
     assert scores(index, 1, 2, 3, 4, 5) == {W0: 5}
@@ -172,6 +184,7 @@ def test_approximate_prune_keeps_the_newest() -> None:
     assert scores(index, 1004) == {W0: 1}
     remaining = [i for i in range(6) if index.find_matches([1000 + i]).scores]
     assert remaining == [4, 5]
+    assert_gap_bookkeeping_consistent(index)
     assert index.counters[("pruned", "ok")] == 4
 
 
@@ -181,6 +194,7 @@ def test_approximate_prune_drops_deepest_first_on_ties() -> None:
     index.store_routed(W0, chain, now=0.0)
     assert index.total_blocks == 1
     assert index.find_matches(chain).scores == {W0: 1}
+    assert gaps(index) == {}
 
 
 def test_approximate_ttl_expires_in_event_time() -> None:
@@ -192,6 +206,7 @@ def test_approximate_ttl_expires_in_event_time() -> None:
     assert index.find_matches(chain).scores == {W0: 3, W1: 1}
     assert index.expire(121.0) == 3
     assert index.find_matches(chain).scores == {W1: 1}
+    assert_gap_bookkeeping_consistent(index)
     restored = roundtrip(index)
     assert restored.digest == index.digest
     index.store_routed(W1, chain[:1], now=200.0)  # a later decision refreshes the entry
@@ -287,6 +302,7 @@ def test_matches_agree_with_a_naive_model_and_survive_roundtrip(
     assert restored.total_blocks == index.total_blocks
     for q in queries:
         assert restored.find_matches(q) == index.find_matches(q)
+    assert gaps(restored) == gaps(index)
 
 
 @settings(max_examples=100, deadline=None)
@@ -313,3 +329,31 @@ def test_interleaving_of_workers_does_not_change_digest(
     assert a.digest == b.digest
     for q in QUERIES:
         assert a.find_matches(q) == b.find_matches(q)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(WORKERS[:2]), st.integers(1, 6), st.booleans()),
+                max_size=25))
+def test_approximate_mode_agrees_with_replaying_its_live_entries(
+    decisions: list[tuple[WorkerKey, int, bool]],
+) -> None:
+    """TTL and pruning in event time: the index matches a rebuild from its surviving entries."""
+    index = PrefixIndex(approximate=True, ttl_secs=10.0, max_tree_size=8, prune_target_ratio=0.5)
+    chain = query(1, 2, 3, 4, 5, 6)
+    now = 0.0
+    for worker, length, later in decisions:
+        now += 4.0 if later else 0.5
+        index.store_routed(worker, chain[:length], now)
+        assert index.total_blocks <= 8
+    assert_gap_bookkeeping_consistent(index)
+    naive: dict[WorkerKey, set[int]] = {}
+    for (slot, seq), _ in index._expiry.items():
+        naive.setdefault(index._keys[slot], set()).add(seq)  # type: ignore[arg-type]
+    expected = {}
+    for worker, held in naive.items():
+        n = 0
+        while n < len(chain) and chain[n] in held:
+            n += 1
+        if n:
+            expected[worker] = n
+    assert index.find_matches(chain).scores == expected
