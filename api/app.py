@@ -3,10 +3,7 @@ and the admin views (design.md §9). Everything routing-related is delegated to 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,18 +12,18 @@ from dataclasses import dataclass
 import httpx
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
+from api.admin import admin_router
 from api.errors import ApiError, error_response, install_error_handlers, overloaded_response
+from api.forward import Forwarder, replica_headers
 from api.metrics import RouterMetrics
 from api.openai_schema import parse_request
-from api.proxy import Exchange, SseWatcher, relay
 from api.tokenizer import Tokenizer, load_tokenizer
 from replicas.runtime import (
     AllWorkersBusy,
     NoWorkers,
     Replica,
-    Routed,
     RouteRequest,
     UnknownModel,
 )
@@ -78,10 +75,9 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     app.state.metrics = metrics
 
     def base_headers(worker_id: str | None = None) -> dict[str, str]:
-        h = {"x-jetrouter-replica": replica.replica_id}
-        if worker_id:
-            h["x-jetrouter-worker"] = worker_id
-        return h
+        return replica_headers(replica.replica_id, worker_id)
+
+    forwarder = Forwarder(replica, metrics, lambda: client_box["c"])
 
     # --- OpenAI-compatible ---------------------------------------------------------------
 
@@ -114,87 +110,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         metrics.input_tokens.observe(routed.isl_tokens)
         if routed.total_blocks:
             metrics.kv_hit_rate.observe(routed.overlap_blocks / routed.total_blocks)
-        path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
-        url = routed.worker_url.rstrip("/") + path
-        if parsed.stream:
-            return await stream_upstream(endpoint, url, raw, routed)
-        return await unary_upstream(endpoint, url, raw, routed)
-
-    def finish(endpoint: str, routed: Routed, ex: Exchange) -> None:
-        replica.finished(routed.request_id, ex.outcome, ex.tokens)
-        metrics.requests.labels(endpoint=endpoint, outcome=ex.outcome).inc()
-        if ex.ttft is not None:
-            metrics.ttft.observe(ex.ttft)
-        for gap in ex.itl:
-            metrics.itl.observe(gap)
-        if ex.outcome == "ok":
-            metrics.output_tokens.observe(ex.tokens)
-
-    async def unary_upstream(endpoint: str, url: str, raw: bytes, routed: Routed) -> Response:
-        ex = Exchange()
-        client = client_box["c"]
-        try:
-            resp = await client.post(url, content=raw, headers={
-                "content-type": "application/json", "x-request-id": routed.request_id})
-        except httpx.HTTPError as exc:
-            finish(endpoint, routed, ex)
-            return error_response(502, f"the inference engine {routed.worker_id} failed: "
-                                  f"{type(exc).__name__}", type="upstream_error",
-                                  headers=base_headers(routed.worker_id))
-        except BaseException:
-            ex.outcome = "cancelled"
-            finish(endpoint, routed, ex)
-            raise
-        ex.first_token_at = time.perf_counter()
-        replica.prefill_completed(routed.request_id)
-        if resp.status_code == 200:
-            with contextlib.suppress(Exception):
-                ex.take_usage(msgspec.json.decode(resp.content).get("usage"))
-            ex.outcome = "ok"
-        finish(endpoint, routed, ex)
-        return Response(resp.content, status_code=resp.status_code,
-                        media_type=resp.headers.get("content-type", "application/json"),
-                        headers=base_headers(routed.worker_id))
-
-    async def stream_upstream(endpoint: str, url: str, raw: bytes, routed: Routed) -> Response:
-        ex = Exchange()
-        client = client_box["c"]
-        req = client.build_request("POST", url, content=raw, headers={
-            "content-type": "application/json", "x-request-id": routed.request_id})
-        try:
-            resp = await client.send(req, stream=True)
-        except httpx.HTTPError as exc:
-            finish(endpoint, routed, ex)
-            return error_response(502, f"the inference engine {routed.worker_id} failed: "
-                                  f"{type(exc).__name__}", type="upstream_error",
-                                  headers=base_headers(routed.worker_id))
-        except BaseException:
-            ex.outcome = "cancelled"
-            finish(endpoint, routed, ex)
-            raise
-        if resp.status_code != 200:
-            body = await resp.aread()
-            await resp.aclose()
-            finish(endpoint, routed, ex)
-            return Response(body, status_code=resp.status_code,
-                            media_type=resp.headers.get("content-type", "application/json"),
-                            headers=base_headers(routed.worker_id))
-        watcher = SseWatcher(ex, lambda: replica.prefill_completed(routed.request_id))
-
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in relay(resp, watcher):
-                    yield chunk
-            except (asyncio.CancelledError, GeneratorExit):
-                ex.outcome = "cancelled"
-                raise
-            finally:
-                if ex.outcome != "ok" and watcher.saw_done is False and ex.outcome != "cancelled":
-                    ex.outcome = "error"
-                finish(endpoint, routed, ex)
-
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers=base_headers(routed.worker_id))
+        return await forwarder.forward(endpoint, parsed, raw, routed)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -230,7 +146,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
 
     @app.post("/busy_threshold")
     async def post_busy_threshold(request: Request) -> Response:
-        body = _object_body(await request.body())
+        body = object_body(await request.body())
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "`model` is required and must be a string", param="model")
@@ -293,63 +209,12 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         metrics.queue_depth.set(replica.queue_depth())
         metrics.inflight.set(len(state.load))
 
-    # --- admin (bearer token) --------------------------------------------------------------------
-
-    def check_admin(request: Request) -> None:
-        if not cfg.admin_token:
-            raise ApiError(403, "the admin API is disabled: start the replica with --admin-token "
-                           "TOKEN (or JETROUTER_ADMIN_TOKEN) to enable it",
-                           type="permission_error")
-        auth = request.headers.get("authorization", "")
-        if not auth:
-            raise ApiError(401, "missing bearer token: send `Authorization: Bearer TOKEN`",
-                           type="authentication_error",
-                           headers={"www-authenticate": "Bearer"})
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != cfg.admin_token:
-            raise ApiError(403, "invalid admin token", type="permission_error")
-
-    @app.get("/admin/state")
-    async def admin_state(request: Request) -> Response:
-        check_admin(request)
-        state = replica.state
-        return _json_response({
-            "replica_id": replica.replica_id,
-            "ready": replica.ready,
-            "leader": False,
-            "epoch": state.epoch,
-            "positions": state.positions,
-            "digests": {k: f"{v:016x}" for k, v in state.digests().items()},
-            "lag": replica.lag(),
-            "snapshot_threshold": state.snapshot_threshold,
-            "event_time": state.now,
-            "workers": len(state.workers),
-            "active_requests": len(state.load),
-            "malformed_messages": replica.malformed,
-        })
-
-    @app.get("/admin/workers")
-    async def admin_workers(request: Request) -> Response:
-        check_admin(request)
-        state = replica.state
-        out = []
-        for w in sorted(state.workers.values(), key=lambda w: w.worker_id):
-            keys = [(w.worker_id, r) for r in range(w.dp_size)]
-            out.append({
-                "worker_id": w.worker_id, "url": w.url, "model": w.model,
-                "block_size": w.block_size, "kv_total_blocks": w.kv_total_blocks,
-                "dp_size": w.dp_size, "health": state.health.get(w.worker_id, "healthy"),
-                "cached_blocks": sum(state.index.tree_size(k) for k in keys),
-                "active_prefill_tokens": sum(state.load.active_prefill_tokens(k) for k in keys),
-                "active_decode_blocks": sum(state.load.active_decode_blocks(k) for k in keys),
-                "out_of_sync": w.worker_id in state.out_of_sync,
-            })
-        return _json_response({"workers": out})
+    app.include_router(admin_router(replica, cfg))
 
     return app
 
 
-def _object_body(raw: bytes) -> dict[str, object]:
+def object_body(raw: bytes) -> dict[str, object]:
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError:

@@ -12,6 +12,10 @@ import msgspec
 BlockPair = tuple[int, int]
 """(block_hash, tokens_hash): the engine's opaque id and jetrouter's hash of the block's tokens."""
 
+CandidateRow = tuple[str, int, int, float, float, float, bool]
+"""(worker_id, dp_rank, overlap_blocks, prefill_blocks, decode_blocks, cost, busy): one
+candidate's cost terms in a routing decision, kept for the decision ledger."""
+
 
 class _Event(msgspec.Struct, frozen=True, tag=True, array_like=False, omit_defaults=False):
     pass
@@ -75,6 +79,8 @@ class RequestRouted(_Event, frozen=True, tag=True):
     expected_osl: int
     priority: int
     ts: float
+    candidates: list[CandidateRow] = []
+    model: str = ""
 
 
 class PrefillCompleted(_Event, frozen=True, tag=True):

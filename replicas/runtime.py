@@ -335,7 +335,8 @@ class Replica:
             request_id=req.request_id, replica_id=self.replica_id, worker_id=worker_id,
             dp_rank=dp_rank, isl_tokens=len(req.token_ids), block_seq_hashes=list(seq_hashes),
             overlap_blocks=result.overlap_blocks, expected_osl=req.expected_osl,
-            priority=req.priority, ts=time.time())
+            priority=req.priority, ts=time.time(), candidates=result.costs.rows(),
+            model=req.model)
         prefill = max(len(req.token_ids) - result.overlap_blocks * info.block_size, 0)
         new_blocks = len(seq_hashes) - self.state.load.active_prefix_len(result.worker,
                                                                          seq_hashes)

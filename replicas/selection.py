@@ -125,6 +125,22 @@ class CostTable(Sequence[CostTerms]):
         self._busy = busy
         self._terms: tuple[CostTerms, ...] | None = None
 
+    def rows(self) -> list[tuple[str, int, int, float, float, float, bool]]:
+        """Plain `(worker_id, dp_rank, overlap, prefill_blocks, decode_blocks, cost, busy)`
+        rows: what a `RequestRouted` carries for the decision ledger (cheap to encode)."""
+        isl, w, bs, busy = self._isl, self._weight, self._bs, self._busy
+        out = []
+        for c in self._candidates:
+            uncached = isl - c.overlap_blocks * bs
+            prefill = (c.active_prefill_tokens + (uncached if uncached > 0 else 0)) / bs
+            decode = c.active_decode_blocks + c.new_request_blocks
+            cost = w * prefill + decode
+            if c.weight < 1.0:
+                cost /= c.weight if c.weight > _MIN_WEIGHT else _MIN_WEIGHT
+            out.append((c.worker[0], c.worker[1], c.overlap_blocks, prefill, float(decode), cost,
+                        c.worker[0] in busy))
+        return out
+
     def as_tuple(self) -> tuple[CostTerms, ...]:
         if self._terms is None:
             isl, w, bs, busy = self._isl, self._weight, self._bs, self._busy

@@ -140,31 +140,32 @@ async def test_local_cluster_restarts_a_killed_worker_and_stops_cleanly(tmp_path
 @needs_serve
 def test_up_command_exits_0_on_sigterm_and_leaves_nothing(tmp_path: Path) -> None:
     data_dir = tmp_path / "jr"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "up", "--replicas", "1", "--workers", "1",
-         "--base-port", "0", "--data-dir", str(data_dir), "--namespace", "upcli"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out_path, err_path = tmp_path / "up.out", tmp_path / "up.err"
+    with out_path.open("w") as out_f, err_path.open("w") as err_f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "api.cli", "up", "--replicas", "1", "--workers", "1",
+             "--base-port", "0", "--data-dir", str(data_dir), "--namespace", "upcli"],
+            cwd=REPO, stdout=out_f, stderr=err_f)
     try:
-        def all_ready() -> bool:
-            assert proc.poll() is None, proc.communicate()
-            try:
-                doc = json.loads((data_dir / "cluster.json").read_text())
-                urls = ([r["url"] + "/ready" for r in doc["replicas"]]
-                        + [w["url"] + "/health" for w in doc["workers"]])
-                return all(httpx.get(u, timeout=2.0).status_code == 200 for u in urls)
-            except (OSError, ValueError, httpx.HTTPError):
-                return False
+        def banner_printed() -> bool:
+            assert proc.poll() is None, err_path.read_text()
+            return "Ctrl-C stops everything" in out_path.read_text()
 
-        wait_for(all_ready, 45.0, "`jetrouter up` to be ready")
+        # The banner comes after every replica's /ready and every worker's /health were 200.
+        wait_for(banner_printed, 45.0, "`jetrouter up` to print its banner")
         doc = json.loads((data_dir / "cluster.json").read_text())
+        for url in ([r["url"] + "/ready" for r in doc["replicas"]]
+                    + [w["url"] + "/health" for w in doc["workers"]]):
+            assert httpx.get(url, timeout=5.0).status_code == 200, url
         pids = [c["pid"] for c in doc["replicas"] + doc["workers"]]
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, err
+            proc.wait()
+    assert proc.returncode == 0, err_path.read_text()
+    out = out_path.read_text()
     assert "jetrouter cluster is up" in out and doc["replicas"][0]["url"] in out
     for pid in pids:
         assert not pid_alive(pid), f"child {pid} still running after SIGTERM"
