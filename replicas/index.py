@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, compress, repeat, takewhile
 from operator import and_
@@ -38,6 +38,7 @@ import xxhash
 from eventlog.hashing import CHAIN_MULTIPLIER, MASK64
 
 WorkerKey = tuple[str, int]  # (worker_id, dp_rank)
+Entry = tuple[int, int]  # a held block: (sequence hash, parent's sequence hash or _ROOT)
 
 PLAIN_VERSION = 1
 _DIGEST_SALT = 0x5BD1E9955BD1E995  # xored into seq hashes so that seq 0 still moves the digest
@@ -80,14 +81,13 @@ class PrefixIndex:
         self._slots: dict[WorkerKey, int] = {}
         self._keys: list[WorkerKey | None] = []  # slot -> worker key
         self._free: list[int] = []  # released slots (heap: lowest reused first)
-        self._blocks: list[dict[int, int]] = []  # slot -> {block_hash: seq}
+        self._blocks: list[dict[int, Entry]] = []  # slot -> {block_hash: (seq, parent seq)}
         self._dups: list[dict[int, int]] = []  # slot -> {seq: block ids beyond the first}
         self._sums: list[int] = []  # slot -> sum of membership mixes (mod 2**64, lazily)
         self._weights: list[int] = []  # slot -> digest weight of its worker key
         self._total = 0
         # Gap tracking, so find_matches can bisect: a slot is "clean" when every node it holds
         # has its parent held too (then holding block i implies holding blocks 0..i).
-        self._up: dict[int, int] = {}  # seq -> parent seq (_ROOT for a root block)
         self._kids: list[dict[int, int]] = []  # slot -> {seq: held nodes whose parent is seq}
         self._gaps: list[int] = []  # slot -> held nodes whose parent it does not hold
         self._gappy = 0  # bitmask of slots with gaps
@@ -123,8 +123,9 @@ class PrefixIndex:
         self._slots[worker] = slot
         return slot
 
-    def _release(self, slot: int, block_hash: int, seq: int) -> None:
+    def _release(self, slot: int, block_hash: int, entry: Entry) -> None:
         """Drop one block id's membership (the caller already popped it from the slot's map)."""
+        seq, parent = entry
         self._sums[slot] -= _membership_mix(block_hash, seq)
         self._total -= 1
         dups = self._dups[slot]
@@ -138,12 +139,10 @@ class PrefixIndex:
         nodes = self._nodes
         bit = 1 << slot
         mask = nodes[seq] ^ bit
-        parent = self._up.get(seq, _ROOT)
         if mask:
             nodes[seq] = mask
         else:
             del nodes[seq]
-            self._up.pop(seq, None)
         if self.approximate:
             self._expiry.pop((slot, seq), None)
         kids = self._kids[slot]
@@ -196,7 +195,7 @@ class PrefixIndex:
             if known is None:
                 self._count("stored", "parent_block_not_found")
                 return "parent_block_not_found"
-            parent = known
+            parent = known[0]
         self._sizes_cache = None
         bmap = self._blocks[slot]
         before = len(bmap)
@@ -206,7 +205,6 @@ class PrefixIndex:
         get = nodes.get
         bit = 1 << slot
         mult, mask64, salt = _P, MASK64, _DIGEST_SALT  # locals: this loop is the apply hot path
-        up = self._up
         kids = self._kids[slot]
         gaps = self._gaps[slot]
         prev = _ROOT if parent_block_hash is None else parent  # held by this worker (or root)
@@ -217,12 +215,12 @@ class PrefixIndex:
             seq = parent = (parent * mult + tokens_hash) & mask64
             held = get_block(block_hash)
             if held is None:
-                bmap[block_hash] = seq
-            elif held == seq:
+                bmap[block_hash] = (seq, prev)
+            elif held[0] == seq:
                 prev, prev_kids = seq, -1
                 continue  # re-announced: nothing changes
             else:  # the engine reused the id for other content: move it
-                bmap[block_hash] = seq
+                bmap[block_hash] = (seq, prev)
                 self._gaps[slot] = gaps
                 self._release(slot, block_hash, held)
                 gaps = self._gaps[slot]
@@ -237,15 +235,17 @@ class PrefixIndex:
                 prev, prev_kids = seq, -1
                 continue
             nodes[seq] = mask | bit
-            if not mask:
-                up[seq] = prev
-            if prev != _ROOT:
-                kids[prev] = (kids.get(prev, 0) if prev_kids < 0 else prev_kids) + 1
+            if prev_kids >= 0:  # the parent was added just before: its child count is known
+                kids[prev] = prev_kids + 1
+            elif prev != _ROOT:
+                kids[prev] = kids.get(prev, 0) + 1
                 if moved_any and not get(prev, 0) & bit:
                     gaps += 1  # stored under a parent this batch itself moved away
-            # children held without this node were gaps; only possible if the slot has gaps
-            prev_kids = kids.get(seq, 0) if gaps else 0
-            gaps -= prev_kids
+            if gaps:  # children held without this node were gaps (impossible in a clean slot)
+                prev_kids = kids.get(seq, 0)
+                gaps -= prev_kids
+            else:
+                prev_kids = 0
             prev = seq
         self._set_gaps(slot, gaps)
         self._sums[slot] = (self._sums[slot] + acc) & MASK64
@@ -263,11 +263,11 @@ class PrefixIndex:
             self._sizes_cache = None
             bmap = self._blocks[slot]
             for block_hash in block_hashes:
-                seq = bmap.pop(block_hash, None)
-                if seq is None:
+                entry = bmap.pop(block_hash, None)
+                if entry is None:
                     unknown += 1
                 else:
-                    self._release(slot, block_hash, seq)
+                    self._release(slot, block_hash, entry)
             self._sums[slot] &= MASK64
         self._count("removed", "ok")
         if unknown:
@@ -279,14 +279,12 @@ class PrefixIndex:
         nodes = self._nodes
         bmap = self._blocks[slot]
         dups = self._dups[slot]
-        up = self._up
-        for seq in set(bmap.values()) if dups else bmap.values():
+        for seq in {e[0] for e in bmap.values()} if dups else (e[0] for e in bmap.values()):
             mask = nodes[seq] ^ bit
             if mask:
                 nodes[seq] = mask
             else:
                 del nodes[seq]
-                up.pop(seq, None)
             if self.approximate:
                 self._expiry.pop((slot, seq), None)
         self._total -= len(bmap)
@@ -400,19 +398,15 @@ class PrefixIndex:
         worker_id, dp_rank = self._keys[slot]  # type: ignore[misc]
         acc = 0
         added = 0
-        up = self._up
         kids = self._kids[slot]
         gaps = self._gaps[slot]
         prev = _ROOT
         for depth, seq in enumerate(seq_hashes, 1):
             if seq not in bmap:
-                bmap[seq] = seq  # no engine id in this mode: the sequence hash names the block
+                bmap[seq] = (seq, prev)  # no engine id in this mode: the seq hash names the block
                 added += 1
                 acc += ((seq ^ _DIGEST_SALT) * (2 * seq + 1)) & MASK64
-                mask = nodes.get(seq, 0)
-                nodes[seq] = mask | bit
-                if not mask:
-                    up[seq] = prev
+                nodes[seq] = nodes.get(seq, 0) | bit
                 if prev != _ROOT:
                     kids[prev] = kids.get(prev, 0) + 1
                 if gaps:
@@ -444,9 +438,9 @@ class PrefixIndex:
         return None
 
     def _drop_entry(self, slot: int, seq: int) -> None:
-        self._blocks[slot].pop(seq)
+        entry = self._blocks[slot].pop(seq)
         self._expiry.pop((slot, seq), None)
-        self._release(slot, seq, seq)
+        self._release(slot, seq, entry)
         self._sums[slot] &= MASK64
 
     def expire(self, now: float) -> int:
@@ -487,9 +481,10 @@ class PrefixIndex:
         expiry: list[list[object]] = []
         for worker, slot in sorted(self._slots.items()):
             flat: list[int] = []
-            for block_hash, seq in self._blocks[slot].items():
+            for block_hash, (seq, parent) in self._blocks[slot].items():
                 flat.append(block_hash)
                 flat.append(seq)
+                flat.append(parent)
             workers.append([worker[0], worker[1], flat])
         if self.approximate:
             per_slot: dict[int, list[float | int]] = {}
@@ -506,7 +501,6 @@ class PrefixIndex:
             "max_tree_size": self.max_tree_size,
             "prune_target_ratio": self.prune_target_ratio,
             "workers": workers,
-            "parents": [x for seq_parent in self._up.items() for x in seq_parent],
             "expiry": expiry,
             "counters": [[t, s, n] for (t, s), n in sorted(self.counters.items())],
         }
@@ -521,8 +515,6 @@ class PrefixIndex:
             max_tree_size=int(obj["max_tree_size"]),
             prune_target_ratio=float(obj["prune_target_ratio"]),
         )
-        parents = obj["parents"]
-        index._up = dict(zip(parents[0::2], parents[1::2], strict=True))
         for worker_id, dp_rank, flat in obj["workers"]:
             index._restore_blocks((worker_id, dp_rank), flat)
         for worker_id, dp_rank, entries in obj["expiry"]:
@@ -539,26 +531,25 @@ class PrefixIndex:
         slot = self._slot_for(worker)
         bmap = self._blocks[slot]
         dups = self._dups[slot]
+        kids = self._kids[slot]
         nodes = self._nodes
         bit = 1 << slot
         acc = 0
-        pairs: Iterable[tuple[int, int]] = zip(flat[0::2], flat[1::2], strict=True)
-        for block_hash, seq in pairs:
-            bmap[block_hash] = seq
+        for i in range(0, len(flat), 3):
+            block_hash, seq, parent = flat[i], flat[i + 1], flat[i + 2]
+            bmap[block_hash] = (seq, parent)
             acc += ((seq ^ _DIGEST_SALT) * (2 * block_hash + 1)) & MASK64
             mask = nodes.get(seq, 0)
             if mask & bit:
                 dups[seq] = dups.get(seq, 0) + 1
             else:
                 nodes[seq] = mask | bit
+                if parent != _ROOT:
+                    kids[parent] = kids.get(parent, 0) + 1
         self._sums[slot] = (self._sums[slot] + acc) & MASK64
         self._total += len(bmap)
-        kids = self._kids[slot]
         gaps = 0
-        for seq in set(bmap.values()):
-            parent = self._up.get(seq, _ROOT)
-            if parent != _ROOT:
-                kids[parent] = kids.get(parent, 0) + 1
-                if not nodes.get(parent, 0) & bit:
-                    gaps += 1
+        for parent in {e[0]: e[1] for e in bmap.values()}.values():
+            if parent != _ROOT and not nodes.get(parent, 0) & bit:
+                gaps += 1
         self._set_gaps(slot, gaps)

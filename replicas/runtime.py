@@ -18,15 +18,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import nats
-from eventlog.hashing import prompt_hashes
-from eventlog.reader import StartPurged, StreamReader
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from eventlog import events as ev
 from eventlog.appender import Appender
+from eventlog.hashing import prompt_hashes
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
+from eventlog.reader import StartPurged, StreamReader
 from eventlog.streams import ensure_streams, stream_bounds
 from replicas.index import WorkerKey
 from replicas.queue import RequestQueue, should_queue
@@ -87,6 +87,7 @@ class RouteRequest:
     priority: int = 0
     overlap_weight: float | None = None
     latency_sensitivity: float = 0.0
+    exclude: frozenset[str] = frozenset()  # worker ids not to use (e.g. one that just failed)
 
 
 @dataclass(slots=True)
@@ -249,14 +250,15 @@ class Replica:
     def thresholds_for(self, model: str) -> BusyThresholds:
         return self.state.thresholds_for(model) or self.config.default_thresholds
 
-    def candidates(self, model: str, seq_hashes: Sequence[int]) -> list[Candidate]:
+    def candidates(self, model: str, seq_hashes: Sequence[int],
+                   exclude: frozenset[str] = frozenset()) -> list[Candidate]:
         state = self.state
         scores = state.index.find_matches(seq_hashes)
         out: list[Candidate] = []
         n = len(seq_hashes)
         load = state.load
         for w in state.workers.values():
-            if w.model != model:
+            if w.model != model or w.worker_id in exclude:
                 continue
             weight = HEALTH_WEIGHT.get(state.health.get(w.worker_id, "healthy"), 0.0)
             if weight <= 0.0:
@@ -289,7 +291,7 @@ class Replica:
         t0 = time.perf_counter()
         seq_hashes = prompt_hashes(req.token_ids, self.config.state.block_size)
         t1 = time.perf_counter()
-        cands = self.candidates(req.model, seq_hashes)
+        cands = self.candidates(req.model, seq_hashes, req.exclude)
         t2 = time.perf_counter()
         thresholds = self.thresholds_for(req.model)
         self.selector.config = _with_thresholds(self.selector.config, thresholds)

@@ -221,11 +221,14 @@ def test_approximate_ttl_expires_in_event_time() -> None:
 WORKERS: list[WorkerKey] = [("a", 0), ("a", 1), ("b", 0)]
 HASHES = st.integers(min_value=0, max_value=12)
 
+# tokens_hash 0 is left out: chain_hash(0, t) == t, so a root block with tokens_hash 0 would make
+# "child of that block" and "root" the same sequence hash, a collision real 64-bit hashes never hit
+TOKENS = st.integers(min_value=1, max_value=12)
 store_op = st.tuples(
     st.just("store"),
     st.sampled_from(WORKERS),
     st.one_of(st.none(), HASHES.map(lambda h: h * 100)),
-    st.lists(st.tuples(HASHES.map(lambda h: h * 100), HASHES), min_size=1, max_size=4),
+    st.lists(st.tuples(HASHES.map(lambda h: h * 100), TOKENS), min_size=1, max_size=4),
 )
 remove_op = st.tuples(
     st.just("remove"),
@@ -280,11 +283,11 @@ def apply_model(model: dict[WorkerKey, dict[int, int]], op: tuple[object, ...]) 
         held.clear()
 
 
-QUERIES = [query(*q) for q in [(1,), (1, 2), (1, 2, 3), (2, 3, 4), (0, 0, 0, 0), (5, 6, 7, 8)]]
+QUERIES = [query(*q) for q in [(1,), (1, 2), (1, 2, 3), (2, 3, 4), (1, 1, 1, 1), (5, 6, 7, 8)]]
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops, st.lists(HASHES, min_size=1, max_size=5))
+@given(ops, st.lists(TOKENS, min_size=1, max_size=5))
 def test_matches_agree_with_a_naive_model_and_survive_roundtrip(
     sequence: list[tuple[object, ...]], extra_query: list[int]
 ) -> None:
