@@ -1,4 +1,4 @@
-"""Admin API behind a bearer token (design.md §9): state, workers, and (later) snapshots."""
+"""Admin API behind a bearer token (design.md §9): state, workers, snapshots, reset, ledger."""
 
 from __future__ import annotations
 
@@ -45,12 +45,16 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
         return _json_response({
             "replica_id": replica.replica_id,
             "ready": replica.ready,
-            "leader": False,
+            "leader": replica.durability.is_leader if replica.durability else False,
             "epoch": state.epoch,
             "positions": state.positions,
             "digests": {k: f"{v:016x}" for k, v in state.digests().items()},
             "lag": replica.lag(),
-            "snapshot_threshold": state.snapshot_threshold,
+            "snapshot_threshold": threshold(),
+            "messages_since_snapshot": (replica.durability.messages_since_snapshot()
+                                        if replica.durability else None),
+            "last_snapshot": (state.last_snapshot.snapshot_id if state.last_snapshot else None),
+            "restores": replica.restores,
             "event_time": state.now,
             "workers": len(state.workers),
             "active_requests": len(state.load),
@@ -74,5 +78,80 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
                 "out_of_sync": w.worker_id in state.out_of_sync,
             })
         return _json_response({"workers": out})
+
+    def durability() -> Any:
+        if replica.durability is None:
+            raise ApiError(503, "snapshots are disabled on this replica",
+                           type="service_unavailable")
+        return replica.durability
+
+    def threshold() -> int | None:
+        d = replica.durability
+        return d.threshold if d is not None else replica.state.snapshot_threshold
+
+    async def leader_call(verb: str, payload: dict[str, Any]) -> dict[str, Any]:
+        from replicas.durability import NoLeader
+
+        try:
+            return await durability().request(verb, payload)
+        except NoLeader as exc:
+            raise ApiError(503, f"{exc}; retry in a few seconds",
+                           type="service_unavailable") from None
+
+    @router.post("/admin/snapshot")
+    async def admin_snapshot(request: Request) -> Response:
+        check_admin(request)
+        return _json_response(await leader_call("snapshot", {"trigger": "admin"}))
+
+    @router.get("/admin/snapshots")
+    async def admin_snapshots(request: Request) -> Response:
+        check_admin(request)
+        if replica.projections is not None:
+            rows = await replica.projections.snapshots()
+        else:
+            rows = [msgspec.structs.asdict(m) if isinstance(m, msgspec.Struct) else vars(m)
+                    for m in await durability().store.list()]
+        return _json_response({"snapshots": rows})
+
+    @router.post("/admin/reset")
+    async def admin_reset(request: Request) -> Response:
+        check_admin(request)
+        return _json_response(await leader_call("reset", {"reason": "admin"}))
+
+    @router.get("/admin/snapshot-threshold")
+    async def get_snapshot_threshold(request: Request) -> Response:
+        check_admin(request)
+        return _json_response({"threshold": threshold()})
+
+    @router.put("/admin/snapshot-threshold")
+    async def put_snapshot_threshold(request: Request) -> Response:
+        check_admin(request)
+        try:
+            body = msgspec.json.decode(await request.body())
+        except msgspec.DecodeError:
+            raise ApiError(400, "the request body is not valid JSON") from None
+        value = body.get("threshold") if isinstance(body, dict) else None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ApiError(400, "`threshold` must be a positive integer (messages between "
+                           "snapshots)", param="threshold")
+        await replica.set_snapshot_threshold(value)
+        return _json_response({"threshold": threshold()})
+
+    @router.get("/admin/replicas")
+    async def admin_replicas(request: Request) -> Response:
+        check_admin(request)
+        return _json_response({"replicas": await replica.peers_view()})
+
+    @router.get("/admin/requests/{request_id}")
+    async def admin_request(request_id: str, request: Request) -> Response:
+        check_admin(request)
+        if replica.projections is None:
+            raise ApiError(503, "the decision ledger is disabled on this replica",
+                           type="service_unavailable")
+        row = await replica.projections.request(request_id)
+        if row is None:
+            raise ApiError(404, f"no routing decision recorded for request {request_id!r}",
+                           param="request_id")
+        return _json_response(row)
 
     return router

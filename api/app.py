@@ -3,6 +3,7 @@ and the admin views (design.md §9). Everything routing-related is delegated to 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -40,6 +41,7 @@ class AppConfig:
     admin_token: str | None = None
     tokenizer: str | None = None
     upstream_timeout: float = 600.0
+    reset_on_start: bool = False
 
 
 def _json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None
@@ -54,6 +56,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     metrics = metrics or RouterMetrics()
     tokenizer: Tokenizer = load_tokenizer(cfg.tokenizer)
     client_box: dict[str, httpx.AsyncClient] = {}
+    background: set[asyncio.Task[None]] = set()
     applied_seen: dict[tuple[str, str, str], int] = {}
 
     @asynccontextmanager
@@ -63,6 +66,8 @@ def create_app(replica: Replica, config: AppConfig | None = None,
             limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512))
         if replica.nc is None:
             await replica.start()
+        if cfg.reset_on_start:
+            background.add(asyncio.create_task(_reset_when_ready(replica)))
         try:
             yield
         finally:
@@ -212,6 +217,21 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     app.include_router(admin_router(replica, cfg))
 
     return app
+
+
+async def _reset_when_ready(replica: Replica) -> None:
+    """--router-reset-states: once caught up, ask the leader (maybe us) for a reset."""
+    await replica.wait_ready()
+    for attempt in range(30):
+        try:
+            assert replica.durability is not None
+            answer = await replica.durability.request("reset", {"reason": "--router-reset-states"})
+            log.warning("state reset on start: new epoch %s", answer.get("epoch"))
+            return
+        except Exception as exc:  # no leader yet: the lease is taken within a few seconds
+            log.info("reset on start: %s (attempt %d)", exc, attempt + 1)
+            await asyncio.sleep(1.0)
+    log.error("reset on start failed: no leader answered")
 
 
 def object_body(raw: bytes) -> dict[str, object]:

@@ -69,8 +69,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="in-flight requests older than this (event time) stop counting as load")
     r.add_argument("--seed", type=int, default=None, help="seed of the routing random source")
     s = p.add_argument_group("durability")
-    s.add_argument("--router-snapshot-threshold", type=_positive_int, default=1_000_000)
-    s.add_argument("--router-reset-states", action="store_true")
+    s.add_argument("--router-snapshot-threshold", type=_positive_int, default=1_000_000,
+                   help="the leader snapshots once this many messages were appended since the "
+                        "last snapshot (changeable at runtime: PUT /admin/snapshot-threshold)")
+    s.add_argument("--snapshot-keep", type=_positive_int, default=3,
+                   help="snapshot blobs kept in the object store")
+    s.add_argument("--lease-ttl", type=float, default=5.0,
+                   help="leader lease time-to-live, seconds")
+    s.add_argument("--router-reset-states", action="store_true",
+                   help="on start, reset every replica's state (new epoch, streams purged, "
+                        "engines re-announce) — coordinated through the leader")
+    s.add_argument("--database-url", default=None,
+                   help="SQLAlchemy async URL of the catalog and ledger "
+                        "(default: sqlite+aiosqlite:///<data-dir>/jetrouter.db)")
+    s.add_argument("--ledger-retention", type=_non_negative, default=7 * 86400.0,
+                   help="seconds of routing decisions kept in the ledger (event time)")
+    s.add_argument("--no-snapshots", dest="durable", action="store_false",
+                   help=argparse.SUPPRESS)
 
 
 def build_config(args: argparse.Namespace) -> ReplicaConfig:
@@ -97,6 +112,10 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
         queue_threshold=args.router_queue_threshold,
         queue_policy=args.router_queue_policy,
         seed=args.seed,
+        durable=args.durable,
+        snapshot_threshold=args.router_snapshot_threshold,
+        snapshot_keep=args.snapshot_keep,
+        lease_ttl=args.lease_ttl,
     )
 
 
@@ -111,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     config = build_config(args)
     replica = Replica(config)
     app = create_app(replica, AppConfig(max_prompt_tokens=args.max_prompt_tokens,
-                                        admin_token=args.admin_token, tokenizer=args.tokenizer))
+                                        admin_token=args.admin_token, tokenizer=args.tokenizer,
+                                        reset_on_start=args.router_reset_states))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False, timeout_graceful_shutdown=30)
     return 0

@@ -127,9 +127,14 @@ class SnapshotTaken(_Event, frozen=True, tag=True):
 
 
 class StateReset(_Event, frozen=True, tag=True):
+    """Clear the index and the load. `positions` are the KV and router stream sequences the reset
+    cuts at: messages at or below them belong to the old epoch (they are purged), messages above
+    them to the new one, whatever order a replica happens to apply the streams in."""
+
     epoch: int
     reason: str
     ts: float
+    positions: dict[str, int] = {}
 
 
 class WorkerHealthChanged(_Event, frozen=True, tag=True):

@@ -7,11 +7,14 @@ Layout, chosen for the two hot paths (applying KV events and ``find_matches``):
 * Every block is a node keyed by its *sequence hash* (``eventlog.hashing.chain_hash`` from the
   parent's sequence hash; a root block's sequence hash is its ``tokens_hash``), so equal prefixes on
   different workers share a node. A node's value is an int bitmask of the worker *slots* holding it.
-* Per slot, ``block_hash -> seq`` maps the engine's opaque ids back to nodes, for removals and for
-  the parent of a later store.
-* ``find_matches`` ANDs the masks along the query in C (``itertools.accumulate``); the running
-  intersection only shrinks, so each worker's matched length is found by bisecting for the points
-  where it changes.
+* Per slot, ``block_hash -> entry`` (the block's sequence hash and its parent's, packed in one
+  int) maps the engine's opaque ids back to nodes, for removals and for the parent of a later store.
+* Gap bookkeeping: per slot, how many held nodes have each node as parent, and how many held nodes
+  lack their parent (``gaps``). A slot without gaps holds every ancestor of whatever it holds, so
+  along a query "holds block i" is true then false, and ``find_matches`` *bisects* for the few
+  points where the set of holders shrinks (~10 dict lookups each instead of one per block: a cold
+  dict lookup in a million-entry dict costs ~0.2 us). Slots with gaps (a mid-chain block removed
+  while deeper ones stay) fall back to ANDing the masks along the query, in C, until empty.
 
 Membership is *flat*: removing a mid-chain block clears that one node for that worker, so matches
 stop there; if the block is stored again, the worker's deeper blocks (which it never reported
@@ -38,7 +41,7 @@ import xxhash
 from eventlog.hashing import CHAIN_MULTIPLIER, MASK64
 
 WorkerKey = tuple[str, int]  # (worker_id, dp_rank)
-Entry = tuple[int, int]  # a held block: (sequence hash, parent's sequence hash or _ROOT)
+Entry = int  # a held block: seq | (parent seq + 1) << 64 (a root's parent is _ROOT, so: seq)
 
 PLAIN_VERSION = 1
 _DIGEST_SALT = 0x5BD1E9955BD1E995  # xored into seq hashes so that seq 0 still moves the digest
@@ -81,7 +84,9 @@ class PrefixIndex:
         self._slots: dict[WorkerKey, int] = {}
         self._keys: list[WorkerKey | None] = []  # slot -> worker key
         self._free: list[int] = []  # released slots (heap: lowest reused first)
-        self._blocks: list[dict[int, Entry]] = []  # slot -> {block_hash: (seq, parent seq)}
+        # slot -> {block_hash: entry}; entries are ints, not tuples, so that a million of them
+        # cost the garbage collector nothing
+        self._blocks: list[dict[int, Entry]] = []
         self._dups: list[dict[int, int]] = []  # slot -> {seq: block ids beyond the first}
         self._sums: list[int] = []  # slot -> sum of membership mixes (mod 2**64, lazily)
         self._weights: list[int] = []  # slot -> digest weight of its worker key
@@ -125,7 +130,8 @@ class PrefixIndex:
 
     def _release(self, slot: int, block_hash: int, entry: Entry) -> None:
         """Drop one block id's membership (the caller already popped it from the slot's map)."""
-        seq, parent = entry
+        seq = entry & MASK64
+        parent = (entry >> 64) - 1
         self._sums[slot] -= _membership_mix(block_hash, seq)
         self._total -= 1
         dups = self._dups[slot]
@@ -195,7 +201,7 @@ class PrefixIndex:
             if known is None:
                 self._count("stored", "parent_block_not_found")
                 return "parent_block_not_found"
-            parent = known[0]
+            parent = known & MASK64
         self._sizes_cache = None
         bmap = self._blocks[slot]
         before = len(bmap)
@@ -215,12 +221,12 @@ class PrefixIndex:
             seq = parent = (parent * mult + tokens_hash) & mask64
             held = get_block(block_hash)
             if held is None:
-                bmap[block_hash] = (seq, prev)
-            elif held[0] == seq:
+                bmap[block_hash] = seq | (prev + 1) << 64
+            elif held & mask64 == seq:
                 prev, prev_kids = seq, -1
                 continue  # re-announced: nothing changes
             else:  # the engine reused the id for other content: move it
-                bmap[block_hash] = (seq, prev)
+                bmap[block_hash] = seq | (prev + 1) << 64
                 self._gaps[slot] = gaps
                 self._release(slot, block_hash, held)
                 gaps = self._gaps[slot]
@@ -279,7 +285,8 @@ class PrefixIndex:
         nodes = self._nodes
         bmap = self._blocks[slot]
         dups = self._dups[slot]
-        for seq in {e[0] for e in bmap.values()} if dups else (e[0] for e in bmap.values()):
+        seqs = (e & MASK64 for e in bmap.values())
+        for seq in set(seqs) if dups else seqs:
             mask = nodes[seq] ^ bit
             if mask:
                 nodes[seq] = mask
@@ -403,7 +410,7 @@ class PrefixIndex:
         prev = _ROOT
         for depth, seq in enumerate(seq_hashes, 1):
             if seq not in bmap:
-                bmap[seq] = (seq, prev)  # no engine id in this mode: the seq hash names the block
+                bmap[seq] = seq | (prev + 1) << 64  # no engine id here: the seq names the block
                 added += 1
                 acc += ((seq ^ _DIGEST_SALT) * (2 * seq + 1)) & MASK64
                 nodes[seq] = nodes.get(seq, 0) | bit
@@ -481,10 +488,10 @@ class PrefixIndex:
         expiry: list[list[object]] = []
         for worker, slot in sorted(self._slots.items()):
             flat: list[int] = []
-            for block_hash, (seq, parent) in self._blocks[slot].items():
+            for block_hash, entry in self._blocks[slot].items():
                 flat.append(block_hash)
-                flat.append(seq)
-                flat.append(parent)
+                flat.append(entry & MASK64)
+                flat.append((entry >> 64) - 1)
             workers.append([worker[0], worker[1], flat])
         if self.approximate:
             per_slot: dict[int, list[float | int]] = {}
@@ -537,7 +544,7 @@ class PrefixIndex:
         acc = 0
         for i in range(0, len(flat), 3):
             block_hash, seq, parent = flat[i], flat[i + 1], flat[i + 2]
-            bmap[block_hash] = (seq, parent)
+            bmap[block_hash] = seq | (parent + 1) << 64
             acc += ((seq ^ _DIGEST_SALT) * (2 * block_hash + 1)) & MASK64
             mask = nodes.get(seq, 0)
             if mask & bit:
@@ -549,7 +556,7 @@ class PrefixIndex:
         self._sums[slot] = (self._sums[slot] + acc) & MASK64
         self._total += len(bmap)
         gaps = 0
-        for parent in {e[0]: e[1] for e in bmap.values()}.values():
+        for parent in {e & MASK64: (e >> 64) - 1 for e in bmap.values()}.values():
             if parent != _ROOT and not nodes.get(parent, 0) & bit:
                 gaps += 1
         self._set_gaps(slot, gaps)

@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import nats
 from nats.aio.client import Client as NatsClient
@@ -40,9 +41,16 @@ from replicas.selection import (
 )
 from replicas.state import RouterState, StateConfig
 
+if TYPE_CHECKING:
+    from replicas.durability import Durability
+
 log = logging.getLogger("jetrouter.replica")
 
 HEALTH_WEIGHT = {"healthy": 1.0, "suspicious": 0.5}
+
+
+class _Rewind(Exception):
+    """Raised inside a follower when a StateReset moved positions: restart the followers."""
 
 
 class RoutingError(Exception):
@@ -76,6 +84,10 @@ class ReplicaConfig:
     queue_timeout: float = 30.0
     ready_lag: int = 0
     seed: int | None = None
+    durable: bool = True  # snapshots, leader lease, reset (off only in narrow tests)
+    snapshot_threshold: int = 1_000_000
+    snapshot_keep: int = 3
+    lease_ttl: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +138,11 @@ class Replica:
         self.stream_last: dict[str, int] = {k: 0 for k in STREAM_KINDS}
         self.malformed: dict[str, int] = {k: 0 for k in STREAM_KINDS}
         self._catch_up_targets: dict[str, int] = {}
-        self._readers: list[asyncio.Task[None]] = []
+        self._supervisor: asyncio.Task[None] | None = None
+        self.durability: Durability | None = None
+        self.projections: Any = None  # snapshots.projections.Projections when enabled
+        self.liveness: Any = None  # replicas.liveness.Liveness when enabled
+        self.restores = 0
         self._bg: set[asyncio.Task[object]] = set()
         self._pending: dict[str, _Pending] = {}
         self._overlay_prefill: dict[WorkerKey, int] = {}
@@ -155,21 +171,32 @@ class Replica:
         self.js = self.nc.jetstream()
         await ensure_streams(self.js, self.names)
         self.appender = Appender(self.js)
+        if self.config.durable:
+            from replicas.durability import Durability
+
+            self.durability = Durability(self, self.nc, self.js, self.names,
+                                         snapshot_threshold=self.config.snapshot_threshold,
+                                         keep=self.config.snapshot_keep,
+                                         lease_ttl=self.config.lease_ttl)
+            await self._restore("start-up")
         for kind in STREAM_KINDS:
             _, last = await stream_bounds(self.js, self.names.stream(kind))
             self._catch_up_targets[kind] = last
-            self.stream_last[kind] = last
+            self.stream_last[kind] = max(last, self.state.positions[kind])
         self._check_ready()
-        for kind in STREAM_KINDS:
-            self._readers.append(asyncio.create_task(self._follow(kind), name=f"follow-{kind}"))
+        self._supervisor = asyncio.create_task(self._supervise(), name="followers")
         self._dispatcher = asyncio.create_task(self._dispatch_queue(), name="queue-dispatcher")
+        if self.durability is not None:
+            await self.durability.start()
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         await asyncio.wait_for(self._ready_event.wait(), timeout)
 
     async def stop(self) -> None:
         self.ready = False
-        tasks = [*self._readers, *( [self._dispatcher] if self._dispatcher else [])]
+        if self.durability is not None:
+            await self.durability.stop()
+        tasks = [t for t in (self._supervisor, self._dispatcher) if t is not None]
         for t in tasks:
             t.cancel()
         if self._bg:
@@ -181,34 +208,74 @@ class Replica:
             with contextlib.suppress(Exception):
                 await self.nc.drain()
 
+    # --- snapshots ---------------------------------------------------------------------------
+
+    async def _restore(self, why: str) -> bool:
+        """Replace the state with the newest valid snapshot if it is ahead of ours."""
+        assert self.durability is not None
+        found = await self.durability.store.load_newest_valid()
+        if found is None:
+            return False
+        meta, blob = found[0], found[1]
+        candidate = RouterState.decode(blob, self.config.state)
+        ours = self.state.positions
+        if candidate.epoch < self.state.epoch or all(
+                candidate.positions[k] <= ours[k] for k in STREAM_KINDS):
+            return False
+        self.state = candidate
+        self.restores += 1
+        log.warning("replica %s loaded snapshot %s at %s (%s)", self.replica_id,
+                    meta.snapshot_id, candidate.positions, why)
+        return True
+
     # --- following the streams --------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        """Run one follower per stream; a purge under us means reload from the snapshot, a
+        StateReset means re-read from its cut; anything else restarts the followers from the
+        positions the state has applied (nothing is lost or applied twice)."""
+        backoff = 0.2
+        while True:
+            followers = [asyncio.create_task(self._follow(k), name=f"follow-{k}")
+                         for k in STREAM_KINDS]
+            done, pending = await asyncio.wait(followers, return_when=asyncio.FIRST_EXCEPTION)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            errors = [t.exception() for t in done if not t.cancelled() and t.exception()]
+            purged = [e for e in errors if isinstance(e, StartPurged)]
+            if any(isinstance(e, _Rewind) for e in errors) and not purged:
+                backoff = 0.2
+                continue
+            if purged:
+                reloaded = self.durability is not None and await self._restore(str(purged[0]))
+                if not reloaded:
+                    log.error("%s and no snapshot covers it yet; retrying", purged[0])
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                else:
+                    backoff = 0.2
+                continue
+            for e in errors:
+                log.error("stream follower failed (%s: %s); restarting from applied positions",
+                          type(e).__name__, e)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
 
     async def _follow(self, kind: str) -> None:
         assert self.js is not None
         stream = self.names.stream(kind)
-        while True:
-            reader = StreamReader(self.js, stream, start_seq=self.state.positions[kind] + 1)
-            try:
-                async for seq, batch in reader:
-                    self._apply(kind, seq, batch, reader)
-            except StartPurged as exc:
-                # Without a snapshot to reload (issue 4) the best we can do is continue from what
-                # is left; this is logged loudly because the state may now differ from peers'.
-                log.error("stream %s purged below our position (%s); resuming at %s",
-                          stream, exc, exc.first_seq)
-                self.state.positions[kind] = exc.first_seq - 1
-            except asyncio.CancelledError:
+        reader = StreamReader(self.js, stream, start_seq=self.state.positions[kind] + 1)
+        try:
+            async for seq, batch in reader:
+                self._apply(kind, seq, batch, reader)
+        finally:
+            self.malformed[kind] += reader.malformed
+            with contextlib.suppress(Exception):
                 await reader.close()
-                raise
-            except Exception:
-                log.exception("reader for %s failed; restarting it", stream)
-                await asyncio.sleep(0.5)
-            finally:
-                self.malformed[kind] += reader.malformed
-                with contextlib.suppress(Exception):
-                    await reader.close()
 
     def _apply(self, kind: str, seq: int, batch: Sequence[ev.Event], reader: StreamReader) -> None:
+        before = (self.state.epoch, self.state.positions[KV], self.state.positions[ROUTER])
         self.state.apply(kind, seq, batch)
         self.stream_last[kind] = max(self.stream_last[kind], seq + reader.pending)
         if kind == ROUTER:
@@ -224,6 +291,13 @@ class Replica:
             self.on_applied(kind, seq, batch)
         if not self.ready:
             self._check_ready()
+        if kind == CONTROL and self.state.epoch != before[0] and (
+                self.state.positions[KV], self.state.positions[ROUTER]) != before[1:]:
+            # A StateReset moved the other streams' positions to its cut: re-read from there.
+            self._pending.clear()
+            self._overlay_prefill.clear()
+            self._overlay_decode.clear()
+            raise _Rewind()
 
     def _check_ready(self) -> None:
         lag = self.config.ready_lag
@@ -384,7 +458,29 @@ class Replica:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._load_changed.wait(), 0.05)
 
+    async def set_snapshot_threshold(self, threshold: int) -> None:
+        seq = await self.append_control(ev.SnapshotThresholdSet(threshold, time.time()), None,
+                                        control_kind="snapshot-threshold")
+        await self.wait_applied(CONTROL, seq)
+
+    async def peers_view(self) -> list[dict[str, object]]:
+        """What /admin/replicas shows: every live replica's heartbeat (liveness, issue 5)."""
+        if self.liveness is None:
+            return [self._self_view()]
+        return await self.liveness.view()
+
+    def _self_view(self) -> dict[str, object]:
+        return {"replica_id": self.replica_id, "ready": self.ready,
+                "leader": bool(self.durability and self.durability.is_leader),
+                "positions": dict(self.state.positions),
+                "digests": {k: f"{v:016x}" for k, v in self.state.digests().items()},
+                "age_s": 0.0, "divergent": False}
+
     # --- internals ----------------------------------------------------------------------------
+
+    async def append_control(self, event: ev.Event, msg_id: str | None, *,
+                             control_kind: str = "config") -> int:
+        return await self._append(CONTROL, event, msg_id, control_kind=control_kind)
 
     async def _append(self, kind: str, event: ev.Event, msg_id: str | None, *,
                       control_kind: str = "config") -> int:

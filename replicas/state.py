@@ -247,6 +247,10 @@ class RouterState:
             return "stale_epoch"
         c = self.config
         self.epoch = e.epoch
+        for kind in (KV, ROUTER):
+            if kind in e.positions:
+                # Rewinds (or skips) the other streams to the cut: the runtime re-reads from here.
+                self.positions[kind] = e.positions[kind]
         self.index = PrefixIndex(approximate=c.approximate, ttl_secs=c.ttl_secs,
                                  max_tree_size=c.max_tree_size,
                                  prune_target_ratio=c.prune_target_ratio)

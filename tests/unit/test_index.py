@@ -360,3 +360,13 @@ def test_approximate_mode_agrees_with_replaying_its_live_entries(
         if n:
             expected[worker] = n
     assert index.find_matches(chain).scores == expected
+
+
+def test_degenerate_self_referencing_chain_does_not_corrupt_the_index() -> None:
+    # tokens_hash 0 under a root with tokens_hash 0 has sequence hash 0 again (its own parent)
+    index = PrefixIndex()
+    index.store(W0, None, [(0, 0), (100, 0), (0, 1), (100, 0)])
+    index.remove(W0, [0, 100])
+    assert index.total_blocks == 0
+    assert index.find_matches(query(0, 1)).scores == {}
+    assert roundtrip(index).digest == index.digest

@@ -157,3 +157,18 @@ def _chain(parent: int, local: int) -> int:
     from eventlog.hashing import chain_hash
 
     return chain_hash(parent, local)
+
+
+def test_state_reset_cuts_other_streams_at_its_positions() -> None:
+    """Whatever a replica applied of the KV stream before the reset, it ends at the cut."""
+    ahead, behind = RouterState(), RouterState()
+    reg = [ev.WorkerRegistered("w", "u", "m", 16, 100, 8192, 1.0)]
+    ahead.apply(KV, 1, reg)
+    ahead.apply(KV, 2, [ev.BlocksStored("w", 1, 0, None, [(10, 1)], 2.0)])
+    behind.apply(KV, 1, reg)
+    reset = [ev.StateReset(1, "test", 3.0, {KV: 1, ROUTER: 0})]
+    for s in (ahead, behind):
+        s.apply(CONTROL, 1, reset)
+        assert s.positions[KV] == 1
+        s.apply(KV, 2, [ev.BlocksStored("w", 1, 0, None, [(10, 1)], 2.0)])  # re-read after cut
+    assert ahead.digests() == behind.digests()

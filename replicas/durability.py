@@ -1,0 +1,237 @@
+"""Leader-elected snapshots, safe purge and coordinated reset (design.md §8).
+
+One replica holds the lease; it alone snapshots, purges and resets, always in this order:
+write blob → append `SnapshotTaken` → purge up to the *previous* snapshot's positions. So the
+newest snapshot is ahead of the purge point and the one before it sits exactly at it: restore can
+fall back one snapshot (a corrupt newest blob) and still replay without a gap.
+
+Other replicas reach the leader through core-NATS requests (`<ns>.admin.snapshot`,
+`<ns>.admin.reset`), so `POST /admin/snapshot` works on any replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from nats.aio.client import Client as NatsClient
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+
+from eventlog import events as ev
+from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
+from eventlog.streams import stream_bounds
+from snapshots.lease import LeaderLease
+from snapshots.store import SnapshotStore
+
+if TYPE_CHECKING:
+    from replicas.runtime import Replica
+
+log = logging.getLogger("jetrouter.durability")
+
+
+class NoLeader(Exception):
+    """No replica holds the lease (or it did not answer) — try again shortly."""
+
+
+class Durability:
+    def __init__(self, replica: Replica, nc: NatsClient, js: JetStreamContext, names: Names, *,
+                 snapshot_threshold: int, keep: int = 3, lease_ttl: float = 5.0,
+                 check_interval: float = 1.0) -> None:
+        self.replica = replica
+        self.nc = nc
+        self.js = js
+        self.names = names
+        self.default_threshold = snapshot_threshold
+        self.store = SnapshotStore(js, names, keep=keep)
+        self.lease = LeaderLease(js, names, replica.replica_id, ttl=lease_ttl)
+        self.check_interval = check_interval
+        self.snapshots_taken = 0
+        self.last_snapshot_at: float | None = None
+        self._lock = asyncio.Lock()  # one snapshot/reset at a time on this replica
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._subs: list[Any] = []
+        self._inflight: set[asyncio.Task[Any]] = set()
+        self.on_leader_change: Callable[[bool], Awaitable[None] | None] | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.lease.is_leader
+
+    @property
+    def threshold(self) -> int:
+        t = self.replica.state.snapshot_threshold
+        return t if t is not None else self.default_threshold
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self.lease.run(self._leader_changed),
+                                               name="lease"))
+        self._tasks.append(asyncio.create_task(self._leader_loop(), name="snapshot-policy"))
+        self._subs.append(await self.nc.subscribe(self._subject("snapshot"),
+                                                  cb=self._on_snapshot_request))
+        self._subs.append(await self.nc.subscribe(self._subject("reset"),
+                                                  cb=self._on_reset_request))
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        with contextlib.suppress(Exception):
+            await self.lease.stop()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        with contextlib.suppress(Exception):
+            await self.lease.release()
+
+    def _subject(self, verb: str) -> str:
+        return f"{self.names.namespace}.admin.{verb}"
+
+    async def _leader_changed(self, leader: bool) -> None:
+        log.warning("replica %s %s the leader lease", self.replica.replica_id,
+                    "took" if leader else "lost")
+        if self.on_leader_change is not None:
+            result = self.on_leader_change(leader)
+            if asyncio.iscoroutine(result):
+                await result
+
+    # --- the policy: snapshot when enough has been appended since the last one -------------
+
+    def messages_since_snapshot(self) -> int:
+        state = self.replica.state
+        last = state.last_snapshot.positions if state.last_snapshot else {}
+        return sum(max(state.positions[k] - last.get(k, 0), 0) for k in (KV, ROUTER))
+
+    async def _leader_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.check_interval)
+            if not (self.is_leader and self.replica.ready):
+                continue
+            if self.messages_since_snapshot() > self.threshold:
+                try:
+                    await self.take_snapshot("threshold")
+                except Exception:
+                    log.exception("scheduled snapshot failed; will retry")
+
+    # --- snapshot ------------------------------------------------------------------------------
+
+    async def take_snapshot(self, trigger: str) -> dict[str, Any]:
+        """Leader only. Blob first, then the event, then the purge."""
+        async with self._lock:
+            state = self.replica.state
+            blob = state.encode()  # positions inside; no await between reading and encoding
+            positions = dict(state.positions)
+            epoch = state.epoch
+            meta = await self.store.put(blob, positions=positions, epoch=epoch,
+                                        created_by=self.replica.replica_id, trigger=trigger)
+            event = ev.SnapshotTaken(meta.snapshot_id, positions, meta.size, meta.sha256,
+                                     self.replica.replica_id, trigger, time.time())
+            seq = await self.replica.append_control(event, f"snap.{meta.snapshot_id}",
+                                                    control_kind="snapshot")
+            await self._purge_to_previous(meta.snapshot_id)
+            self.snapshots_taken += 1
+            self.last_snapshot_at = time.time()
+            log.info("snapshot %s at %s (%d bytes, trigger %s)", meta.snapshot_id, positions,
+                     meta.size, trigger)
+            return {"snapshot_id": meta.snapshot_id, "positions": positions, "epoch": epoch,
+                    "size": meta.size, "sha256": meta.sha256, "trigger": trigger,
+                    "created_by": self.replica.replica_id, "control_seq": seq}
+
+    async def _purge_to_previous(self, newest_id: str) -> None:
+        metas = await self.store.list()
+        older = [m for m in metas if m.snapshot_id != newest_id]
+        if not older:
+            return
+        cut = older[0].positions  # the previous snapshot: purge exactly up to it
+        for kind in STREAM_KINDS:
+            upto = int(cut.get(kind, 0))
+            if upto > 0:
+                await self._purge(kind, upto)
+
+    async def _purge(self, kind: str, upto: int) -> None:
+        """Remove messages with sequence <= upto (JetStream keeps `seq` and above)."""
+        stream = self.names.stream(kind)
+        first, _ = await stream_bounds(self.js, stream)
+        if first > upto:
+            return
+        await self.js.purge_stream(stream, seq=upto + 1)
+
+    # --- reset ---------------------------------------------------------------------------------
+
+    async def reset(self, reason: str) -> dict[str, Any]:
+        """Leader only: cut every stream at its current end, start a new epoch, drop old blobs,
+        snapshot the new epoch, and ask engines to re-announce their caches."""
+        async with self._lock:
+            cut = {}
+            for kind in (KV, ROUTER):
+                _, last = await stream_bounds(self.js, self.names.stream(kind))
+                cut[kind] = last
+            epoch = self.replica.state.epoch + 1
+            event = ev.StateReset(epoch, reason, time.time(), cut)
+            seq = await self.replica.append_control(event, f"reset.{epoch}",
+                                                    control_kind="reset")
+            await self.replica.wait_applied(CONTROL, seq)
+            for kind in (KV, ROUTER):
+                if cut[kind] > 0:
+                    await self._purge(kind, cut[kind])
+            if seq > 1:
+                await self._purge(CONTROL, seq - 1)
+            deleted = await self.store.delete_all()
+        # A fresh snapshot of the new epoch, so a replica starting now has something to load.
+        snap = await self.take_snapshot("reset")
+        await self.nc.publish(self.names.reannounce_subject("all"), b"")
+        return {"epoch": epoch, "cut": cut, "control_seq": seq, "blobs_deleted": deleted,
+                "snapshot": snap}
+
+    # --- reaching the leader from any replica ----------------------------------------------------
+
+    async def request(self, verb: str, payload: dict[str, Any], timeout: float = 30.0
+                      ) -> dict[str, Any]:
+        if self.is_leader:
+            return await self._run(verb, payload)
+        try:
+            msg = await self.nc.request(self._subject(verb), json.dumps(payload).encode(),
+                                        timeout=timeout)
+        except (NoRespondersError, NatsTimeout) as exc:
+            raise NoLeader(f"no leader answered the {verb} request: {type(exc).__name__}") from None
+        answer = json.loads(msg.data)
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
+        return answer
+
+    async def _run(self, verb: str, payload: dict[str, Any]) -> dict[str, Any]:
+        if verb == "snapshot":
+            return await self.take_snapshot(payload.get("trigger", "admin"))
+        if verb == "reset":
+            return await self.reset(payload.get("reason", "admin"))
+        raise ValueError(verb)
+
+    async def _answer(self, msg: Any, verb: str) -> None:
+        if not self.is_leader or not msg.reply:
+            return  # only the leader answers; others stay silent so the request reaches it
+        try:
+            answer = await self._run(verb, json.loads(msg.data or b"{}"))
+        except Exception as exc:  # reported to the asking replica, which returns 500
+            log.exception("%s request failed", verb)
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        await msg.respond(json.dumps(answer).encode())
+
+    async def _on_snapshot_request(self, msg: Any) -> None:
+        self._spawn(self._answer(msg, "snapshot"))
+
+    async def _on_reset_request(self, msg: Any) -> None:
+        self._spawn(self._answer(msg, "reset"))
+
+    def _spawn(self, coro: Any) -> None:
+        # Answer off the subscription callback (a snapshot takes a while); keep a reference.
+        task = asyncio.create_task(coro)
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)

@@ -1,0 +1,205 @@
+"""Decision ledger: one SQL row per routing decision, from the router stream (design.md §8).
+
+A row is born from ``RequestRouted`` (with every candidate's cost terms), then filled in by
+``PrefillCompleted`` / ``RequestFinished``; ``ReplicaLost`` marks the lost replica's still-open
+rows. A migrated request (issue 6) is re-routed as ``<request_id>~<hop>``: each hop is its own
+row carrying ``base_id`` and ``hop``, and a lookup by the base id returns all of them.
+
+Throughput (~1,000 decisions/s, three events each) rules out a statement per event, so a group of
+stream messages is first *folded* in memory, in stream order, into rows to insert and column
+updates for rows already stored, then written with a few executemany statements. The result must
+not depend on how messages were grouped (a rebuild by replay groups them differently), so:
+
+* the first ``RequestRouted`` for an id wins; later events on a row overwrite (last wins);
+* an update that arrives before its row exists hits nothing, as it would applied alone;
+* ``ReplicaLost`` flushes pending updates before marking stored rows, so "still open" means open
+  at that point of the stream;
+* retention deletes rows whose ``routed_ts`` is older than (newest event ts applied - retention),
+  one DELETE per transaction; the cutoff only grows, so the final rows are the same however the
+  deletes were batched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import bindparam, delete, func, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from eventlog import events as ev
+from eventlog.names import ROUTER
+from snapshots.db import Tracking, decision_ledger, from_json, to_json
+
+Message = tuple[int, Sequence[ev.Event]]
+
+HOP_SEPARATOR = "~"
+_LOOKUP_CHUNK = 500  # ids per IN (...) list: well under every backend's bound-parameter limit
+CANDIDATE_FIELDS = (
+    "worker", "dp_rank", "overlap_blocks", "prefill_blocks", "decode_blocks", "cost", "busy",
+)
+
+
+def split_hop(request_id: str) -> tuple[str, int]:
+    """``"abc~2"`` -> ``("abc", 2)``; an id without a numeric ``~hop`` suffix is hop 0."""
+    base, sep, suffix = request_id.rpartition(HOP_SEPARATOR)
+    if sep and base and suffix.isdigit():
+        return base, int(suffix)
+    return request_id, 0
+
+
+class LedgerView:
+    projection = "decision_ledger"
+    stream = ROUTER
+
+    def __init__(self, retention: float) -> None:
+        if retention <= 0:
+            raise ValueError(f"ledger retention must be > 0 seconds, got {retention}")
+        self.retention = retention
+
+    async def write(
+        self, conn: AsyncConnection, messages: Sequence[Message], track: Tracking
+    ) -> None:
+        """Apply ``messages`` (already filtered to seq > tracked position) inside ``conn``'s
+        transaction; ``track.event_ts`` is advanced to the newest ``ts`` seen."""
+        routed_ids = [e.request_id for _, batch in messages for e in batch
+                      if isinstance(e, ev.RequestRouted)]
+        stored = await self._existing(conn, routed_ids)
+        fresh: dict[str, dict[str, Any]] = {}
+        updates: dict[str, dict[str, Any]] = {}
+
+        def change(request_id: str, values: dict[str, Any]) -> None:
+            row = fresh.get(request_id)
+            if row is not None:
+                row.update(values)
+            else:
+                updates.setdefault(request_id, {}).update(values)
+
+        for seq, batch in messages:
+            for e in batch:
+                track.event_ts = max(track.event_ts, float(e.ts))
+                if isinstance(e, ev.RequestRouted):
+                    if e.request_id in fresh or e.request_id in stored:
+                        continue
+                    # Updates seen before this row existed were no-ops when they happened.
+                    updates.pop(e.request_id, None)
+                    fresh[e.request_id] = _routed_row(seq, e)
+                elif isinstance(e, ev.PrefillCompleted):
+                    change(e.request_id, {"prefill_ts": e.ts})
+                elif isinstance(e, ev.RequestFinished):
+                    change(e.request_id, {"finished_ts": e.ts, "outcome": e.outcome,
+                                          "output_tokens": e.output_tokens})
+                elif isinstance(e, ev.ReplicaLost):
+                    for row in fresh.values():
+                        if row["replica_id"] == e.replica_id and _open(row):
+                            row.update(lost=True, lost_ts=e.ts)
+                    await self._flush_updates(conn, updates)
+                    await self._mark_lost(conn, e)
+
+        if fresh:
+            await conn.execute(decision_ledger.insert(), list(fresh.values()))
+        await self._flush_updates(conn, updates)
+        await conn.execute(
+            delete(decision_ledger).where(
+                decision_ledger.c.routed_ts < track.event_ts - self.retention
+            )
+        )
+
+    async def request(self, conn: AsyncConnection, request_id: str) -> dict[str, Any] | None:
+        """The decision for ``request_id`` with ``hops``: every hop of its base request."""
+        base, _ = split_hop(request_id)
+        table = decision_ledger
+        rows = [_ledger_dict(r._mapping) for r in await conn.execute(
+            select(table).where(table.c.base_id == base).order_by(table.c.hop)
+        )]
+        main = next((r for r in rows if r["request_id"] == request_id), None)
+        if main is None and request_id == base and rows:
+            main = rows[0]  # hop 0 aged out or never seen: the base id still finds the hops
+        if main is None:
+            return None
+        return {**main, "hops": rows}
+
+    async def count(self, conn: AsyncConnection) -> int:
+        return int((await conn.execute(select(func.count()).select_from(decision_ledger)))
+                   .scalar_one())
+
+    async def _existing(self, conn: AsyncConnection, ids: Sequence[str]) -> set[str]:
+        found: set[str] = set()
+        unique = list(dict.fromkeys(ids))
+        for i in range(0, len(unique), _LOOKUP_CHUNK):
+            chunk = unique[i:i + _LOOKUP_CHUNK]
+            rows = await conn.execute(
+                select(decision_ledger.c.request_id).where(decision_ledger.c.request_id.in_(chunk))
+            )
+            found.update(rows.scalars())
+        return found
+
+    async def _flush_updates(
+        self, conn: AsyncConnection, updates: dict[str, dict[str, Any]]
+    ) -> None:
+        """One executemany per set of changed columns (prefill only, finish only, both)."""
+        groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        for request_id, values in updates.items():
+            keys = tuple(sorted(values))
+            params = {f"p_{k}": v for k, v in values.items()}
+            params["p_request_id"] = request_id
+            groups.setdefault(keys, []).append(params)
+        updates.clear()
+        table = decision_ledger
+        for keys, params_list in groups.items():
+            stmt = (
+                update(table)
+                .where(table.c.request_id == bindparam("p_request_id"))
+                .values({k: bindparam(f"p_{k}") for k in keys})
+            )
+            await conn.execute(stmt, params_list)
+
+    async def _mark_lost(self, conn: AsyncConnection, e: ev.ReplicaLost) -> None:
+        table = decision_ledger
+        await conn.execute(
+            update(table)
+            .where(table.c.replica_id == e.replica_id, table.c.finished_ts.is_(None),
+                   table.c.lost.is_(False))
+            .values(lost=True, lost_ts=e.ts)
+        )
+
+
+def _open(row: dict[str, Any]) -> bool:
+    return row["finished_ts"] is None and not row["lost"]
+
+
+def _routed_row(seq: int, e: ev.RequestRouted) -> dict[str, Any]:
+    base, hop = split_hop(e.request_id)
+    return {
+        "request_id": e.request_id,
+        "base_id": base,
+        "hop": hop,
+        "seq": seq,
+        "replica_id": e.replica_id,
+        "worker_id": e.worker_id,
+        "dp_rank": e.dp_rank,
+        "model": e.model,
+        "isl_tokens": e.isl_tokens,
+        "overlap_blocks": e.overlap_blocks,
+        "expected_osl": e.expected_osl,
+        "priority": e.priority,
+        "candidates": to_json(e.candidates),
+        "routed_ts": e.ts,
+        "prefill_ts": None,
+        "finished_ts": None,
+        "outcome": None,
+        "output_tokens": None,
+        "lost": False,
+        "lost_ts": None,
+    }
+
+
+def candidate_dicts(rows: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
+    return [dict(zip(CANDIDATE_FIELDS, row, strict=True)) for row in rows]
+
+
+def _ledger_dict(row: Any) -> dict[str, Any]:
+    out = {key: row[key] for key in row.keys()}
+    out["candidates"] = candidate_dicts(from_json(out["candidates"]))
+    out["lost"] = bool(out["lost"])
+    return out
