@@ -88,6 +88,10 @@ def create_app(replica: Replica, config: AppConfig | None = None,
 
     async def handle(endpoint: str, request: Request) -> Response:
         raw = await request.body()
+        if replica.draining:
+            return error_response(503, "this router replica is shutting down; retry on another",
+                                  type="service_unavailable",
+                                  headers={**base_headers(), "retry-after": "1"})
         parsed = parse_request(endpoint, raw, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens,
                                priority_header=request.headers.get("x-priority"))
         request_id = f"{replica.replica_id}-{uuid.uuid4().hex[:20]}"

@@ -1,114 +1,131 @@
-"""Proxying one routed request to its engine, and watching the answer go by.
+"""Talking to one engine for one hop of a request: open the upstream stream, read it as SSE events,
+and turn every way it can break into a :class:`HopFailed` with a migration reason.
 
-The watcher sees every byte the client sees: it marks prefill complete at the first output token,
-counts output tokens, picks up `usage` (including the engine's cached-token count), and reports the
-outcome once — ok, error or cancelled — whatever way the exchange ends.
+Failures worth moving the request elsewhere (issue 6 item 1) are transport errors (connection
+refused or reset, the engine dying mid-stream), a 5xx, and silence longer than the idle timeout
+(httpx's read timeout: no byte from the engine for that long). A 4xx is the engine judging the
+request itself, so it is handed back, not retried. The client-facing timing of the whole request
+(first token, gaps between tokens) lives in :class:`Exchange`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
 import msgspec
 
-_json = msgspec.json.Decoder()
+CONNECT_ERROR = "connect_error"
+STREAM_ERROR = "stream_error"
+IDLE_TIMEOUT = "idle_timeout"
+UPSTREAM_5XX = "upstream_5xx"
+REASONS = (CONNECT_ERROR, STREAM_ERROR, IDLE_TIMEOUT, UPSTREAM_5XX)
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+class HopFailed(Exception):
+    """One engine failed this hop; ``reason`` is one of :data:`REASONS` (the metric label)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def classify(exc: httpx.HTTPError) -> str:
+    """The migration reason for an httpx failure."""
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
+        return CONNECT_ERROR
+    if isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout):
+        return IDLE_TIMEOUT
+    return STREAM_ERROR
 
 
 @dataclass(slots=True)
 class Exchange:
-    """What one proxied request did; filled in while the answer passes through."""
+    """Client-visible timing of one request across all its hops."""
 
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     last_token_at: float | None = None
-    output_tokens: int = 0
-    usage_completion_tokens: int | None = None
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
     itl: list[float] = field(default_factory=list)
-    outcome: str = "error"
 
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.started
 
-    @property
-    def tokens(self) -> int:
-        return self.usage_completion_tokens if self.usage_completion_tokens is not None \
-            else self.output_tokens
-
-    def take_usage(self, usage: object) -> None:
-        if not isinstance(usage, dict):
-            return
-        ct = usage.get("completion_tokens")
-        if isinstance(ct, int):
-            self.usage_completion_tokens = ct
-        pt = usage.get("prompt_tokens")
-        if isinstance(pt, int):
-            self.prompt_tokens = pt
-        details = usage.get("prompt_tokens_details")
-        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            self.cached_tokens = details["cached_tokens"]
+    def token(self) -> None:
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        elif self.last_token_at is not None:
+            self.itl.append(now - self.last_token_at)
+        self.last_token_at = now
 
 
-def _has_token(choice: object) -> bool:
-    if not isinstance(choice, dict):
-        return False
-    if choice.get("text"):
-        return True
-    delta = choice.get("delta")
-    return isinstance(delta, dict) and bool(delta.get("content"))
+class SseSplitter:
+    """Incremental SSE parser: feed raw bytes, get back complete events.
 
+    Only complete events come out, so when a stream breaks half-way through an event the client
+    never sees a torn chunk and the torn token is not counted as delivered.
+    """
 
-class SseWatcher:
-    """Incremental SSE parser: feed raw chunks, it updates the Exchange."""
-
-    def __init__(self, exchange: Exchange, on_first_token: Callable[[], None]) -> None:
-        self.ex = exchange
-        self.on_first_token = on_first_token
+    def __init__(self) -> None:
         self._buf = b""
-        self.saw_done = False
-        self.error: object | None = None
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes) -> list[tuple[bytes, bytes | None]]:
+        """(raw event bytes with their blank-line terminator, data payload or None) per event."""
         self._buf += chunk
+        if b"\r" in self._buf:  # some servers end lines with CRLF; the spec allows all three
+            self._buf = self._buf.replace(b"\r\n", b"\n")
+        out: list[tuple[bytes, bytes | None]] = []
         while True:
             i = self._buf.find(b"\n\n")
             if i < 0:
-                return
+                return out
             event, self._buf = self._buf[:i], self._buf[i + 2:]
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    self._data(line[5:].strip())
+            data = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
+            out.append((event + b"\n\n", b"\n".join(data) if data else None))
 
-    def _data(self, payload: bytes) -> None:
-        if payload == b"[DONE]":
-            self.saw_done = True
-            return
+
+async def open_upstream(client: httpx.AsyncClient, url: str, body: bytes, request_id: str,
+                        timeout: httpx.Timeout) -> httpx.Response:
+    """POST one hop and return the streaming response once its status line is in.
+
+    Raises :class:`HopFailed` for transport errors and 5xx (the response is closed); any other
+    status is returned for the caller to pass on (it must be read and closed)."""
+    req = client.build_request("POST", url, content=body, timeout=timeout, headers={
+        "content-type": "application/json", "accept": "text/event-stream",
+        "x-request-id": request_id})
+    try:
+        resp = await client.send(req, stream=True)
+    except httpx.HTTPError as exc:
+        raise HopFailed(classify(exc), f"{type(exc).__name__}: {exc}") from None
+    if resp.status_code >= 500:
+        detail = b""
         try:
-            obj = _json.decode(payload)
-        except msgspec.DecodeError:
-            return
-        if not isinstance(obj, dict):
-            return
-        if "error" in obj:
-            self.error = obj["error"]
-        if obj.get("usage"):
-            self.ex.take_usage(obj["usage"])
-        choices = obj.get("choices") or ()
-        n = sum(1 for c in choices if _has_token(c))
-        if n:
-            now = time.perf_counter()
-            if self.ex.first_token_at is None:
-                self.ex.first_token_at = now
-                self.on_first_token()
-            elif self.ex.last_token_at is not None:
-                self.ex.itl.append(now - self.ex.last_token_at)
-            self.ex.last_token_at = now
-            self.ex.output_tokens += n
+            detail = await resp.aread()
+        except httpx.HTTPError:
+            pass
+        finally:
+            await resp.aclose()
+        raise HopFailed(UPSTREAM_5XX, f"HTTP {resp.status_code} {detail[:200]!r}")
+    return resp
+
+
+async def upstream_events(resp: httpx.Response) -> AsyncIterator[tuple[bytes, bytes | None]]:
+    """The engine's SSE events, as :meth:`SseSplitter.feed` gives them; a broken or silent
+    stream raises :class:`HopFailed`. A clean end of stream simply stops the iteration."""
+    splitter = SseSplitter()
+    try:
+        async for chunk in resp.aiter_raw():
+            for event in splitter.feed(chunk):
+                yield event
+    except httpx.HTTPError as exc:
+        raise HopFailed(classify(exc), f"{type(exc).__name__}: {exc}") from None
 
 
 def sse_error(message: str, *, type_: str = "upstream_error", code: int = 502) -> bytes:
@@ -117,19 +134,5 @@ def sse_error(message: str, *, type_: str = "upstream_error", code: int = 502) -
     return b"data: " + body + b"\n\n"
 
 
-async def relay(response: httpx.Response, watcher: SseWatcher) -> AsyncIterator[bytes]:
-    """Pass the engine's stream through chunk by chunk; a broken stream ends in an SSE error."""
-    try:
-        async for chunk in response.aiter_raw():
-            watcher.feed(chunk)
-            yield chunk
-        if watcher.saw_done and watcher.error is None:
-            watcher.ex.outcome = "ok"
-        elif not watcher.saw_done:
-            yield sse_error("the inference engine closed the stream before finishing")
-            yield b"data: [DONE]\n\n"
-    except (httpx.TransportError, httpx.StreamError) as exc:
-        yield sse_error(f"the inference engine failed mid-stream: {type(exc).__name__}")
-        yield b"data: [DONE]\n\n"
-    finally:
-        await response.aclose()
+def sse_data(obj: object) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import secrets
+from types import FrameType
 
-from replicas.runtime import ReplicaConfig
+import uvicorn
+
+from replicas.runtime import Replica, ReplicaConfig
 from replicas.selection import BusyThresholds, RoutingConfig
 from replicas.state import StateConfig
 
@@ -46,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--admin-token", default=None, help="bearer token enabling /admin/*")
     g.add_argument("--tokenizer", default=None, help="path to a HuggingFace tokenizer.json")
     g.add_argument("--max-prompt-tokens", type=_positive_int, default=131072)
+    g.add_argument("--graceful-shutdown-timeout", type=_non_negative, default=30.0,
+                   help="on SIGTERM: stop taking requests, let in-flight ones finish this long")
     g.add_argument("--log-level", default="warning",
                    choices=("debug", "info", "warning", "error"))
     r = p.add_argument_group("routing")
@@ -120,10 +125,7 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from api.app import AppConfig, create_app
-    from replicas.runtime import Replica
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -132,6 +134,23 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(replica, AppConfig(max_prompt_tokens=args.max_prompt_tokens,
                                         admin_token=args.admin_token, tokenizer=args.tokenizer,
                                         reset_on_start=args.router_reset_states))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False, timeout_graceful_shutdown=30)
+    config_ = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                             access_log=False,
+                             timeout_graceful_shutdown=int(args.graceful_shutdown_timeout))
+    server = DrainingServer(config_, replica)
+    server.run()
     return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT: /ready turns 503 at once (load balancers stop sending), new requests
+    are refused, in-flight ones finish; the lease is released on the way out."""
+
+    def __init__(self, config: uvicorn.Config, replica: Replica) -> None:
+        super().__init__(config)
+        self.replica = replica
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.replica.draining = True
+        self.replica.ready = False
+        super().handle_exit(sig, frame)

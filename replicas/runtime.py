@@ -135,6 +135,7 @@ class Replica:
         self.js: JetStreamContext | None = None
         self.appender: Appender | None = None
         self.ready = False
+        self.draining = False  # SIGTERM: no new requests, in-flight ones finish
         self.stream_last: dict[str, int] = {k: 0 for k in STREAM_KINDS}
         self.malformed: dict[str, int] = {k: 0 for k in STREAM_KINDS}
         self._catch_up_targets: dict[str, int] = {}
@@ -300,6 +301,8 @@ class Replica:
             raise _Rewind()
 
     def _check_ready(self) -> None:
+        if self.draining:
+            return
         lag = self.config.ready_lag
         if all(self.state.positions[k] + lag >= self._catch_up_targets.get(k, 0)
                for k in STREAM_KINDS):

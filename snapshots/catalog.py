@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from eventlog import events as ev
@@ -33,9 +33,7 @@ class CatalogView:
         table = snapshot_catalog
         for seq, batch in messages:
             for event in batch:
-                ts = getattr(event, "ts", None)
-                if isinstance(ts, int | float):
-                    track.event_ts = max(track.event_ts, float(ts))
+                track.event_ts = max(track.event_ts, float(event.ts))
                 if isinstance(event, ev.SnapshotTaken):
                     known = await conn.execute(
                         select(table.c.snapshot_id).where(table.c.snapshot_id == event.snapshot_id)
@@ -65,8 +63,8 @@ class CatalogView:
         return [_snapshot_dict(row._mapping) for row in rows]
 
     async def count(self, conn: AsyncConnection) -> int:
-        rows = await conn.execute(select(snapshot_catalog.c.snapshot_id))
-        return len(rows.all())
+        query = select(func.count()).select_from(snapshot_catalog)
+        return int((await conn.execute(query)).scalar_one())
 
 
 def _snapshot_dict(row: Any) -> dict[str, Any]:

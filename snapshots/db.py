@@ -142,7 +142,11 @@ class Tracking:
 async def read_tracking(conn: AsyncConnection, projection: str, stream: str) -> Tracking:
     row = (
         await conn.execute(
-            select(tracking.c.seq, tracking.c.event_ts).where(tracking.c.projection == projection)
+            # FOR UPDATE (a no-op on SQLite): two processes sharing a server database must not
+            # both apply the same messages.
+            select(tracking.c.seq, tracking.c.event_ts)
+            .where(tracking.c.projection == projection)
+            .with_for_update()
         )
     ).first()
     if row is None:

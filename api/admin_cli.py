@@ -1,0 +1,449 @@
+"""`jetrouter admin`: the admin API's command-line client (design.md §9-§10).
+
+    jetrouter admin [--url URL] [--token TOKEN] [--cluster-file PATH] [--json] VERB [ARGS]
+
+Verbs: ``state``, ``snapshot``, ``snapshots``, ``reset [--yes]``, ``threshold [N]``,
+``replicas``, ``workers``, ``request REQUEST_ID``. With no ``--url``/``--token`` the client reads
+``.jetrouter/cluster.json`` (written by `jetrouter up`): the replicas' URLs, tried in order (the
+next one on a connection error), and its ``admin_token``. Output is readable tables and lines, or
+the API's raw JSON with ``--json``. Exit status: 0 done; 1 the API answered an error (its status
+and message are printed) or no replica could be reached; 2 a usage or configuration problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from api.cli import CliError
+
+DEFAULT_CLUSTER_FILE = Path(".jetrouter") / "cluster.json"
+DEFAULT_TIMEOUT_S = 30.0  # a snapshot of a large state is taken while the request waits
+EXIT_API_ERROR = 1
+
+# RequestRouted.candidates rows are tuples (eventlog.events.CandidateRow); name their fields.
+CANDIDATE_FIELDS = ("worker_id", "dp_rank", "overlap_blocks", "prefill_blocks", "decode_blocks",
+                    "cost", "busy")
+
+
+class ApiFailure(Exception):
+    """The admin API answered with an error status, or no replica could be reached."""
+
+
+# -- where to send requests ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    urls: list[str]  # base URLs, tried in order while connections are refused
+    token: str
+
+
+def _with_scheme(url: str) -> str:
+    url = url.strip().rstrip("/")
+    return url if "://" in url else "http://" + url
+
+
+def load_cluster_file(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise CliError(f"cannot read cluster file {path}: {exc.strerror or exc}") from exc
+    except ValueError as exc:
+        raise CliError(f"cluster file {path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CliError(f"cluster file {path} is not a JSON object")
+    return data
+
+
+def cluster_urls(cluster: dict[str, Any]) -> list[str]:
+    """The replicas' URLs, those with a live pid first (a dead one is only a last resort)."""
+    entries = [r for r in cluster.get("replicas") or [] if isinstance(r, dict) and r.get("url")]
+    entries.sort(key=lambda r: r.get("pid") is None)  # stable: keeps cluster.json's order
+    return [_with_scheme(str(r["url"])) for r in entries]
+
+
+def resolve_target(url: str | None, token: str | None, cluster_file: Path | None) -> Target:
+    """--url/--token (or their env vars) win; cluster.json fills in whatever is missing."""
+    path = cluster_file if cluster_file is not None else DEFAULT_CLUSTER_FILE
+    cluster: dict[str, Any] | None = None
+    if path.exists():
+        cluster = load_cluster_file(path)
+    elif cluster_file is not None:
+        raise CliError(f"cluster file {path} not found")
+    if url:
+        urls = [_with_scheme(url)]
+    elif cluster is not None:
+        urls = cluster_urls(cluster)
+        if not urls:
+            raise CliError(f"cluster file {path} lists no replicas; pass --url URL")
+    else:
+        raise CliError(f"no cluster file at {path} and no --url: start a cluster with "
+                       "`jetrouter up`, or pass --url URL (or set JETROUTER_URL)")
+    token = token or (str(cluster["admin_token"]) if cluster and cluster.get("admin_token")
+                      else None)
+    if not token:
+        where = f" and {path} has no admin_token" if cluster is not None else ""
+        raise CliError(f"no admin token{where}: pass --token TOKEN "
+                       "(or set JETROUTER_ADMIN_TOKEN)")
+    return Target(urls=urls, token=token)
+
+
+# -- talking to the API ----------------------------------------------------------------------
+
+
+def api_message(response: httpx.Response) -> str:
+    """The human message of an error answer: OpenAI's shape, the flat 503 shape, or raw text."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        for key in ("message", "detail", "error"):
+            if body.get(key):
+                return str(body[key])
+    text = response.text.strip().replace("\n", " ")
+    return text[:200] if text else response.reason_phrase or "error"
+
+
+class AdminClient:
+    """Synchronous admin API client over a list of replica URLs."""
+
+    def __init__(self, target: Target, timeout: float = DEFAULT_TIMEOUT_S,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.target = target
+        self._http = httpx.Client(timeout=timeout, transport=transport,
+                                  headers={"authorization": f"Bearer {target.token}"})
+        self.used_url: str | None = None  # the replica that answered last
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def call(self, method: str, path: str, body: object = None) -> Any:
+        """The decoded JSON answer; ApiFailure on an error status or when nobody answers.
+
+        Falls back to the next URL only when the connection could not be made: the request
+        was then never sent, so even a POST (snapshot, reset) cannot run twice.
+        """
+        refused: list[str] = []
+        for base in self.target.urls:
+            url = base + path
+            try:
+                response = self._http.request(method, url, json=body)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                refused.append(f"{base} ({exc or type(exc).__name__})")
+                continue
+            except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
+                raise CliError(f"bad URL {base!r}: {exc}") from exc
+            except httpx.TimeoutException as exc:
+                raise ApiFailure(f"no answer from {url} within the timeout "
+                                 f"({type(exc).__name__}); raise it with --timeout") from exc
+            except httpx.TransportError as exc:
+                raise ApiFailure(f"{method} {url} failed: {exc or type(exc).__name__}") from exc
+            self.used_url = base
+            if response.status_code >= 400:
+                raise ApiFailure(f"{response.status_code}: {api_message(response)} "
+                                 f"({method} {url})")
+            try:
+                return response.json()
+            except ValueError as exc:
+                raise ApiFailure(f"{method} {url} answered {response.status_code} with a "
+                                 "body that is not JSON") from exc
+        raise ApiFailure("cannot reach any replica: " + "; ".join(refused))
+
+    def state(self) -> Any:
+        return self.call("GET", "/admin/state")
+
+    def snapshot(self) -> Any:
+        return self.call("POST", "/admin/snapshot")
+
+    def snapshots(self) -> Any:
+        return self.call("GET", "/admin/snapshots")
+
+    def reset(self, reason: str | None = None) -> Any:
+        return self.call("POST", "/admin/reset", None if reason is None else {"reason": reason})
+
+    def threshold(self) -> Any:
+        return self.call("GET", "/admin/snapshot-threshold")
+
+    def set_threshold(self, threshold: int) -> Any:
+        return self.call("PUT", "/admin/snapshot-threshold", {"threshold": threshold})
+
+    def replicas(self) -> Any:
+        return self.call("GET", "/admin/replicas")
+
+    def workers(self) -> Any:
+        return self.call("GET", "/admin/workers")
+
+    def decision(self, request_id: str) -> Any:
+        return self.call("GET", "/admin/requests/" + quote(request_id, safe=""))
+
+
+# -- readable output -------------------------------------------------------------------------
+
+
+def _is_time(key: str, value: float) -> bool:
+    return (key == "ts" or key.endswith(("_ts", "_at"))) and value > 1e9
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def cell(value: Any, key: str = "") -> str:
+    """One value as short text: yes/no, trimmed floats, UTC times, k=v maps, comma lists."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, float)) and key in ("size", "size_bytes"):
+        return _human_bytes(value)
+    if isinstance(value, float):
+        if _is_time(key, value):
+            return dt.datetime.fromtimestamp(value, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        if key.endswith("_s"):
+            return f"{value:.1f}s"
+        if value != 0 and abs(value) < 0.001:
+            return f"{value:.2e}"
+        return f"{value:.3f}".rstrip("0").rstrip(".")
+    if isinstance(value, dict):
+        if all(not isinstance(v, (dict, list)) for v in value.values()):
+            return " ".join(f"{k}={cell(v, str(k))}" for k, v in value.items()) or "-"
+        return json.dumps(value, separators=(",", ":"))
+    if isinstance(value, list):
+        if all(not isinstance(v, (dict, list)) for v in value):
+            return ", ".join(cell(v, key) for v in value) or "-"
+        return json.dumps(value, separators=(",", ":"))
+    return str(value)
+
+
+def render_mapping(data: dict[str, Any], first: Sequence[str] = (),
+                   skip: Sequence[str] = ()) -> str:
+    """Aligned `key  value` lines, the keys in `first` first, then the rest as they came."""
+    keys = [k for k in first if k in data] + [k for k in data if k not in first]
+    keys = [k for k in keys if k not in skip]
+    if not keys:
+        return ""
+    width = max(len(k) for k in keys)
+    return "\n".join(f"{k.ljust(width)}  {cell(data[k], k)}" for k in keys)
+
+
+def _numeric(values: list[Any]) -> bool:
+    present = [v for v in values if v is not None]
+    return bool(present) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                 for v in present)
+
+
+def render_table(rows: list[dict[str, Any]], first: Sequence[str]) -> str:
+    """A text table: the columns in `first` that any row has, then other scalar columns."""
+    columns = [k for k in first if any(k in r for r in rows)]
+    for row in rows:
+        columns += [k for k, v in row.items()
+                    if k not in columns and not isinstance(v, (dict, list))]
+    text = [[cell(r.get(k), k) for k in columns] for r in rows]
+    widths = [max([len(k)] + [len(t[i]) for t in text]) for i, k in enumerate(columns)]
+    right = [_numeric([r.get(k) for r in rows]) for k in columns]
+
+    def line(parts: Sequence[str]) -> str:
+        return "  ".join(p.rjust(w) if r else p.ljust(w)
+                         for p, w, r in zip(parts, widths, right, strict=True)).rstrip()
+
+    return "\n".join([line(columns)] + [line(t) for t in text])
+
+
+def _listed(data: Any, key: str) -> list[dict[str, Any]]:
+    items = data.get(key, []) if isinstance(data, dict) else data
+    return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
+
+
+def show_state(data: dict[str, Any]) -> str:
+    return render_mapping(data, first=("replica_id", "ready", "leader", "epoch", "positions",
+                                       "digests", "lag", "snapshot_threshold"))
+
+
+def show_snapshot(data: dict[str, Any]) -> str:
+    head = f"snapshot {data.get('snapshot_id', '?')} taken"
+    return head + "\n" + render_mapping(data, first=("snapshot_id", "positions", "size",
+                                                     "sha256"))
+
+
+def show_snapshots(data: Any) -> str:
+    rows = _listed(data, "snapshots")
+    if not rows:
+        return "no snapshots"
+    return render_table(rows, ("snapshot_id", "ts", "created_at", "size", "positions",
+                               "created_by", "trigger", "sha256"))
+
+
+def show_reset(data: dict[str, Any]) -> str:
+    return f"reset done: epoch is now {data.get('epoch', '?')}\n" + render_mapping(
+        data, skip=("epoch",))
+
+
+def show_threshold(data: dict[str, Any]) -> str:
+    return f"snapshot threshold: {cell(data.get('threshold'))}"
+
+
+def show_replicas(data: Any) -> str:
+    rows = _listed(data, "replicas")
+    if not rows:
+        return "no replicas"
+    return render_table(rows, ("replica_id", "ready", "leader", "epoch", "age_s", "divergent",
+                               "positions", "digests"))
+
+
+def show_workers(data: Any) -> str:
+    rows = _listed(data, "workers")
+    if not rows:
+        return "no workers registered"
+    return render_table(rows, ("worker_id", "url", "model", "health", "dp_size",
+                               "kv_total_blocks", "cached_blocks", "active_prefill_tokens",
+                               "active_decode_blocks", "out_of_sync"))
+
+
+def candidate_rows(decision: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every candidate as a dict, cheapest first, the chosen one marked with `*`."""
+    rows: list[dict[str, Any]] = []
+    for c in decision.get("candidates") or []:
+        row = dict(zip(CANDIDATE_FIELDS, c, strict=False)) if isinstance(c, list) else dict(c)
+        chosen = (row.get("worker_id") == decision.get("worker_id")
+                  and row.get("dp_rank", 0) == decision.get("dp_rank", 0))
+        rows.append({"": "*" if chosen else "", **row})
+    rows.sort(key=lambda r: (r.get("cost") is None, r.get("cost") or 0.0))
+    return rows
+
+
+def show_request(data: dict[str, Any]) -> str:
+    head = render_mapping(data, first=("request_id", "replica_id", "worker_id", "dp_rank",
+                                       "model", "isl_tokens", "overlap_blocks", "outcome"),
+                          skip=("candidates",))
+    rows = candidate_rows(data)
+    if not rows:
+        return head + "\ncandidates: none recorded"
+    return f"{head}\ncandidates ({len(rows)}, * = chosen):\n" + render_table(
+        rows, ("", *CANDIDATE_FIELDS))
+
+
+# -- the verb --------------------------------------------------------------------------------
+
+
+def confirm_reset(target: Target, stdin: Any = None, stderr: Any = None) -> bool:
+    """Ask on a terminal; refuse outright (CliError) when there is nobody to ask."""
+    stdin = stdin if stdin is not None else sys.stdin
+    stderr = stderr if stderr is not None else sys.stderr
+    if stdin is None or not stdin.isatty():
+        raise CliError("refusing to reset without --yes: stdin is not a terminal to confirm on")
+    stderr.write(f"Reset the routing state of the whole cluster behind {target.urls[0]}?\n"
+                 "Every replica clears its state, snapshots are deleted, engines re-announce.\n"
+                 "Type 'yes' to continue: ")
+    stderr.flush()
+    answer = stdin.readline()
+    return answer.strip().lower() in ("y", "yes")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = __doc__
+    p.add_argument("--url", default=None,
+                   help="a replica's base URL (default: the replicas in the cluster file)")
+    p.add_argument("--token", "--admin-token", dest="token", default=None,
+                   help="admin bearer token (default: admin_token in the cluster file)")
+    p.add_argument("--cluster-file", type=Path, default=None,
+                   help=f"cluster description written by `jetrouter up` "
+                        f"(default {DEFAULT_CLUSTER_FILE})")
+    p.add_argument("--json", action="store_true", help="print the API's raw JSON")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"seconds to wait for an answer (default {DEFAULT_TIMEOUT_S:g})")
+    sub = p.add_subparsers(dest="admin_verb", metavar="VERB")
+    sub.required = True
+    sub.add_parser("state", help="this replica: epoch, positions, digests, lag, leader...")
+    sub.add_parser("snapshot", help="take a snapshot now (the leader takes it)")
+    sub.add_parser("snapshots", help="list the stored snapshots, newest first")
+    r = sub.add_parser("reset", help="clear the routing state of every replica (epoch + 1)")
+    r.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    r.add_argument("--reason", default=None, help="recorded in the StateReset event")
+    t = sub.add_parser("threshold", help="show the snapshot threshold, or set it to N")
+    t.add_argument("threshold", nargs="?", type=_non_negative_int, metavar="N",
+                   help="messages appended between snapshots")
+    sub.add_parser("replicas", help="every replica's positions, digests, leader, divergence")
+    sub.add_parser("workers", help="the registered engines and their load")
+    q = sub.add_parser("request", help="one routing decision with every candidate's costs")
+    q.add_argument("request_id", metavar="REQUEST_ID")
+    # `--json` is also accepted after the verb (`jetrouter admin state --json`).
+    for child in sub.choices.values():
+        child.add_argument("--json", dest="json_after", action="store_true",
+                           help="print the API's raw JSON")
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return value
+
+
+Show = Callable[[Any], str]
+
+
+def _dispatch(args: argparse.Namespace, client: AdminClient, target: Target) -> tuple[Any, Show]:
+    verb = args.admin_verb
+    if verb == "state":
+        return client.state(), show_state
+    if verb == "snapshot":
+        return client.snapshot(), show_snapshot
+    if verb == "snapshots":
+        return client.snapshots(), show_snapshots
+    if verb == "reset":
+        if not args.yes and not confirm_reset(target):
+            raise ApiFailure("reset cancelled")
+        return client.reset(args.reason), show_reset
+    if verb == "threshold":
+        if args.threshold is None:
+            return client.threshold(), show_threshold
+        return client.set_threshold(args.threshold), (
+            lambda d: f"snapshot threshold set to {cell(d.get('threshold'))}")
+    if verb == "replicas":
+        return client.replicas(), show_replicas
+    if verb == "workers":
+        return client.workers(), show_workers
+    if verb == "request":
+        return client.decision(args.request_id), show_request
+    raise CliError(f"unknown admin verb {verb!r}")
+
+
+def run(args: argparse.Namespace) -> int:
+    target = resolve_target(args.url, args.token, args.cluster_file)
+    as_json = bool(args.json or getattr(args, "json_after", False))
+    with AdminClient(target, timeout=args.timeout) as client:
+        try:
+            data, show = _dispatch(args, client, target)
+        except ApiFailure as exc:
+            print(f"jetrouter admin: error: {exc}", file=sys.stderr)
+            return EXIT_API_ERROR
+    if as_json:
+        print(json.dumps(data, indent=2))
+    else:
+        print(show(data) if isinstance(data, (dict, list)) else cell(data))
+    return 0

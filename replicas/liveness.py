@@ -1,0 +1,397 @@
+"""Replica and worker liveness (issue 5 item 1, design.md §7): heartbeats and the leader's
+``ReplicaLost`` / ``WorkerRetired`` declarations.
+
+An adapter (NATS, HTTP, clocks), kept apart from the pure state machine:
+
+* Every replica puts a :class:`Heartbeat` (positions, digests, ready, leader) into the KV bucket
+  ``<ns>-replicas`` each ``heartbeat_interval`` and reads everyone else's back. A peer's
+  liveness is judged by its entry's *revision* changing, timed with this process's monotonic
+  clock: no two clocks are ever compared. Every replica tracks every peer, so a new leader acts
+  on what it has already watched instead of starting its timers from scratch.
+* While leader, a replica whose revision has not moved for ``replica_timeout`` and that still
+  owns in-flight requests gets one ``ReplicaLost``. Its msg id names the last revision seen, so
+  two leaders overlapping in a hand-over append it once (the stream's duplicate window), and a
+  replica that comes back under the same id (new revisions) is a new lapse, never the old one.
+* Workers are judged by their core-NATS load gauges (``<ns>.load.<worker_id>``) *and* their HTTP
+  ``/health``: retired only when the gauges have stopped for ``worker_timeout`` and ``/health``
+  does not answer 2xx. A worker that answers ``/health`` has a NATS problem, not a death.
+
+The bucket's TTL (``max(5 * interval, 2 * replica_timeout)``) is only a backstop that clears
+entries of replicas gone for good; it is long enough that a leader always saw the last revision
+of a lapsed peer before the entry expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+import httpx
+import msgspec
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import APIError, BucketNotFoundError
+from nats.js.kv import KeyValue
+
+from eventlog import events as ev
+from eventlog.names import KV, ROUTER, Names
+from eventlog.streams import cluster_size_hint
+from replicas.divergence import (
+    Divergence,
+    DivergenceDetector,
+    Heartbeat,
+    decode_heartbeat,
+    encode_heartbeat,
+)
+
+__all__ = ["Heartbeat", "Liveness", "PeerStatus", "liveness_subject"]
+
+log = logging.getLogger("jetrouter.liveness")
+
+AppendFn = Callable[[str, ev.Event, str], Awaitable[int]]
+
+
+def liveness_subject(names: Names, event: ev.Event) -> str:
+    """Where the leader's declarations go: a lost replica's own router subject, a retired
+    worker's own KV subject (so every event about one party shares its subject)."""
+    if isinstance(event, ev.ReplicaLost):
+        return names.router_subject(event.replica_id)
+    if isinstance(event, ev.WorkerRetired):
+        return names.kv_subject(event.worker_id)
+    raise TypeError(f"liveness appends only ReplicaLost / WorkerRetired, not {type(event)}")
+
+
+@dataclass(slots=True)
+class PeerStatus:
+    """What this process knows of one replica's heartbeats."""
+
+    replica_id: str
+    revision: int  # KV revision last seen (0: never seen a heartbeat, only its load)
+    changed_at: float  # monotonic time the revision last moved (or we first noticed it)
+    heartbeat: Heartbeat | None
+    declared_lost: bool = False  # for the current revision (a new heartbeat clears it)
+
+    def age(self, now: float) -> float:
+        return now - self.changed_at
+
+    def to_json(self, now: float, timeout: float) -> dict[str, object]:
+        hb = self.heartbeat
+        return {"replica_id": self.replica_id, "revision": self.revision,
+                "seconds_since_heartbeat": round(self.age(now), 3),
+                "live": self.age(now) < timeout, "declared_lost": self.declared_lost,
+                "ready": hb.ready if hb else None, "leader": hb.leader if hb else None,
+                "positions": dict(hb.positions) if hb else None,
+                "digests": {k: f"{v:016x}" for k, v in hb.digests.items()} if hb else None,
+                "ts": hb.ts if hb else None}
+
+
+@dataclass(slots=True)
+class _WorkerWatch:
+    first_known: float  # monotonic: a worker just registered gets a full timeout of grace
+    last_gauge: float | None = None
+    incarnation: str = ""
+    retired: bool = False
+    warned_nats_only: bool = False
+
+    def silent_since(self) -> float:
+        return self.first_known if self.last_gauge is None else max(self.first_known,
+                                                                     self.last_gauge)
+
+
+class Liveness:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        nc: NatsClient,
+        names: Names,
+        replica_id: str,
+        *,
+        heartbeat_interval: float = 1.0,
+        replica_timeout: float = 10.0,
+        worker_timeout: float = 10.0,
+        snapshot: Callable[[], Heartbeat],
+        append: AppendFn,
+        is_leader: Callable[[], bool],
+        known_workers: Callable[[], Mapping[str, str]],
+        known_replicas_with_load: Callable[[], set[str]],
+        worker_incarnation: Callable[[str], object] | None = None,
+        on_divergence: Callable[[Divergence], None] | None = None,
+        health_timeout: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        if heartbeat_interval <= 0 or replica_timeout <= 0 or worker_timeout <= 0:
+            raise ValueError("heartbeat_interval and the timeouts must be positive")
+        self.js, self.nc, self.names, self.replica_id = js, nc, names, replica_id
+        self.heartbeat_interval = heartbeat_interval
+        self.replica_timeout = replica_timeout
+        self.worker_timeout = worker_timeout
+        self.bucket_ttl = max(5 * heartbeat_interval, 2 * replica_timeout)
+        self.health_timeout = health_timeout or min(2.0, worker_timeout / 2)
+        self._snapshot = snapshot
+        self._append = append
+        self._is_leader = is_leader
+        self._known_workers = known_workers
+        self._known_replicas_with_load = known_replicas_with_load
+        # Part of the WorkerRetired msg id: a worker re-registered under the same id is a new
+        # incarnation whose retirement must not be swallowed by the duplicate window.
+        self._worker_incarnation = worker_incarnation
+        self._on_divergence = on_divergence
+        self._clock = clock
+        self._wall = wall_clock
+        self.divergence = DivergenceDetector()
+        self.peers_status: dict[str, PeerStatus] = {}
+        self.workers_status: dict[str, _WorkerWatch] = {}
+        self.last_sent: Heartbeat | None = None
+        self.rounds = 0  # completed heartbeat rounds (tests and /admin poll this)
+        self.worker_rounds = 0
+        self.declared_lost: list[str] = []  # replica ids this instance appended ReplicaLost for
+        self.retired: list[str] = []  # worker ids this instance appended WorkerRetired for
+        self._kv: KeyValue | None = None
+        self._gauges: dict[str, float] = {}  # worker id -> monotonic time of its last gauge
+        self._sub: Subscription | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._bad_entries: set[tuple[str, int]] = set()
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._kv = await self._bucket()
+        self._sub = await self.nc.subscribe(f"{self.names.namespace}.load.*", cb=self._on_gauge)
+        self._http = httpx.AsyncClient(timeout=self.health_timeout)
+        self._tasks = [
+            asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{self.replica_id}"),
+            asyncio.create_task(self._worker_loop(), name=f"worker-liveness-{self.replica_id}"),
+        ]
+
+    async def stop(self, *, delete_key: bool = True) -> None:
+        """Stop heartbeating. ``delete_key`` removes our entry at once (a clean shutdown);
+        without it the entry just stops moving, which is what a crash looks like to peers."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        if delete_key and self._kv is not None:
+            with contextlib.suppress(Exception):
+                await self._kv.delete(self.replica_id)
+
+    async def _bucket(self) -> KeyValue:
+        """Bind to the heartbeat bucket, creating it if absent. Whoever creates it first sets
+        its TTL; others bind to it as it is (a config mismatch is not worth failing over)."""
+        name = self.names.replicas_bucket
+        with contextlib.suppress(BucketNotFoundError):
+            return await self.js.key_value(name)
+        size = cluster_size_hint(self.js)
+        for replicas in dict.fromkeys((size, 1)):
+            try:
+                return await self.js.create_key_value(KeyValueConfig(
+                    bucket=name, history=1, ttl=self.bucket_ttl, storage=StorageType.FILE,
+                    replicas=replicas, description="jetrouter replica heartbeats"))
+            except APIError as exc:
+                log.warning("creating bucket %s with %d replicas failed: %s", name, replicas, exc)
+                with contextlib.suppress(BucketNotFoundError):
+                    return await self.js.key_value(name)  # created meanwhile by a peer
+        raise RuntimeError(f"cannot create or bind KV bucket {name}")
+
+    # --- heartbeats and peers ------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            started = self._clock()
+            try:
+                await self._round()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("heartbeat round failed; retrying next interval")
+            await asyncio.sleep(max(0.0, self.heartbeat_interval - (self._clock() - started)))
+
+    async def _round(self) -> None:
+        hb = self._snapshot()
+        try:
+            assert self._kv is not None
+            await self._kv.put(self.replica_id, encode_heartbeat(hb))
+            self.last_sent = hb
+        except Exception as exc:  # NATS away: peers will see us lapse, which is the truth
+            log.warning("heartbeat put failed: %r", exc)
+        live = await self.peers()
+        for d in self.divergence.observe(hb, live):
+            log.error("state divergence: %s", d.describe())
+            if self._on_divergence is not None:
+                self._on_divergence(d)
+        if self._is_leader():
+            await self._declare_lost_replicas()
+        self.rounds += 1
+
+    async def peers(self) -> dict[str, Heartbeat]:
+        """Other replicas whose heartbeat moved within ``replica_timeout`` (reads the bucket now;
+        raises if it cannot, so a caller never mistakes an unreachable NATS for dead peers)."""
+        await self._poll()
+        now = self._clock()
+        return {rid: p.heartbeat for rid, p in self.peers_status.items()
+                if rid != self.replica_id and p.heartbeat is not None
+                and p.age(now) < self.replica_timeout}
+
+    async def _poll(self) -> None:
+        """Read every live entry of the bucket and note which revisions moved."""
+        assert self._kv is not None
+        watcher = await self._kv.watchall(ignore_deletes=True)
+        entries = []
+        try:
+            while (entry := await watcher.updates(timeout=max(2.0, self.heartbeat_interval))):
+                entries.append(entry)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+        now = self._clock()
+        for entry in entries:
+            rid, rev = entry.key, int(entry.revision or 0)
+            status = self.peers_status.get(rid)
+            if status is not None and status.revision == rev:
+                continue  # not moved (a recreated bucket restarts revisions: any change counts)
+            try:
+                hb = decode_heartbeat(entry.value or b"")
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                if (rid, rev) not in self._bad_entries:
+                    self._bad_entries.add((rid, rev))
+                    log.warning("skipping malformed heartbeat %s rev %d: %s", rid, rev, exc)
+                continue
+            self.peers_status[rid] = PeerStatus(rid, rev, now, hb)
+        # Forget replicas gone for good: entry expired from the bucket and nothing left owned
+        # (one that still owns requests keeps its record, and so its last revision for the
+        # ReplicaLost msg id).
+        present = {e.key for e in entries}
+        owning = self._known_replicas_with_load()
+        for rid, status in list(self.peers_status.items()):
+            if (rid not in present and rid not in owning and rid != self.replica_id
+                    and status.age(now) > self.bucket_ttl + self.replica_timeout):
+                del self.peers_status[rid]
+
+    def status(self) -> dict[str, object]:
+        """For ``/admin/replicas``: every replica this process tracks, plus divergences."""
+        now = self._clock()
+        return {"replica_id": self.replica_id,
+                "replica_timeout": self.replica_timeout,
+                "replicas": [p.to_json(now, self.replica_timeout)
+                             for _, p in sorted(self.peers_status.items())],
+                "divergence_total": self.divergence.total,
+                "divergences": [d.to_json() for d in self.divergence.recent]}
+
+    # --- leader duty: replicas -----------------------------------------------------------------
+
+    async def _declare_lost_replicas(self) -> None:
+        now = self._clock()
+        for rid in sorted(self._known_replicas_with_load() - {self.replica_id}):
+            status = self.peers_status.get(rid)
+            if status is None:
+                # Owns requests but never heartbeated while we watched: time it from now.
+                status = self.peers_status[rid] = PeerStatus(rid, 0, now, None)
+            if status.declared_lost or status.age(now) < self.replica_timeout:
+                continue
+            event = ev.ReplicaLost(rid, self._wall())
+            try:
+                await self._append(ROUTER, event, f"lost.{rid}.{status.revision}")
+            except Exception as exc:
+                log.error("appending ReplicaLost(%s) failed, retrying next round: %r", rid, exc)
+                continue
+            status.declared_lost = True
+            self.declared_lost.append(rid)
+            log.warning("replica %s lost: no heartbeat for %.1fs (last revision %d)",
+                        rid, status.age(now), status.revision)
+
+    # --- leader duty: workers ------------------------------------------------------------------
+
+    async def _on_gauge(self, msg: Msg) -> None:
+        worker_id = msg.subject.rsplit(".", 1)[-1]
+        self._gauges[worker_id] = self._clock()
+
+    async def _worker_loop(self) -> None:
+        interval = min(self.heartbeat_interval, self.worker_timeout / 3)
+        while True:
+            started = self._clock()
+            try:
+                await self._check_workers()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("worker liveness round failed; retrying next interval")
+            self.worker_rounds += 1
+            await asyncio.sleep(max(0.0, interval - (self._clock() - started)))
+
+    def _incarnation(self, worker_id: str, url: str) -> str:
+        if self._worker_incarnation is None:
+            return url
+        return str(self._worker_incarnation(worker_id))
+
+    async def _check_workers(self) -> None:
+        now = self._clock()
+        known = dict(self._known_workers())
+        for wid in list(self.workers_status):
+            if wid not in known:  # retired (applied) or never ours: forget it
+                del self.workers_status[wid]
+        for wid, url in known.items():
+            inc = self._incarnation(wid, url)
+            watch = self.workers_status.get(wid)
+            if watch is None or watch.incarnation != inc:
+                watch = self.workers_status[wid] = _WorkerWatch(first_known=now, incarnation=inc)
+            watch.last_gauge = self._gauges.get(wid)
+        for wid in list(self._gauges):
+            if wid not in known and now - self._gauges[wid] > 10 * self.worker_timeout:
+                del self._gauges[wid]  # gauges of workers we never knew: don't grow forever
+        if not self._is_leader():
+            return
+        silent = [wid for wid, w in self.workers_status.items()
+                  if not w.retired and now - w.silent_since() >= self.worker_timeout]
+        if not silent:
+            return
+        answers = await asyncio.gather(*(self._healthy(known[wid]) for wid in silent))
+        for wid, healthy in zip(silent, answers, strict=True):
+            watch = self.workers_status[wid]
+            if healthy:
+                if not watch.warned_nats_only:
+                    watch.warned_nats_only = True
+                    log.warning("worker %s: no load gauges for %.1fs but /health answers; "
+                                "not retiring it (a NATS problem, not a dead engine)",
+                                wid, now - watch.silent_since())
+                continue
+            await self._retire(wid, watch)
+
+    async def _healthy(self, url: str) -> bool:
+        assert self._http is not None
+        try:
+            r = await self._http.get(f"{url.rstrip('/')}/health")
+        except (httpx.HTTPError, OSError):
+            return False
+        return 200 <= r.status_code < 300
+
+    async def _retire(self, worker_id: str, watch: _WorkerWatch) -> None:
+        event = ev.WorkerRetired(worker_id, "heartbeat timeout", self._wall())
+        msg_id = f"retired.{worker_id}.{watch.incarnation}"
+        try:
+            await self._append(KV, event, msg_id)
+        except Exception as exc:
+            log.error("appending WorkerRetired(%s) failed, retrying next round: %r",
+                      worker_id, exc)
+            return
+        watch.retired = True
+        self.retired.append(worker_id)
+        log.warning("worker %s retired: no load gauges and no /health answer for %.1fs",
+                    worker_id, self._clock() - watch.silent_since())
+
