@@ -29,10 +29,14 @@ from api.cli import CliError
 DEFAULT_CLUSTER_FILE = Path(".jetrouter") / "cluster.json"
 DEFAULT_TIMEOUT_S = 30.0  # a snapshot of a large state is taken while the request waits
 EXIT_API_ERROR = 1
+EXIT_USAGE = 2
 
 # RequestRouted.candidates rows are tuples (eventlog.events.CandidateRow); name their fields.
 CANDIDATE_FIELDS = ("worker_id", "dp_rank", "overlap_blocks", "prefill_blocks", "decode_blocks",
                     "cost", "busy")
+
+
+Show = Callable[[Any], str]
 
 
 class ApiFailure(Exception):
@@ -46,6 +50,7 @@ class ApiFailure(Exception):
 class Target:
     urls: list[str]  # base URLs, tried in order while connections are refused
     token: str
+    hint: str = ""  # said when no URL answers (e.g. cluster.json says the cluster stopped)
 
 
 def _with_scheme(url: str) -> str:
@@ -95,7 +100,10 @@ def resolve_target(url: str | None, token: str | None, cluster_file: Path | None
         where = f" and {path} has no admin_token" if cluster is not None else ""
         raise CliError(f"no admin token{where}: pass --token TOKEN "
                        "(or set JETROUTER_ADMIN_TOKEN)")
-    return Target(urls=urls, token=token)
+    hint = ""
+    if not url and cluster is not None and cluster.get("state") == "stopped":
+        hint = f"{path} says the cluster is stopped; start it with `jetrouter up`"
+    return Target(urls=urls, token=token, hint=hint)
 
 
 # -- talking to the API ----------------------------------------------------------------------
@@ -121,12 +129,10 @@ def api_message(response: httpx.Response) -> str:
 class AdminClient:
     """Synchronous admin API client over a list of replica URLs."""
 
-    def __init__(self, target: Target, timeout: float = DEFAULT_TIMEOUT_S,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(self, target: Target, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         self.target = target
-        self._http = httpx.Client(timeout=timeout, transport=transport,
+        self._http = httpx.Client(timeout=timeout,
                                   headers={"authorization": f"Bearer {target.token}"})
-        self.used_url: str | None = None  # the replica that answered last
 
     def close(self) -> None:
         self._http.close()
@@ -158,7 +164,6 @@ class AdminClient:
                                  f"({type(exc).__name__}); raise it with --timeout") from exc
             except httpx.TransportError as exc:
                 raise ApiFailure(f"{method} {url} failed: {exc or type(exc).__name__}") from exc
-            self.used_url = base
             if response.status_code >= 400:
                 raise ApiFailure(f"{response.status_code}: {api_message(response)} "
                                  f"({method} {url})")
@@ -167,41 +172,20 @@ class AdminClient:
             except ValueError as exc:
                 raise ApiFailure(f"{method} {url} answered {response.status_code} with a "
                                  "body that is not JSON") from exc
-        raise ApiFailure("cannot reach any replica: " + "; ".join(refused))
-
-    def state(self) -> Any:
-        return self.call("GET", "/admin/state")
-
-    def snapshot(self) -> Any:
-        return self.call("POST", "/admin/snapshot")
-
-    def snapshots(self) -> Any:
-        return self.call("GET", "/admin/snapshots")
-
-    def reset(self, reason: str | None = None) -> Any:
-        return self.call("POST", "/admin/reset", None if reason is None else {"reason": reason})
-
-    def threshold(self) -> Any:
-        return self.call("GET", "/admin/snapshot-threshold")
-
-    def set_threshold(self, threshold: int) -> Any:
-        return self.call("PUT", "/admin/snapshot-threshold", {"threshold": threshold})
-
-    def replicas(self) -> Any:
-        return self.call("GET", "/admin/replicas")
-
-    def workers(self) -> Any:
-        return self.call("GET", "/admin/workers")
-
-    def decision(self, request_id: str) -> Any:
-        return self.call("GET", "/admin/requests/" + quote(request_id, safe=""))
+        hint = f" ({self.target.hint})" if self.target.hint else ""
+        raise ApiFailure("cannot reach any replica: " + "; ".join(refused) + hint)
 
 
 # -- readable output -------------------------------------------------------------------------
 
 
 def _is_time(key: str, value: float) -> bool:
-    return (key == "ts" or key.endswith(("_ts", "_at"))) and value > 1e9
+    # Event times are epoch seconds (events.py); anything after 2001 under a time-like name.
+    return (key == "ts" or key.endswith(("_ts", "_at", "_time"))) and value > 1e9
+
+
+def _is_bytes(key: str) -> bool:
+    return key == "size" or key.endswith(("_size", "_bytes"))
 
 
 def _human_bytes(n: float) -> str:
@@ -218,11 +202,12 @@ def cell(value: Any, key: str = "") -> str:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
-    if isinstance(value, (int, float)) and key in ("size", "size_bytes"):
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and _is_bytes(key):
         return _human_bytes(value)
     if isinstance(value, float):
         if _is_time(key, value):
-            return dt.datetime.fromtimestamp(value, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+            stamp = dt.datetime.fromtimestamp(value, dt.UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+            return stamp[:-3] + " UTC"
         if key.endswith("_s"):
             return f"{value:.1f}s"
         if value != 0 and abs(value) < 0.001:
@@ -247,7 +232,17 @@ def render_mapping(data: dict[str, Any], first: Sequence[str] = (),
     if not keys:
         return ""
     width = max(len(k) for k in keys)
-    return "\n".join(f"{k.ljust(width)}  {cell(data[k], k)}" for k in keys)
+    lines = []
+    for k in keys:
+        value = data[k]
+        if isinstance(value, dict) and value and any(isinstance(v, (dict, list))
+                                                     for v in value.values()):
+            # A nested record (e.g. the snapshot a reset took): its own block, indented.
+            lines.append(k)
+            lines += ["  " + line for line in render_mapping(value).splitlines()]
+        else:
+            lines.append(f"{k.ljust(width)}  {cell(value, k)}")
+    return "\n".join(lines)
 
 
 def _numeric(values: list[Any]) -> bool:
@@ -256,13 +251,19 @@ def _numeric(values: list[Any]) -> bool:
                                  for v in present)
 
 
-def render_table(rows: list[dict[str, Any]], first: Sequence[str]) -> str:
-    """A text table: the columns in `first` that any row has, then other scalar columns."""
+def _short(text: str, key: str) -> str:
+    """A table shows a checksum's first 12 hex digits (the mapping view shows all of it)."""
+    return text[:12] if key == "sha256" and len(text) > 12 else text
+
+
+def render_table(rows: list[dict[str, Any]], first: Sequence[str], only: bool = False) -> str:
+    """A text table: the columns in `first` that any row has, then (unless `only`) the rows'
+    other scalar columns, so fields the API gains later still show."""
     columns = [k for k in first if any(k in r for r in rows)]
-    for row in rows:
+    for row in [] if only else rows:
         columns += [k for k, v in row.items()
                     if k not in columns and not isinstance(v, (dict, list))]
-    text = [[cell(r.get(k), k) for k in columns] for r in rows]
+    text = [[_short(cell(r.get(k), k), k) for k in columns] for r in rows]
     widths = [max([len(k)] + [len(t[i]) for t in text]) for i, k in enumerate(columns)]
     right = [_numeric([r.get(k) for r in rows]) for k in columns]
 
@@ -289,14 +290,6 @@ def show_snapshot(data: dict[str, Any]) -> str:
                                                      "sha256"))
 
 
-def show_snapshots(data: Any) -> str:
-    rows = _listed(data, "snapshots")
-    if not rows:
-        return "no snapshots"
-    return render_table(rows, ("snapshot_id", "ts", "created_at", "size", "positions",
-                               "created_by", "trigger", "sha256"))
-
-
 def show_reset(data: dict[str, Any]) -> str:
     return f"reset done: epoch is now {data.get('epoch', '?')}\n" + render_mapping(
         data, skip=("epoch",))
@@ -306,21 +299,26 @@ def show_threshold(data: dict[str, Any]) -> str:
     return f"snapshot threshold: {cell(data.get('threshold'))}"
 
 
-def show_replicas(data: Any) -> str:
-    rows = _listed(data, "replicas")
-    if not rows:
-        return "no replicas"
-    return render_table(rows, ("replica_id", "ready", "leader", "epoch", "age_s", "divergent",
-                               "positions", "digests"))
+def show_threshold_set(data: dict[str, Any]) -> str:
+    return f"snapshot threshold set to {cell(data.get('threshold'))}"
 
 
-def show_workers(data: Any) -> str:
-    rows = _listed(data, "workers")
-    if not rows:
-        return "no workers registered"
-    return render_table(rows, ("worker_id", "url", "model", "health", "dp_size",
-                               "kv_total_blocks", "cached_blocks", "active_prefill_tokens",
-                               "active_decode_blocks", "out_of_sync"))
+def show_list(key: str, columns: Sequence[str], empty: str) -> Show:
+    """A renderer for the `{key: [row, ...]}` answers: a table, or `empty` when no rows."""
+    def show(data: Any) -> str:
+        rows = _listed(data, key)
+        return render_table(rows, columns) if rows else empty
+    return show
+
+
+show_snapshots = show_list("snapshots", ("snapshot_id", "ts", "size", "positions", "created_by",
+                                         "trigger", "sha256"), "no snapshots")
+show_replicas = show_list("replicas", ("replica_id", "ready", "leader", "epoch", "age_s",
+                                       "divergent", "positions", "digests"), "no replicas")
+show_workers = show_list("workers", ("worker_id", "url", "model", "health", "dp_size",
+                                     "kv_total_blocks", "cached_blocks", "active_prefill_tokens",
+                                     "active_decode_blocks", "out_of_sync"),
+                         "no workers registered")
 
 
 def candidate_rows(decision: dict[str, Any]) -> list[dict[str, Any]]:
@@ -335,15 +333,36 @@ def candidate_rows(decision: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _after(data: dict[str, Any], key: str) -> str | None:
+    start, end = data.get("routed_ts"), data.get(key)
+    if isinstance(start, (int, float)) and isinstance(end, (int, float)):
+        return f"{end - start:.3f}s after routing"
+    return None
+
+
 def show_request(data: dict[str, Any]) -> str:
-    head = render_mapping(data, first=("request_id", "replica_id", "worker_id", "dp_rank",
-                                       "model", "isl_tokens", "overlap_blocks", "outcome"),
-                          skip=("candidates",))
+    shown = dict(data)
+    for key in ("prefill_ts", "finished_ts", "lost_ts"):
+        if _after(data, key):
+            shown[key.removesuffix("_ts") + "_after"] = _after(data, key)
+    head = render_mapping(shown, first=("request_id", "replica_id", "worker_id", "dp_rank",
+                                        "model", "isl_tokens", "overlap_blocks", "outcome",
+                                        "output_tokens", "routed_ts", "prefill_after",
+                                        "finished_after"),
+                          skip=("candidates", "hops"))
+    parts = [head]
+    hops = _listed(data, "hops")
+    if len(hops) > 1:  # a migrated request: every hop of it, hop 0 first
+        parts.append(f"hops ({len(hops)}):\n" + render_table(
+            hops, ("hop", "request_id", "worker_id", "dp_rank", "outcome", "routed_ts"),
+            only=True))
     rows = candidate_rows(data)
-    if not rows:
-        return head + "\ncandidates: none recorded"
-    return f"{head}\ncandidates ({len(rows)}, * = chosen):\n" + render_table(
-        rows, ("", *CANDIDATE_FIELDS))
+    if rows:
+        parts.append(f"candidates ({len(rows)}, * = chosen):\n"
+                     + render_table(rows, ("", *CANDIDATE_FIELDS)))
+    else:
+        parts.append("candidates: none recorded")
+    return "\n".join(parts)
 
 
 # -- the verb --------------------------------------------------------------------------------
@@ -361,6 +380,19 @@ def confirm_reset(target: Target, stdin: Any = None, stderr: Any = None) -> bool
     stderr.flush()
     answer = stdin.readline()
     return answer.strip().lower() in ("y", "yes")
+
+
+THRESHOLD_PATH = "/admin/snapshot-threshold"
+# verb -> (HTTP method, path, readable renderer); `threshold N` and `request ID` are built apart.
+ROUTES: dict[str, tuple[str, str, Show]] = {
+    "state": ("GET", "/admin/state", show_state),
+    "snapshot": ("POST", "/admin/snapshot", show_snapshot),
+    "snapshots": ("GET", "/admin/snapshots", show_snapshots),
+    "reset": ("POST", "/admin/reset", show_reset),
+    "threshold": ("GET", THRESHOLD_PATH, show_threshold),
+    "replicas": ("GET", "/admin/replicas", show_replicas),
+    "workers": ("GET", "/admin/workers", show_workers),
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -383,9 +415,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub.add_parser("snapshots", help="list the stored snapshots, newest first")
     r = sub.add_parser("reset", help="clear the routing state of every replica (epoch + 1)")
     r.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    r.add_argument("--reason", default=None, help="recorded in the StateReset event")
     t = sub.add_parser("threshold", help="show the snapshot threshold, or set it to N")
-    t.add_argument("threshold", nargs="?", type=_non_negative_int, metavar="N",
+    t.add_argument("threshold", nargs="?", type=_positive_int, metavar="N",
                    help="messages appended between snapshots")
     sub.add_parser("replicas", help="every replica's positions, digests, leader, divergence")
     sub.add_parser("workers", help="the registered engines and their load")
@@ -397,51 +428,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            help="print the API's raw JSON")
 
 
-def _non_negative_int(text: str) -> int:
+def _positive_int(text: str) -> int:
     value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be >= 0")
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be a positive integer")
     return value
 
 
-Show = Callable[[Any], str]
-
-
-def _dispatch(args: argparse.Namespace, client: AdminClient, target: Target) -> tuple[Any, Show]:
+def _request(args: argparse.Namespace, target: Target) -> tuple[str, str, object, Show]:
+    """(HTTP method, path, JSON body, renderer) for the verb in `args`."""
     verb = args.admin_verb
-    if verb == "state":
-        return client.state(), show_state
-    if verb == "snapshot":
-        return client.snapshot(), show_snapshot
-    if verb == "snapshots":
-        return client.snapshots(), show_snapshots
-    if verb == "reset":
-        if not args.yes and not confirm_reset(target):
-            raise ApiFailure("reset cancelled")
-        return client.reset(args.reason), show_reset
-    if verb == "threshold":
-        if args.threshold is None:
-            return client.threshold(), show_threshold
-        return client.set_threshold(args.threshold), (
-            lambda d: f"snapshot threshold set to {cell(d.get('threshold'))}")
-    if verb == "replicas":
-        return client.replicas(), show_replicas
-    if verb == "workers":
-        return client.workers(), show_workers
+    if verb == "reset" and not args.yes and not confirm_reset(target):
+        raise ApiFailure("reset cancelled")
+    if verb == "threshold" and args.threshold is not None:
+        return "PUT", THRESHOLD_PATH, {"threshold": args.threshold}, show_threshold_set
     if verb == "request":
-        return client.decision(args.request_id), show_request
-    raise CliError(f"unknown admin verb {verb!r}")
+        return "GET", "/admin/requests/" + quote(args.request_id, safe=""), None, show_request
+    method, path, show = ROUTES[verb]
+    return method, path, None, show
 
 
 def run(args: argparse.Namespace) -> int:
-    target = resolve_target(args.url, args.token, args.cluster_file)
+    try:
+        target = resolve_target(args.url, args.token, args.cluster_file)
+        with AdminClient(target, timeout=args.timeout) as client:
+            method, path, body, show = _request(args, target)
+            data = client.call(method, path, body)
+    except ApiFailure as exc:
+        print(f"jetrouter admin: error: {exc}", file=sys.stderr)
+        return EXIT_API_ERROR
+    except CliError as exc:
+        # Reported here rather than by the frame: under `python -m api.cli` the frame runs as
+        # __main__, whose CliError is a different class from the api.cli.CliError raised here.
+        print(f"jetrouter admin: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     as_json = bool(args.json or getattr(args, "json_after", False))
-    with AdminClient(target, timeout=args.timeout) as client:
-        try:
-            data, show = _dispatch(args, client, target)
-        except ApiFailure as exc:
-            print(f"jetrouter admin: error: {exc}", file=sys.stderr)
-            return EXIT_API_ERROR
     if as_json:
         print(json.dumps(data, indent=2))
     else:

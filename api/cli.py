@@ -97,4 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the importable module's main, so exceptions raised by verb modules (which import
+    # `api.cli`) are the same classes the frame catches.
+    from api.cli import main as _main
+
+    sys.exit(_main())

@@ -1,25 +1,41 @@
-"""Forwarding a routed request to its engine and reporting how it went (design.md §9).
+"""Forwarding a routed request to its engine, migrating it when the engine fails (design.md §9,
+issue 6 item 1).
 
-The request's lifecycle events are appended here: `PrefillCompleted` at the first output token,
-`RequestFinished` exactly once at the end, with the outcome (ok, error, cancelled).
+A request is served by one or more *hops*. The first is the decision `api/app.py` made; when an
+engine breaks (refused or reset connection, crash mid-stream, 5xx, no byte for the idle timeout)
+the request is routed again under ``f"{base_id}~{n}"``, excluding every engine that failed it,
+and continues there (see :mod:`api.migration`), up to ``migration_limit`` times. Each hop has its
+own lifecycle on the router stream: `PrefillCompleted` at its first token and exactly one
+`RequestFinished` — ``migrated`` for a hop that was moved away from, else ok / error / cancelled —
+so the load it charged is freed whatever happens. Client cancellations and 4xx answers are never
+migrated.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
+import logging
+import os
 from collections.abc import AsyncIterator, Callable
 
 import httpx
 import msgspec
 from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from api.errors import error_response
 from api.metrics import RouterMetrics
+from api.migration import Continuation, Hop, HopPlan
 from api.openai_schema import ParsedRequest
-from api.proxy import Exchange, SseWatcher, relay
-from replicas.runtime import Replica, Routed
+from api.proxy import Exchange, HopFailed, open_upstream, sse_error, upstream_events
+from api.tokenizer import ByteTokenizer, Tokenizer
+from replicas.runtime import Replica, Routed, RouteRequest, RoutingError
+
+log = logging.getLogger("jetrouter.forward")
+
+DEFAULT_STREAM_IDLE_TIMEOUT = 30.0
+DEFAULT_MIGRATION_LIMIT = 3
+WorkerFailureHook = Callable[[str, str], None]  # (worker_id, reason): passive health signal
 
 
 def replica_headers(replica_id: str, worker_id: str | None = None) -> dict[str, str]:
@@ -29,97 +45,290 @@ def replica_headers(replica_id: str, worker_id: str | None = None) -> dict[str, 
     return h
 
 
+def _env_number(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        log.warning("ignoring %s=%r: not a number", name, raw)
+        return default
+
+
 class Forwarder:
+    """Proxies routed requests; one instance per app.
+
+    ``stream_idle_timeout`` / ``migration_limit`` default to the environment variables
+    ``JETROUTER_STREAM_IDLE_TIMEOUT`` / ``JETROUTER_MIGRATION_LIMIT``, then to 30 s / 3.
+    ``on_worker_failure(worker_id, reason)`` is called for every failed hop (for circuit
+    breakers); it must not block.
+    """
+
     def __init__(self, replica: Replica, metrics: RouterMetrics,
-                 client: Callable[[], httpx.AsyncClient]) -> None:
+                 client: Callable[[], httpx.AsyncClient], *,
+                 tokenizer: Tokenizer | None = None,
+                 stream_idle_timeout: float | None = None,
+                 migration_limit: int | None = None,
+                 connect_timeout: float = 5.0,
+                 chat_default_max_tokens: int = 256,
+                 on_worker_failure: WorkerFailureHook | None = None) -> None:
         self.replica = replica
         self.metrics = metrics
         self.client = client
-
-    def _headers(self, routed: Routed) -> dict[str, str]:
-        return replica_headers(self.replica.replica_id, routed.worker_id)
+        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
+        idle = stream_idle_timeout if stream_idle_timeout is not None else _env_number(
+            "JETROUTER_STREAM_IDLE_TIMEOUT", DEFAULT_STREAM_IDLE_TIMEOUT)
+        limit = migration_limit if migration_limit is not None else int(_env_number(
+            "JETROUTER_MIGRATION_LIMIT", DEFAULT_MIGRATION_LIMIT))
+        if idle <= 0:
+            raise ValueError("stream_idle_timeout must be > 0")
+        if limit < 0:
+            raise ValueError("migration_limit must be >= 0")
+        self.stream_idle_timeout = idle
+        self.migration_limit = limit
+        self.chat_default_max_tokens = chat_default_max_tokens
+        self.on_worker_failure = on_worker_failure
+        # Read/write timeouts are the idle timeout: they fire when the engine sends nothing.
+        self.timeout = httpx.Timeout(idle, connect=connect_timeout)
 
     async def forward(self, endpoint: str, parsed: ParsedRequest, raw: bytes,
                       routed: Routed) -> Response:
-        path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
-        url = routed.worker_url.rstrip("/") + path
+        run = _Run(self, endpoint, parsed, raw, routed)
+        early = await run.open_first()
+        headers = replica_headers(self.replica.replica_id, run.first_worker)
+        if early is not None:
+            early.headers.update(headers)
+            return early
         if parsed.stream:
-            return await self._stream(endpoint, url, raw, routed)
-        return await self._unary(endpoint, url, raw, routed)
+            return _RunStream(run, headers)
+        return await run.collect()
 
-    def _finish(self, endpoint: str, routed: Routed, ex: Exchange) -> None:
-        self.replica.finished(routed.request_id, ex.outcome, ex.tokens)
-        self.metrics.requests.labels(endpoint=endpoint, outcome=ex.outcome).inc()
-        if ex.ttft is not None:
-            self.metrics.ttft.observe(ex.ttft)
-        for gap in ex.itl:
-            self.metrics.itl.observe(gap)
-        if ex.outcome == "ok":
-            self.metrics.output_tokens.observe(ex.tokens)
 
-    async def _unary(self, endpoint: str, url: str, raw: bytes, routed: Routed) -> Response:
-        ex = Exchange()
-        client = self.client()
+class _RunStream(StreamingResponse):
+    """The SSE response of one run. If the client vanishes before the body is ever iterated, or
+    while it is parked between chunks, the run is closed here at once instead of whenever the
+    abandoned generator is collected: the load its hop charged must not linger."""
+
+    def __init__(self, run: _Run, headers: dict[str, str]) -> None:
+        super().__init__(run.events(), media_type="text/event-stream", headers=headers)
+        self.run = run
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            resp = await client.post(url, content=raw, headers={
-                "content-type": "application/json", "x-request-id": routed.request_id})
-        except httpx.HTTPError as exc:
-            self._finish(endpoint, routed, ex)
-            return error_response(502, f"the inference engine {routed.worker_id} failed: "
-                                  f"{type(exc).__name__}", type="upstream_error",
-                                  headers=self._headers(routed))
-        except BaseException:
-            ex.outcome = "cancelled"
-            self._finish(endpoint, routed, ex)
-            raise
-        ex.first_token_at = time.perf_counter()
-        self.replica.prefill_completed(routed.request_id)
-        if resp.status_code == 200:
-            with contextlib.suppress(Exception):
-                ex.take_usage(msgspec.json.decode(resp.content).get("usage"))
-            ex.outcome = "ok"
-        self._finish(endpoint, routed, ex)
-        return Response(resp.content, status_code=resp.status_code,
-                        media_type=resp.headers.get("content-type", "application/json"),
-                        headers=self._headers(routed))
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.run.abandon()
 
-    async def _stream(self, endpoint: str, url: str, raw: bytes, routed: Routed) -> Response:
-        ex = Exchange()
-        client = self.client()
-        req = client.build_request("POST", url, content=raw, headers={
-            "content-type": "application/json", "x-request-id": routed.request_id})
-        try:
-            resp = await client.send(req, stream=True)
-        except httpx.HTTPError as exc:
-            self._finish(endpoint, routed, ex)
-            return error_response(502, f"the inference engine {routed.worker_id} failed: "
-                                  f"{type(exc).__name__}", type="upstream_error",
-                                  headers=self._headers(routed))
-        except BaseException:
-            ex.outcome = "cancelled"
-            self._finish(endpoint, routed, ex)
-            raise
-        if resp.status_code != 200:
-            body = await resp.aread()
+
+class _Run:
+    """One client request through all its hops."""
+
+    def __init__(self, fw: Forwarder, endpoint: str, parsed: ParsedRequest, raw: bytes,
+                 routed: Routed) -> None:
+        self.fw = fw
+        self.endpoint = endpoint
+        self.parsed = parsed
+        self.base = routed
+        self.cont = Continuation(parsed, raw, fw.tokenizer.encode,
+                                 chat_default_max_tokens=fw.chat_default_max_tokens)
+        self.plan: HopPlan = self.cont.plan()
+        self.hop: Hop = self.cont.start_hop(routed, self.plan)
+        self.ex = Exchange()
+        self.resp: httpx.Response | None = None
+        self.failed: set[str] = set()
+        self.migrations = 0
+        self.give_up: str | None = None     # why we stopped trying (for the client)
+        self.first_worker: str | None = None  # the engine whose answer started the response
+        self.request_done = False
+
+    # --- bookkeeping --------------------------------------------------------------------------
+
+    def _end_hop(self, hop: Hop, outcome: str) -> None:
+        if not hop.ended:
+            hop.ended = True
+            self.fw.replica.finished(hop.request_id, outcome, hop.count)
+
+    def _end_request(self, outcome: str) -> None:
+        if self.request_done:
+            return
+        self.request_done = True
+        m = self.fw.metrics
+        m.requests.labels(endpoint=self.endpoint, outcome=outcome).inc()
+        if self.ex.ttft is not None:
+            m.ttft.observe(self.ex.ttft)
+        for gap in self.ex.itl:
+            m.itl.observe(gap)
+        if outcome == "ok":
+            m.output_tokens.observe(sum(h.count for h in self.cont.hops))
+
+    def _on_token(self) -> None:
+        self.ex.token()
+        if not self.hop.prefilled:
+            self.hop.prefilled = True
+            self.fw.replica.prefill_completed(self.hop.request_id)
+
+    async def _close(self) -> None:
+        resp, self.resp = self.resp, None
+        if resp is not None:
             await resp.aclose()
-            self._finish(endpoint, routed, ex)
-            return Response(body, status_code=resp.status_code,
-                            media_type=resp.headers.get("content-type", "application/json"),
-                            headers=self._headers(routed))
-        watcher = SseWatcher(ex, lambda: self.replica.prefill_completed(routed.request_id))
 
-        async def body() -> AsyncIterator[bytes]:
+    # --- hops ---------------------------------------------------------------------------------
+
+    async def _migrate(self, failure: HopFailed) -> bool:
+        """Route the next hop after ``failure``; False (and ``give_up`` set) when we cannot."""
+        failed = self.hop
+        self.failed.add(failed.worker_id)
+        log.warning("request %s: engine %s failed (%s); %s", self.base.request_id,
+                    failed.worker_id, failure, "migrating" if self.migrations <
+                    self.fw.migration_limit else "migration limit reached")
+        if self.fw.on_worker_failure is not None:
             try:
-                async for chunk in relay(resp, watcher):
-                    yield chunk
-            except (asyncio.CancelledError, GeneratorExit):
-                ex.outcome = "cancelled"
-                raise
+                self.fw.on_worker_failure(failed.worker_id, failure.reason)
+            except Exception:
+                log.exception("on_worker_failure hook failed")
+        if self.migrations >= self.fw.migration_limit:
+            self.give_up = (f"the inference engine failed ({failure.reason}) and the migration "
+                            f"limit ({self.fw.migration_limit}) is reached")
+            self._end_hop(failed, "error")
+            return False
+        plan = self.cont.plan()
+        hop_id = f"{self.base.request_id}~{self.migrations + 1}"
+        try:
+            routed = await self.fw.replica.route(RouteRequest(
+                request_id=hop_id, model=self.parsed.model, token_ids=plan.token_ids,
+                expected_osl=plan.expected_osl, priority=self.base.event.priority,
+                overlap_weight=self.parsed.overlap_weight,
+                latency_sensitivity=self.parsed.latency_sensitivity,
+                exclude=frozenset(self.failed)))
+        except RoutingError as exc:
+            self.give_up = (f"the inference engine failed ({failure.reason}) and no other "
+                            f"engine can take the request: {exc}")
+            self._end_hop(failed, "error")
+            return False
+        self._end_hop(failed, "migrated")
+        self.migrations += 1
+        self.fw.metrics.migrations.labels(reason=failure.reason).inc()
+        self.plan = plan
+        self.hop = self.cont.start_hop(routed, plan)
+        return True
+
+    async def _open(self) -> tuple[int, bytes, str] | None:
+        """Open hops until one answers 200 (None, ``self.resp`` set), or return the answer the
+        client gets instead: (status, body, content type) — an engine's 4xx, or our 502."""
+        while True:
+            url = self.hop.routed.worker_url.rstrip("/") + self.plan.path
+            try:
+                resp = await open_upstream(self.fw.client(), url, self.plan.body,
+                                           self.hop.request_id, self.fw.timeout)
+            except HopFailed as failure:
+                if await self._migrate(failure):
+                    continue
+                body = msgspec.json.encode({"error": {
+                    "message": self.give_up, "type": "upstream_error", "param": None,
+                    "code": 502}})
+                return 502, body, "application/json"
+            if resp.status_code == 200:
+                self.resp = resp
+                return None
+            # The engine judged the request itself (4xx): another engine would say the same.
+            try:
+                body = await resp.aread()
             finally:
-                if ex.outcome != "ok" and watcher.saw_done is False and ex.outcome != "cancelled":
-                    ex.outcome = "error"
-                self._finish(endpoint, routed, ex)
+                await resp.aclose()
+            self._end_hop(self.hop, "error")
+            return resp.status_code, body, resp.headers.get("content-type", "application/json")
 
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers=self._headers(routed))
+    async def open_first(self) -> Response | None:
+        """Open the first working hop; a Response when the request ends before streaming."""
+        try:
+            early = await self._open()
+        except BaseException:
+            self._end_hop(self.hop, "cancelled")
+            self._end_request("cancelled")
+            raise
+        if early is None:
+            self.first_worker = self.hop.worker_id
+            return None
+        status, body, ctype = early
+        self._end_request("error")
+        return Response(body, status_code=status, media_type=ctype)
 
+    async def events(self) -> AsyncIterator[bytes]:
+        """The client's SSE stream, migrating across hops as engines fail."""
+        outcome = "error"
+        try:
+            while True:
+                assert self.resp is not None
+                upstream = upstream_events(self.resp)
+                try:
+                    async for raw, payload in upstream:
+                        out, token = self.cont.on_event(self.hop, raw, payload)
+                        if token:
+                            self._on_token()
+                        if out is not None:
+                            yield out
+                    if not self.cont.complete:
+                        raise HopFailed("stream_error",
+                                        "the engine closed the stream before finishing")
+                except HopFailed as exc:
+                    failure: HopFailed | None = exc
+                else:
+                    failure = None
+                finally:
+                    await upstream.aclose()
+                await self._close()
+                if failure is None or self.cont.complete:
+                    # Every token is in (a break after the last one is not worth a new hop).
+                    outcome = "ok"
+                    yield self.cont.tail()
+                    return
+                if await self._migrate(failure):
+                    early = await self._open()
+                else:
+                    early = 502, b"", ""
+                if early is not None:
+                    yield sse_error(self.give_up or _describe(early))
+                    yield b"data: [DONE]\n\n"
+                    return
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            await self._close()
+            self._end_hop(self.hop, outcome)
+            self._end_request(outcome)
+
+    async def abandon(self) -> None:
+        """End whatever is still open as cancelled (no-op after a normal end)."""
+        await self._close()
+        self._end_hop(self.hop, "cancelled")
+        self._end_request("cancelled")
+
+    async def collect(self) -> Response:
+        """A non-streaming client: run the same hops, answer with one JSON body."""
+        stream = self.events()
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            await stream.aclose()
+        # The engine that finished the answer; the migration count says whether it had help.
+        headers = replica_headers(self.fw.replica.replica_id, self.hop.worker_id)
+        if self.migrations:
+            headers["x-jetrouter-migrations"] = str(self.migrations)
+        if self.request_done and self.give_up is None and self.cont.complete:
+            return Response(msgspec.json.encode(self.cont.response_body()),
+                            media_type="application/json", headers=headers)
+        return error_response(502, self.give_up or "the inference engine failed",
+                              type="upstream_error", headers=headers)
+
+
+def _describe(early: tuple[int, bytes, str]) -> str:
+    status, body, _ = early
+    try:
+        err = msgspec.json.decode(body)["error"]
+        detail = err["message"] if isinstance(err, dict) else str(err)
+    except Exception:  # any shape: fall back to the raw text
+        detail = body[:200].decode("utf-8", "replace")
+    return f"the inference engine rejected the continued request (HTTP {status}): {detail}"

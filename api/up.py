@@ -333,7 +333,7 @@ class LocalCluster:
             child.argv = [sys.executable, "-m", "api.cli", "serve", *common,
                           "--replica-id", child.name, "--nats-url", self.nats_url,
                           "--namespace", self.namespace, "--data-dir", str(replica_dir),
-                          "--admin-token", self.admin_token, *self.router_args]
+                          f"--admin-token={self.admin_token}", *self.router_args]
         else:
             child.argv = [sys.executable, "-m", "api.cli", "worker", *common,
                           "--worker-id", child.name, "--nats-url", self.nats_url,

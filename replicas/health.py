@@ -17,7 +17,7 @@ Transitions, per the seed:
   again for another ``recovery_timeout``.
 
 One deliberate difference from the seed: a *slow* but correct canary (latency above
-``slow_factor`` × the worker's EWMA baseline) makes the worker SUSPICIOUS without counting as a
+``slow_factor`` * the worker's EWMA baseline) makes the worker SUSPICIOUS without counting as a
 breaker failure. The seed's own failure table answers a thermal throttle with "weight reduction",
 not removal: a slow engine still serves right tokens, and halving its weight is the right lever.
 """
@@ -119,7 +119,7 @@ class CircuitBreaker:
 class HealthConfig:
     failure_threshold: int = 3
     recovery_timeout: float = 60.0
-    slow_factor: float = 3.0        # "slow" = latency > slow_factor × baseline ...
+    slow_factor: float = 3.0        # "slow" = latency > slow_factor * baseline ...
     slow_min_excess: float = 0.05   # ... and > baseline + this (seconds): ignores jitter on tiny
     baseline_alpha: float = 0.1     # EWMA weight of a new healthy latency sample (seed: 0.1)
 

@@ -160,6 +160,9 @@ class Liveness:
         self._http: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._bad_entries: set[tuple[str, int]] = set()
+        self._last_poll: float | None = None
+        self._last_worker_check: float | None = None
+        self._reconnects_seen: dict[str, int] = {}
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -219,8 +222,8 @@ class Liveness:
                 await self._round()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("heartbeat round failed; retrying next interval")
+            except Exception as exc:  # NATS away: warn, no stack trace every interval
+                log.warning("heartbeat round failed (%r); retrying next interval", exc)
             await asyncio.sleep(max(0.0, self.heartbeat_interval - (self._clock() - started)))
 
     async def _round(self) -> None:
@@ -261,6 +264,11 @@ class Liveness:
             with contextlib.suppress(Exception):
                 await watcher.stop()
         now = self._clock()
+        if self._was_blind(now, "_last_poll", self.replica_timeout):
+            # We could not watch (NATS away, our loop stalled): peers' heartbeats may have been
+            # lost on their way too, so nobody's lapse can be judged across the gap.
+            for status in self.peers_status.values():
+                pass
         for entry in entries:
             rid, rev = entry.key, int(entry.revision or 0)
             status = self.peers_status.get(rid)
@@ -283,6 +291,21 @@ class Liveness:
             if (rid not in present and rid not in owning and rid != self.replica_id
                     and status.age(now) > self.bucket_ttl + self.replica_timeout):
                 del self.peers_status[rid]
+
+    def _was_blind(self, now: float, attr: str, timeout: float) -> bool:
+        """True when this process could not observe since its previous successful round of the
+        same kind: the gap exceeded half the timeout, or the NATS connection was re-established
+        meanwhile (core-NATS gauges and heartbeats in that window are gone for good)."""
+        last: float | None = getattr(self, attr)
+        setattr(self, attr, now)
+        reconnects = int(self.nc.stats.get("reconnects", 0))
+        seen = self._reconnects_seen.get(attr, reconnects)
+        self._reconnects_seen[attr] = reconnects
+        blind = last is not None and (now - last > timeout / 2 or reconnects != seen)
+        if blind:
+            log.info("liveness (%s): not observing for %.1fs or reconnected; restarting timers",
+                     attr.strip("_"), now - (last or now))
+        return blind
 
     def status(self) -> dict[str, object]:
         """For ``/admin/replicas``: every replica this process tracks, plus divergences."""
@@ -342,6 +365,9 @@ class Liveness:
 
     async def _check_workers(self) -> None:
         now = self._clock()
+        if self._was_blind(now, "_last_worker_check", self.worker_timeout):
+            for watch in self.workers_status.values():
+                watch.first_known = max(watch.first_known, now)
         known = dict(self._known_workers())
         for wid in list(self.workers_status):
             if wid not in known:  # retired (applied) or never ours: forget it

@@ -16,8 +16,8 @@ Degradation answers *lost* capacity. While every worker is healthy, overload is 
 thresholds of seed 000 handle (503 once all workers are busy), so the level is capped at 1 then;
 only a fleet that lost weight (unhealthy or suspicious workers) sheds by tier.
 
-Capacity and demand are in KV blocks: a unit (one worker dp rank) offers ``kv_total_blocks`` ×
-``usable_fraction`` × its routing weight (1 healthy, 0.5 suspicious, 0 unhealthy); demand is
+Capacity and demand are in KV blocks: a unit (one worker dp rank) offers ``kv_total_blocks`` *
+``usable_fraction`` * its routing weight (1 healthy, 0.5 suspicious, 0 unhealthy); demand is
 every unit's active decode blocks plus its prompt tokens still to prefill, in blocks. Load on an
 unhealthy worker still counts as demand: those requests drain or migrate onto the rest.
 """
@@ -28,7 +28,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from replicas.health import ROUTING_WEIGHT
+from replicas.health import HEALTHY, ROUTING_WEIGHT
+from replicas.state import RouterState
 
 TIERS = ("premium", "standard", "best_effort")  # highest priority first
 MAX_LEVEL = 4
@@ -75,6 +76,20 @@ def fleet_pressure(units: Iterable[UnitLoad], *, block_size: int,
         capacity += weight * u.kv_total_blocks * usable_fraction
         demand += u.active_decode_blocks + math.ceil(u.active_prefill_tokens / block_size)
     return Pressure(capacity, demand, weight_sum / n if n else 0.0)
+
+
+def model_units(state: RouterState, model: str) -> list[UnitLoad]:
+    """Every engine (worker x dp rank) serving ``model``, with the load the state accounts."""
+    out: list[UnitLoad] = []
+    for w in state.workers.values():
+        if w.model != model:
+            continue
+        status = state.health.get(w.worker_id, HEALTHY)
+        for rank in range(w.dp_size):
+            key = (w.worker_id, rank)
+            out.append(UnitLoad(status, w.kv_total_blocks, state.load.active_decode_blocks(key),
+                                state.load.active_prefill_tokens(key)))
+    return out
 
 
 def degradation_level(capacity: float, demand: float, healthy_fraction: float) -> int:

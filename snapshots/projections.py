@@ -49,9 +49,12 @@ class Projections:
         self.catalog = CatalogView()
         self.ledger = LedgerView(ledger_retention)
         self._views: dict[str, View] = {CONTROL: self.catalog, ROUTER: self.ledger}
-        # One writer per projection at a time: SQLite would otherwise deadlock two deferred
-        # transactions that both read the tracking row and then both want to write.
-        self._locks = {kind: asyncio.Lock() for kind in self._views}
+        # One write transaction at a time, on one held connection: SQLite has a single writer
+        # anyway (two deferred transactions that both read the tracking row and then both
+        # write would deadlock), and a held connection saves the pool's checkout and reset on
+        # every transaction. Reads go through the pool and run beside it (WAL).
+        self._write_lock = asyncio.Lock()
+        self._writer: AsyncConnection | None = None
         self._engine: AsyncEngine | None = None
 
     @property
@@ -64,15 +67,20 @@ class Projections:
             engine = make_engine(self.url)
             try:
                 await create_tables(engine)
+                self._writer = await engine.connect()
             except BaseException:
                 await engine.dispose()
                 raise
             self._engine = engine
 
     async def close(self) -> None:
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            await engine.dispose()
+        async with self._write_lock:
+            writer, self._writer = self._writer, None
+            engine, self._engine = self._engine, None
+            if writer is not None:
+                await writer.close()
+            if engine is not None:
+                await engine.dispose()
 
     async def __aenter__(self) -> Projections:
         await self.start()
@@ -99,20 +107,28 @@ class Projections:
         last one; messages at or below the tracked position are ignored. Returns how many were
         applied. On any exception nothing of the call is kept."""
         view = self._view(stream_kind)
-        engine = self._engine_or_fail()
-        async with self._locks[stream_kind], engine.begin() as conn:
-            track = await read_tracking(conn, view.projection, view.stream)
-            todo: list[Message] = []
-            last = track.seq
-            for seq, batch in messages:
-                if seq > last:
-                    todo.append((seq, batch))
-                    last = seq
-            if not todo:
-                return 0
-            await view.write(conn, todo, track)
-            track.seq = last
-            await self._write_tracking(conn, track)
+        async with self._write_lock:
+            conn = self._writer
+            if conn is None:
+                raise RuntimeError("Projections.start() has not been called (or close() was)")
+            async with conn.begin():
+                return await self._apply_in(conn, view, messages)
+
+    async def _apply_in(
+        self, conn: AsyncConnection, view: View, messages: Sequence[Message]
+    ) -> int:
+        track = await read_tracking(conn, view.projection, view.stream)
+        todo: list[Message] = []
+        last = track.seq
+        for seq, batch in messages:
+            if seq > last:
+                todo.append((seq, batch))
+                last = seq
+        if not todo:
+            return 0
+        await view.write(conn, todo, track)
+        track.seq = last
+        await self._write_tracking(conn, track)
         return len(todo)
 
     async def _write_tracking(self, conn: AsyncConnection, track: Tracking) -> None:

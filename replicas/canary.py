@@ -1,0 +1,293 @@
+"""Canary health checks and passive health reports (seed 002): the adapter around ``health.py``.
+
+Only the leader checks. Every ``interval`` it sends each worker the same deterministic completion
+(token-id prompt, temperature 0, ``max_tokens`` 8, non-streaming) and judges the answer against
+the model's reference (:class:`~replicas.health.ReferenceAnswers`, or a known expected text),
+and its latency against the worker's baseline. A failed check is retried at once up to
+``max_retries`` times (seed: 2), each attempt counting on the breaker, so a worker returning
+wrong tokens goes HEALTHY → SUSPICIOUS → UNHEALTHY within one round, while a one-off blip
+(failure, then success) only costs a brief SUSPICIOUS.
+
+Passive signals: any replica's proxy that sees an engine fail (connection refused or reset,
+5xx, idle timeout) calls :func:`report_passive`, a core-NATS publish of
+``{"worker_id", "reason"}`` on ``<ns>.health.report``; the leader's checker feeds them to the same
+breakers. Status changes go out through ``emit`` (the lead appends them to the control stream);
+an emit that fails is retried at the start of the next round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+import httpx
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from eventlog.names import Names
+from replicas.health import HEALTHY, HealthBoard, ReferenceAnswers, StatusChange
+
+log = logging.getLogger("jetrouter.canary")
+
+# A fixed multi-token prompt: a single token would skip attention (seed, "Canary Prompt Design").
+CANARY_PROMPT: tuple[int, ...] = tuple(100 + (i * 7919) % 30000 for i in range(24))
+CANARY_MAX_TOKENS = 8
+
+Emit = Callable[[StatusChange], Awaitable[None]]
+# Observer for the health-check-duration metric: (worker_id, seconds, outcome) where outcome is
+# "ok", "slow", "mismatch" or "error".
+OnCheck = Callable[[str, float, str], None]
+
+
+def health_report_subject(names: Names) -> str:
+    return f"{names.namespace}.health.report"
+
+
+async def report_passive(nc: NatsClient, names: Names, worker_id: str, reason: str) -> None:
+    """Tell the leader a real request to ``worker_id`` failed (fire and forget; best effort)."""
+    body = json.dumps({"worker_id": worker_id, "reason": reason}).encode()
+    try:
+        await nc.publish(health_report_subject(names), body)
+    except Exception:  # a health hint must never fail the request path
+        log.debug("could not publish a passive health report for %s", worker_id, exc_info=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    ok: bool            # a 200 with a parsable completion
+    latency: float      # seconds, request sent → full answer
+    text: str = ""
+    reason: str = ""    # why not ok
+
+
+class CanaryChecker:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        board: HealthBoard,
+        *,
+        interval: float = 30.0,
+        timeout: float = 5.0,
+        model_of: Callable[[str], str],
+        workers: Callable[[], Mapping[str, str]],
+        emit: Emit,
+        is_leader: Callable[[], bool],
+        statuses: Callable[[], Mapping[str, str]] | None = None,
+        expected_of: Callable[[str], str | None] | None = None,
+        nc: NatsClient | None = None,
+        names: Names | None = None,
+        max_retries: int = 2,
+        on_check: OnCheck | None = None,
+        clock: Callable[[], float] = time.time,
+        prompt: tuple[int, ...] = CANARY_PROMPT,
+        max_tokens: int = CANARY_MAX_TOKENS,
+    ) -> None:
+        """``workers()`` → {worker_id: base url} of the registered workers; ``model_of(id)`` →
+        its served model; ``statuses()`` → the replicated health map (``RouterState.health``),
+        adopted when this replica becomes leader; ``expected_of(model)`` → a known right answer
+        (text) or None to learn it; ``nc``/``names`` enable the passive-report subscriber."""
+        self.client = client
+        self.board = board
+        self.interval = interval
+        self.timeout = timeout
+        self.model_of = model_of
+        self.workers = workers
+        self.emit = emit
+        self.is_leader = is_leader
+        self.statuses = statuses
+        self.expected_of = expected_of
+        self.nc = nc
+        self.names = names or Names()
+        self.max_retries = max_retries
+        self.on_check = on_check
+        self.clock = clock
+        self.prompt = list(prompt)
+        self.max_tokens = max_tokens
+        self.references = ReferenceAnswers()
+        self.rounds = 0          # rounds started (tests count detection in rounds, not seconds)
+        self.ticks = 0           # loop iterations, leader or not
+        self.reports = 0         # passive reports received, leader or not
+        self._leading = False
+        self._published: dict[str, str] = {}  # worker -> last status emit() accepted
+        self._emit_lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self._sub: Subscription | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.nc is not None:
+            self._sub = await self.nc.subscribe(health_report_subject(self.names),
+                                                cb=self._on_report)
+        self._task = asyncio.create_task(self._loop(), name="canary-checker")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+
+    async def _loop(self) -> None:
+        while True:
+            started = time.monotonic()
+            self.ticks += 1
+            try:
+                if self._lead():
+                    await self.check_all()
+            except Exception:  # one bad round must not end health checking
+                log.exception("canary round failed")
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def _lead(self) -> bool:
+        """Track leadership; on gaining it, adopt the replicated statuses as the starting point."""
+        leading = self.is_leader()
+        if leading and not self._leading:
+            current = self.statuses() if self.statuses is not None else {}
+            ids = set(self.workers())
+            self.board.adopt(current, ids, self.clock())
+            self._published = {w: current.get(w, HEALTHY) for w in ids}
+        self._leading = leading
+        return leading
+
+    # --- one round ------------------------------------------------------------------------------
+
+    async def check_all(self) -> list[StatusChange]:
+        """One round over every registered worker; returns the status changes it emitted."""
+        self.rounds += 1
+        workers = dict(self.workers())
+        self._forget_gone(workers)
+        emitted = await self._republish()
+        due = [w for w in sorted(workers) if self.board.should_check(w, self.clock())]
+        first = await asyncio.gather(*(self._attempt(w, workers[w]) for w in due))
+        attempts = dict(zip(due, first, strict=True))
+        self._pin_first_answers(attempts)
+        retry: list[str] = []
+        for worker_id, attempt in attempts.items():
+            if not await self._judge(worker_id, attempt, emitted):
+                retry.append(worker_id)
+        await asyncio.gather(*(self._retry(w, workers[w], emitted) for w in retry))
+        return emitted
+
+    def _forget_gone(self, workers: Mapping[str, str]) -> None:
+        for worker_id in set(self.board.workers()) - set(workers):
+            self.board.forget(worker_id)
+            self.references.forget(worker_id)
+            self._published.pop(worker_id, None)
+
+    async def _republish(self) -> list[StatusChange]:
+        """Restate, from the board's current view, any status whose emit failed earlier."""
+        out: list[StatusChange] = []
+        for worker_id in self.board.workers():
+            now_status = self.board.status(worker_id)
+            was = self._published.get(worker_id, HEALTHY)
+            if now_status != was:
+                reason = self.board.worker(worker_id).last_reason
+                await self._publish(StatusChange(worker_id, was, now_status, reason,
+                                                 self.clock()), out)
+        return out
+
+    def _pin_first_answers(self, attempts: Mapping[str, Attempt]) -> None:
+        by_model: dict[str, dict[str, str]] = {}
+        for worker_id, a in attempts.items():
+            w = self.board.worker(worker_id)
+            if a.ok and w.status == HEALTHY and self.references.pinned(worker_id) is None:
+                by_model.setdefault(self.model_of(worker_id), {})[worker_id] = a.text
+        for model, answers in by_model.items():
+            self.references.settle(model, answers)
+
+    async def _retry(self, worker_id: str, url: str, emitted: list[StatusChange]) -> None:
+        for _ in range(self.max_retries):
+            if not self.board.should_check(worker_id, self.clock()):
+                return
+            if await self._judge(worker_id, await self._attempt(worker_id, url), emitted):
+                return
+
+    async def _judge(self, worker_id: str, a: Attempt, emitted: list[StatusChange]) -> bool:
+        """Feed one attempt to the board and publish any change. True when it passed; a slow
+        answer passes (it is not retried: only a correctness failure is)."""
+        model = self.model_of(worker_id)
+        expected = self.expected_of(model) if self.expected_of is not None else None
+        if expected is None:
+            expected = self.references.expected(worker_id, model)
+        match = a.ok and (expected is None or a.text == expected)
+        if self.on_check is not None:
+            slow = match and self.board.worker(worker_id).is_slow(a.latency)
+            outcome = "error" if not a.ok else "mismatch" if not match else \
+                "slow" if slow else "ok"
+            self.on_check(worker_id, a.latency, outcome)
+        change = self.board.on_canary(worker_id, a.ok, a.latency, match, self.clock(), a.reason)
+        if change is not None:
+            await self._publish(change, emitted)
+        return match
+
+    async def _attempt(self, worker_id: str, url: str) -> Attempt:
+        body = {"model": self.model_of(worker_id), "prompt": self.prompt,
+                "max_tokens": self.max_tokens, "temperature": 0.0, "stream": False}
+        started = time.monotonic()
+        try:
+            r = await self.client.post(url.rstrip("/") + "/v1/completions", json=body,
+                                       headers={"x-request-id": f"canary-{self.rounds}"},
+                                       timeout=self.timeout)
+        except httpx.TimeoutException:
+            return Attempt(False, time.monotonic() - started, reason="timeout")
+        except httpx.HTTPError as exc:
+            return Attempt(False, time.monotonic() - started, reason=type(exc).__name__)
+        latency = time.monotonic() - started
+        if r.status_code != 200:
+            return Attempt(False, latency, reason=f"HTTP {r.status_code}")
+        try:
+            text = r.json()["choices"][0]["text"]
+            if not isinstance(text, str):
+                raise TypeError("text is not a string")
+        except (ValueError, KeyError, IndexError, TypeError):
+            return Attempt(False, latency, reason="malformed completion")
+        return Attempt(True, latency, text)
+
+    async def _publish(self, change: StatusChange,
+                       emitted: list[StatusChange] | None = None) -> None:
+        # One emit at a time, in the order the board produced the changes (the lock is FIFO and
+        # every caller asks for it before any other await), so the log's last word per worker is
+        # the board's.
+        async with self._emit_lock:
+            try:
+                await self.emit(change)
+            except Exception:
+                log.warning("could not publish %s → %s for %s; retrying next round",
+                            change.old, change.new, change.worker_id, exc_info=True)
+                return
+        self._published[change.worker_id] = change.new
+        if emitted is not None:
+            emitted.append(change)
+        log.warning("worker %s: %s → %s (%s)", change.worker_id, change.old, change.new,
+                    change.reason)
+
+    # --- passive reports ------------------------------------------------------------------------
+
+    async def _on_report(self, msg: Msg) -> None:
+        self.reports += 1
+        if not self._lead():
+            return
+        try:
+            doc = json.loads(msg.data)
+            worker_id, reason = doc["worker_id"], doc.get("reason", "error")
+            if not isinstance(worker_id, str) or not isinstance(reason, str):
+                raise TypeError("worker_id and reason must be strings")
+        except (ValueError, KeyError, TypeError):
+            log.debug("ignoring a malformed health report: %r", msg.data[:200])
+            return
+        if worker_id not in self.workers():
+            return  # stale: the worker is gone
+        change = self.board.on_passive_failure(worker_id, reason, self.clock())
+        if change is not None:
+            await self._publish(change)

@@ -1,0 +1,390 @@
+"""Snapshot blobs in the JetStream object store bucket ``<ns>-snapshots`` (design.md §8).
+
+A snapshot is an encoded ``RouterState`` (msgpack), compressed with zlib level 1, stored as one
+object whose NATS object-meta ``headers`` carry a :class:`SnapshotMeta` (positions, epoch, sha256
+of the *uncompressed* bytes, sizes, who took it and why). Object names sort by creation:
+``snap-<epoch:06d>-<unix_ms:013d>-<random hex>``.
+
+Why zlib level 1: on a 1M-block state (26.8 MB of msgpack) it compresses to 68 % in ~0.5 s and
+inflates in ~0.09 s; zlib 6 gains 1 % for more time, lzma preset 0 gains 4 % but takes 2.2 s to
+compress and 0.9 s to inflate — restore speed matters more than bytes (figures:
+``tests/integration/bench_snapshot_store.py``). Compression and hashing run in a worker thread
+(both release the GIL), so the event loop — and the leader lease renewing on it — keeps running.
+
+Writing uses the stock nats-py ``ObjectStore.put`` with chunks as large as the server's
+``max_payload`` allows (fewer acked publishes). Reading does *not* use ``ObjectStore.get``: it
+reads through a push consumer with flow control and concatenates ``bytes`` chunk by chunk
+(quadratic), ~0.8 s for 18 MB and 1.6-6.6 s for 50 MB. Here an ephemeral pull consumer on the
+stream leader fetches the chunks in batches and joins them once: ~0.05 s for 18 MB, ~0.15 s for
+50 MB. The wire layout stays the standard object-store one, so ``nats object`` tools still work.
+
+Deleting purges the object's chunks and then its meta subject (no tombstone left behind, so the
+bucket does not accumulate one meta message per snapshot ever taken). A crash in between leaves a
+meta without chunks: it lists, fails verification loudly, and is pruned as the oldest later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+import logging
+import secrets
+import time
+import zlib
+from typing import Any, NamedTuple
+
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    ObjectInfo,
+    ObjectMeta,
+    ObjectMetaOptions,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import NotFoundError
+from nats.js.object_store import ObjectStore
+
+from eventlog.names import Names
+from eventlog.streams import cluster_size_hint, ensure_stream
+
+log = logging.getLogger("jetrouter.snapshots")
+
+META_HEADER = "Jetrouter-Snapshot"
+COMPRESSION = "zlib"
+ZLIB_LEVEL = 1
+_MAX_CHUNK = 8 * 1024 * 1024
+_CHUNK_HEADROOM = 4096  # max_payload counts headers too
+_FETCH_BATCH = 16
+_FETCH_TIMEOUT = 10.0
+
+
+class SnapshotMeta(msgspec.Struct, frozen=True):
+    """What is known about one stored snapshot. ``size``/``sha256`` describe the uncompressed
+    encoded state (as in ``SnapshotTaken``); ``stored_size`` is the compressed object's size."""
+
+    snapshot_id: str
+    positions: dict[str, int]
+    epoch: int
+    size: int
+    sha256: str
+    created_by: str
+    trigger: str
+    ts: float
+    stored_size: int = 0
+    compression: str = COMPRESSION
+
+
+class LoadedSnapshot(NamedTuple):
+    """Result of :meth:`SnapshotStore.load_newest_valid`: ``loaded[0]`` is the meta and
+    ``loaded[1]`` the uncompressed state bytes; ``skipped`` lists the newer snapshots that failed
+    verification (or vanished) first, as ``(snapshot_id, why)``, newest first."""
+
+    meta: SnapshotMeta
+    data: bytes
+    skipped: list[tuple[str, str]]
+
+
+class SnapshotCorrupt(Exception):
+    """A stored snapshot failed verification (digest, decompression, checksum or meta)."""
+
+    def __init__(self, snapshot_id: str, why: str) -> None:
+        super().__init__(f"snapshot {snapshot_id} is corrupt: {why}")
+        self.snapshot_id = snapshot_id
+        self.why = why
+
+
+class SnapshotNotFound(KeyError):
+    """No snapshot with that id (never written, pruned or deleted)."""
+
+
+def new_snapshot_id(epoch: int, unix_ms: int) -> str:
+    """Sortable by creation within and across epochs (epochs only grow)."""
+    return f"snap-{epoch:06d}-{unix_ms:013d}-{secrets.token_hex(3)}"
+
+
+def _pack(raw: bytes) -> tuple[bytes, str]:
+    """Compress and checksum (run in a thread: both release the GIL on large buffers)."""
+    return zlib.compress(raw, ZLIB_LEVEL), hashlib.sha256(raw).hexdigest()
+
+
+def _unpack(snapshot_id: str, blob: bytes, nats_digest: str | None, meta: SnapshotMeta) -> bytes:
+    """Verify the object digest, inflate, verify size and sha256 of the state bytes."""
+    if nats_digest:
+        want = nats_digest.split("=", 1)[1] if "=" in nats_digest else nats_digest
+        have = base64.urlsafe_b64encode(hashlib.sha256(blob).digest()).decode()
+        if have.rstrip("=") != want.rstrip("="):
+            raise SnapshotCorrupt(snapshot_id, "stored object digest does not match its chunks")
+    if meta.compression != COMPRESSION:
+        raise SnapshotCorrupt(snapshot_id, f"unknown compression {meta.compression!r}")
+    try:
+        raw = zlib.decompress(blob)
+    except zlib.error as exc:
+        raise SnapshotCorrupt(snapshot_id, f"decompression failed: {exc}") from None
+    if len(raw) != meta.size:
+        raise SnapshotCorrupt(snapshot_id, f"size {len(raw)} != recorded {meta.size}")
+    if hashlib.sha256(raw).hexdigest() != meta.sha256:
+        raise SnapshotCorrupt(snapshot_id, "sha256 of the state bytes does not match")
+    return raw
+
+
+def _meta_of(info: ObjectInfo) -> SnapshotMeta:
+    """Our meta from an object's headers; ValueError when absent or malformed."""
+    headers = info.headers or {}
+    value = headers.get(META_HEADER)
+    if isinstance(value, list):
+        value = value[0] if value else None
+    if not isinstance(value, str):
+        raise ValueError(f"object {info.name!r} has no {META_HEADER} header")
+    try:
+        return msgspec.json.decode(value.encode(), type=SnapshotMeta)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"object {info.name!r} has a malformed {META_HEADER} header: {exc}"
+                         ) from None
+
+
+def _newest_first(metas: list[SnapshotMeta]) -> list[SnapshotMeta]:
+    return sorted(metas, key=lambda m: (m.epoch, m.ts, m.snapshot_id), reverse=True)
+
+
+class SnapshotStore:
+    """Snapshot blobs of one namespace. Cheap to construct; the bucket is created (file storage,
+    replicas following the NATS cluster size) on first use, idempotently across processes."""
+
+    def __init__(self, js: JetStreamContext, names: Names, *, keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        self.js = js
+        self.names = names
+        self.keep = keep
+        self.bucket = names.snapshot_bucket
+        self.stream = f"OBJ_{self.bucket}"
+        self._obs: ObjectStore | None = None
+        self._ready_lock = asyncio.Lock()
+
+    # --- bucket -------------------------------------------------------------------------------
+
+    def _chunk_subject(self, nuid: str) -> str:
+        return f"$O.{self.bucket}.C.{nuid}"
+
+    def _meta_subject(self, name: str) -> str:
+        return f"$O.{self.bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+
+    async def ensure(self) -> ObjectStore:
+        """Open the bucket, creating it when missing (same stream layout as nats-py's
+        ``create_object_store``, plus replica step-down via ``eventlog.streams``)."""
+        async with self._ready_lock:
+            if self._obs is None:
+                try:
+                    await self.js.stream_info(self.stream)
+                except NotFoundError:
+                    config = StreamConfig(
+                        name=self.stream,
+                        description="jetrouter snapshot blobs",
+                        subjects=[f"$O.{self.bucket}.C.>", f"$O.{self.bucket}.M.>"],
+                        storage=StorageType.FILE,
+                        num_replicas=cluster_size_hint(self.js),
+                        discard=DiscardPolicy.NEW,
+                        allow_rollup_hdrs=True,
+                        allow_direct=True,
+                        max_bytes=-1,
+                        duplicate_window=120.0,
+                    )
+                    await ensure_stream(self.js, config, replicas_given=False)
+                self._obs = ObjectStore(name=self.bucket, stream=self.stream, js=self.js)
+            return self._obs
+
+    def _chunk_size(self) -> int:
+        nc = getattr(self.js, "_nc", None)
+        max_payload = int(getattr(nc, "max_payload", 0) or 1024 * 1024)
+        return max(64 * 1024, min(_MAX_CHUNK, max_payload - _CHUNK_HEADROOM))
+
+    # --- writing ------------------------------------------------------------------------------
+
+    async def put(self, state_bytes: bytes, *, positions: dict[str, int], epoch: int,
+                  created_by: str, trigger: str) -> SnapshotMeta:
+        """Compress, checksum and store one snapshot, then prune to the newest ``keep``."""
+        obs = await self.ensure()
+        blob, digest = await asyncio.to_thread(_pack, state_bytes)
+        now = time.time()
+        snapshot_id = new_snapshot_id(epoch, int(now * 1000))
+        meta = SnapshotMeta(
+            snapshot_id=snapshot_id, positions=dict(positions), epoch=epoch,
+            size=len(state_bytes), sha256=digest, created_by=created_by, trigger=trigger,
+            ts=now, stored_size=len(blob),
+        )
+        object_meta = ObjectMeta(
+            name=snapshot_id,
+            description=f"jetrouter snapshot epoch {epoch} ({trigger})",
+            headers={META_HEADER: [msgspec.json.encode(meta).decode()]},
+            options=ObjectMetaOptions(max_chunk_size=self._chunk_size()),
+        )
+        await obs.put(snapshot_id, blob, meta=object_meta)
+        try:
+            await self.prune(protect=snapshot_id)
+        except Exception:  # the snapshot is stored; a failed prune is retried on the next put
+            log.warning("pruning snapshots after %s failed", snapshot_id, exc_info=True)
+        return meta
+
+    async def prune(self, *, protect: str | None = None) -> list[str]:
+        """Delete all but the newest ``keep`` snapshots (never ``protect``); returns deleted ids."""
+        metas = await self.list()
+        doomed = [m.snapshot_id for m in metas[self.keep:] if m.snapshot_id != protect]
+        for snapshot_id in doomed:
+            await self.delete(snapshot_id)
+        return doomed
+
+    # --- reading ------------------------------------------------------------------------------
+
+    async def _fetch_all(self, subject: str, deliver: DeliverPolicy, expected: int | None = None
+                         ) -> list[bytes]:
+        """Every message on ``subject`` through an ephemeral pull consumer (served by the stream
+        leader, so a fresh write is always seen). ``expected`` guards against missing chunks."""
+        config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=deliver,
+                                inactive_threshold=30.0, mem_storage=True)
+        sub = await self.js.pull_subscribe(subject, stream=self.stream, config=config,
+                                           pending_bytes_limit=_FETCH_BATCH * _MAX_CHUNK * 2)
+        try:
+            info = await sub.consumer_info()
+            pending = int(info.num_pending or 0)
+            if expected is not None and pending != expected:
+                raise _ShortRead(f"{pending} of {expected} chunks present")
+            out: list[bytes] = []
+            while len(out) < pending:
+                msgs = await sub.fetch(min(_FETCH_BATCH, pending - len(out)),
+                                       timeout=_FETCH_TIMEOUT)
+                out.extend(m.data for m in msgs)
+            return out
+        finally:
+            # Ephemeral consumers also vanish after inactive_threshold; delete now to stay tidy.
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await self.js.delete_consumer(self.stream, sub._consumer)
+
+    async def _infos(self) -> list[ObjectInfo]:
+        """The latest meta of every object in the bucket (deleted tombstones excluded)."""
+        await self.ensure()
+        raw = await self._fetch_all(f"$O.{self.bucket}.M.>", DeliverPolicy.LAST_PER_SUBJECT)
+        infos = []
+        for data in raw:
+            try:
+                info = ObjectInfo.from_response(json.loads(data))
+            except (ValueError, TypeError, KeyError):
+                log.error("snapshot bucket %s holds an unreadable object meta", self.bucket)
+                continue
+            if not info.deleted:
+                infos.append(info)
+        return infos
+
+    async def list(self) -> list[SnapshotMeta]:
+        """Every stored snapshot, newest first. Objects without our meta are logged and left out."""
+        metas = []
+        for info in await self._infos():
+            try:
+                metas.append(_meta_of(info))
+            except ValueError as exc:
+                log.error("ignoring object in %s: %s", self.bucket, exc)
+        return _newest_first(metas)
+
+    async def _info(self, snapshot_id: str) -> ObjectInfo:
+        obs = await self.ensure()
+        try:
+            return await obs.get_info(snapshot_id)
+        except NotFoundError:
+            raise SnapshotNotFound(snapshot_id) from None
+
+    async def _read(self, snapshot_id: str) -> tuple[SnapshotMeta, bytes]:
+        info = await self._info(snapshot_id)
+        try:
+            meta = _meta_of(info)
+        except ValueError as exc:
+            raise SnapshotCorrupt(snapshot_id, str(exc)) from None
+        if not info.nuid or not info.size:
+            raise SnapshotCorrupt(snapshot_id, "object has no content")
+        try:
+            chunks = await self._fetch_all(self._chunk_subject(info.nuid), DeliverPolicy.ALL,
+                                           expected=info.chunks)
+        except _ShortRead as exc:
+            raise SnapshotCorrupt(snapshot_id, str(exc)) from None
+        blob = b"".join(chunks)
+        del chunks
+        raw = await asyncio.to_thread(_unpack, snapshot_id, blob, info.digest, meta)
+        return meta, raw
+
+    async def get(self, snapshot_id: str) -> bytes:
+        """The uncompressed state bytes, verified. Raises :class:`SnapshotCorrupt` on any
+        mismatch or decompression error, :class:`SnapshotNotFound` when absent."""
+        return (await self._read(snapshot_id))[1]
+
+    async def meta(self, snapshot_id: str) -> SnapshotMeta:
+        """The meta of one snapshot (no content read)."""
+        info = await self._info(snapshot_id)
+        try:
+            return _meta_of(info)
+        except ValueError as exc:
+            raise SnapshotCorrupt(snapshot_id, str(exc)) from None
+
+    async def load_newest_valid(self) -> LoadedSnapshot | None:
+        """The newest snapshot that verifies, falling back to older ones. Each skipped snapshot
+        gets an ERROR log line and an entry in ``result.skipped``. None when none verifies."""
+        skipped: list[tuple[str, str]] = []
+        for candidate in await self.list():
+            sid = candidate.snapshot_id
+            try:
+                meta, raw = await self._read(sid)
+            except SnapshotCorrupt as exc:
+                log.error("SKIPPING CORRUPT SNAPSHOT %s (epoch %d, positions %s): %s; "
+                          "falling back to an older one", sid, candidate.epoch,
+                          candidate.positions, exc.why)
+                skipped.append((sid, exc.why))
+                continue
+            except SnapshotNotFound:
+                log.warning("snapshot %s vanished while loading (pruned?); trying older", sid)
+                skipped.append((sid, "not found"))
+                continue
+            if skipped:
+                log.error("restoring from older snapshot %s after skipping %d newer one(s)",
+                          sid, len(skipped))
+            return LoadedSnapshot(meta, raw, skipped)
+        if skipped:
+            log.error("no valid snapshot in %s: skipped %s", self.bucket, skipped)
+        return None
+
+    # --- deleting -----------------------------------------------------------------------------
+
+    async def delete(self, snapshot_id: str) -> bool:
+        """Remove one snapshot entirely (chunks, then meta). False when it was not there."""
+        try:
+            info = await self._info(snapshot_id)
+        except SnapshotNotFound:
+            return False
+        if info.nuid:
+            await self.js.purge_stream(self.stream, subject=self._chunk_subject(info.nuid))
+        await self.js.purge_stream(self.stream, subject=self._meta_subject(snapshot_id))
+        return True
+
+    async def delete_all(self) -> int:
+        """Remove every object in the bucket (orphaned chunks included); returns how many
+        objects there were."""
+        count = len(await self._infos())
+        await self.js.purge_stream(self.stream)
+        return count
+
+    async def status(self) -> dict[str, Any]:
+        """Bucket figures for admin/metrics: objects, bytes, replicas."""
+        await self.ensure()
+        info = await self.js.stream_info(self.stream)
+        return {"bucket": self.bucket, "bytes": info.state.bytes,
+                "messages": info.state.messages, "replicas": info.config.num_replicas}
+
+
+class _ShortRead(Exception):
+    """Fewer chunks stored than the object meta says."""

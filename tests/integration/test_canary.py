@@ -1,0 +1,195 @@
+"""Canary health checks against real simulated workers (child processes, real HTTP), and passive
+reports over a real nats-server. Detection is counted in canary rounds, not seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+from nats.aio.client import Client as NATS
+
+from eventlog.names import Names
+from eventlog.server import NatsServer
+from replicas.canary import CanaryChecker, health_report_subject, report_passive
+from replicas.health import (
+    CLOSED,
+    HEALTHY,
+    SUSPICIOUS,
+    UNHEALTHY,
+    HealthBoard,
+    HealthConfig,
+    StatusChange,
+)
+from workers.procs import WorkerProcess
+
+pytestmark = pytest.mark.timeout(60)
+MODEL = "canary-sim"
+INTERVAL = 0.3
+RECOVERY = 1.0
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[dict[str, WorkerProcess]]:
+    procs = {f"w{i}": WorkerProcess(["--worker-id", f"w{i}", "--model", MODEL, "--nats-url", ""])
+             for i in range(3)}
+    try:
+        with ThreadPoolExecutor(len(procs)) as pool:  # start-up is mostly imports: overlap them
+            list(pool.map(lambda p: p.start(), procs.values()))
+        yield procs
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.log_path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+async def urls(workers: dict[str, WorkerProcess]) -> AsyncIterator[dict[str, str]]:
+    urls = {w: p.url for w, p in workers.items()}
+    yield urls
+    async with httpx.AsyncClient() as h:  # leave every worker fault-free for the next test
+        for url in urls.values():
+            await h.post(f"{url}/fault", json={"action": "clear"})
+
+
+@dataclass
+class Harness:
+    checker: CanaryChecker
+    changes: list[tuple[int, StatusChange]] = field(default_factory=list)  # (round, change)
+
+    def of(self, worker_id: str) -> list[StatusChange]:
+        return [c for _, c in self.changes if c.worker_id == worker_id]
+
+    def reached(self, worker_id: str, status: str) -> tuple[int, StatusChange] | None:
+        return next(((r, c) for r, c in self.changes
+                     if c.worker_id == worker_id and c.new == status), None)
+
+
+@contextlib.asynccontextmanager
+async def running(urls: Mapping[str, str], *, timeout: float = 2.0,
+                  leader: Callable[[], bool] = lambda: True,
+                  statuses: Callable[[], Mapping[str, str]] | None = None,
+                  nc: NATS | None = None, names: Names | None = None,
+                  ) -> AsyncIterator[Harness]:
+    board = HealthBoard(HealthConfig(recovery_timeout=RECOVERY))
+    async with httpx.AsyncClient() as client:
+        harness: Harness
+
+        async def emit(change: StatusChange) -> None:
+            harness.changes.append((harness.checker.rounds, change))
+
+        checker = CanaryChecker(client, board, interval=INTERVAL, timeout=timeout,
+                                model_of=lambda _: MODEL, workers=lambda: urls, emit=emit,
+                                is_leader=leader, statuses=statuses, nc=nc, names=names)
+        harness = Harness(checker)
+        await checker.start()
+        try:
+            yield harness
+        finally:
+            await checker.stop()
+
+
+async def until(cond: Callable[[], object], timeout: float = 15.0) -> object:
+    """Poll ``cond`` until it returns something truthy; fail at the deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+async def fault(url: str, **body: object) -> None:
+    async with httpx.AsyncClient() as h:
+        r = await h.post(f"{url}/fault", json=body)
+        r.raise_for_status()
+
+
+async def settled(h: Harness, rounds: int) -> None:
+    """Every worker has its reference answer pinned and a latency baseline."""
+    refs, board = h.checker.references, h.checker.board
+    await until(lambda: h.checker.rounds >= rounds
+                and all(refs.pinned(w) and board.worker(w).baseline for w in ("w0", "w1", "w2")))
+
+
+async def test_wrong_output_is_unhealthy_within_two_rounds_and_recovers_half_open(
+        urls: dict[str, str]) -> None:
+    async with running(urls) as h:
+        await settled(h, rounds=2)
+        assert h.checker.references.majority(MODEL) is not None
+        r0 = h.checker.rounds
+        await fault(urls["w1"], action="wrong_output")
+        round_, change = await until(lambda: h.reached("w1", UNHEALTHY))  # type: ignore[misc]
+        # Round r0 may have been in flight when the fault landed; round r0 + 1 must see it.
+        assert round_ <= r0 + 1, (round_, r0)
+        assert [c.new for c in h.of("w1")] == [SUSPICIOUS, UNHEALTHY]
+        assert "mismatch" in change.reason
+        assert all(c.new != UNHEALTHY for _, c in h.changes if c.worker_id != "w1")
+
+        await fault(urls["w1"], action="clear")
+        _, healed = await until(lambda: h.reached("w1", HEALTHY))  # type: ignore[misc]
+        assert "half-open trial passed" in healed.reason
+        assert healed.ts - change.ts >= RECOVERY
+        assert h.checker.board.breaker_state("w1") == CLOSED
+
+
+async def test_slow_worker_becomes_suspicious_not_unhealthy(urls: dict[str, str]) -> None:
+    async with running(urls) as h:
+        await settled(h, rounds=4)  # a few samples past the cold first request
+        await fault(urls["w2"], action="slow", factor=10)
+        _, change = await until(lambda: h.reached("w2", SUSPICIOUS))  # type: ignore[misc]
+        assert change.reason.startswith("slow")
+        r1 = h.checker.rounds
+        await until(lambda: h.checker.rounds >= r1 + 3)  # it stays slow for three more rounds
+        assert h.reached("w2", UNHEALTHY) is None
+        assert h.checker.board.breaker_state("w2") == CLOSED
+
+        await fault(urls["w2"], action="clear")
+        await until(lambda: h.reached("w2", HEALTHY))
+
+
+async def test_hung_worker_times_out_and_becomes_unhealthy(urls: dict[str, str]) -> None:
+    async with running(urls, timeout=0.5) as h:
+        await settled(h, rounds=1)
+        await fault(urls["w0"], action="hang")
+        _, change = await until(lambda: h.reached("w0", UNHEALTHY))  # type: ignore[misc]
+        assert "timeout" in change.reason
+        await fault(urls["w0"], action="clear")
+        await until(lambda: h.reached("w0", HEALTHY))
+
+
+async def test_passive_reports_count_only_on_the_leader_and_new_leader_adopts_the_log(
+        urls: dict[str, str], nats_server: NatsServer,
+        nats_connect: Callable[[str], Awaitable[NATS]]) -> None:
+    names = Names("hc")
+    nc = await nats_connect(nats_server.url)
+    leading = False
+    replicated = {"w2": UNHEALTHY}  # what the control stream says before this replica leads
+    async with running(urls, leader=lambda: leading, statuses=lambda: replicated,
+                       nc=nc, names=names) as h:
+        for _ in range(3):
+            await report_passive(nc, names, "w1", "connection reset")
+        await until(lambda: h.checker.reports >= 3 and h.checker.ticks >= 2)
+        assert h.checker.rounds == 0 and h.changes == []  # a follower neither checks nor judges
+        assert h.checker.board.status("w1") == HEALTHY
+
+        leading = True
+        await until(lambda: h.checker.rounds >= 1)
+        assert h.checker.board.status("w2") == UNHEALTHY  # adopted, not re-announced
+        assert h.reached("w2", UNHEALTHY) is None
+
+        await nc.publish(health_report_subject(names), b"not json")
+        await report_passive(nc, names, "ghost", "refused")  # not a registered worker
+        for _ in range(3):
+            await report_passive(nc, names, "w1", "connection reset")
+        _, change = await until(lambda: h.reached("w1", UNHEALTHY))  # type: ignore[misc]
+        assert change.reason == "passive: connection reset"
+        assert "ghost" not in h.checker.board.workers()
+        # Both recover through their half-open trial canary.
+        await until(lambda: h.reached("w1", HEALTHY) and h.reached("w2", HEALTHY))

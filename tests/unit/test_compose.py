@@ -1,0 +1,210 @@
+"""compose.yaml and deploy/ stay consistent (api/checkconfig.py), since CI cannot run Docker.
+
+The real files must check clean; each mutated copy must produce the one problem it plants. Every
+mutation asserts its text is present first, so a test cannot pass by mutating nothing.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from api.checkconfig import (
+    check_compose,
+    dockerfile_instructions,
+    main,
+    parse_haproxy,
+    parse_nats_flags,
+)
+
+pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def copy(tmp_path: Path) -> Path:
+    """A private copy of compose.yaml and deploy/ to mutate."""
+    shutil.copy(ROOT / "compose.yaml", tmp_path / "compose.yaml")
+    shutil.copytree(ROOT / "deploy", tmp_path / "deploy")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def mutate(root: Path, file: str, old: str, new: str, count: int = 1) -> None:
+    path = root / file
+    text = path.read_text()
+    assert text.count(old) >= count, f"{old!r} not in {file}: update the test"
+    path.write_text(text.replace(old, new, count))
+
+
+def test_repository_compose_is_consistent() -> None:
+    assert check_compose(ROOT / "compose.yaml") == []
+
+
+def test_copy_is_consistent_before_mutation(copy: Path) -> None:
+    assert check_compose(copy / "compose.yaml") == []
+
+
+MUTATIONS = [
+    pytest.param("compose.yaml", '"serve", "--replica-id", "r1"', '"serve", "--replica-idd", "r1"',
+                 "service r1: `jetrouter serve --replica-idd r1",
+                 id="typo-flag-in-replica-command"),
+    pytest.param("compose.yaml", "127.0.0.1:8000/ready", "127.0.0.1:8001/ready",
+                 "service r1: healthcheck probes port 8001, but r1 listens on [8000]",
+                 id="wrong-healthcheck-port"),
+    pytest.param("compose.yaml", "r3: {condition: service_started}",
+                 "r4: {condition: service_started}",
+                 "service lb: depends_on r4, which is not a service", id="missing-depends-on"),
+    pytest.param("deploy/haproxy.cfg", "    server r3 r3:8000\n", "",
+                 "deploy/haproxy.cfg: replica r3 is not a backend server",
+                 id="lb-backend-missing"),
+    pytest.param("deploy/haproxy.cfg", "server r2 r2:8000", "server r2 r2:9000",
+                 "backend server r2:9000, but r2 listens on [8000]", id="lb-backend-wrong-port"),
+    pytest.param("deploy/haproxy.cfg", "option httpchk GET /ready", "option httpchk GET /health",
+                 "backend health check does not GET /ready", id="lb-checks-wrong-path"),
+    pytest.param("deploy/haproxy.cfg", "    option redispatch 1\n", "",
+                 "retries stay on the failed replica", id="lb-no-redispatch"),
+    pytest.param("compose.yaml", "nats2: {condition: service_healthy}",
+                 "nats2: {condition: service_healty}",
+                 "depends_on nats2: unknown condition 'service_healty'", id="bad-condition"),
+    pytest.param("compose.yaml", '"--port", "8000",\n              "--nats-url"',
+                 '"--port", 8000,\n              "--nats-url"',
+                 "service r1: command items [8000] are not strings", id="unquoted-number"),
+    pytest.param("compose.yaml", "JETROUTER_LOG_LEVEL: info", "JETROUTER_LOG_LEVEL: loud",
+                 "JETROUTER_LOG_LEVEL='loud': not one of", id="bad-env-value"),
+    pytest.param("compose.yaml", "JETROUTER_LOG_LEVEL: info", "JETROUTER_LOGLEVEL: info",
+                 "environment JETROUTER_LOGLEVEL matches no `jetrouter serve` flag",
+                 id="unknown-env-var"),
+    pytest.param("compose.yaml", '"--advertise-url", "http://w2:8100"',
+                 '"--advertise-url", "http://w1:8100"',
+                 "service w2: --advertise-url 'http://w1:8100' should be http://w2:8100",
+                 id="worker-advertises-wrong-host"),
+    pytest.param("compose.yaml", '"--routes", "nats://nats1:6222,nats://nats3:6222"',
+                 '"--routes", "nats://nats1:6222"',
+                 "service nats2: --routes miss ['nats3']", id="nats-route-missing"),
+    pytest.param("compose.yaml", '"--server_name", "nats3", "--port"',
+                 '"--server_name", "nats3", "--prot"',
+                 "service nats3: nats-server has no flag --prot", id="nats-flag-typo"),
+    pytest.param("compose.yaml", '"--nats-url", *nats-urls]\n  w2',
+                 '"--nats-url", "nats://nats9:4222"]\n  w2',
+                 "service w1: --nats-url nats://nats9:4222 names no NATS service",
+                 id="nats-url-unknown-host"),
+    pytest.param("compose.yaml", "  r1-data:\n", "",
+                 "service r1: volume r1-data is not declared", id="volume-undeclared"),
+    pytest.param("compose.yaml", "image: nats:2.10-alpine", "image: nats:2.10",
+                 "nats:2.10 is FROM scratch: no shell or wget", id="nats-scratch-healthcheck"),
+    pytest.param("deploy/prometheus.yml", ', "w4:8100"', "",
+                 "deploy/prometheus.yml: w4 is not scraped", id="prometheus-misses-worker"),
+    pytest.param("deploy/Dockerfile", 'ENTRYPOINT ["jetrouter"]', 'ENTRYPOINT ["python"]',
+                 "deploy/Dockerfile: ENTRYPOINT is ['python'], want [\"jetrouter\"]",
+                 id="dockerfile-entrypoint"),
+    pytest.param("deploy/Dockerfile", "USER jetrouter\n", "",
+                 "deploy/Dockerfile: the image runs as root", id="dockerfile-root"),
+    pytest.param("deploy/grafana/dashboards/jetrouter.json", "jetrouter_stream_lag",
+                 "jetrouter_stream_lagg", "no metric jetrouter_stream_lagg",
+                 id="dashboard-unknown-metric"),
+    pytest.param("deploy/grafana/provisioning/datasources/prometheus.yml",
+                 "http://prometheus:9090", "http://prometheus:9091",
+                 "datasource url http://prometheus:9091 is not the prometheus service",
+                 id="grafana-datasource-port"),
+]
+
+
+@pytest.mark.parametrize(("file", "old", "new", "expected"), MUTATIONS)
+def test_mutation_is_reported(copy: Path, file: str, old: str, new: str, expected: str) -> None:
+    mutate(copy, file, old, new)
+    problems = check_compose(copy / "compose.yaml")
+    assert any(expected in p for p in problems), problems
+
+
+def test_rejected_command_lines_do_not_show_the_admin_token(copy: Path) -> None:
+    mutate(copy, "compose.yaml", '"serve", "--replica-id", "r1"', '"serve", "--bogus", "r1"')
+    problems = check_compose(copy / "compose.yaml", environ={"JETROUTER_ADMIN_TOKEN": "s3cret"})
+    assert any("--admin-token *** --data-dir /data` is rejected" in p for p in problems), problems
+    assert not any("s3cret" in p for p in problems), problems
+
+
+def test_several_problems_are_all_reported(copy: Path) -> None:
+    mutate(copy, "compose.yaml", "127.0.0.1:8100/health", "127.0.0.1:8100/ready")
+    mutate(copy, "compose.yaml", '"--host", "0.0.0.0", "--port", "8000"',
+           '"--host", "127.0.0.1", "--port", "8000"')
+    problems = check_compose(copy / "compose.yaml")
+    assert sum("healthcheck probes /ready, want /health" in p for p in problems) == 4, problems
+    assert any("service r1: --host 127.0.0.1 is unreachable" in p for p in problems), problems
+
+
+def test_interpolation_uses_defaults_and_reports_required_variables(copy: Path) -> None:
+    mutate(copy, "compose.yaml", "${JETROUTER_ADMIN_TOKEN:-change-me}", "${ADMIN_TOKEN:?set it}")
+    problems = check_compose(copy / "compose.yaml")
+    assert any("variable ADMIN_TOKEN is not set and has no default (set it)" in p
+               for p in problems), problems
+    assert check_compose(copy / "compose.yaml", environ={"ADMIN_TOKEN": "s3cret"}) == []
+
+
+def test_host_jetrouter_environment_does_not_leak(copy: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # The check sees the container's environment, not the shell that runs it.
+    monkeypatch.setenv("JETROUTER_ROUTER_MODE", "bogus")
+    assert check_compose(copy / "compose.yaml") == []
+
+
+def test_dependency_cycle_is_reported(copy: Path) -> None:
+    mutate(copy, "compose.yaml", '    profiles: ["observability"]\n    restart: unless-stopped\n'
+           '    volumes:\n      - "./deploy/prometheus.yml',
+           '    profiles: ["observability"]\n    depends_on: [grafana]\n'
+           '    restart: unless-stopped\n    volumes:\n      - "./deploy/prometheus.yml')
+    problems = check_compose(copy / "compose.yaml")
+    assert any("cycle prometheus -> grafana -> prometheus" in p for p in problems), problems
+
+
+def test_profiled_dependency_of_a_default_service_is_reported(copy: Path) -> None:
+    mutate(copy, "compose.yaml", "      r3: {condition: service_started}",
+           "      r3: {condition: service_started}\n      prometheus: {condition: service_started}")
+    problems = check_compose(copy / "compose.yaml")
+    assert any("service lb: depends_on prometheus, which only runs in profiles" in p
+               for p in problems), problems
+
+
+def test_main_exit_status(copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(copy / "compose.yaml")]) == 0
+    mutate(copy, "deploy/haproxy.cfg", "    server r1 r1:8000\n", "")
+    assert main([str(copy / "compose.yaml")]) == 1
+    assert "replica r1 is not a backend server" in capsys.readouterr().out
+
+
+def test_main_skips_without_yaml(monkeypatch: pytest.MonkeyPatch,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "yaml", None)  # `import yaml` now raises ImportError
+    assert main([str(ROOT / "compose.yaml")]) == 0
+    assert "skipped, PyYAML is not installed" in capsys.readouterr().out
+
+
+def test_dockerfile_instructions_read_the_last_stage() -> None:
+    text = ('FROM a AS build\nENTRYPOINT ["x"]\nUSER builder\nFROM b\n'
+            'RUN apt-get update \\\n && true\nUSER app:app\nENTRYPOINT ["jetrouter"]\n'
+            "CMD serve --port 1\n")
+    assert dockerfile_instructions(text) == {"USER": ["app"], "ENTRYPOINT": ["jetrouter"],
+                                             "CMD": ["/bin/sh", "-c", "serve --port 1"]}
+
+
+def test_nats_flags() -> None:
+    flags, unknown = parse_nats_flags(["-js", "--store_dir=/data", "-p", "4223", "--bogus"])
+    assert flags == {"jetstream": True, "store_dir": "/data", "port": "4223"}
+    assert unknown == ["--bogus"]
+
+
+def test_haproxy_defaults_are_inherited_and_overridden() -> None:
+    cfg = parse_haproxy(
+        "defaults\n    timeout server 30s\n    retries 3\n    option redispatch\n"
+        "frontend f\n    bind *:9000  # comment\n    default_backend b\n"
+        "backend b\n    timeout server 5m\n    compression algo gzip\n"
+        "    option httpchk\n    http-check send meth GET uri /ready\n"
+        "    server a a:1 check\n    server c c:2\n")
+    assert cfg.bind_ports == [9000]
+    assert cfg.servers == [("a", 1), ("c", 2)]
+    assert cfg.problems == ["server c is not health-checked (add `check`)",
+                            "compression/filters buffer streamed responses"]
