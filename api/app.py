@@ -20,7 +20,9 @@ from api.errors import ApiError, error_response, install_error_handlers, overloa
 from api.forward import Forwarder, replica_headers
 from api.metrics import RouterMetrics
 from api.openai_schema import parse_request
+from api.shed import Shedder
 from api.tokenizer import Tokenizer, load_tokenizer
+from replicas.health import STATUS_GAUGE
 from replicas.runtime import (
     AllWorkersBusy,
     NoWorkers,
@@ -77,11 +79,14 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     app = FastAPI(title="jetrouter", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.state.replica = replica
+    replica.on_health_check = lambda w, secs, outcome: metrics.health_check_duration.labels(
+        worker=w, outcome=outcome).observe(secs)
     app.state.metrics = metrics
 
     def base_headers(worker_id: str | None = None) -> dict[str, str]:
         return replica_headers(replica.replica_id, worker_id)
 
+    shedder = Shedder(replica, metrics)
     forwarder = Forwarder(replica, metrics, lambda: client_box["c"])
 
     # --- OpenAI-compatible ---------------------------------------------------------------
@@ -95,6 +100,13 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         parsed = parse_request(endpoint, raw, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens,
                                priority_header=request.headers.get("x-priority"))
         request_id = f"{replica.replica_id}-{uuid.uuid4().hex[:20]}"
+        shed = shedder.check(parsed.model, parsed.priority)
+        if shed is not None:
+            metrics.rejections.labels(reason="shed").inc()
+            metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
+            resp = overloaded_response(retry_after=shed)
+            resp.headers.update(base_headers())
+            return resp
         route_req = RouteRequest(
             request_id=request_id, model=parsed.model, token_ids=parsed.prompt_ids,
             expected_osl=parsed.expected_osl, priority=PRIORITY_LEVEL[parsed.priority],
@@ -216,6 +228,17 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         for stream, lag in replica.lag().items():
             metrics.stream_lag.labels(stream=stream).set(lag)
         metrics.queue_depth.set(replica.queue_depth())
+        durability = replica.durability
+        metrics.is_leader.set(1 if durability is not None and durability.is_leader else 0)
+        metrics.snapshots.set(durability.snapshots_taken if durability is not None else 0)
+        metrics.restores.set(replica.restores)
+        metrics.epoch.set(state.epoch)
+        for w in state.workers:
+            metrics.worker_status.labels(worker=w).set(
+                STATUS_GAUGE.get(state.health.get(w, "healthy"), 0))
+            if replica.health_board is not None and durability is not None \
+                    and durability.is_leader:
+                metrics.breaker_state.labels(worker=w).set(replica.health_board.breaker_gauge(w))
         metrics.inflight.set(len(state.load))
 
     app.include_router(admin_router(replica, cfg))

@@ -280,7 +280,10 @@ class ComposeChecker:
         self.doc = {k: (v if k.startswith("x-") else self.interpolate(v, k))
                     for k, v in raw.items()}
         for name, spec in self.doc["services"].items():
-            self.services[name] = self.classify(name, spec or {})
+            if isinstance(spec or {}, dict):
+                self.services[name] = self.classify(name, spec or {})
+            else:
+                self.problem(f"service {name}", "is not a mapping")
         return True
 
     def classify(self, name: str, spec: dict[str, Any]) -> Service:
@@ -711,11 +714,14 @@ def check_compose(path: str | os.PathLike[str],
     return ComposeChecker(Path(path).resolve(), environ or {}).run()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m api.checkconfig",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("compose", nargs="?", default="compose.yaml")
-    args = parser.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of a `jetrouter check-config` verb (api/cli.py VERBS entry, if the lead adds one)."""
+    parser.add_argument("compose", nargs="?", default="compose.yaml",
+                        help="compose file; deploy/ files are found through its mounts")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print one line per problem; exit status 1 if any, 0 if consistent or PyYAML is missing."""
     try:
         problems = check_compose(args.compose)
     except YamlUnavailable as exc:
@@ -726,6 +732,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"checkconfig: {args.compose}: "
           + (f"{len(problems)} problem(s)" if problems else "ok"), file=sys.stderr)
     return 1 if problems else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m api.checkconfig",
+                                     description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

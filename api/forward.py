@@ -201,7 +201,9 @@ class _Run:
                 overlap_weight=self.parsed.overlap_weight,
                 latency_sensitivity=self.parsed.latency_sensitivity,
                 exclude=frozenset(self.failed)))
-        except RoutingError as exc:
+        except Exception as exc:  # RoutingError, or the decision could not be appended
+            if not isinstance(exc, RoutingError):
+                log.exception("request %s: re-routing failed", self.base.request_id)
             self.give_up = (f"the inference engine failed ({failure.reason}) and no other "
                             f"engine can take the request: {exc}")
             self._end_hop(failed, "error")
@@ -301,9 +303,9 @@ class _Run:
 
     async def abandon(self) -> None:
         """End whatever is still open as cancelled (no-op after a normal end)."""
-        await self._close()
-        self._end_hop(self.hop, "cancelled")
+        self._end_hop(self.hop, "cancelled")  # bookkeeping first: it must not wait on I/O
         self._end_request("cancelled")
+        await self._close()
 
     async def collect(self) -> Response:
         """A non-streaming client: run the same hops, answer with one JSON body."""

@@ -85,6 +85,30 @@ class RouterMetrics:
                                   ["reason"], registry=reg)
         self.inflight = Gauge(f"{p}_inflight_requests",
                               "Requests this replica is currently serving", registry=reg)
+        # Durability, liveness and worker health (issues 4 to 6).
+        self.is_leader = Gauge(f"{p}_is_leader", "1 while this replica holds the leader lease",
+                               registry=reg)
+        self.snapshots = Gauge(f"{p}_snapshots_taken",
+                               "Snapshots this replica has taken as leader (since start)",
+                               registry=reg)
+        self.restores = Gauge(f"{p}_snapshot_restores",
+                              "Times this replica loaded its state from a snapshot", registry=reg)
+        self.epoch = Gauge(f"{p}_epoch", "State epoch (bumped by every reset)", registry=reg)
+        self.divergence = Counter(f"{p}_replica_divergence",
+                                  "Peers found at equal positions with a different digest",
+                                  registry=reg)
+        self.worker_status = Gauge(f"{p}_worker_status",
+                                   "Worker health: 0 healthy, 1 suspicious, 2 unhealthy, "
+                                   "3 draining, 4 dead", ["worker"], registry=reg)
+        self.breaker_state = Gauge(f"{p}_circuit_breaker_state",
+                                   "Leader's circuit breaker per worker: 0 closed, 1 open, "
+                                   "2 half-open", ["worker"], registry=reg)
+        self.health_check_duration = Histogram(
+            f"{p}_health_check_duration_seconds", "Canary health check latency by outcome",
+            ["worker", "outcome"], buckets=_LATENCY_BUCKETS, registry=reg)
+        self.degradation_level = Gauge(f"{p}_degradation_level",
+                                       "Graceful degradation level (0 normal .. 4 critical)",
+                                       registry=reg)
         self._load_workers: set[str] = set()
 
     def set_worker_load(self, loads: Mapping[str, tuple[int, int]]) -> None:

@@ -89,6 +89,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: sqlite+aiosqlite:///<data-dir>/jetrouter.db)")
     s.add_argument("--ledger-retention", type=_non_negative, default=7 * 86400.0,
                    help="seconds of routing decisions kept in the ledger (event time)")
+    h = p.add_argument_group("worker health")
+    h.add_argument("--canary-interval", type=_non_negative, default=30.0,
+                   help="seconds between the leader's canary checks of each engine (0: off)")
+    h.add_argument("--canary-timeout", type=_non_negative, default=5.0)
+    h.add_argument("--canary-recovery-timeout", type=_non_negative, default=60.0,
+                   help="seconds an open circuit breaker waits before its half-open trial")
     s.add_argument("--no-snapshots", dest="durable", action="store_false",
                    help=argparse.SUPPRESS)
 
@@ -121,6 +127,9 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
         snapshot_threshold=args.router_snapshot_threshold,
         snapshot_keep=args.snapshot_keep,
         lease_ttl=args.lease_ttl,
+        canary_interval=args.canary_interval,
+        canary_timeout=args.canary_timeout,
+        canary_recovery_timeout=args.canary_recovery_timeout,
     )
 
 

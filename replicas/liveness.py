@@ -268,7 +268,7 @@ class Liveness:
             # We could not watch (NATS away, our loop stalled): peers' heartbeats may have been
             # lost on their way too, so nobody's lapse can be judged across the gap.
             for status in self.peers_status.values():
-                pass
+                status.changed_at = max(status.changed_at, now)
         for entry in entries:
             rid, rev = entry.key, int(entry.revision or 0)
             status = self.peers_status.get(rid)

@@ -88,6 +88,9 @@ class ReplicaConfig:
     snapshot_threshold: int = 1_000_000
     snapshot_keep: int = 3
     lease_ttl: float = 5.0
+    canary_interval: float = 30.0  # 0 disables canaries
+    canary_timeout: float = 5.0
+    canary_recovery_timeout: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +146,10 @@ class Replica:
         self.durability: Durability | None = None
         self.projections: Any = None  # snapshots.projections.Projections when enabled
         self.liveness: Any = None  # replicas.liveness.Liveness when enabled
+        self.canary: Any = None  # replicas.canary.CanaryChecker (acts only while leader)
+        self.health_board: Any = None
+        self._canary_client: Any = None
+        self.on_health_check: Callable[[str, float, str], None] | None = None
         self.restores = 0
         self._bg: set[asyncio.Task[object]] = set()
         self._pending: dict[str, _Pending] = {}
@@ -189,12 +196,46 @@ class Replica:
         self._dispatcher = asyncio.create_task(self._dispatch_queue(), name="queue-dispatcher")
         if self.durability is not None:
             await self.durability.start()
+            if self.config.canary_interval > 0:
+                await self._start_canary()
+
+    async def _start_canary(self) -> None:
+        import httpx
+
+        from replicas.canary import CanaryChecker
+        from replicas.health import HealthBoard, HealthConfig, StatusChange
+
+        durability = self.durability
+        assert durability is not None
+
+        async def emit(change: StatusChange) -> None:
+            if durability.is_leader:  # leadership may have moved during the round
+                await self.append_control(change.event(),
+                                          f"health.{change.worker_id}.{change.ts}.{change.new}",
+                                          control_kind="health")
+
+        self._canary_client = httpx.AsyncClient()
+        self.health_board = HealthBoard(
+            HealthConfig(recovery_timeout=self.config.canary_recovery_timeout))
+        self.canary = CanaryChecker(
+            self._canary_client, self.health_board, interval=self.config.canary_interval,
+            timeout=self.config.canary_timeout,
+            model_of=lambda w: self.state.workers[w].model,
+            workers=lambda: {w: i.url for w, i in self.state.workers.items()},
+            emit=emit, is_leader=lambda: durability.is_leader,
+            statuses=lambda: self.state.health, nc=self.nc, names=self.names,
+            on_check=self.on_health_check)
+        await self.canary.start()
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         await asyncio.wait_for(self._ready_event.wait(), timeout)
 
     async def stop(self) -> None:
         self.ready = False
+        if self.canary is not None:
+            with contextlib.suppress(Exception):
+                await self.canary.stop()
+            await self._canary_client.aclose()
         if self.durability is not None:
             await self.durability.stop()
         tasks = [t for t in (self._supervisor, self._dispatcher) if t is not None]

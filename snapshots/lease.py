@@ -13,6 +13,10 @@ every read, so a stalled loop or a NATS outage longer than the TTL steps us down
 A write that timed out may still have been applied; the next conditional write then fails on
 a revision that is ours after all. Before concluding we lost, the current value is read: if it
 names us, we adopt its revision (nobody else can have written in between).
+
+Contenders also listen (core NATS) on the key's subject, where JetStream publishes every KV
+write: a release (delete marker) wakes them at once, so a graceful handover takes milliseconds
+rather than a renewal period.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
@@ -35,6 +41,7 @@ from eventlog.streams import cluster_size_hint, ensure_stream
 log = logging.getLogger("jetrouter.lease")
 
 LEASE_KEY = "leader"
+KV_OPERATION_HEADER = "KV-Operation"
 SAFETY = 0.9  # fraction of the TTL we trust a write for (clock rate and scheduling slack)
 
 OnChange = Callable[[bool], Awaitable[None] | None]
@@ -59,6 +66,7 @@ class LeaderLease:
         self._revision: int | None = None  # revision of our last successful write
         self._valid_until = 0.0  # monotonic deadline of that write
         self._stopping: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None  # set by stop() and by a release we observe
         self._stopped = False
         self.transitions = 0
 
@@ -222,10 +230,13 @@ class LeaderLease:
         after :meth:`stop` or :meth:`release`, reporting a step-down first if we were leader."""
         self._stopped = False
         self._stopping = asyncio.Event()
+        self._wake = asyncio.Event()
         reported = False
         failing = False
+        watch = await self._watch_releases()
         try:
             while not self._stopping.is_set():
+                self._wake.clear()
                 try:
                     if self._revision is not None:
                         await asyncio.wait_for(self.renew(), timeout=self.ttl / 3)
@@ -246,13 +257,34 @@ class LeaderLease:
                     reported = now
                     await self._notify(on_change, now)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    # Pacing between renewals; stop() wakes us early.
-                    await asyncio.wait_for(self._stopping.wait(), timeout=self.ttl / 3)
+                    # Pacing between rounds; stop() or an observed release wakes us early.
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.ttl / 3)
         finally:
             self._stopped = True
+            if watch is not None:
+                with contextlib.suppress(Exception):
+                    await watch.unsubscribe()
             if reported:
                 with contextlib.suppress(Exception):
                     await self._notify(on_change, False)
+
+    async def _watch_releases(self) -> Subscription | None:
+        """Core-NATS interest in the lease key's subject: every KV write is published there, so
+        a contender sees a release (a delete marker) at once instead of at its next round."""
+        nc = getattr(self.js, "_nc", None)
+        if nc is None:
+            return None
+
+        async def on_write(msg: Msg) -> None:
+            operation = (msg.headers or {}).get(KV_OPERATION_HEADER)
+            if operation in ("DEL", "PURGE") and self._wake is not None:
+                self._wake.set()
+
+        try:
+            return await nc.subscribe(f"$KV.{self.bucket}.{LEASE_KEY}", cb=on_write)
+        except Exception:  # not connected right now: the loop still works, only slower
+            log.warning("lease %s: cannot watch for releases", self.bucket, exc_info=True)
+            return None
 
     async def _notify(self, on_change: OnChange | None, leader: bool) -> None:
         self.transitions += 1
@@ -273,3 +305,5 @@ class LeaderLease:
         self._stopped = True
         if self._stopping is not None:
             self._stopping.set()
+        if self._wake is not None:
+            self._wake.set()

@@ -14,13 +14,15 @@ not depend on how messages were grouped (a rebuild by replay groups them differe
 * an update that arrives before its row exists hits nothing, as it would applied alone;
 * ``ReplicaLost`` flushes pending updates before marking stored rows, so "still open" means open
   at that point of the stream;
-* retention deletes rows whose ``routed_ts`` is older than (newest event ts applied - retention),
-  one DELETE per transaction; the cutoff only grows, so the final rows are the same however the
-  deletes were batched.
+* retention drops rows whose ``routed_ts`` is older than a cutoff computed from the newest event
+  ts applied (minus the retention, rounded down to 1/1000 of it): a row older than the cutoff is
+  never inserted, and one DELETE runs when the cutoff moves. The cutoff only grows and depends on
+  the newest ts alone, so the final rows are the same however messages were grouped.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -34,6 +36,7 @@ from snapshots.db import Tracking, decision_ledger, from_json, to_json
 Message = tuple[int, Sequence[ev.Event]]
 
 HOP_SEPARATOR = "~"
+_RETENTION_STEPS = 1000
 _LOOKUP_CHUNK = 500  # ids per IN (...) list: well under every backend's bound-parameter limit
 CANDIDATE_FIELDS = (
     "worker", "dp_rank", "overlap_blocks", "prefill_blocks", "decode_blocks", "cost", "busy",
@@ -53,15 +56,16 @@ class LedgerView:
     stream = ROUTER
 
     def __init__(self, retention: float) -> None:
-        if retention <= 0:
-            raise ValueError(f"ledger retention must be > 0 seconds, got {retention}")
-        self.retention = retention
+        if retention < 0:
+            raise ValueError(f"ledger retention must be >= 0 seconds, got {retention}")
+        self.retention = retention  # 0: keep every decision
 
     async def write(
         self, conn: AsyncConnection, messages: Sequence[Message], track: Tracking
     ) -> None:
         """Apply ``messages`` (already filtered to seq > tracked position) inside ``conn``'s
         transaction; ``track.event_ts`` is advanced to the newest ``ts`` seen."""
+        swept = self.cutoff(track.event_ts)
         routed_ids = [e.request_id for _, batch in messages for e in batch
                       if isinstance(e, ev.RequestRouted)]
         stored = await self._existing(conn, routed_ids)
@@ -96,14 +100,22 @@ class LedgerView:
                     await self._flush_updates(conn, updates)
                     await self._mark_lost(conn, e)
 
-        if fresh:
-            await conn.execute(decision_ledger.insert(), list(fresh.values()))
+        cutoff = self.cutoff(track.event_ts)
+        rows = [row for row in fresh.values() if row["routed_ts"] >= cutoff]
+        if rows:
+            await conn.execute(decision_ledger.insert(), rows)
         await self._flush_updates(conn, updates)
-        await conn.execute(
-            delete(decision_ledger).where(
-                decision_ledger.c.routed_ts < track.event_ts - self.retention
-            )
-        )
+        if cutoff > swept:  # stored rows are all at or after the previous cutoff
+            await conn.execute(delete(decision_ledger).where(decision_ledger.c.routed_ts < cutoff))
+
+    def cutoff(self, newest_ts: float) -> float:
+        """Rows routed before this are dropped. Quantised to ``retention / 1000`` so that the
+        DELETE runs when the cutoff has moved by a step, not in every transaction; being a
+        function of the newest event time alone, it is the same however messages are grouped."""
+        if self.retention == 0:
+            return -math.inf
+        step = self.retention / _RETENTION_STEPS
+        return math.floor((newest_ts - self.retention) / step) * step
 
     async def request(self, conn: AsyncConnection, request_id: str) -> dict[str, Any] | None:
         """The decision for ``request_id`` with ``hops``: every hop of its base request."""
@@ -137,22 +149,15 @@ class LedgerView:
     async def _flush_updates(
         self, conn: AsyncConnection, updates: dict[str, dict[str, Any]]
     ) -> None:
-        """One executemany per set of changed columns (prefill only, finish only, both)."""
-        groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-        for request_id, values in updates.items():
-            keys = tuple(sorted(values))
-            params = {f"p_{k}": v for k, v in values.items()}
-            params["p_request_id"] = request_id
-            groups.setdefault(keys, []).append(params)
+        """One executemany for every pending update: a column not changed is passed as NULL and
+        kept by COALESCE (none of these columns is ever set back to NULL)."""
+        if not updates:
+            return
+        params = [{"p_request_id": request_id,
+                   **{f"p_{c}": values.get(c) for c in _UPDATABLE}}
+                  for request_id, values in updates.items()]
         updates.clear()
-        table = decision_ledger
-        for keys, params_list in groups.items():
-            stmt = (
-                update(table)
-                .where(table.c.request_id == bindparam("p_request_id"))
-                .values({k: bindparam(f"p_{k}") for k in keys})
-            )
-            await conn.execute(stmt, params_list)
+        await conn.execute(_UPDATE_STMT, params)
 
     async def _mark_lost(self, conn: AsyncConnection, e: ev.ReplicaLost) -> None:
         table = decision_ledger
@@ -162,6 +167,16 @@ class LedgerView:
                    table.c.lost.is_(False))
             .values(lost=True, lost_ts=e.ts)
         )
+
+
+_UPDATABLE = ("prefill_ts", "finished_ts", "outcome", "output_tokens")
+_UPDATE_STMT = (
+    update(decision_ledger)
+    .where(decision_ledger.c.request_id == bindparam("p_request_id"))
+    .values({c: func.coalesce(bindparam(f"p_{c}", type_=decision_ledger.c[c].type),
+                              decision_ledger.c[c])
+             for c in _UPDATABLE})
+)
 
 
 def _open(row: dict[str, Any]) -> bool:

@@ -95,7 +95,7 @@ class Load:
                 prefix = list(range(100 * (i % 7), 100 * (i % 7) + 64))  # shared prefixes
                 try:
                     r = await client.post(url + "/v1/completions", timeout=10, json={
-                        "model": MODEL, "prompt": prefix + [i % 251, 7], "max_tokens": 4})
+                        "model": MODEL, "prompt": [*prefix, i % 251, 7], "max_tokens": 4})
                     if r.status_code == 200:
                         self.ok += 1
                     else:

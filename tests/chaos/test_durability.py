@@ -4,6 +4,7 @@ with SIGKILL (issue 4)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -165,7 +166,7 @@ async def test_snapshots_follow_the_threshold_by_the_leader_and_survive_its_deat
                         what="threshold snapshots")
     assert {s.created_by for s in snaps} == {leader}
     marks = [s.positions["kv"] + s.positions["router"] for s in snaps]
-    assert all(b - a > 40 for a, b in zip(marks, marks[1:], strict=False)), marks
+    assert all(b - a > 40 for a, b in itertools.pairwise(marks)), marks
     cluster.kill(leader, signal.SIGKILL)
     others = [n for n in REPLICAS if n != leader]
     new = await until(lambda: admin.states(others),

@@ -8,7 +8,8 @@ Each decision is three router-stream messages (``RequestRouted`` with ``--candid
 ``PrefillCompleted``, ``RequestFinished``), interleaved as concurrent requests would be. Part 1
 applies them straight to :class:`Projections` with ``--group`` messages per transaction; part 2
 appends them to a real nats-server and times :class:`ProjectionFeeder` replaying the stream
-(group commit sizes chosen by the feeder itself).
+(group commit sizes chosen by the feeder itself); part 3 publishes at ``--rate`` decisions/s
+and reports how far the feeder falls behind.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def make_stream(decisions: int, candidates: int, rng: random.Random) -> list[lis
     made = 0
     while made < decisions or in_flight:
         ts += 0.001
-        if made < decisions and (len(in_flight) < 64 and rng.random() < 0.5 or not in_flight):
+        if made < decisions and ((len(in_flight) < 64 and rng.random() < 0.5) or not in_flight):
             rid = f"req-{made}"
             cands = [(f"w{k}", 0, rng.randint(0, 40), rng.random() * 50, rng.random() * 500,
                       rng.random() * 600, False) for k in range(candidates)]
@@ -102,11 +103,56 @@ async def fed(msgs: list[list[ev.Event]], decisions: int, tmp: Path) -> None:
         server.cleanup()
 
 
+async def live(msgs: list[list[ev.Event]], rate: float, seconds: float, tmp: Path) -> None:
+    """Publish at ``rate`` decisions/s (3 messages each) while the feeder follows; report the
+    feeder's lag behind the stream and its transaction sizes."""
+    server = NatsServer(store_dir=tmp / "nats-live").start()
+    try:
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        names = Names("jr")
+        await ensure_streams(js, names)
+        projections = Projections(default_url(tmp / "live"))
+        await projections.start()
+        feeder = ProjectionFeeder(js, names, projections)
+        await feeder.start()
+        stats = feeder.stats[ROUTER]
+        subject = names.router_subject("r1")
+        total = min(len(msgs), int(3 * rate * seconds))
+        tick = 0.01
+        per_tick = max(1, round(3 * rate * tick))
+        published, max_lag = 0, 0
+        t0 = time.perf_counter()
+        while published < total:
+            due = min(total, int((time.perf_counter() - t0) / tick + 1) * per_tick)
+            chunk = msgs[published:due]
+            if chunk:
+                await asyncio.gather(*(js.publish(subject, encode_batch(m)) for m in chunk))
+                published = due
+            max_lag = max(max_lag, published - stats.applied)
+            await asyncio.sleep(tick)
+        sent = time.perf_counter() - t0
+        while stats.applied < total:
+            await asyncio.sleep(0.01)
+        drained = time.perf_counter() - t0 - sent
+        await feeder.stop()
+        await projections.close()
+        await nc.close()
+        print(f"  {total} messages in {sent:.2f} s ({total / 3 / sent:.0f} decisions/s offered): "
+              f"max lag {max_lag} messages, caught up {drained * 1000:.0f} ms after the last "
+              f"publish, {stats.transactions} transactions "
+              f"(mean {stats.applied / max(stats.transactions, 1):.1f} messages each)")
+    finally:
+        server.cleanup()
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--decisions", type=int, default=20000)
     parser.add_argument("--candidates", type=int, default=4)
     parser.add_argument("--group", type=int, nargs="*", default=[1, 10, 100, 1000])
+    parser.add_argument("--rate", type=float, default=1000.0, help="live decisions/s")
+    parser.add_argument("--live-seconds", type=float, default=5.0)
     args = parser.parse_args()
     msgs = make_stream(args.decisions, args.candidates, random.Random(1))
     print(f"{args.decisions} decisions, {len(msgs)} messages, {args.candidates} candidates each")
@@ -119,6 +165,8 @@ async def main() -> None:
             await direct(part, n, group, Path(tmp))
         print("fed from nats-server by ProjectionFeeder:")
         await fed(msgs, args.decisions, Path(tmp))
+        print("live: published at a fixed rate while the feeder follows:")
+        await live(msgs, args.rate, args.live_seconds, Path(tmp))
 
 
 if __name__ == "__main__":

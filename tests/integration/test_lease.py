@@ -189,9 +189,10 @@ async def test_release_hands_over_before_the_ttl(js: tuple[object, JetStreamCont
         running.start(leases[0])
         await wait_for(lambda: leases[0].is_leader, ttl, "a leads")
         running.start(leases[1])
-        await leases[1].current()  # b's loop has had a round and lost
+        assert await leases[1].try_acquire() is False  # a holds it; b's loop keeps trying
         await leases[0].release()
-        took = await wait_for(lambda: leases[1].is_leader, ttl * 0.8, "b takes over",
+        # Well under b's ttl/3 pacing: b saw the release on the key's subject and woke up.
+        took = await wait_for(lambda: leases[1].is_leader, ttl * 0.25, "b takes over",
                               check=lambda: at_most_one_leader(leases))
         print(f"takeover after release: {took:.2f}s (ttl {ttl}s)")
         assert await leases[1].current() == "b"

@@ -275,6 +275,13 @@ async def test_retention_runs_in_event_time(tmp_path: Path) -> None:
     finally:
         await p.close()
 
+    keep_all = await opened(tmp_path / "keep", ledger_retention=0)  # 0: no retention
+    try:
+        await keep_all.apply_many(ROUTER, [(1, [routed("t0", 0.0)]), (2, [routed("t", 1e9)])])
+        assert (await keep_all.stats())["ledger_rows"] == 2
+    finally:
+        await keep_all.close()
+
 
 async def test_catalog_lists_newest_first_and_marks_reset(tmp_path: Path) -> None:
     p = await opened(tmp_path)

@@ -269,7 +269,7 @@ async def test_worker_crash_mid_stream_gives_a_clean_error_and_frees_load(
                                                      max_tokens=50, stream=True)
             async for chunk in stream:
                 got.extend(c.text for c in chunk.choices)
-        assert 0 < len("".join(got)) <= 5
+        assert 0 < len("".join(got)) <= 5 * len(cluster.worker_urls)  # every hop crashed
         for url in cluster.router_urls:
             await until(lambda url=url: worker_load(h, url, cluster),
                         lambda load: all(v == (0, 0) for v in load.values()))

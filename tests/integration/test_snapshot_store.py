@@ -29,12 +29,14 @@ async def store(js: tuple[object, JetStreamContext]) -> SnapshotStore:
     return SnapshotStore(js[1], NAMES, keep=3)
 
 
-async def corrupt(store: SnapshotStore, snapshot_id: str, content: bytes, *,
-                  fix_digest: bool) -> None:
-    """Replace an object's chunks with ``content``, keeping its stored meta (our header).
-    With ``fix_digest`` the object-store digest/size are rewritten to match the new content, so
-    only our own checks (decompression, sha256 of the state) can notice."""
-    js = store.js
+async def corrupt_blob(js: JetStreamContext, names: Names, snapshot_id: str,
+                       content: bytes = b"this is not a zlib stream", *,
+                       fix_digest: bool = True) -> None:
+    """Test-only: replace a snapshot's stored bytes with ``content``, keeping its name and its
+    jetrouter meta. With ``fix_digest`` the object-store digest/size are rewritten to match the
+    new content, so only jetrouter's own checks (decompression, sha256 of the state) notice;
+    without it the object store's digest no longer matches the chunks."""
+    store = SnapshotStore(js, names)
     obs = await store.ensure()
     info = await obs.get_info(snapshot_id)
     chunk_subject = f"$O.{store.bucket}.C.{info.nuid}"
@@ -50,6 +52,11 @@ async def corrupt(store: SnapshotStore, snapshot_id: str, content: bytes, *,
         await js.publish(f"$O.{store.bucket}.M.{name_token}", json.dumps(doc).encode(),
                          headers={"Nats-Rollup": MSG_ROLLUP_SUBJECT})
         assert ObjectInfo.from_response(json.loads(json.dumps(doc))).headers == info.headers
+
+
+async def corrupt(store: SnapshotStore, snapshot_id: str, content: bytes, *,
+                  fix_digest: bool) -> None:
+    await corrupt_blob(store.js, store.names, snapshot_id, content, fix_digest=fix_digest)
 
 
 async def put(store: SnapshotStore, data: bytes, epoch: int = 0, **positions: int):

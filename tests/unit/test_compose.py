@@ -6,11 +6,16 @@ mutation asserts its text is present first, so a test cannot pass by mutating no
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata as metadata
 import shutil
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from api.checkconfig import (
     check_compose,
@@ -169,6 +174,13 @@ def test_profiled_dependency_of_a_default_service_is_reported(copy: Path) -> Non
                for p in problems), problems
 
 
+def test_malformed_value_is_a_problem_not_a_crash(copy: Path) -> None:
+    mutate(copy, "compose.yaml", 'ports: ["8080:8080"]', 'ports: ["8080:http"]')
+    problems = check_compose(copy / "compose.yaml")
+    assert any(p.startswith("service lb: could not be checked (ValueError") for p in problems), \
+        problems
+
+
 def test_main_exit_status(copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(copy / "compose.yaml")]) == 0
     mutate(copy, "deploy/haproxy.cfg", "    server r1 r1:8000\n", "")
@@ -208,3 +220,66 @@ def test_haproxy_defaults_are_inherited_and_overridden() -> None:
     assert cfg.servers == [("a", 1), ("c", 2)]
     assert cfg.problems == ["server c is not health-checked (add `check`)",
                             "compression/filters buffer streamed responses"]
+
+
+# --- the image installs only pyproject's runtime dependencies ----------------------------------
+
+PACKAGES = ("eventlog", "replicas", "snapshots", "api", "workers")
+
+
+def _required_imports(path: Path) -> set[str]:
+    """Top-level third-party modules a file imports, minus those guarded by `except ImportError`
+    (optional ones, like PyYAML in api/checkconfig.py)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    optional: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(
+                isinstance(h.type, ast.Name) and h.type.id in ("ImportError",
+                                                               "ModuleNotFoundError")
+                for h in node.handlers):
+            optional.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in optional:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names) - set(PACKAGES) - {"__future__"}
+
+
+def _runtime_distributions() -> set[str]:
+    """pyproject's [project].dependencies and everything they require (with their extras)."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    todo = [Requirement(d) for d in deps]
+    seen: set[str] = set()
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = metadata.requires(req.name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for spec in map(Requirement, requires):
+            extras = [{"extra": e} for e in req.extras] or [{"extra": ""}]
+            if spec.marker is None or any(spec.marker.evaluate(env) for env in extras):
+                todo.append(spec)
+    return seen
+
+
+def test_image_runtime_imports_are_declared_dependencies() -> None:
+    """deploy/Dockerfile runs `pip install` of the wheel: an import satisfied only by the dev
+    venv (or by hand-installed packages) would crash every container at start."""
+    provided = _runtime_distributions()
+    owners = metadata.packages_distributions()
+    missing: dict[str, list[str]] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for module in _required_imports(path):
+                if not {canonicalize_name(d) for d in owners.get(module, [])} & provided:
+                    missing.setdefault(module, []).append(str(path.relative_to(ROOT)))
+    assert not missing, f"imported but not in pyproject [project].dependencies: {missing}"

@@ -1,0 +1,33 @@
+"""Priority shedding at the door (issue 6, seed 002 "graceful degradation").
+
+When the fleet has lost capacity (unhealthy or missing engines) and what is left cannot carry the
+current load, the lowest tiers are refused first with 503 and a Retry-After, so premium traffic
+keeps being served. The level only goes down one step per cool-down (no flapping)."""
+
+from __future__ import annotations
+
+import time
+
+from api.metrics import RouterMetrics
+from replicas.runtime import Replica
+from replicas.shedding import Degrader, decide, fleet_pressure, model_units, retry_after
+
+
+class Shedder:
+    def __init__(self, replica: Replica, metrics: RouterMetrics) -> None:
+        self.replica = replica
+        self.metrics = metrics
+        self.degrader = Degrader()
+
+    def check(self, model: str, tier: str) -> float | None:
+        """None to admit the request, else the Retry-After (seconds) of a shed."""
+        state = self.replica.state
+        units = model_units(state, model)
+        if not units:
+            return None  # unknown model or no workers: the routing path answers that
+        t = self.replica.thresholds_for(model).active_decode_blocks_threshold
+        pressure = fleet_pressure(units, block_size=self.replica.config.state.block_size,
+                                  usable_fraction=t or 1.0)
+        level = self.degrader.update(pressure, time.time())
+        self.metrics.degradation_level.set(level)
+        return float(retry_after(level)) if decide(level, tier) else None
