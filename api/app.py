@@ -60,6 +60,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     client_box: dict[str, httpx.AsyncClient] = {}
     background: set[asyncio.Task[None]] = set()
     applied_seen: dict[tuple[str, str, str], int] = {}
+    snapshots_seen = [0]
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -230,7 +231,10 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         metrics.queue_depth.set(replica.queue_depth())
         durability = replica.durability
         metrics.is_leader.set(1 if durability is not None and durability.is_leader else 0)
-        metrics.snapshots.set(durability.snapshots_taken if durability is not None else 0)
+        taken = durability.snapshots_taken if durability is not None else 0
+        if taken > snapshots_seen[0]:
+            metrics.snapshots.inc(taken - snapshots_seen[0])
+            snapshots_seen[0] = taken
         metrics.restores.set(replica.restores)
         metrics.epoch.set(state.epoch)
         for w in state.workers:

@@ -31,8 +31,7 @@ HEALTH_PATHS = {"serve": "/ready", "worker": "/health"}
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
 ANY_HOST = ("0.0.0.0", "::", "")
 # Metrics the dashboard may show before api/metrics.py exports them (the lead adds them).
-PENDING_METRICS = {"jetrouter_snapshots_total", "jetrouter_is_leader",
-                   "jetrouter_replica_divergence_total"}
+PENDING_METRICS: set[str] = set()  # metrics the dashboard may name before they are exported
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_]\w*)(?:(:?[-?+])([^}]*))?\}|\$([A-Za-z_]\w*)")
 _SECRET_FLAG = re.compile(r"--[\w-]*(token|password|secret)[\w-]*")
 _URL = re.compile(r"https?://(\[[^\]]+\]|[\w.\-]+)(?::(\d+))?(/[^\s'\"]*)?")
@@ -672,7 +671,7 @@ class ComposeChecker:
                 self.guarded(f"service {svc.name}", self.check_jetrouter, svc)
         self.guarded("nats", self.check_nats_cluster)
         for svc in services:
-            if svc.kind == "jetrouter" and svc.args is not None:
+            if svc.verb in HEALTH_PATHS and svc.args is not None:    # serve and worker
                 self.guarded(f"service {svc.name}", self.check_nats_urls, svc)
         checks = {"haproxy": self.check_haproxy, "prometheus": self.check_prometheus,
                   "grafana": self.check_grafana}

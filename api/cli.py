@@ -22,6 +22,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "bench": ("api.bench.cli", "benchmarks: `bench core` (state machine) or a trace replay"),
     "demo": ("api.demo", "start a local cluster, replay a trace slice in kv and round-robin mode"),
     "admin": ("api.admin_cli", "admin API client"),
+    "check-config": ("api.checkconfig", "check compose.yaml and deploy/ for consistency"),
 }
 
 

@@ -14,6 +14,7 @@ migrated.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -35,7 +36,8 @@ log = logging.getLogger("jetrouter.forward")
 
 DEFAULT_STREAM_IDLE_TIMEOUT = 30.0
 DEFAULT_MIGRATION_LIMIT = 3
-WorkerFailureHook = Callable[[str, str], None]  # (worker_id, reason): passive health signal
+# (worker_id, reason) -> None or an awaitable (e.g. replicas.canary.report_passive(...)).
+WorkerFailureHook = Callable[[str, str], object]
 
 
 def replica_headers(replica_id: str, worker_id: str | None = None) -> dict[str, str]:
@@ -61,8 +63,8 @@ class Forwarder:
 
     ``stream_idle_timeout`` / ``migration_limit`` default to the environment variables
     ``JETROUTER_STREAM_IDLE_TIMEOUT`` / ``JETROUTER_MIGRATION_LIMIT``, then to 30 s / 3.
-    ``on_worker_failure(worker_id, reason)`` is called for every failed hop (for circuit
-    breakers); it must not block.
+    ``on_worker_failure(worker_id, reason)`` is called for every failed hop (the passive signal
+    of the circuit breakers); if it returns an awaitable, that runs as a background task.
     """
 
     def __init__(self, replica: Replica, metrics: RouterMetrics,
@@ -89,8 +91,23 @@ class Forwarder:
         self.migration_limit = limit
         self.chat_default_max_tokens = chat_default_max_tokens
         self.on_worker_failure = on_worker_failure
+        self._reports: set[asyncio.Future[object]] = set()
         # Read/write timeouts are the idle timeout: they fire when the engine sends nothing.
         self.timeout = httpx.Timeout(idle, connect=connect_timeout)
+
+    def report_failure(self, worker_id: str, reason: str) -> None:
+        """Tell the hook (if any) an engine failed a hop; an awaitable result runs in the
+        background, so a health report never holds up the request."""
+        if self.on_worker_failure is None:
+            return
+        try:
+            result = self.on_worker_failure(worker_id, reason)
+            if inspect.isawaitable(result):
+                task = asyncio.ensure_future(result)
+                self._reports.add(task)
+                task.add_done_callback(self._reports.discard)
+        except Exception:
+            log.exception("on_worker_failure hook failed")
 
     async def forward(self, endpoint: str, parsed: ParsedRequest, raw: bytes,
                       routed: Routed) -> Response:
@@ -182,11 +199,7 @@ class _Run:
         log.warning("request %s: engine %s failed (%s); %s", self.base.request_id,
                     failed.worker_id, failure, "migrating" if self.migrations <
                     self.fw.migration_limit else "migration limit reached")
-        if self.fw.on_worker_failure is not None:
-            try:
-                self.fw.on_worker_failure(failed.worker_id, failure.reason)
-            except Exception:
-                log.exception("on_worker_failure hook failed")
+        self.fw.report_failure(failed.worker_id, failure.reason)
         if self.migrations >= self.fw.migration_limit:
             self.give_up = (f"the inference engine failed ({failure.reason}) and the migration "
                             f"limit ({self.fw.migration_limit}) is reached")
@@ -290,16 +303,17 @@ class _Run:
                 else:
                     early = 502, b"", ""
                 if early is not None:
-                    yield sse_error(self.give_up or _describe(early))
+                    self.give_up = self.give_up or _describe(early)
+                    yield sse_error(self.give_up)
                     yield b"data: [DONE]\n\n"
                     return
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
             raise
         finally:
-            await self._close()
             self._end_hop(self.hop, outcome)
             self._end_request(outcome)
+            await self._close()
 
     async def abandon(self) -> None:
         """End whatever is still open as cancelled (no-op after a normal end)."""

@@ -88,9 +88,8 @@ class RouterMetrics:
         # Durability, liveness and worker health (issues 4 to 6).
         self.is_leader = Gauge(f"{p}_is_leader", "1 while this replica holds the leader lease",
                                registry=reg)
-        self.snapshots = Gauge(f"{p}_snapshots_taken",
-                               "Snapshots this replica has taken as leader (since start)",
-                               registry=reg)
+        self.snapshots = Counter(f"{p}_snapshots",
+                                 "Snapshots this replica has taken as leader", registry=reg)
         self.restores = Gauge(f"{p}_snapshot_restores",
                               "Times this replica loaded its state from a snapshot", registry=reg)
         self.epoch = Gauge(f"{p}_epoch", "State epoch (bumped by every reset)", registry=reg)

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -50,7 +51,10 @@ class Durability:
         self.names = names
         self.default_threshold = snapshot_threshold
         self.store = SnapshotStore(js, names, keep=keep)
-        self.lease = LeaderLease(js, names, replica.replica_id, ttl=lease_ttl)
+        # The holder names this process, not just the replica id: a replica restarted under the
+        # same id must not believe it still holds the lease its previous incarnation took.
+        self.lease = LeaderLease(js, names, f"{replica.replica_id}.{secrets.token_hex(4)}",
+                                 ttl=lease_ttl)
         self.check_interval = check_interval
         self.snapshots_taken = 0
         self.last_snapshot_at: float | None = None

@@ -47,6 +47,7 @@ from replicas.divergence import (
     Divergence,
     DivergenceDetector,
     Heartbeat,
+    compare,
     decode_heartbeat,
     encode_heartbeat,
 )
@@ -80,16 +81,6 @@ class PeerStatus:
 
     def age(self, now: float) -> float:
         return now - self.changed_at
-
-    def to_json(self, now: float, timeout: float) -> dict[str, object]:
-        hb = self.heartbeat
-        return {"replica_id": self.replica_id, "revision": self.revision,
-                "seconds_since_heartbeat": round(self.age(now), 3),
-                "live": self.age(now) < timeout, "declared_lost": self.declared_lost,
-                "ready": hb.ready if hb else None, "leader": hb.leader if hb else None,
-                "positions": dict(hb.positions) if hb else None,
-                "digests": {k: f"{v:016x}" for k, v in hb.digests.items()} if hb else None,
-                "ts": hb.ts if hb else None}
 
 
 @dataclass(slots=True)
@@ -307,15 +298,23 @@ class Liveness:
                      attr.strip("_"), now - (last or now))
         return blind
 
-    def status(self) -> dict[str, object]:
-        """For ``/admin/replicas``: every replica this process tracks, plus divergences."""
+    async def view(self) -> list[dict[str, object]]:
+        """Rows for ``/admin/replicas``: this replica (fresh) and every peer tracked, live or
+        not, with ``age_s`` since its heartbeat last moved and ``divergent`` when it sits at our
+        positions with another state digest. A failed bucket read shows the last known view."""
+        with contextlib.suppress(Exception):
+            await self._poll()
+        mine = self._snapshot()
         now = self._clock()
-        return {"replica_id": self.replica_id,
-                "replica_timeout": self.replica_timeout,
-                "replicas": [p.to_json(now, self.replica_timeout)
-                             for _, p in sorted(self.peers_status.items())],
-                "divergence_total": self.divergence.total,
-                "divergences": [d.to_json() for d in self.divergence.recent]}
+        rows: list[dict[str, object]] = [_row(mine, 0.0, True) | {"self": True}]
+        for rid, p in sorted(self.peers_status.items()):
+            if rid == self.replica_id or p.heartbeat is None:
+                continue
+            divergent = bool(compare(mine, {rid: p.heartbeat}))
+            rows.append(_row(p.heartbeat, p.age(now), divergent) | {
+                "live": p.age(now) < self.replica_timeout, "revision": p.revision,
+                "declared_lost": p.declared_lost})
+        return rows
 
     # --- leader duty: replicas -----------------------------------------------------------------
 
@@ -388,6 +387,8 @@ class Liveness:
         if not silent:
             return
         answers = await asyncio.gather(*(self._healthy(known[wid]) for wid in silent))
+        # Waiting on a hung worker's /health is not blindness: restart the gap clock here.
+        self._last_worker_check = self._clock()
         for wid, healthy in zip(silent, answers, strict=True):
             watch = self.workers_status[wid]
             if healthy:
@@ -421,3 +422,9 @@ class Liveness:
         log.warning("worker %s retired: no load gauges and no /health answer for %.1fs",
                     worker_id, self._clock() - watch.silent_since())
 
+
+def _row(hb: Heartbeat, age: float, divergent: bool) -> dict[str, object]:
+    return {"replica_id": hb.replica_id, "ready": hb.ready, "leader": hb.leader,
+            "positions": dict(hb.positions),
+            "digests": {k: f"{v:016x}" for k, v in hb.digests.items()},
+            "age_s": round(age, 3), "divergent": divergent, "live": True}

@@ -250,9 +250,10 @@ class LeaderLease:
                         log.warning("lease %s: %s for %s: %s", self.bucket, type(exc).__name__,
                                     self.holder, exc)
                     failing = True
-                now = self.is_leader
-                if self._revision is not None and not now:
+                if self._revision is not None and time.monotonic() >= self._valid_until:
                     self._lost()  # the deadline passed without a successful renew
+                now = self.is_leader  # False once stop() was called (the revision is kept
+                # so that release() can still delete the key)
                 if now != reported:
                     reported = now
                     await self._notify(on_change, now)

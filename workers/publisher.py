@@ -231,7 +231,9 @@ class KvPublisher:
         delay = 0.2
         while True:
             try:
-                nc = await nats.connect(self.nats_url, name=f"jetrouter-worker-{self.worker_id}",
+                servers = [u.strip() for u in self.nats_url.split(",") if u.strip()]
+                nc = await nats.connect(servers=servers,
+                                        name=f"jetrouter-worker-{self.worker_id}",
                                         max_reconnect_attempts=-1, reconnect_time_wait=0.5)
                 js = nc.jetstream()
                 await ensure_streams(js, self.names)

@@ -201,6 +201,19 @@ async def test_release_hands_over_before_the_ttl(js: tuple[object, JetStreamCont
         await running.close()
 
 
+async def test_stop_then_release_frees_the_key(running: Running) -> None:
+    """A graceful shutdown (stop the loop, then release) must still delete the key."""
+    holder, other = running.leases[0], running.leases[1]
+    running.start(holder)
+    await wait_for(lambda: holder.is_leader, 3 * TTL, "holder leads")
+    await running.stop(holder)
+    assert await holder.current() == holder.holder  # stopped, not released: key still there
+    await holder.release()
+    assert await holder.current() is None
+    assert await other.try_acquire() is True
+    assert running.changes == [(holder.holder, True), (holder.holder, False)]
+
+
 async def test_outage_longer_than_ttl_steps_down_then_recovers(
         nats_server: NatsServer, nats_connect: Connect) -> None:
     leases = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -179,8 +180,9 @@ async def test_heartbeats_lost_replica_declared_once_and_comeback_starts_clean(
         await rounds_pass(nodes, 4)
         assert await lost(check) == ["B"]
         assert "B" not in await a.live.peers()
-        status = {r["replica_id"]: r for r in a.live.status()["replicas"]}  # type: ignore[union-attr]
-        assert not status["B"]["live"] and status["A"]["live"]
+        view = {r["replica_id"]: r for r in await a.live.view()}
+        assert view["A"]["self"] and view["C"]["live"] and not view["C"]["divergent"]
+        assert not view["B"]["live"] and view["B"]["age_s"] > TIMEOUT  # type: ignore[operator]
         # one or both leaders appended it (whoever applied the other's first had nothing left)
         assert 1 <= a.live.declared_lost.count("B") + c.live.declared_lost.count("B") <= 2
 
@@ -269,33 +271,44 @@ async def test_killed_worker_is_retired_and_healthy_ones_never(
     args = ["--nats-url", nats_server.url, "--namespace", "jr"]
     w1 = WorkerProcess([*args, "--worker-id", "w1"])
     w2 = WorkerProcess([*args, "--worker-id", "w2"])
-    await asyncio.gather(asyncio.to_thread(w1.start), asyncio.to_thread(w2.start))
+    w3 = WorkerProcess([*args, "--worker-id", "w3"])
+    await asyncio.gather(*(asyncio.to_thread(w.start) for w in (w1, w2, w3)))
     a: Node | None = None
     try:
         # "w-quiet" is known but never sends gauges (as if its NATS link were broken), while
         # its /health (w2's server) answers: it must never be retired.
         a = await Node("A", await nats_connect(nats_server.url), leader=True,
                        extra_workers={"w-quiet": w2.url}).start()
-        await until(lambda: {"w1", "w2"} <= set(a.state.workers))
-        await until(lambda: {"w1", "w2"} <= set(a.live._gauges))  # gauges flowing
+        await until(lambda: {"w1", "w2", "w3"} <= set(a.state.workers))
+        await until(lambda: {"w1", "w2", "w3"} <= set(a.live._gauges))  # gauges flowing
 
-        w1.kill()  # SIGKILL
+        w1.kill()  # SIGKILL: /health refuses connections
         t0 = time.monotonic()
         assert await until(lambda: retired(check), timeout=TIMEOUT + SLACK) == ["w1"]
         assert time.monotonic() - t0 <= TIMEOUT + SLACK
         await until(lambda: "w1" not in a.state.workers)  # applied: its blocks leave the index
 
+        assert w3.proc is not None
+        w3.proc.send_signal(signal.SIGSTOP)  # hung: /health accepts but never answers
+        t0 = time.monotonic()
+        await until(lambda: _count(retired(check), 2), timeout=TIMEOUT + SLACK)
+        assert time.monotonic() - t0 <= TIMEOUT + SLACK
+        assert await retired(check) == ["w1", "w3"]
+
         # w-quiet has been silent longer than the timeout and was health-checked (and spared).
         await until(lambda: a.live.workers_status["w-quiet"].warned_nats_only)
         await rounds_pass([a], int(TIMEOUT / INTERVAL) + 2)
-        assert await retired(check) == ["w1"]
-        assert set(a.state.workers) == {"w2"}
-        assert a.live.retired == ["w1"]
+        assert await retired(check) == ["w1", "w3"]
+        await until(lambda: set(a.state.workers) == {"w2"})
+        assert a.live.retired == ["w1", "w3"]
     finally:
         if a is not None:
             await a.crash()
-        w1.kill()
-        w2.kill()
+        if w3.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                w3.proc.send_signal(signal.SIGCONT)
+        for w in (w1, w2, w3):
+            w.kill()
 
 
 async def _peers_are(node: Node, expected: set[str]) -> dict[str, Heartbeat] | None:

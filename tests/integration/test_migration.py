@@ -22,6 +22,8 @@ import openai
 import pytest
 import pytest_asyncio
 
+from api.forward import Forwarder
+from api.metrics import RouterMetrics
 from api.migration import Continuation, Hop
 from api.openai_schema import parse_request
 from api.proxy import HopFailed, SseSplitter
@@ -382,3 +384,22 @@ def test_sse_splitter_only_yields_whole_events() -> None:
     s = SseSplitter()
     assert s.feed(b"data: {\"a\":1}\n\ndata: {\"b\"") == [(b"data: {\"a\":1}\n\n", b"{\"a\":1}")]
     assert s.feed(b":2}\r\n\r\n") == [(b"data: {\"b\":2}\n\n", b"{\"b\":2}")]
+
+
+async def test_forwarder_settings_come_from_the_environment_and_hooks_may_be_async(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JETROUTER_STREAM_IDLE_TIMEOUT", "1.5")
+    monkeypatch.setenv("JETROUTER_MIGRATION_LIMIT", "5")
+    seen: list[tuple[str, str]] = []
+
+    async def hook(worker_id: str, reason: str) -> None:
+        seen.append((worker_id, reason))
+
+    fw = Forwarder(None, RouterMetrics(), lambda: None,  # type: ignore[arg-type]
+                   on_worker_failure=hook)
+    assert (fw.stream_idle_timeout, fw.migration_limit) == (1.5, 5)
+    assert Forwarder(None, RouterMetrics(), lambda: None,  # type: ignore[arg-type]
+                     migration_limit=0).migration_limit == 0
+    fw.report_failure("w9", "idle_timeout")
+    await asyncio.wait_for(asyncio.gather(*fw._reports), 5)
+    assert seen == [("w9", "idle_timeout")]

@@ -9,6 +9,7 @@ import json
 import logging
 import random
 import zlib
+from collections.abc import Awaitable, Callable
 
 import pytest
 from nats.js import JetStreamContext
@@ -16,12 +17,15 @@ from nats.js.api import ObjectInfo
 from nats.js.kv import MSG_ROLLUP_SUBJECT
 
 from eventlog.names import Names
+from eventlog.server import NatsCluster
 from replicas.state import RouterState
 from snapshots.store import SnapshotCorrupt, SnapshotNotFound, SnapshotStore
 from tests.eventgen import worker_history
 
 NAMES = Names("jr")
 POSITIONS = {"kv": 10, "router": 4, "control": 2}
+
+Connect = Callable[[str], Awaitable[object]]
 
 
 @pytest.fixture
@@ -119,7 +123,7 @@ async def test_corrupt_newest_falls_back(store: SnapshotStore, how: str,
     if how == "garbage_chunks":  # chunks replaced, object digest left as it was
         await corrupt(store, newest.snapshot_id, b"\x00" * 300, fix_digest=False)
     elif how == "not_zlib":
-        await corrupt(store, newest.snapshot_id, b"definitely not zlib", fix_digest=True)
+        await corrupt_blob(store.js, store.names, newest.snapshot_id)  # as the chaos tests do
     else:  # valid zlib of the right length, different bytes: only the state sha256 catches it
         other = b"newest stat!" * 100
         await corrupt(store, newest.snapshot_id, zlib.compress(other), fix_digest=True)
@@ -194,3 +198,16 @@ async def test_real_router_state_round_trip(store: SnapshotStore) -> None:
     restored = RouterState.decode(loaded[1])
     assert restored.digests() == state.digests()
     assert restored.positions == state.positions == meta.positions
+
+
+async def test_cluster_bucket_is_replicated_and_readable_from_any_node(
+        nats_cluster: NatsCluster, nats_connect: Connect) -> None:
+    writer_nc = await nats_connect(nats_cluster[0].url)
+    reader_nc = await nats_connect(nats_cluster[2].url)
+    writer = SnapshotStore(writer_nc.jetstream(), NAMES)  # type: ignore[attr-defined]
+    reader = SnapshotStore(reader_nc.jetstream(), NAMES)  # type: ignore[attr-defined]
+    data = random.Random(9).randbytes(3_000_000)
+    meta = await put(writer, data)
+    assert (await reader.status())["replicas"] == 3
+    loaded = await reader.load_newest_valid()
+    assert loaded is not None and loaded[0] == meta and loaded[1] == data
