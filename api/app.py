@@ -22,6 +22,7 @@ from api.metrics import RouterMetrics
 from api.openai_schema import parse_request
 from api.shed import Shedder
 from api.tokenizer import Tokenizer, load_tokenizer
+from replicas.canary import report_passive
 from replicas.health import STATUS_GAUGE
 from replicas.runtime import (
     AllWorkersBusy,
@@ -44,6 +45,8 @@ class AppConfig:
     tokenizer: str | None = None
     upstream_timeout: float = 600.0
     reset_on_start: bool = False
+    stream_idle_timeout: float = 30.0
+    migration_limit: int = 3
 
 
 def _json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None
@@ -88,7 +91,11 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         return replica_headers(replica.replica_id, worker_id)
 
     shedder = Shedder(replica, metrics)
-    forwarder = Forwarder(replica, metrics, lambda: client_box["c"])
+    forwarder = Forwarder(replica, metrics, lambda: client_box["c"], tokenizer=tokenizer,
+                          stream_idle_timeout=cfg.stream_idle_timeout,
+                          migration_limit=cfg.migration_limit,
+                          on_worker_failure=lambda w, r: report_passive(replica.nc, replica.names,
+                                                                        w, r))
 
     # --- OpenAI-compatible ---------------------------------------------------------------
 

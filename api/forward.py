@@ -40,10 +40,13 @@ DEFAULT_MIGRATION_LIMIT = 3
 WorkerFailureHook = Callable[[str, str], object]
 
 
-def replica_headers(replica_id: str, worker_id: str | None = None) -> dict[str, str]:
+def replica_headers(replica_id: str, worker_id: str | None = None,
+                    request_id: str | None = None) -> dict[str, str]:
     h = {"x-jetrouter-replica": replica_id}
     if worker_id:
         h["x-jetrouter-worker"] = worker_id
+    if request_id:  # the id to look the decision up with: GET /admin/requests/{id}
+        h["x-jetrouter-request-id"] = request_id
     return h
 
 
@@ -113,7 +116,7 @@ class Forwarder:
                       routed: Routed) -> Response:
         run = _Run(self, endpoint, parsed, raw, routed)
         early = await run.open_first()
-        headers = replica_headers(self.replica.replica_id, run.first_worker)
+        headers = replica_headers(self.replica.replica_id, run.first_worker, routed.request_id)
         if early is not None:
             early.headers.update(headers)
             return early
@@ -330,7 +333,8 @@ class _Run:
         finally:
             await stream.aclose()
         # The engine that finished the answer; the migration count says whether it had help.
-        headers = replica_headers(self.fw.replica.replica_id, self.hop.worker_id)
+        headers = replica_headers(self.fw.replica.replica_id, self.hop.worker_id,
+                                  self.base.request_id)
         if self.migrations:
             headers["x-jetrouter-migrations"] = str(self.migrations)
         if self.request_done and self.give_up is None and self.cont.complete:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import secrets
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -28,6 +29,20 @@ def _fraction(v: str) -> float:
     if not 0.0 <= x <= 1.0:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {v}")
     return x
+
+
+def _positive_float(v: str) -> float:
+    x = float(v)
+    if x <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return x
+
+
+def _count(v: str) -> int:
+    n = int(v)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return n
 
 
 def _non_negative(v: str) -> float:
@@ -88,8 +103,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SQLAlchemy async URL of the catalog and ledger "
                         "(default: sqlite+aiosqlite:///<data-dir>/jetrouter.db)")
     s.add_argument("--ledger-retention", type=_non_negative, default=7 * 86400.0,
-                   help="seconds of routing decisions kept in the ledger (event time)")
-    h = p.add_argument_group("worker health")
+                   help="seconds of routing decisions kept in the ledger (event time; 0 keeps "
+                        "everything)")
+    h = p.add_argument_group("worker faults")
+    h.add_argument("--stream-idle-timeout", type=_positive_float, default=30.0,
+                   help="seconds without a token before a request migrates to another engine")
+    h.add_argument("--migration-limit", type=_count, default=3,
+                   help="times one request may move to another engine after a failure")
     h.add_argument("--canary-interval", type=_non_negative, default=30.0,
                    help="seconds between the leader's canary checks of each engine (0: off)")
     h.add_argument("--canary-timeout", type=_non_negative, default=5.0)
@@ -97,6 +117,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds an open circuit breaker waits before its half-open trial")
     s.add_argument("--no-snapshots", dest="durable", action="store_false",
                    help=argparse.SUPPRESS)
+
+
+def _default_db(data_dir: str) -> str:
+    # Pure (no mkdir): `jetrouter check-config` builds configs as a dry run; `run` makes the dir.
+    from snapshots.db import DB_FILE
+
+    return f"sqlite+aiosqlite:///{Path(data_dir).expanduser().resolve() / DB_FILE}"
 
 
 def build_config(args: argparse.Namespace) -> ReplicaConfig:
@@ -127,6 +154,8 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
         snapshot_threshold=args.router_snapshot_threshold,
         snapshot_keep=args.snapshot_keep,
         lease_ttl=args.lease_ttl,
+        database_url=args.database_url or _default_db(args.data_dir),
+        ledger_retention=args.ledger_retention,
         canary_interval=args.canary_interval,
         canary_timeout=args.canary_timeout,
         canary_recovery_timeout=args.canary_recovery_timeout,
@@ -139,10 +168,13 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = build_config(args)
+    Path(args.data_dir).mkdir(parents=True, exist_ok=True)
     replica = Replica(config)
     app = create_app(replica, AppConfig(max_prompt_tokens=args.max_prompt_tokens,
                                         admin_token=args.admin_token, tokenizer=args.tokenizer,
-                                        reset_on_start=args.router_reset_states))
+                                        reset_on_start=args.router_reset_states,
+                                        stream_idle_timeout=args.stream_idle_timeout,
+                                        migration_limit=args.migration_limit))
     config_ = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                              access_log=False,
                              timeout_graceful_shutdown=int(args.graceful_shutdown_timeout))

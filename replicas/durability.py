@@ -136,6 +136,8 @@ class Durability:
             epoch = state.epoch
             meta = await self.store.put(blob, positions=positions, epoch=epoch,
                                         created_by=self.replica.replica_id, trigger=trigger)
+            if not self.is_leader:  # lost the lease while writing: leave it to the new leader
+                raise NoLeader("lost the leader lease while writing the snapshot")
             event = ev.SnapshotTaken(meta.snapshot_id, positions, meta.size, meta.sha256,
                                      self.replica.replica_id, trigger, time.time())
             seq = await self.replica.append_control(event, f"snap.{meta.snapshot_id}",

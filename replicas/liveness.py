@@ -306,7 +306,7 @@ class Liveness:
             await self._poll()
         mine = self._snapshot()
         now = self._clock()
-        rows: list[dict[str, object]] = [_row(mine, 0.0, True) | {"self": True}]
+        rows: list[dict[str, object]] = [_row(mine, 0.0, False) | {"self": True}]
         for rid, p in sorted(self.peers_status.items()):
             if rid == self.replica_id or p.heartbeat is None:
                 continue

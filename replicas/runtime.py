@@ -88,6 +88,8 @@ class ReplicaConfig:
     snapshot_threshold: int = 1_000_000
     snapshot_keep: int = 3
     lease_ttl: float = 5.0
+    database_url: str | None = None  # catalog + ledger projections (None: no projections)
+    ledger_retention: float = 7 * 86400.0
     canary_interval: float = 30.0  # 0 disables canaries
     canary_timeout: float = 5.0
     canary_recovery_timeout: float = 60.0
@@ -145,6 +147,7 @@ class Replica:
         self._supervisor: asyncio.Task[None] | None = None
         self.durability: Durability | None = None
         self.projections: Any = None  # snapshots.projections.Projections when enabled
+        self._feeder: Any = None
         self.liveness: Any = None  # replicas.liveness.Liveness when enabled
         self.canary: Any = None  # replicas.canary.CanaryChecker (acts only while leader)
         self.health_board: Any = None
@@ -194,6 +197,14 @@ class Replica:
         self._check_ready()
         self._supervisor = asyncio.create_task(self._supervise(), name="followers")
         self._dispatcher = asyncio.create_task(self._dispatch_queue(), name="queue-dispatcher")
+        if self.config.database_url:
+            from snapshots.projections import ProjectionFeeder, Projections
+
+            self.projections = Projections(self.config.database_url,
+                                           ledger_retention=self.config.ledger_retention)
+            await self.projections.start()
+            self._feeder = ProjectionFeeder(self.js, self.names, self.projections)
+            await self._feeder.start()
         if self.durability is not None:
             await self.durability.start()
             if self.config.canary_interval > 0:
@@ -238,6 +249,11 @@ class Replica:
             await self._canary_client.aclose()
         if self.durability is not None:
             await self.durability.stop()
+        if self._feeder is not None:  # feeder first: it writes into the projections
+            with contextlib.suppress(Exception):
+                await self._feeder.stop()
+            with contextlib.suppress(Exception):
+                await self.projections.close()
         tasks = [t for t in (self._supervisor, self._dispatcher) if t is not None]
         for t in tasks:
             t.cancel()

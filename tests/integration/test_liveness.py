@@ -26,6 +26,7 @@ from eventlog.names import CONTROL, KV, ROUTER, Names
 from eventlog.reader import StreamReader
 from eventlog.server import NatsServer
 from eventlog.streams import stream_bounds
+from replicas.divergence import Divergence, inject_divergence
 from replicas.liveness import Heartbeat, Liveness, liveness_subject
 from replicas.state import RouterState
 from workers.procs import WorkerProcess
@@ -64,12 +65,13 @@ class Node:
         self.appender = Appender(self.js)
         self.extra_workers = extra_workers or {}
         self.readers: list[asyncio.Task[None]] = []
+        self.divergences: list[Divergence] = []
         self.live = Liveness(
             self.js, nc, NAMES, rid, heartbeat_interval=INTERVAL, replica_timeout=TIMEOUT,
             worker_timeout=TIMEOUT, snapshot=self.heartbeat, append=self.append,
             is_leader=lambda: self.leader, known_workers=self.known_workers,
             known_replicas_with_load=lambda: set(self.state.load._by_replica),
-            worker_incarnation=self.incarnation)
+            worker_incarnation=self.incarnation, on_divergence=self.divergences.append)
 
     def heartbeat(self) -> Heartbeat:
         s = self.state
@@ -230,6 +232,34 @@ async def test_only_the_leader_declares_and_a_new_leader_uses_what_it_watched(
         assert await lost(check) == ["B"]
     finally:
         await a.crash()
+
+
+async def test_an_injected_divergence_is_detected_by_both_sides(
+    js: tuple[NATS, JetStreamContext], nats_url: str,
+    nats_connect: Callable[[str], Awaitable[NATS]],
+) -> None:
+    a = await Node("A", await nats_connect(nats_url), leader=True).start()
+    b = await Node("B", await nats_connect(nats_url), leader=False).start()
+    try:
+        await b.route("req-b")  # some shared state, then quiet streams: equal positions
+        await until(lambda: all(len(x.state.load) == 1 for x in (a, b)))
+        await until(lambda: _peers_are(a, {"B"}))
+        await rounds_pass([a, b], 2)
+        assert a.divergences == b.divergences == []  # equal positions, equal digests
+
+        inject_divergence(b.state, "index")
+        await until(lambda: a.divergences and b.divergences)
+        d = a.divergences[0]
+        assert (d.peer_id, d.parts) == ("B", ("index",))
+        assert d.theirs == b.state.digests() and d.mine == a.state.digests()
+        assert b.divergences[0].peer_id == "A"
+        view = {r["replica_id"]: r for r in await a.live.view()}
+        assert view["B"]["divergent"] and not view["A"]["divergent"]
+        await rounds_pass([a, b], 3)
+        assert len(a.divergences) == 1 and a.live.divergence.total == 1  # counted once
+    finally:
+        await a.crash()
+        await b.crash()
 
 
 async def test_a_nats_outage_longer_than_the_timeout_declares_nobody(
