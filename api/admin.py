@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import msgspec
@@ -153,5 +154,18 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
             raise ApiError(404, f"no routing decision recorded for request {request_id!r}",
                            param="request_id")
         return _json_response(row)
+
+    if os.environ.get("JETROUTER_TEST_HOOKS") == "1":
+        # Test-only: corrupt this replica's state without an event, to prove divergence is seen.
+        @router.post("/admin/debug/inject-divergence")
+        async def inject(request: Request) -> Response:
+            check_admin(request)
+            from replicas.divergence import inject_divergence
+
+            raw = await request.body()
+            body = msgspec.json.decode(raw) if raw else {}
+            part = body.get("part", "index") if isinstance(body, dict) else "index"
+            return _json_response({"injected": inject_divergence(
+                replica.state, part, replica_id=replica.replica_id)})
 
     return router

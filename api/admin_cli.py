@@ -326,6 +326,8 @@ def candidate_rows(decision: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for c in decision.get("candidates") or []:
         row = dict(zip(CANDIDATE_FIELDS, c, strict=False)) if isinstance(c, list) else dict(c)
+        if "worker" in row and "worker_id" not in row:  # the ledger's key name
+            row = {"worker_id": row.pop("worker"), **row}
         chosen = (row.get("worker_id") == decision.get("worker_id")
                   and row.get("dp_rank", 0) == decision.get("dp_rank", 0))
         rows.append({"": "*" if chosen else "", **row})

@@ -83,6 +83,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     app = FastAPI(title="jetrouter", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.state.replica = replica
+    replica.on_divergence = lambda d: metrics.divergence.inc()
     replica.on_health_check = lambda w, secs, outcome: metrics.health_check_duration.labels(
         worker=w, outcome=outcome).observe(secs)
     app.state.metrics = metrics

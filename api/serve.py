@@ -105,6 +105,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--ledger-retention", type=_non_negative, default=7 * 86400.0,
                    help="seconds of routing decisions kept in the ledger (event time; 0 keeps "
                         "everything)")
+    lv = p.add_argument_group("liveness")
+    lv.add_argument("--heartbeat-interval", type=_positive_float, default=1.0)
+    lv.add_argument("--replica-timeout", type=_positive_float, default=10.0,
+                    help="a replica silent this long is declared lost: its requests are freed")
+    lv.add_argument("--worker-timeout", type=_positive_float, default=10.0,
+                    help="an engine with no load reports and failing /health this long is retired")
     h = p.add_argument_group("worker faults")
     h.add_argument("--stream-idle-timeout", type=_positive_float, default=30.0,
                    help="seconds without a token before a request migrates to another engine")
@@ -156,6 +162,9 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
         lease_ttl=args.lease_ttl,
         database_url=args.database_url or _default_db(args.data_dir),
         ledger_retention=args.ledger_retention,
+        heartbeat_interval=args.heartbeat_interval,
+        replica_timeout=args.replica_timeout,
+        worker_timeout=args.worker_timeout,
         canary_interval=args.canary_interval,
         canary_timeout=args.canary_timeout,
         canary_recovery_timeout=args.canary_recovery_timeout,

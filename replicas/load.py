@@ -233,6 +233,10 @@ class ActiveLoad:
         """Workers with at least one active request."""
         return set(self._workers)
 
+    def replicas(self) -> set[str]:
+        """Replicas that own at least one active request."""
+        return {r for r, ids in self._by_replica.items() if ids}
+
     def owner(self, request_id: str) -> str | None:
         """Replica that routed an active request."""
         req = self._requests.get(request_id)

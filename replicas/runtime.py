@@ -90,6 +90,9 @@ class ReplicaConfig:
     lease_ttl: float = 5.0
     database_url: str | None = None  # catalog + ledger projections (None: no projections)
     ledger_retention: float = 7 * 86400.0
+    heartbeat_interval: float = 1.0
+    replica_timeout: float = 10.0
+    worker_timeout: float = 10.0
     canary_interval: float = 30.0  # 0 disables canaries
     canary_timeout: float = 5.0
     canary_recovery_timeout: float = 60.0
@@ -153,6 +156,7 @@ class Replica:
         self.health_board: Any = None
         self._canary_client: Any = None
         self.on_health_check: Callable[[str, float, str], None] | None = None
+        self.on_divergence: Callable[[object], None] | None = None
         self.restores = 0
         self._bg: set[asyncio.Task[object]] = set()
         self._pending: dict[str, _Pending] = {}
@@ -207,8 +211,41 @@ class Replica:
             await self._feeder.start()
         if self.durability is not None:
             await self.durability.start()
+            await self._start_liveness()
             if self.config.canary_interval > 0:
                 await self._start_canary()
+
+    async def _start_liveness(self) -> None:
+        from replicas.liveness import Heartbeat, Liveness, liveness_subject
+
+        durability = self.durability
+        assert durability is not None and self.appender is not None and self.js is not None
+        appender = self.appender
+        cfg = self.config
+
+        def leader() -> bool:
+            return durability.is_leader
+
+        async def append(kind: str, event: ev.Event, msg_id: str) -> int:
+            return await appender.append(liveness_subject(self.names, event), [event], msg_id)
+
+        def divergence(d: object) -> None:
+            if self.on_divergence is not None:
+                self.on_divergence(d)
+
+        self.liveness = Liveness(
+            self.js, self.nc, self.names, self.replica_id,
+            heartbeat_interval=cfg.heartbeat_interval, replica_timeout=cfg.replica_timeout,
+            worker_timeout=cfg.worker_timeout,
+            snapshot=lambda: Heartbeat(self.replica_id, time.time(), dict(self.state.positions),
+                                       self.state.digests(), self.ready, leader()),
+            append=append,
+            is_leader=lambda: self.ready and leader(),
+            known_workers=lambda: {w: i.url for w, i in self.state.workers.items()},
+            known_replicas_with_load=lambda: self.state.load.replicas(),
+            worker_incarnation=lambda w: self.state.workers[w].registered_ts,
+            on_divergence=divergence)
+        await self.liveness.start()
 
     async def _start_canary(self) -> None:
         import httpx
@@ -243,6 +280,9 @@ class Replica:
 
     async def stop(self) -> None:
         self.ready = False
+        if self.liveness is not None:
+            with contextlib.suppress(Exception):
+                await self.liveness.stop()
         if self.canary is not None:
             with contextlib.suppress(Exception):
                 await self.canary.stop()

@@ -49,7 +49,10 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Loc
         # Read by the Forwarder (and, once `serve` has the flags, by the CLI as well).
         mp.setenv("JETROUTER_STREAM_IDLE_TIMEOUT", "1")
         mp.setenv("JETROUTER_MIGRATION_LIMIT", "2")
+        # Canaries off: the failures injected here would otherwise (rightly) mark engines
+        # unhealthy through passive reports and change which engines later tests can use.
         async with LocalCluster(replicas=1, workers=3, data_dir=Path(data), namespace=NS,
+                                router_args=["--canary-interval", "0"],
                                 worker_args=["--num-gpu-blocks", "2048"]) as c:
             async with httpx.AsyncClient() as h:
                 await until(lambda: workers(h, c), lambda ws: len(ws) == 3)
