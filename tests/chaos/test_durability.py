@@ -236,3 +236,40 @@ async def test_admin_auth_on_every_route(cluster: LocalCluster, admin: Admin) ->
                                   headers={"authorization": "Bearer wrong"})
         assert r.status_code == 403, (method, path, r.text)
         assert r.json()["error"]["type"] == "permission_error"
+
+
+async def test_ledger_on_every_replica_and_rebuilt_after_deleting_the_database(
+        cluster: LocalCluster, admin: Admin) -> None:
+    ids = []
+    for i in range(6):
+        r = await admin.h.post(admin.url(REPLICAS[i % 3]) + "/v1/completions", json={
+            "model": MODEL, "prompt": list(range(50 * i, 50 * i + 40)), "max_tokens": 3})
+        assert r.status_code == 200
+        ids.append(r.headers["x-jetrouter-request-id"])
+
+    async def ledger(name: str) -> dict[str, dict]:
+        out = {}
+        for rid in ids:
+            r = await admin.h.get(admin.url(name) + f"/admin/requests/{rid}", headers=admin.auth)
+            if r.status_code != 200:
+                return {}
+            out[rid] = r.json()
+        return out
+
+    rows = {n: await until(lambda n=n: ledger(n),
+                           lambda d: len(d) == len(ids) and all(
+                               x["outcome"] == "ok" for x in d.values()), what=f"{n} ledger")
+            for n in REPLICAS}
+    assert rows["r0"] == rows["r1"] == rows["r2"]
+    one = rows["r0"][ids[0]]
+    assert one["candidates"] and {c["worker"] for c in one["candidates"]} == {"w0", "w1"}
+    assert one["worker_id"] in ("w0", "w1") and one["replica_id"] == "r0"
+    old = cluster.kill("r2", signal.SIGKILL)
+    for f in Path(cluster.data_dir / "r2").glob("jetrouter.db*"):
+        f.unlink()
+    await until(lambda: asyncio.sleep(0, cluster.children["r2"].pid),
+                lambda p: p not in (None, old), what="r2 restarted")
+    rebuilt = await until(lambda: ledger("r2"),
+                          lambda d: len(d) == len(ids) and all(
+                              x["outcome"] == "ok" for x in d.values()), what="ledger rebuilt")
+    assert rebuilt == rows["r0"]
