@@ -26,6 +26,9 @@ bench: install
 bench-core: install
 	$(BIN)/jetrouter bench core --json
 
+chaos: install
+	$(BIN)/jetrouter chaos
+
 lint: install
 	$(BIN)/ruff check .
 

@@ -23,6 +23,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "demo": ("api.demo", "start a local cluster, replay a trace slice in kv and round-robin mode"),
     "admin": ("api.admin_cli", "admin API client"),
     "check-config": ("api.checkconfig", "check compose.yaml and deploy/ for consistency"),
+    "chaos": ("api.chaos", "run the chaos scenarios against a local cluster"),
 }
 
 

@@ -20,13 +20,14 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 WorkerKey = tuple[str, int]
 """(worker_id, dp_rank)."""
 
 _MASK64 = (1 << 64) - 1
-_PLAIN_VERSION = 1
+_PLAIN_VERSION = 2  # 1: hashes as int lists (still read); 2: hashes as "<u8" bytes
 # Distinct salt so "prefill done" flips a request's contribution to an unrelated 64-bit value.
 _DONE_SALT = 0x9E3779B97F4A7C15
 
@@ -56,7 +57,7 @@ class _WorkerLoad:
         self.requests: set[str] = set()
 
 
-def _request_mix(req: ActiveRequest) -> int:
+def _request_mix(req: ActiveRequest, hash_bytes: bytes | None = None) -> int:
     """Stable 64-bit hash of a request's immutable fields (independent of PYTHONHASHSEED)."""
     h = xxhash.xxh3_64(seed=0)
     for text in (req.request_id, req.replica_id, req.worker[0]):
@@ -65,7 +66,10 @@ def _request_mix(req: ActiveRequest) -> int:
         h.update(raw)
     h.update(struct.pack("<qqd", req.worker[1], req.prefill_tokens, req.ts))
     hashes = req.block_seq_hashes
-    h.update(struct.pack(f"<I{len(hashes)}Q", len(hashes), *(x & _MASK64 for x in hashes)))
+    if hash_bytes is None:
+        hash_bytes = struct.pack(f"<{len(hashes)}Q", *(x & _MASK64 for x in hashes))
+    h.update(struct.pack("<I", len(hashes)))
+    h.update(hash_bytes)  # "<I" then "<nQ": the same bytes as one "<InQ" pack
     return h.intdigest()
 
 
@@ -259,7 +263,10 @@ class ActiveLoad:
     # --- snapshot encoding -------------------------------------------------------------------
 
     def to_plain(self) -> object:
-        """Plain lists/dicts (msgpack/JSON friendly), deterministic order (by request id)."""
+        """Plain lists/dicts/bytes (msgpack friendly), deterministic order (by request id).
+
+        v2 keeps each request's block hashes as one little-endian uint64 buffer: restoring
+        thousands of long prompts then hashes and counts them in bulk, not int by int."""
         rows = [
             [
                 r.request_id,
@@ -267,7 +274,7 @@ class ActiveLoad:
                 r.worker[0],
                 r.worker[1],
                 r.prefill_tokens,
-                list(r.block_seq_hashes),
+                np.array(r.block_seq_hashes, dtype=_U64).tobytes(),
                 r.ts,
                 r.prefill_done,
             ]
@@ -277,12 +284,42 @@ class ActiveLoad:
 
     @classmethod
     def from_plain(cls, obj: object) -> ActiveLoad:
-        if not isinstance(obj, dict) or obj.get("v") != _PLAIN_VERSION:
+        if not isinstance(obj, dict) or obj.get("v") not in (1, _PLAIN_VERSION):
             raise ValueError("not an ActiveLoad snapshot (unknown format or version)")
         load = cls()
+        per_worker: dict[WorkerKey, list[np.ndarray]] = {}
         for row in obj["requests"]:
             rid, replica, worker_id, rank, prefill, hashes, ts, done = row
-            load.add(rid, replica, (worker_id, rank), prefill, hashes, ts)
+            if isinstance(hashes, bytes):  # v2
+                column = np.frombuffer(hashes, dtype=_U64)
+                raw = hashes
+            else:  # v1: a list of ints
+                column = np.array(hashes, dtype=_U64)
+                raw = column.tobytes()
+            worker = (str(worker_id), int(rank))
+            req = ActiveRequest(rid, replica, worker, int(prefill), tuple(column.tolist()),
+                                float(ts))
+            if rid in load._requests:
+                raise ValueError(f"request {rid!r} appears twice in an ActiveLoad snapshot")
+            req.base_mix = _request_mix(req, raw)
+            load._requests[rid] = req
+            wl = load._workers.get(worker)
+            if wl is None:
+                wl = load._workers[worker] = _WorkerLoad()
+                per_worker[worker] = []
+            wl.prefill_tokens += req.prefill_tokens
+            wl.requests.add(rid)
+            per_worker[worker].append(column)
+            load._by_replica.setdefault(replica, set()).add(rid)
+            load._expiry.append((req.ts, rid))
+            load._digest = (load._digest + _contribution(req)) & _MASK64
             if done:
                 load.prefill_completed(rid)
+        for worker, columns in per_worker.items():  # refcounts of shared blocks, in bulk
+            ids, counts = np.unique(np.concatenate(columns), return_counts=True)
+            load._workers[worker].blocks = dict(zip(ids.tolist(), counts.tolist(), strict=True))
+        heapq.heapify(load._expiry)
         return load
+
+
+_U64 = np.dtype("<u8")

@@ -185,7 +185,9 @@ class Replica:
         assert self.nc is not None
         self.js = self.nc.jetstream()
         await ensure_streams(self.js, self.names)
-        self.appender = Appender(self.js)
+        # Retry for ~15 s (backoff capped at 2 s): a stream leader election after a NATS node
+        # dies answers 'no responders' at once for several seconds (chaos suite, issue 5).
+        self.appender = Appender(self.js, attempts=12)
         if self.config.durable:
             from replicas.durability import Durability
 

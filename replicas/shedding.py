@@ -28,7 +28,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from replicas.health import HEALTHY, ROUTING_WEIGHT
+from replicas.health import HEALTHY, ROUTING_WEIGHT, UNHEALTHY
 from replicas.state import RouterState
 
 TIERS = ("premium", "standard", "best_effort")  # highest priority first
@@ -89,6 +89,11 @@ def model_units(state: RouterState, model: str) -> list[UnitLoad]:
             key = (w.worker_id, rank)
             out.append(UnitLoad(status, w.kv_total_blocks, state.load.active_decode_blocks(key),
                                 state.load.active_prefill_tokens(key)))
+    # Engines retired for cause (not a graceful shutdown) are capacity the fleet has lost until
+    # they register again: without them a dead engine would stop counting once retired.
+    for w in state.lost_workers.values():
+        if w.model == model and w.worker_id not in state.workers:
+            out.extend(UnitLoad(UNHEALTHY, w.kv_total_blocks, 0, 0) for _ in range(w.dp_size))
     return out
 
 

@@ -34,6 +34,7 @@ import logging
 import secrets
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import msgspec
@@ -113,6 +114,11 @@ def new_snapshot_id(epoch: int, unix_ms: int) -> str:
 def _pack(raw: bytes) -> tuple[bytes, str]:
     """Compress and checksum (run in a thread: both release the GIL on large buffers)."""
     return zlib.compress(raw, ZLIB_LEVEL), hashlib.sha256(raw).hexdigest()
+
+
+def _encode_and_pack(state: bytes | Callable[[], bytes]) -> tuple[int, bytes, str]:
+    raw = state() if callable(state) else state
+    return len(raw), *_pack(raw)
 
 
 def _unpack(snapshot_id: str, blob: bytes, nats_digest: str | None, meta: SnapshotMeta) -> bytes:
@@ -208,16 +214,20 @@ class SnapshotStore:
 
     # --- writing ------------------------------------------------------------------------------
 
-    async def put(self, state_bytes: bytes, *, positions: dict[str, int], epoch: int,
-                  created_by: str, trigger: str) -> SnapshotMeta:
-        """Compress, checksum and store one snapshot, then prune to the newest ``keep``."""
+    async def put(self, state: bytes | Callable[[], bytes], *, positions: dict[str, int],
+                  epoch: int, created_by: str, trigger: str) -> SnapshotMeta:
+        """Compress, checksum and store one snapshot, then prune to the newest ``keep``.
+
+        ``state`` is the encoded state, or a function returning it (e.g.
+        ``RouterState.encoder()``, which captured the state already): it is then called in the
+        worker thread too, so encoding a large state does not hold the event loop up."""
         obs = await self.ensure()
-        blob, digest = await asyncio.to_thread(_pack, state_bytes)
+        size, blob, digest = await asyncio.to_thread(_encode_and_pack, state)
         now = time.time()
         snapshot_id = new_snapshot_id(epoch, int(now * 1000))
         meta = SnapshotMeta(
             snapshot_id=snapshot_id, positions=dict(positions), epoch=epoch,
-            size=len(state_bytes), sha256=digest, created_by=created_by, trigger=trigger,
+            size=size, sha256=digest, created_by=created_by, trigger=trigger,
             ts=now, stored_size=len(blob),
         )
         object_meta = ObjectMeta(

@@ -5,7 +5,9 @@ Without ``--url`` the bench starts its own local cluster (`api.up.LocalCluster`:
 nats-server, replicas, simulated workers) with ``--router-mode`` (default kv), and with
 ``--compare MODE`` a second, fresh cluster (new data dir and namespace) in that mode, then prints
 both runs side by side. ``jetrouter bench core ...`` is the state-machine benchmark
-(`api.bench.core`).
+(`api.bench.core`); ``jetrouter bench overhead ...`` measures what one replica adds in front of
+an engine (`api.bench.overhead`); ``jetrouter bench faults ...`` injects engine and replica
+faults under steady load and prints what clients saw (`api.bench.faults`).
 
 `run_trace_bench`, `run_managed` and `compare` are the programmatic entry points (the demo uses
 them); `build_summaries` and `print_report` turn their results into the printed report.
@@ -233,7 +235,7 @@ def _add_trace_arguments(p: argparse.ArgumentParser, suppress: bool) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = __doc__
-    sub = p.add_subparsers(dest="bench_kind", metavar="{trace,core}")
+    sub = p.add_subparsers(dest="bench_kind", metavar="{trace,core,overhead,faults,durability}")
     sub.required = False
     core_p = sub.add_parser("core", help="benchmark the router state machine (no network)")
     try:  # lazily: written separately, and its imports stay out of the trace replay
@@ -245,6 +247,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         core_p.set_defaults(_core_missing=True)
     else:
         core.add_arguments(core_p)
+    overhead_p = sub.add_parser("overhead", help="router overhead (TTFT vs direct) and routing "
+                                "throughput: one replica, one fast simulated worker")
+    importlib.import_module("api.bench.overhead").add_arguments(overhead_p)
+    faults_p = sub.add_parser("faults", help="engine and replica faults under steady load: "
+                              "client-visible failures and extra latency per fault")
+    importlib.import_module("api.bench.faults").add_arguments(faults_p)
+    durability_p = sub.add_parser("durability", help="snapshot size, take and restore times, "
+                                  "and SIGKILL-to-ready with a 1M-block state")
+    importlib.import_module("api.bench.durability").add_arguments(durability_p)
     trace_p = sub.add_parser("trace", help="replay a trace against routers (the default)")
     _add_trace_arguments(trace_p, suppress=True)
     _add_trace_arguments(p, suppress=False)
@@ -351,4 +362,10 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "_core_missing", False):
             raise _cli_error("`bench core` is not available (api/bench/core.py is missing)")
         return int(importlib.import_module("api.bench.core").run(args) or 0)
+    if getattr(args, "bench_kind", None) == "overhead":
+        return int(importlib.import_module("api.bench.overhead").run(args) or 0)
+    if getattr(args, "bench_kind", None) == "faults":
+        return int(importlib.import_module("api.bench.faults").run(args) or 0)
+    if getattr(args, "bench_kind", None) == "durability":
+        return int(importlib.import_module("api.bench.durability").run(args) or 0)
     return asyncio.run(_run_trace(args))

@@ -121,3 +121,21 @@ def test_model_units_reads_the_replicated_state() -> None:
     units = sorted(model_units(state, "m"), key=lambda u: u.status)
     assert [(u.status, u.kv_total_blocks) for u in units] == [("healthy", 64), ("unhealthy", 64)]
     assert fleet_pressure(units, block_size=16).healthy_fraction == 0.5
+
+
+def test_an_engine_retired_for_cause_still_counts_as_lost_capacity_until_it_returns() -> None:
+    from eventlog import events as ev
+    from eventlog.names import KV
+    from replicas.state import RouterState
+
+    s = RouterState()
+    s.apply(KV, 1, [ev.WorkerRegistered("a", "u", "m", 16, 100, 8192, 1.0),
+                    ev.WorkerRegistered("b", "u", "m", 16, 100, 8192, 1.0),
+                    ev.WorkerRegistered("c", "u", "m", 16, 100, 8192, 1.0)])
+    s.apply(KV, 2, [ev.WorkerRetired("a", "heartbeat timeout", 2.0),
+                    ev.WorkerRetired("b", "shutdown", 2.0)])
+    statuses = sorted(u.status for u in model_units(s, "m"))
+    assert statuses == ["healthy", "unhealthy"]  # b left on purpose; a died
+    s.apply(KV, 3, [ev.WorkerRegistered("a", "u", "m", 16, 100, 8192, 3.0)])
+    assert sorted(u.status for u in model_units(s, "m")) == ["healthy", "healthy"]
+    assert RouterState.decode(s.encode()).digests() == s.digests()
