@@ -150,7 +150,7 @@ class Replica:
         self._supervisor: asyncio.Task[None] | None = None
         self.durability: Durability | None = None
         self.projections: Any = None  # snapshots.projections.Projections when enabled
-        self._feeder: Any = None
+        self._projector: asyncio.subprocess.Process | None = None
         self.liveness: Any = None  # replicas.liveness.Liveness when enabled
         self.canary: Any = None  # replicas.canary.CanaryChecker (acts only while leader)
         self.health_board: Any = None
@@ -204,18 +204,27 @@ class Replica:
         self._supervisor = asyncio.create_task(self._supervise(), name="followers")
         self._dispatcher = asyncio.create_task(self._dispatch_queue(), name="queue-dispatcher")
         if self.config.database_url:
-            from snapshots.projections import ProjectionFeeder, Projections
-
-            self.projections = Projections(self.config.database_url,
-                                           ledger_retention=self.config.ledger_retention)
-            await self.projections.start()
-            self._feeder = ProjectionFeeder(self.js, self.names, self.projections)
-            await self._feeder.start()
+            await self._start_projections(self.config.database_url)
         if self.durability is not None:
             await self.durability.start()
             await self._start_liveness()
             if self.config.canary_interval > 0:
                 await self._start_canary()
+
+    async def _start_projections(self, url: str) -> None:
+        """Catalog + ledger: written by a child process (off this process's interpreter),
+        read here for the admin API."""
+        import os
+        import sys
+
+        from snapshots.projections import Projections
+
+        self.projections = Projections(url, ledger_retention=self.config.ledger_retention)
+        await self.projections.start()  # creates the tables before the writer starts
+        self._projector = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "snapshots.projector", "--nats-url", self.config.nats_url,
+            "--namespace", self.config.namespace, "--database-url", url,
+            "--ledger-retention", str(self.config.ledger_retention), "--parent", str(os.getpid()))
 
     async def _start_liveness(self) -> None:
         from replicas.liveness import Heartbeat, Liveness, liveness_subject
@@ -291,9 +300,14 @@ class Replica:
             await self._canary_client.aclose()
         if self.durability is not None:
             await self.durability.stop()
-        if self._feeder is not None:  # feeder first: it writes into the projections
-            with contextlib.suppress(Exception):
-                await self._feeder.stop()
+        if self._projector is not None and self._projector.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._projector.terminate()
+            try:
+                await asyncio.wait_for(self._projector.wait(), 5)
+            except TimeoutError:
+                self._projector.kill()
+        if self.projections is not None:
             with contextlib.suppress(Exception):
                 await self.projections.close()
         tasks = [t for t in (self._supervisor, self._dispatcher) if t is not None]
