@@ -102,8 +102,9 @@ def create_app(replica: Replica, config: AppConfig | None = None,
 
     async def handle(endpoint: str, request: Request) -> Response:
         raw = await request.body()
-        if replica.draining:
-            return error_response(503, "this router replica is shutting down; retry on another",
+        if replica.draining or not replica.ready:
+            why = "shutting down" if replica.draining else "still catching up with the streams"
+            return error_response(503, f"this router replica is {why}; retry on another",
                                   type="service_unavailable",
                                   headers={**base_headers(), "retry-after": "1"})
         parsed = parse_request(endpoint, raw, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens,

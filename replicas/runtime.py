@@ -144,6 +144,8 @@ class Replica:
         self.appender: Appender | None = None
         self.ready = False
         self.draining = False  # SIGTERM: no new requests, in-flight ones finish
+        self._becoming_ready = False
+        self._boot = f"{time.time_ns():x}"
         self.stream_last: dict[str, int] = {k: 0 for k in STREAM_KINDS}
         self.malformed: dict[str, int] = {k: 0 for k in STREAM_KINDS}
         self._catch_up_targets: dict[str, int] = {}
@@ -417,10 +419,31 @@ class Replica:
         if self.draining:
             return
         lag = self.config.ready_lag
-        if all(self.state.positions[k] + lag >= self._catch_up_targets.get(k, 0)
-               for k in STREAM_KINDS):
-            self.ready = True
-            self._ready_event.set()
+        if self._becoming_ready or not all(
+                self.state.positions[k] + lag >= self._catch_up_targets.get(k, 0)
+                for k in STREAM_KINDS):
+            return
+        self._becoming_ready = True
+        if self.replica_id in self.state.load.replicas():
+            # A previous incarnation of this replica died with requests in flight and we came
+            # back before anyone declared it lost: free them now, before routing anything new
+            # (same connection, so our own ReplicaLost precedes our first RequestRouted).
+            self._spawn(self._free_previous_incarnation())
+        else:
+            self._mark_ready()
+
+    def _mark_ready(self) -> None:
+        self.ready = True
+        self._ready_event.set()
+
+    async def _free_previous_incarnation(self) -> None:
+        event = ev.ReplicaLost(self.replica_id, time.time())
+        try:
+            await self._append(ROUTER, event, f"lost.{self.replica_id}.boot.{self._boot}")
+            log.warning("replica %s freed the requests its previous incarnation left in flight",
+                        self.replica_id)
+        finally:
+            self._mark_ready()
 
     def lag(self) -> dict[str, int]:
         return {k: max(self.stream_last[k] - self.state.positions[k], 0) for k in STREAM_KINDS}

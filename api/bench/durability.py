@@ -39,6 +39,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,8 @@ NAMESPACE = "durbench"
 SHARED_PROMPTS = 50
 PROMPT_BLOCKS = 8
 PUBLISH_WINDOW = 256  # publishes in flight at once
+_PARAMS = ("blocks", "workers", "chain_blocks", "chains_per_message", "tail_events", "tail_batch",
+           "tail_blocks", "repeats", "seed")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -271,6 +274,18 @@ class ReplicaProcess:
                 self.kill()
 
 
+def _snapshot_loaded_at(log_path: Path, offset: int) -> float | None:
+    """Wall time of the replica's "loaded snapshot" log line written after ``offset``."""
+    with log_path.open("rb") as f:
+        f.seek(offset)
+        for line in f.read().decode(errors="replace").splitlines():
+            if "loaded snapshot" in line:
+                with contextlib.suppress(ValueError):
+                    stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+                    return stamp.timestamp()
+    return None
+
+
 def _digests_of(admin_state: dict[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in admin_state["digests"].items()}
 
@@ -363,8 +378,7 @@ async def _measure(args: argparse.Namespace, nc: nats.NATS, nats_url: str,
             restore[key].append(value)
         del copy
     result: dict[str, Any] = {
-        "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                   if k not in ("func", "command", "bench_kind") and not k.startswith("_")},
+        "params": {k: getattr(args, k) for k in _PARAMS},
         "state": built,
         "snapshot": {"raw_bytes": meta.size, "stored_bytes": meta.stored_size,
                      "format": "msgpack v2 (columnar) + zlib-1"},
@@ -412,9 +426,16 @@ async def _restart(args: argparse.Namespace, js: JetStreamContext, names: Names,
             before = await replica.wait_positions(client, ends, args.ready_timeout)
             out["digests_equal_before_kill"] = _digests_of(before) == _hex_digests(state)
             replica.kill()
+            log_offset = replica.log_path.stat().st_size
+            wall_started = time.time()
             started = replica.start()
             ready_at = await replica.wait_ready(client, args.ready_timeout)
             out["sigkill_restart_ready_s"] = round(ready_at - started, 3)
+            loaded_at = _snapshot_loaded_at(replica.log_path, log_offset)
+            if loaded_at is not None:  # the replica logs when it has restored the snapshot
+                out["start_to_snapshot_restored_s"] = round(loaded_at - wall_started, 3)
+                out["snapshot_restored_to_ready_s"] = round(
+                    out["sigkill_restart_ready_s"] - out["start_to_snapshot_restored_s"], 3)
             after = await replica.wait_positions(client, ends, args.ready_timeout)
             out["digests_equal"] = _digests_of(after) == _hex_digests(state)
             out["positions"] = after["positions"]
@@ -464,6 +485,9 @@ def print_table(result: dict[str, Any]) -> None:
             ("SIGKILL, restart -> ready", f"{rs['sigkill_restart_ready_s']:.3f} s "
                                           f"(target <= {rs['target_s']} s); digests equal: "
                                           f"{rs['digests_equal']}"),
+            ("  of which", f"start -> snapshot restored "
+                           f"{rs.get('start_to_snapshot_restored_s', '?')} s, then replay -> "
+                           f"ready {rs.get('snapshot_restored_to_ready_s', '?')} s"),
             ("  same, in-process", f"{ip['total_s']:.3f} s = load {ip['load_s']:.3f} + decode "
                                    f"{ip['decode_s']:.3f} + replay tail {ip['replay_tail_s']:.3f}"),
         ]

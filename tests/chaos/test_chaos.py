@@ -43,10 +43,9 @@ def check(res: ScenarioResult, *, phantom: bool = True) -> None:
 @chaos_test
 async def test_replica_sigkill_under_load(session: ChaosSession) -> None:
     res = await session.run("replica-kill", TIMING)
-    # Phantom load is not asserted here yet: a replica restarted *within* --replica-timeout is
-    # never declared lost, so its dead incarnation's in-flight requests stay charged (a known
-    # gap, reported to the lead; flip to phantom=True once a restart frees them).
-    check(res, phantom=False)
+    # Restarted within --replica-timeout, the replica frees its dead incarnation's requests
+    # itself (ReplicaLost before its first new decision): no phantom load either way.
+    check(res, phantom=True)
     assert session.cluster.children[res.victim].restarts >= 1
 
 

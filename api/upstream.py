@@ -1,0 +1,603 @@
+"""A minimal HTTP/1.1 keep-alive client for the router's proxy path (router -> engine).
+
+The router only ever POSTs JSON to an engine and reads back a (usually chunked, SSE) body, so this
+does exactly that on a raw :class:`asyncio.Protocol` and nothing more: no redirects, cookies,
+proxies, TLS or HTTP/2. What it buys over httpx is per-request cost: a pool that is a LIFO list per
+(host, port) instead of a scan over every pooled connection, one buffer per connection, and an idle
+timeout that costs one clock read per wait instead of a timer (or a task) per read.
+
+Failure is reported as one of three exceptions, which :func:`api.proxy.classify` maps to the
+migration reasons: :class:`ConnectFailed` (connect_error), :class:`StreamBroken` (stream_error) and
+:class:`IdleTimeout` (idle_timeout). A pooled connection that the engine closed while it sat idle
+is only found out when it is used; if it fails before the first response byte, the request was
+never processed, so it is sent once more on a fresh connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+
+MAX_HEAD_BYTES = 64 * 1024          # a response head bigger than this is not an engine talking
+READ_HIGH_WATER = 1024 * 1024       # stop reading the socket while this much is unconsumed
+DEFAULT_MAX_IDLE_PER_HOST = 256
+# uvicorn (the engines' server) drops a keep-alive connection after 5 s of silence; not reusing
+# ours past 4 s keeps the race with that close (and the retry it costs) rare.
+DEFAULT_MAX_IDLE_AGE = 4.0
+_SMALL_BODY = 64 * 1024             # bodies up to this go out in the same write as the head
+
+_LENGTH, _CHUNKED, _UNTIL_CLOSE = 0, 1, 2
+
+
+class UpstreamError(Exception):
+    """Any failure talking to an engine; ``reason`` is the migration reason it stands for."""
+
+    reason = "stream_error"
+
+
+class ConnectFailed(UpstreamError):
+    """No connection: refused, unreachable, or not established within the connect timeout."""
+
+    reason = "connect_error"
+
+
+class StreamBroken(UpstreamError):
+    """The connection broke, or the engine spoke something that is not HTTP/1.1."""
+
+    reason = "stream_error"
+
+
+class IdleTimeout(UpstreamError):
+    """No byte from the engine for the idle timeout."""
+
+    reason = "idle_timeout"
+
+
+class _Stale(Exception):
+    """Internal: the connection ended before the first response byte (see module docstring)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a URL points: the pool key, the request path and the Host header."""
+
+    host: str
+    port: int
+    path: bytes
+    host_header: bytes
+
+
+def parse_url(url: str) -> Target:
+    """``http://host[:port]/path`` -> :class:`Target` (only plain http is spoken here)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() != "http":
+        raise ConnectFailed(f"unsupported URL (only http:// is): {url!r}")
+    authority, slash, path = rest.partition("/")
+    host, port = authority, 80
+    if authority.startswith("["):  # [v6]:port
+        end = authority.find("]")
+        host = authority[1:end]
+        if authority[end + 1:end + 2] == ":":
+            port = int(authority[end + 2:])
+    elif ":" in authority:
+        host, _, p = authority.rpartition(":")
+        port = int(p)
+    if not host:
+        raise ConnectFailed(f"no host in URL {url!r}")
+    return Target(host, port, (slash + path or "/").encode(), authority.encode())
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP connection to an engine: a receive buffer, and a single pending reader."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, key: tuple[str, int]) -> None:
+        self.loop = loop
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.closed = False             # EOF, reset or closed by us: never usable again
+        self.error: BaseException | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.deadline = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.paused = False
+        self.parked_at = 0.0
+        self.home: list[_Connection] | None = None  # the idle list holding it, if parked
+        self.requests = 0
+
+    # --- protocol callbacks --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if len(self.buf) > READ_HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.closed = True
+        self._wake()
+        return False  # let the transport close itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.error = exc
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.home is not None:  # an idle connection the engine closed: forget it now
+            try:
+                self.home.remove(self)
+            except ValueError:
+                pass
+            self.home = None
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def consumed(self) -> None:
+        """Call after taking bytes out of ``buf``: resumes a socket paused for back-pressure."""
+        if self.paused and len(self.buf) <= READ_HIGH_WATER // 4 and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+
+    async def wait(self, idle: float) -> None:
+        """Wait for more bytes. Raises :class:`_Stale` at EOF (the caller decides what that
+        means), :class:`IdleTimeout` when nothing arrives for ``idle`` seconds."""
+        if self.closed:
+            raise _Stale(self.error)
+        loop = self.loop
+        self.deadline = loop.time() + idle
+        # One lazily re-armed timer per connection instead of one per read: it fires at most
+        # once per idle period and only then looks at how long the current wait has been going.
+        if self.timer is None or self.timer.when() > self.deadline:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer = loop.call_at(self.deadline, self._on_timer)
+        waiter = self.waiter = loop.create_future()
+        try:
+            await waiter
+        finally:
+            self.waiter = None
+        if self.closed and not self.buf:
+            raise _Stale(self.error)
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return  # not waiting: the next wait arms a new timer
+        if self.loop.time() >= self.deadline:
+            waiter.set_exception(IdleTimeout("no byte from the engine within the idle timeout"))
+        else:
+            self.timer = self.loop.call_at(self.deadline, self._on_timer)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.transport is not None:
+            self.transport.close()
+
+
+class UpstreamResponse:
+    """An engine's response once its head is in; the body is read with :meth:`next_chunk`,
+    :meth:`aiter_raw` or :meth:`aread`. Close it (:meth:`aclose`) whatever happens: a body read
+    to its end puts the connection back in the pool, anything else closes it."""
+
+    def __init__(self, pool: UpstreamPool, conn: _Connection, status: int, reason: str,
+                 headers: dict[str, str], mode: int, length: int, keep_alive: bool,
+                 idle: float) -> None:
+        self.status_code = status
+        self.reason_phrase = reason
+        self.headers = headers
+        self._pool = pool
+        self._conn: _Connection | None = conn
+        self._mode = mode
+        self._remaining = length     # body bytes left (length mode) or of the current chunk
+        self._crlf = False           # chunked: the CRLF after a chunk's data is still due
+        self._keep_alive = keep_alive
+        self._idle = idle
+        self.conn_requests = conn.requests  # requests sent on this connection, this one included
+        self.done = mode == _LENGTH and length == 0
+        if self.done:
+            self._release()
+
+    @property
+    def reused_connection(self) -> bool:
+        """Whether the request went out on a connection that had served one before."""
+        return self.conn_requests > 1
+
+    def _release(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._keep_alive and not conn.buf:
+            self._pool._park(conn)
+        else:
+            conn.close()
+
+    async def _wait(self, conn: _Connection) -> None:
+        try:
+            await conn.wait(self._idle)
+        except _Stale as exc:
+            cause = f": {exc.args[0]}" if exc.args and exc.args[0] else ""
+            raise StreamBroken(f"the engine closed the connection mid-body{cause}") from None
+
+    async def next_chunk(self) -> bytes:
+        """The next body bytes as they arrive (everything buffered, never empty), or b"" once
+        the body is complete."""
+        if self.done:
+            return b""
+        conn = self._conn
+        if conn is None:
+            raise StreamBroken("the response was closed")
+        try:
+            if self._mode == _CHUNKED:
+                return await self._next_chunked(conn)
+            while not conn.buf:
+                if self._mode == _UNTIL_CLOSE and conn.closed:
+                    self.done = True
+                    self._release()
+                    return b""
+                try:
+                    await conn.wait(self._idle)
+                except _Stale:
+                    if self._mode == _UNTIL_CLOSE:
+                        continue
+                    raise StreamBroken("the engine closed the connection mid-body") from None
+            buf = conn.buf
+            if self._mode == _LENGTH and len(buf) >= self._remaining:
+                data = bytes(buf[:self._remaining])
+                del buf[:self._remaining]
+                self._remaining = 0
+                self.done = True
+                self._release()
+                return data
+            data = bytes(buf)
+            buf.clear()
+            self._remaining -= len(data)
+            conn.consumed()
+            return data
+        except BaseException:
+            if not self.done:
+                self._abort()
+            raise
+
+    async def _next_chunked(self, conn: _Connection) -> bytes:
+        buf = conn.buf
+        out: list[bytes] = []
+        while True:
+            if self._remaining:
+                if not buf:
+                    if out:
+                        break
+                    await self._wait(conn)
+                    continue
+                n = min(len(buf), self._remaining)
+                out.append(bytes(buf[:n]))
+                del buf[:n]
+                self._remaining -= n
+                self._crlf = self._remaining == 0
+                continue
+            if self._crlf:
+                if len(buf) < 2:
+                    if out:
+                        break
+                    await self._wait(conn)
+                    continue
+                if buf[:2] != b"\r\n":
+                    raise StreamBroken("malformed chunked body (no CRLF after a chunk)")
+                del buf[:2]
+                self._crlf = False
+            i = buf.find(b"\r\n")
+            if i < 0:
+                if len(buf) > 1024:
+                    raise StreamBroken("malformed chunked body (chunk size line too long)")
+                if out:
+                    break
+                await self._wait(conn)
+                continue
+            try:
+                size = int(bytes(buf[:i]).split(b";", 1)[0], 16)
+            except ValueError:
+                raise StreamBroken(f"malformed chunk size {bytes(buf[:i])[:40]!r}") from None
+            if size < 0:
+                raise StreamBroken("negative chunk size")
+            if size == 0:
+                await self._read_trailers(conn, i + 2)
+                self.done = True
+                self._release()
+                break
+            del buf[:i + 2]
+            self._remaining = size
+        conn.consumed()
+        return b"".join(out)
+
+    async def _read_trailers(self, conn: _Connection, start: int) -> None:
+        """Consume the trailer section after the last chunk (almost always just CRLF)."""
+        buf = conn.buf
+        while True:
+            if buf[start:start + 2] == b"\r\n":
+                del buf[:start + 2]
+                return
+            end = buf.find(b"\r\n\r\n", start)
+            if end >= 0:
+                del buf[:end + 4]
+                return
+            if len(buf) > MAX_HEAD_BYTES:
+                raise StreamBroken("trailer section too large")
+            await self._wait(conn)
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        while True:
+            chunk = await self.next_chunk()
+            if not chunk:
+                return
+            yield chunk
+
+    async def aread(self) -> bytes:
+        parts = []
+        while chunk := await self.next_chunk():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def _abort(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        """Give the connection back if the body was read to its end, else close it."""
+        if self.done:
+            self._release()
+        else:
+            self._abort()
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+class UpstreamPool:
+    """Keep-alive connections to engines, per (host, port), most recently used first.
+
+    ``connect_timeout`` bounds establishing a connection; ``idle_timeout`` (overridable per
+    request) bounds every wait for bytes — for the response head and for each piece of body.
+    At most ``max_idle_per_host`` idle connections are kept per engine; busy ones are not
+    limited (the engines' own admission decides how many requests they take).
+    """
+
+    def __init__(self, *, connect_timeout: float = 5.0, idle_timeout: float = 30.0,
+                 max_idle_per_host: int = DEFAULT_MAX_IDLE_PER_HOST,
+                 max_idle_age: float = DEFAULT_MAX_IDLE_AGE) -> None:
+        self.connect_timeout = connect_timeout
+        self.idle_timeout = idle_timeout
+        self.max_idle_per_host = max_idle_per_host
+        self.max_idle_age = max_idle_age
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._targets: dict[str, Target] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        # Counters for tests and the curious: how many connections were opened / reused, and
+        # how many requests were re-sent after a stale pooled connection.
+        self.opened = 0
+        self.reused = 0
+        self.stale_retries = 0
+
+    def target(self, url: str) -> Target:
+        t = self._targets.get(url)
+        if t is None:
+            t = parse_url(url)
+            if len(self._targets) >= 4096:  # engines' URLs are few; never grow without bound
+                self._targets.clear()
+            self._targets[url] = t
+        return t
+
+    def idle_count(self, url: str | None = None) -> int:
+        if url is None:
+            return sum(len(v) for v in self._idle.values())
+        t = self.target(url)
+        return len(self._idle.get((t.host, t.port), ()))
+
+    # --- connections ---------------------------------------------------------------------------
+
+    def _check_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            # Connections belong to the loop that opened them (tests run several loops).
+            for conns in self._idle.values():
+                for c in conns:
+                    c.home = None
+                    try:
+                        c.close()
+                    except RuntimeError:  # its loop is closed already; nothing to tidy
+                        pass
+            self._idle.clear()
+            self._loop = loop
+        return loop
+
+    def _take(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop) -> _Connection | None:
+        conns = self._idle.get(key)
+        if not conns:
+            return None
+        oldest_ok = loop.time() - self.max_idle_age
+        while conns:
+            conn = conns.pop()
+            conn.home = None
+            if conn.closed or conn.buf or conn.parked_at < oldest_ok \
+                    or conn.transport is None or conn.transport.is_closing():
+                conn.close()
+                continue
+            return conn
+        return None
+
+    def _park(self, conn: _Connection) -> None:
+        if self._closed or conn.closed or conn.loop is not self._loop:
+            conn.close()
+            return
+        conns = self._idle.setdefault(conn.key, [])
+        if len(conns) >= self.max_idle_per_host:
+            conn.close()
+            return
+        conn.parked_at = conn.loop.time()
+        conn.home = conns
+        conns.append(conn)
+
+    async def _connect(self, t: Target, loop: asyncio.AbstractEventLoop,
+                       timeout: float) -> _Connection:
+        key = (t.host, t.port)
+        try:
+            async with asyncio.timeout(timeout):
+                _, proto = await loop.create_connection(lambda: _Connection(loop, key),
+                                                        t.host, t.port)
+        except TimeoutError:
+            raise ConnectFailed(f"connecting to {t.host}:{t.port} timed out after "
+                                f"{timeout:g} s") from None
+        except OSError as exc:
+            raise ConnectFailed(f"cannot connect to {t.host}:{t.port}: {exc}") from None
+        self.opened += 1
+        return proto
+
+    # --- requests ------------------------------------------------------------------------------
+
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str] | None = None, *,
+                   idle_timeout: float | None = None,
+                   connect_timeout: float | None = None) -> UpstreamResponse:
+        """POST ``body`` (with ``content-length``) and return once the response head is in.
+
+        Raises :class:`ConnectFailed`, :class:`StreamBroken` or :class:`IdleTimeout`."""
+        if self._closed:
+            raise ConnectFailed("the upstream pool is closed")
+        loop = self._check_loop()
+        t = self.target(url)
+        idle = self.idle_timeout if idle_timeout is None else idle_timeout
+        head = _request_head(t, len(body), headers)
+        conn = self._take((t.host, t.port), loop)
+        if conn is not None:
+            self.reused += 1
+            try:
+                return await self._exchange(conn, head, body, idle)
+            except _Stale:
+                self.stale_retries += 1  # never answered, so never processed: send it again
+        conn = await self._connect(
+            t, loop, self.connect_timeout if connect_timeout is None else connect_timeout)
+        try:
+            return await self._exchange(conn, head, body, idle)
+        except _Stale as exc:
+            cause = f": {exc.args[0]}" if exc.args and exc.args[0] else ""
+            raise StreamBroken(f"the engine closed the connection without a response{cause}") \
+                from None
+
+    async def _exchange(self, conn: _Connection, head: bytes, body: bytes,
+                        idle: float) -> UpstreamResponse:
+        try:
+            transport = conn.transport
+            if transport is None or conn.closed or transport.is_closing():
+                raise _Stale(None)
+            conn.requests += 1
+            if len(body) <= _SMALL_BODY:
+                transport.write(head + body)
+            else:
+                transport.write(head)
+                transport.write(body)
+            while True:
+                resp = await self._read_head(conn, idle)
+                if resp is not None:
+                    return resp
+        except BaseException:
+            conn.close()
+            raise
+
+    async def _read_head(self, conn: _Connection, idle: float) -> UpstreamResponse | None:
+        """Parse one response head; None for an interim (1xx) response, which is skipped."""
+        buf = conn.buf
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end >= 0:
+                break
+            if len(buf) > MAX_HEAD_BYTES:
+                raise StreamBroken("response head too large")
+            if buf:
+                # Bytes of a response came: from here on a broken connection is a broken
+                # stream, not a stale one (the engine saw the request).
+                try:
+                    await conn.wait(idle)
+                except _Stale:
+                    raise StreamBroken("the engine closed the connection mid-head") from None
+            else:
+                await conn.wait(idle)
+        head = bytes(buf[:end])
+        del buf[:end + 4]
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+            raise StreamBroken(f"not an HTTP/1.x response: {lines[0][:60]!r}")
+        try:
+            status = int(parts[1])
+        except ValueError:
+            raise StreamBroken(f"bad status line {lines[0][:60]!r}") from None
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(b":")
+            if not sep:
+                raise StreamBroken(f"bad header line {line[:60]!r}")
+            k = name.strip().lower().decode("latin-1")
+            v = value.strip().decode("latin-1")
+            headers[k] = f"{headers[k]}, {v}" if k in headers else v
+        if 100 <= status < 200:
+            return None
+        keep_alive = parts[0] == b"HTTP/1.1"
+        conn_hdr = headers.get("connection")
+        if conn_hdr is not None:
+            tokens = {x.strip() for x in conn_hdr.lower().split(",")}
+            if "close" in tokens:
+                keep_alive = False
+            elif "keep-alive" in tokens:
+                keep_alive = True
+        reason = parts[2].decode("latin-1") if len(parts) > 2 else ""
+        te = headers.get("transfer-encoding")
+        if status in (204, 304):
+            return UpstreamResponse(self, conn, status, reason, headers, _LENGTH, 0, keep_alive,
+                                    idle)
+        if te is not None and "chunked" in te.lower():
+            return UpstreamResponse(self, conn, status, reason, headers, _CHUNKED, 0,
+                                    keep_alive, idle)
+        cl = headers.get("content-length")
+        if cl is not None:
+            try:
+                length = int(cl)
+            except ValueError:
+                raise StreamBroken(f"bad content-length {cl!r}") from None
+            if length < 0:
+                raise StreamBroken(f"bad content-length {cl!r}")
+            return UpstreamResponse(self, conn, status, reason, headers, _LENGTH, length,
+                                    keep_alive, idle)
+        return UpstreamResponse(self, conn, status, reason, headers, _UNTIL_CLOSE, 0, False,
+                                idle)
+
+    async def aclose(self) -> None:
+        """Close every idle connection; responses still being read close when they end."""
+        self._closed = True
+        for conns in self._idle.values():
+            for c in conns:
+                c.home = None
+                c.close()
+        self._idle.clear()
+
+
+def _request_head(t: Target, length: int, headers: Mapping[str, str] | None) -> bytes:
+    extra = b"".join(b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1"))
+                     for k, v in headers.items()) if headers else b""
+    return b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n%s\r\n" % (
+        t.path, t.host_header, length, extra)
