@@ -4,32 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
 
 from api.up import LocalCluster
+from tests.waiting import until as _until
 
 MODEL = "jetrouter-sim"
 
 
+
 async def until(probe: Callable[[], Awaitable[object]], ok: Callable[[object], bool],
                 timeout: float = 30.0, what: str = "condition") -> object:
-    """Poll `probe` until `ok(value)`; fail with the last value at the deadline."""
-    deadline = time.monotonic() + timeout
-    value: object = None
-    while time.monotonic() < deadline:
-        try:
-            value = await probe()
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            value = exc
-        else:
-            if ok(value):
-                return value
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{what} not met within {timeout}s; last value {value!r}")
+    """`tests.waiting.until` tolerating a replica that is restarting (connection errors)."""
+    return await _until(probe, ok, timeout, what, interval=0.1,
+                        tolerate=(httpx.HTTPError, KeyError, ValueError))
 
 
 class Admin:

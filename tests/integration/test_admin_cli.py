@@ -14,8 +14,7 @@ import json
 import secrets
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import pytest_asyncio
 
 from api import cli
 from api.up import LocalCluster, free_ports
+from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(90)]
 REPO = Path(__file__).resolve().parents[2]
@@ -58,17 +58,6 @@ async def _get(h: httpx.AsyncClient, c: LocalCluster, path: str) -> Any:
     return r.json()
 
 
-async def until(probe: Callable[[], Awaitable[Any]], ok: Callable[[Any], bool],
-                timeout: float = 20.0) -> Any:
-    """Poll `probe` until `ok(value)`; fail with the last value at the deadline."""
-    deadline = time.monotonic() + timeout
-    value: Any = None
-    while time.monotonic() < deadline:
-        value = await probe()
-        if ok(value):
-            return value
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout}s; last value {value!r}")
 
 
 async def admin(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

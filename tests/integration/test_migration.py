@@ -10,8 +10,7 @@ is routed there by KV overlap. The fault is then armed on home only.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from eventlog import tokens
 from eventlog.events import RequestFinished
 from eventlog.names import ROUTER, Names
 from eventlog.reader import StreamReader
+from tests.waiting import until
 from workers.generation import expected_tokens
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -62,21 +62,6 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Loc
 # --- helpers ---------------------------------------------------------------------------------
 
 
-async def until(probe: Callable[[], Awaitable[Any]], ok: Callable[[Any], bool],
-                timeout: float = 20.0) -> Any:
-    """Poll `probe` until `ok(value)`; fail with the last value at the deadline."""
-    deadline = time.monotonic() + timeout
-    value: Any = None
-    while time.monotonic() < deadline:
-        try:
-            value = await probe()
-        except httpx.HTTPError as exc:
-            value = exc
-        else:
-            if ok(value):
-                return value
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout}s; last value {value!r}")
 
 
 def admin(c: LocalCluster) -> dict[str, str]:

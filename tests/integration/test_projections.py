@@ -3,11 +3,9 @@ real nats-server stream. Events are built directly; no mocks."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 import sqlite3
-import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ from eventlog.names import CONTROL, KV, ROUTER, Names
 from snapshots.db import Tracking, default_url
 from snapshots.ledger import split_hop
 from snapshots.projections import ProjectionFeeder, Projections
+from tests.waiting import until
 
 Message = tuple[int, Sequence[ev.Event]]
 
@@ -59,16 +58,6 @@ def dump(db_file: Path) -> dict[str, list[tuple[Any, ...]]]:
         return {t: conn.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall() for t in tables}
 
 
-async def until(probe: Callable[[], Awaitable[Any]], ok: Callable[[Any], bool],
-                timeout: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout
-    value: Any = None
-    while time.monotonic() < deadline:
-        value = await probe()
-        if ok(value):
-            return value
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"condition not met within {timeout}s; last value {value!r}")
 
 
 # --- exactly once, resume, crash consistency ---------------------------------------------------

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -21,6 +20,7 @@ from eventlog import tokens
 from eventlog.events import RequestFinished
 from eventlog.names import ROUTER, Names
 from eventlog.reader import StreamReader
+from tests.waiting import until
 from workers.generation import expected_tokens
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -43,17 +43,6 @@ async def _n_workers(h: httpx.AsyncClient, url: str, token: str) -> int:
     return len(r.json()["workers"])
 
 
-async def until(probe: Callable[[], Awaitable[object]], ok: Callable[[object], bool],
-                timeout: float = 20.0) -> object:
-    """Poll `probe` until `ok(value)`; fail with the last value at the deadline."""
-    deadline = time.monotonic() + timeout
-    value: object = None
-    while time.monotonic() < deadline:
-        value = await probe()
-        if ok(value):
-            return value
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout}s; last value {value!r}")
 
 
 def admin(c: LocalCluster) -> dict[str, str]:
