@@ -74,8 +74,7 @@ class Durability:
         return t if t is not None else self.default_threshold
 
     async def start(self) -> None:
-        self._tasks.append(asyncio.create_task(self.lease.run(self._leader_changed),
-                                               name="lease"))
+        self._tasks.append(asyncio.create_task(self._run_lease(), name="lease"))
         self._tasks.append(asyncio.create_task(self._leader_loop(), name="snapshot-policy"))
         self._subs.append(await self.nc.subscribe(self._subject("snapshot"),
                                                   cb=self._on_snapshot_request))
@@ -95,6 +94,12 @@ class Durability:
                 await t
         with contextlib.suppress(Exception):
             await self.lease.release()
+
+    async def _run_lease(self) -> None:
+        # Only a caught-up replica runs for leader: a replica replaying a long tail is busy and
+        # would renew late, and it could not snapshot anything current anyway.
+        await self.replica.wait_ready()
+        await self.lease.run(self._leader_changed)
 
     def _subject(self, verb: str) -> str:
         return f"{self.names.namespace}.admin.{verb}"
@@ -131,7 +136,8 @@ class Durability:
         """Leader only. Blob first, then the event, then the purge."""
         async with self._lock:
             state = self.replica.state
-            blob = state.encode()  # positions inside; no await between reading and encoding
+            # Captured now (no await before reading positions); built and compressed off-loop.
+            blob = state.encoder()
             positions = dict(state.positions)
             epoch = state.epoch
             meta = await self.store.put(blob, positions=positions, epoch=epoch,

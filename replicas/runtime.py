@@ -333,7 +333,8 @@ class Replica:
         if found is None:
             return False
         meta, blob = found[0], found[1]
-        candidate = RouterState.decode(blob, self.config.state)
+        # Decoding a large state takes a while: off the loop, so heartbeats and the lease go on.
+        candidate = await asyncio.to_thread(RouterState.decode, blob, self.config.state)
         ours = self.state.positions
         if candidate.epoch < self.state.epoch or all(
                 candidate.positions[k] <= ours[k] for k in STREAM_KINDS):
