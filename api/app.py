@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import httpx
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -43,7 +42,6 @@ class AppConfig:
     max_prompt_tokens: int = 131072
     admin_token: str | None = None
     tokenizer: str | None = None
-    upstream_timeout: float = 600.0
     reset_on_start: bool = False
     stream_idle_timeout: float = 30.0
     migration_limit: int = 3
@@ -60,16 +58,12 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     cfg = config or AppConfig()
     metrics = metrics or RouterMetrics()
     tokenizer: Tokenizer = load_tokenizer(cfg.tokenizer)
-    client_box: dict[str, httpx.AsyncClient] = {}
     background: set[asyncio.Task[None]] = set()
     applied_seen: dict[tuple[str, str, str], int] = {}
     snapshots_seen = [0]
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        client_box["c"] = httpx.AsyncClient(
-            timeout=httpx.Timeout(cfg.upstream_timeout, connect=5.0),
-            limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512))
         if replica.nc is None:
             await replica.start()
         if cfg.reset_on_start:
@@ -77,7 +71,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         try:
             yield
         finally:
-            await client_box["c"].aclose()
+            await forwarder.aclose()
             await replica.stop()
 
     app = FastAPI(title="jetrouter", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -92,7 +86,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         return replica_headers(replica.replica_id, worker_id)
 
     shedder = Shedder(replica, metrics)
-    forwarder = Forwarder(replica, metrics, lambda: client_box["c"], tokenizer=tokenizer,
+    forwarder = Forwarder(replica, metrics, tokenizer=tokenizer,
                           stream_idle_timeout=cfg.stream_idle_timeout,
                           migration_limit=cfg.migration_limit,
                           on_worker_failure=lambda w, r: report_passive(replica.nc, replica.names,
@@ -143,13 +137,16 @@ def create_app(replica: Replica, config: AppConfig | None = None,
             metrics.kv_hit_rate.observe(routed.overlap_blocks / routed.total_blocks)
         return await forwarder.forward(endpoint, parsed, raw, routed)
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await handle("completions", request)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await handle("chat", request)
+
+    # Plain Starlette routes for the hot path: FastAPI's dependency solving costs more than
+    # these handlers need (they read the raw body themselves). Error handlers still apply.
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> Response:

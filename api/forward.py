@@ -19,7 +19,6 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable
 
-import httpx
 import msgspec
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -30,6 +29,7 @@ from api.migration import Continuation, Hop, HopPlan
 from api.openai_schema import ParsedRequest
 from api.proxy import Exchange, HopFailed, open_upstream, sse_error, upstream_events
 from api.tokenizer import ByteTokenizer, Tokenizer
+from api.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from replicas.runtime import Replica, Routed, RouteRequest, RoutingError
 
 log = logging.getLogger("jetrouter.forward")
@@ -68,10 +68,14 @@ class Forwarder:
     ``JETROUTER_STREAM_IDLE_TIMEOUT`` / ``JETROUTER_MIGRATION_LIMIT``, then to 30 s / 3.
     ``on_worker_failure(worker_id, reason)`` is called for every failed hop (the passive signal
     of the circuit breakers); if it returns an awaitable, that runs as a background task.
+
+    The Forwarder owns its connections to the engines (``self.pool``, an
+    :class:`api.upstream.UpstreamPool`); ``client`` is accepted for compatibility with callers
+    that still pass an httpx client factory, and ignored. :meth:`aclose` closes idle connections.
     """
 
     def __init__(self, replica: Replica, metrics: RouterMetrics,
-                 client: Callable[[], httpx.AsyncClient], *,
+                 client: Callable[[], object] | None = None, *,
                  tokenizer: Tokenizer | None = None,
                  stream_idle_timeout: float | None = None,
                  migration_limit: int | None = None,
@@ -80,7 +84,6 @@ class Forwarder:
                  on_worker_failure: WorkerFailureHook | None = None) -> None:
         self.replica = replica
         self.metrics = metrics
-        self.client = client
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         idle = stream_idle_timeout if stream_idle_timeout is not None else _env_number(
             "JETROUTER_STREAM_IDLE_TIMEOUT", DEFAULT_STREAM_IDLE_TIMEOUT)
@@ -95,8 +98,12 @@ class Forwarder:
         self.chat_default_max_tokens = chat_default_max_tokens
         self.on_worker_failure = on_worker_failure
         self._reports: set[asyncio.Future[object]] = set()
-        # Read/write timeouts are the idle timeout: they fire when the engine sends nothing.
-        self.timeout = httpx.Timeout(idle, connect=connect_timeout)
+        # The pool's idle timeout fires when the engine sends nothing for that long.
+        self.pool = UpstreamPool(connect_timeout=connect_timeout, idle_timeout=idle)
+
+    async def aclose(self) -> None:
+        """Close the idle upstream connections (call once at shutdown)."""
+        await self.pool.aclose()
 
     def report_failure(self, worker_id: str, reason: str) -> None:
         """Tell the hook (if any) an engine failed a hop; an awaitable result runs in the
@@ -155,7 +162,7 @@ class _Run:
         self.plan: HopPlan = self.cont.plan()
         self.hop: Hop = self.cont.start_hop(routed, self.plan)
         self.ex = Exchange()
-        self.resp: httpx.Response | None = None
+        self.resp: UpstreamResponse | None = None
         self.failed: set[str] = set()
         self.migrations = 0
         self.give_up: str | None = None     # why we stopped trying (for the client)
@@ -191,7 +198,7 @@ class _Run:
     async def _close(self) -> None:
         resp, self.resp = self.resp, None
         if resp is not None:
-            await resp.aclose()
+            resp.close()
 
     # --- hops ---------------------------------------------------------------------------------
 
@@ -237,8 +244,8 @@ class _Run:
         while True:
             url = self.hop.routed.worker_url.rstrip("/") + self.plan.path
             try:
-                resp = await open_upstream(self.fw.client(), url, self.plan.body,
-                                           self.hop.request_id, self.fw.timeout)
+                resp = await open_upstream(self.fw.pool, url, self.plan.body,
+                                           self.hop.request_id)
             except HopFailed as failure:
                 if await self._migrate(failure):
                     continue
@@ -252,8 +259,13 @@ class _Run:
             # The engine judged the request itself (4xx): another engine would say the same.
             try:
                 body = await resp.aread()
+            except (UpstreamError, OSError) as exc:  # the 4xx body broke off: keep the status
+                body = msgspec.json.encode({"error": {
+                    "message": f"the inference engine answered HTTP {resp.status_code} "
+                               f"and then failed ({type(exc).__name__})",
+                    "type": "upstream_error", "param": None, "code": resp.status_code}})
             finally:
-                await resp.aclose()
+                resp.close()
             self._end_hop(self.hop, "error")
             return resp.status_code, body, resp.headers.get("content-type", "application/json")
 

@@ -3,8 +3,8 @@ and turn every way it can break into a :class:`HopFailed` with a migration reaso
 
 Failures worth moving the request elsewhere (issue 6 item 1) are transport errors (connection
 refused or reset, the engine dying mid-stream), a 5xx, and silence longer than the idle timeout
-(httpx's read timeout: no byte from the engine for that long). A 4xx is the engine judging the
-request itself, so it is handed back, not retried. The client-facing timing of the whole request
+(no byte from the engine for that long; see :mod:`api.upstream`). A 4xx is the engine judging
+the request itself, so it is handed back, not retried. The client-facing timing of the whole request
 (first token, gaps between tokens) lives in :class:`Exchange`.
 """
 
@@ -14,8 +14,15 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import httpx
 import msgspec
+
+from api.upstream import (
+    ConnectFailed,
+    IdleTimeout,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+)
 
 CONNECT_ERROR = "connect_error"
 STREAM_ERROR = "stream_error"
@@ -35,11 +42,12 @@ class HopFailed(Exception):
         self.detail = detail
 
 
-def classify(exc: httpx.HTTPError) -> str:
-    """The migration reason for an httpx failure."""
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
+def classify(exc: BaseException) -> str:
+    """The migration reason for a failure of the upstream client (:mod:`api.upstream`); any
+    other transport error (an ``OSError`` that slipped through) counts as a broken stream."""
+    if isinstance(exc, ConnectFailed):
         return CONNECT_ERROR
-    if isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout):
+    if isinstance(exc, IdleTimeout):
         return IDLE_TIMEOUT
     return STREAM_ERROR
 
@@ -91,40 +99,40 @@ class SseSplitter:
             out.append((event + b"\n\n", b"\n".join(data) if data else None))
 
 
-async def open_upstream(client: httpx.AsyncClient, url: str, body: bytes, request_id: str,
-                        timeout: httpx.Timeout) -> httpx.Response:
-    """POST one hop and return the streaming response once its status line is in.
+async def open_upstream(pool: UpstreamPool, url: str, body: bytes, request_id: str,
+                        idle_timeout: float | None = None) -> UpstreamResponse:
+    """POST one hop and return the streaming response once its head is in.
 
     Raises :class:`HopFailed` for transport errors and 5xx (the response is closed); any other
     status is returned for the caller to pass on (it must be read and closed)."""
-    req = client.build_request("POST", url, content=body, timeout=timeout, headers={
-        "content-type": "application/json", "accept": "text/event-stream",
-        "x-request-id": request_id})
+    headers = {"content-type": "application/json", "accept": "text/event-stream",
+               "x-request-id": request_id}
     try:
-        resp = await client.send(req, stream=True)
-    except httpx.HTTPError as exc:
+        resp = await pool.post(url, body, headers, idle_timeout=idle_timeout)
+    except (UpstreamError, OSError) as exc:
         raise HopFailed(classify(exc), f"{type(exc).__name__}: {exc}") from None
     if resp.status_code >= 500:
         detail = b""
         try:
             detail = await resp.aread()
-        except httpx.HTTPError:
+        except (UpstreamError, OSError):
             pass
         finally:
-            await resp.aclose()
+            resp.close()
         raise HopFailed(UPSTREAM_5XX, f"HTTP {resp.status_code} {detail[:200]!r}")
     return resp
 
 
-async def upstream_events(resp: httpx.Response) -> AsyncIterator[tuple[bytes, bytes | None]]:
+async def upstream_events(resp: UpstreamResponse
+                          ) -> AsyncIterator[tuple[bytes, bytes | None]]:
     """The engine's SSE events, as :meth:`SseSplitter.feed` gives them; a broken or silent
     stream raises :class:`HopFailed`. A clean end of stream simply stops the iteration."""
     splitter = SseSplitter()
     try:
-        async for chunk in resp.aiter_raw():
+        while chunk := await resp.next_chunk():
             for event in splitter.feed(chunk):
                 yield event
-    except httpx.HTTPError as exc:
+    except (UpstreamError, OSError) as exc:
         raise HopFailed(classify(exc), f"{type(exc).__name__}: {exc}") from None
 
 

@@ -72,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--router-mode", default="kv", choices=MODES)
     r.add_argument("--router-temperature", type=_non_negative, default=0.0)
     r.add_argument("--router-kv-overlap-score-weight", type=_non_negative, default=1.0)
+    r.add_argument("--router-prefill-queue-weight", type=_non_negative, default=None,
+                   help="weight of a worker's queued prefill in the cost (default: the overlap "
+                        "weight, Dynamo's formula); see replicas/selection.py")
     r.add_argument("--kv-cache-block-size", type=_positive_int, default=16)
     r.add_argument("--no-router-kv-events", dest="router_kv_events", action="store_false",
                    help="approximate mode: predict caches from routing decisions (TTL + pruning)")
@@ -149,7 +152,8 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
         routing=RoutingConfig(mode=args.router_mode,
                               kv_overlap_score_weight=args.router_kv_overlap_score_weight,
                               temperature=args.router_temperature,
-                              block_size=args.kv_cache_block_size),
+                              block_size=args.kv_cache_block_size,
+                              prefill_queue_weight=args.router_prefill_queue_weight),
         default_thresholds=BusyThresholds(args.active_decode_blocks_threshold,
                                           args.active_prefill_tokens_threshold,
                                           args.active_prefill_tokens_threshold_frac),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 MAX_HEAD_BYTES = 64 * 1024          # a response head bigger than this is not an engine talking
 READ_HIGH_WATER = 1024 * 1024       # stop reading the socket while this much is unconsumed
@@ -109,8 +110,8 @@ class _Connection(asyncio.Protocol):
     # --- protocol callbacks --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, but have the same methods.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.buf += data

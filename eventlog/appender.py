@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import nats.errors
 from nats.js import JetStreamContext
@@ -91,8 +92,22 @@ class Appender:
     async def append_raw(self, subject: str, payload: bytes, msg_id: str) -> int:
         """Append pre-encoded bytes (used to inject malformed messages in tests, and by bridges
         that already hold an encoded batch)."""
+        headers = {MSG_ID_HEADER: msg_id}
+        try:  # the common case, without building a retry controller per append (hot path)
+            ack = await self._js.publish(subject, payload, timeout=self.timeout, headers=headers)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise AppendFailed(subject, msg_id, exc) from exc
+            self.retries += 1
+            ack = await self._append_retrying(subject, payload, msg_id)
+        if ack.duplicate:
+            self.duplicates += 1
+        return int(ack.seq)
+
+    async def _append_retrying(self, subject: str, payload: bytes, msg_id: str) -> Any:
+        """The same publish with exponential backoff (same msg id: applied once)."""
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(self.attempts),
+            stop=stop_after_attempt(max(self.attempts - 1, 1)),  # the first try was the fast path
             wait=self._backoff,
             retry=retry_if_exception(is_transient),
             before_sleep=self._note_retry,
@@ -109,9 +124,7 @@ class Appender:
             raise AppendFailed(subject, msg_id, cause) from cause
         except Exception as exc:  # not transient: a bad subject, payload too large, closed conn
             raise AppendFailed(subject, msg_id, exc) from exc
-        if ack.duplicate:
-            self.duplicates += 1
-        return int(ack.seq)
+        return ack
 
     def _note_retry(self, state: object) -> None:
         self.retries += 1

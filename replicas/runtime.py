@@ -15,7 +15,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import nats
@@ -688,5 +688,4 @@ class Replica:
 def _with_thresholds(cfg: RoutingConfig, t: BusyThresholds) -> RoutingConfig:
     if cfg.thresholds == t:
         return cfg
-    return RoutingConfig(mode=cfg.mode, kv_overlap_score_weight=cfg.kv_overlap_score_weight,
-                         temperature=cfg.temperature, block_size=cfg.block_size, thresholds=t)
+    return replace(cfg, thresholds=t)  # keeps every other routing field

@@ -235,7 +235,8 @@ def _add_trace_arguments(p: argparse.ArgumentParser, suppress: bool) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = __doc__
-    sub = p.add_subparsers(dest="bench_kind", metavar="{trace,core,overhead,faults,durability}")
+    sub = p.add_subparsers(dest="bench_kind",
+                           metavar="{trace,core,overhead,faults,durability,routesim}")
     sub.required = False
     core_p = sub.add_parser("core", help="benchmark the router state machine (no network)")
     try:  # lazily: written separately, and its imports stay out of the trace replay
@@ -256,6 +257,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     durability_p = sub.add_parser("durability", help="snapshot size, take and restore times, "
                                   "and SIGKILL-to-ready with a 1M-block state")
     importlib.import_module("api.bench.durability").add_arguments(durability_p)
+    routesim_p = sub.add_parser("routesim", help="routing quality on the trace without "
+                                "processes: engine schedulers in virtual time, the real cost model")
+    importlib.import_module("api.bench.routesim").add_arguments(routesim_p)
     trace_p = sub.add_parser("trace", help="replay a trace against routers (the default)")
     _add_trace_arguments(trace_p, suppress=True)
     _add_trace_arguments(p, suppress=False)
@@ -368,4 +372,6 @@ def run(args: argparse.Namespace) -> int:
         return int(importlib.import_module("api.bench.faults").run(args) or 0)
     if getattr(args, "bench_kind", None) == "durability":
         return int(importlib.import_module("api.bench.durability").run(args) or 0)
+    if getattr(args, "bench_kind", None) == "routesim":
+        return int(importlib.import_module("api.bench.routesim").run(args) or 0)
     return asyncio.run(_run_trace(args))

@@ -117,7 +117,7 @@ async def pin(h: httpx.AsyncClient, c: LocalCluster, prefix: list[int]) -> str:
 async def healthy_again(h: httpx.AsyncClient, c: LocalCluster, worker_id: str) -> None:
     """A crashed engine is restarted by the cluster: wait for it before the next test."""
     await until(lambda: h.get(worker_url(c, worker_id) + "/health"),
-                lambda r: r.status_code == 200, timeout=30)
+                lambda r: r.status_code == 200, timeout=30, tolerate=(httpx.HTTPError,))
     await until(lambda: workers(h, c), lambda ws: worker_id in ws)
 
 
