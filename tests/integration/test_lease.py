@@ -162,7 +162,7 @@ async def test_loop_elects_one_and_takes_over_when_holder_stops(running: Running
 
     await running.stop(first)  # stopped without release: the key must expire
     assert not first.is_leader
-    took = await wait_for(lambda: len(leaders(leases)) == 1, TTL + TTL / 3 + 1.0,
+    took = await wait_for(lambda: len(leaders(leases)) == 1, TTL + TTL / 3 + 4.0,  # generous on a busy machine
                           "takeover after the holder stopped",
                           check=lambda: at_most_one_leader(leases))
     second = next(lease for lease in leases if lease.is_leader)
@@ -260,7 +260,7 @@ async def test_cluster_takeover(nats_cluster: NatsCluster, nats_connect: Connect
                        check=lambda: at_most_one_leader(leases))
         first = next(lease for lease in leases if lease.is_leader)
         await running.stop(first)
-        took = await wait_for(lambda: len(leaders(leases)) == 1, TTL + TTL / 3 + 1.5,
+        took = await wait_for(lambda: len(leaders(leases)) == 1, TTL + TTL / 3 + 6.0,  # generous: 3 nodes on 2 busy cores
                               "takeover in the cluster",
                               check=lambda: at_most_one_leader(leases))
         print(f"cluster takeover: {took:.2f}s (ttl {TTL}s)")
