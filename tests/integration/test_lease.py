@@ -17,6 +17,7 @@ from snapshots.lease import LeaderLease
 
 NAMES = Names("jr")
 TTL = 1.0
+SLACK = 3.0  # seconds of slack on top of the TTL: these machines are shared and busy
 
 Connect = Callable[[str], Awaitable[object]]
 
@@ -162,7 +163,7 @@ async def test_loop_elects_one_and_takes_over_when_holder_stops(running: Running
 
     await running.stop(first)  # stopped without release: the key must expire
     assert not first.is_leader
-    took = await wait_for(lambda: len(leaders(leases)) == 1, TTL + TTL / 3 + 4.0,  # generous on a busy machine
+    took = await wait_for(lambda: len(leaders(leases)) == 1, TTL + TTL / 3 + SLACK,
                           "takeover after the holder stopped",
                           check=lambda: at_most_one_leader(leases))
     second = next(lease for lease in leases if lease.is_leader)
@@ -260,7 +261,7 @@ async def test_cluster_takeover(nats_cluster: NatsCluster, nats_connect: Connect
                        check=lambda: at_most_one_leader(leases))
         first = next(lease for lease in leases if lease.is_leader)
         await running.stop(first)
-        took = await wait_for(lambda: len(leaders(leases)) == 1, TTL + TTL / 3 + 6.0,  # generous: 3 nodes on 2 busy cores
+        took = await wait_for(lambda: len(leaders(leases)) == 1, TTL + TTL / 3 + 2 * SLACK,
                               "takeover in the cluster",
                               check=lambda: at_most_one_leader(leases))
         print(f"cluster takeover: {took:.2f}s (ttl {TTL}s)")
