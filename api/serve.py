@@ -71,10 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("routing")
     r.add_argument("--router-mode", default="kv", choices=MODES)
     r.add_argument("--router-temperature", type=_non_negative, default=0.0)
-    r.add_argument("--router-kv-overlap-score-weight", type=_non_negative, default=1.0)
-    r.add_argument("--router-prefill-queue-weight", type=_non_negative, default=None,
-                   help="weight of a worker's queued prefill in the cost (default: the overlap "
-                        "weight, Dynamo's formula); see replicas/selection.py")
+    r.add_argument("--router-kv-overlap-score-weight", type=_non_negative, default=8.0,
+                   help="weight of the request's own uncached prefill blocks (Dynamo: 1.0)")
+    r.add_argument("--router-prefill-queue-weight", type=_non_negative, default=1.0,
+                   help="weight of a worker's already-queued prefill blocks (Dynamo's formula "
+                        "uses the overlap weight here too; docs/design-notes.md)")
     r.add_argument("--kv-cache-block-size", type=_positive_int, default=16)
     r.add_argument("--no-router-kv-events", dest="router_kv_events", action="store_false",
                    help="approximate mode: predict caches from routing decisions (TTL + pruning)")
