@@ -149,7 +149,8 @@ async def test_replica_lost_frees_exactly_its_requests_on_every_replica(admin: A
         await kept.open("r1", 110_000, 2)
         # The survivors' share, once every replica has applied those decisions (and prefills).
         share = await until(lambda: stable_equal_loads(admin, REPLICAS),
-                            lambda v: v is not None, what="equal loads everywhere")
+                            lambda v: v is not None and all(p == 0 for p, _ in v.values()),
+                            what="equal loads everywhere, prefills done")
         await doomed.open(victim, 120_000, 3)
         await until(lambda: loads(admin, "r0"),
                     lambda v: total(v) > total(share),  # type: ignore[arg-type]
@@ -157,7 +158,8 @@ async def test_replica_lost_frees_exactly_its_requests_on_every_replica(admin: A
         admin.c.kill(victim, signal.SIGKILL)  # restart=False: it stays dead
         for name in survivors:
             await until(lambda name=name: loads(admin, name), lambda v: v == share,
-                        timeout=TIMEOUT + SLACK, what=f"{name} back to the survivors' share")
+                        timeout=TIMEOUT + SLACK,
+                        what=f"{name} back to the survivors' share {share}")
             state = await admin.state(name)
             assert state["active_requests"] == len(kept.ids), state
         for rid in doomed.ids:
