@@ -52,7 +52,7 @@ def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
             elif action.type is not None:
                 try:
                     value = action.type(raw)  # type: ignore[misc]
-                except (TypeError, ValueError) as exc:
+                except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                     parser.error(f"environment variable {env_name(opt)}={raw!r}: {exc}")
             else:
                 value = raw

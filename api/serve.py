@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -17,39 +19,32 @@ from replicas.state import StateConfig
 MODES = ("kv", "round-robin", "random", "least-loaded")
 
 
-def _positive_int(v: str) -> int:
-    n = int(v)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
-    return n
+def _number(kind: type, *, above: float | None = None, at_least: float | None = None,
+            at_most: float | None = None) -> Callable[[str], Any]:
+    """An argparse `type` that parses `kind` and checks its range, with a clear message."""
+    bounds = " and ".join(b for b in (f"> {above}" if above is not None else "",
+                                      f">= {at_least}" if at_least is not None else "",
+                                      f"<= {at_most}" if at_most is not None else "") if b)
+
+    def parse(v: str) -> Any:
+        try:
+            x = kind(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a valid {kind.__name__}: {v!r}") from None
+        if ((above is not None and not x > above) or (at_least is not None and x < at_least)
+                or (at_most is not None and x > at_most)):
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {v}")
+        return x
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
 
 
-def _fraction(v: str) -> float:
-    x = float(v)
-    if not 0.0 <= x <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {v}")
-    return x
-
-
-def _positive_float(v: str) -> float:
-    x = float(v)
-    if x <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
-    return x
-
-
-def _count(v: str) -> int:
-    n = int(v)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return n
-
-
-def _non_negative(v: str) -> float:
-    x = float(v)
-    if x < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return x
+_positive_int = _number(int, above=0)
+_count = _number(int, at_least=0)
+_positive_float = _number(float, above=0)
+_non_negative = _number(float, at_least=0)
+_fraction = _number(float, at_least=0, at_most=1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
