@@ -17,6 +17,8 @@ import contextlib
 import logging
 import os
 import signal
+import threading
+import time
 
 import nats
 
@@ -49,6 +51,15 @@ async def project(nats_url: str, namespace: str, database_url: str, retention: f
         await nc.close()
 
 
+def _watch_parent(parent: int, grace: float = 5.0) -> None:
+    """Exit when orphaned, whatever the event loop is doing (a shutdown can hang on a NATS server
+    that died with the replica). SQLite transactions are atomic, so exiting mid-write is safe."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    time.sleep(grace)  # let the loop's own clean shutdown finish first
+    os._exit(0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m snapshots.projector")
     p.add_argument("--nats-url", required=True)
@@ -58,6 +69,7 @@ def main() -> None:
     p.add_argument("--parent", type=int, default=os.getppid())
     args = p.parse_args()
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
     asyncio.run(project(args.nats_url, args.namespace, args.database_url, args.ledger_retention,
                         args.parent))
 
