@@ -107,9 +107,9 @@ class CostTerms:
     busy: bool
 
 
-def cost_terms(c: Candidate, isl_tokens: int, weight: float, block_size: int,
-               busy: bool = False, queue_weight: float | None = None) -> CostTerms:
-    """The cost formula for one candidate (``Selector.select`` inlines exactly this arithmetic).
+def _terms(c: Candidate, isl_tokens: int, weight: float, block_size: int,
+           queue_weight: float | None) -> tuple[float, int, float]:
+    """(prefill_blocks, decode_blocks, cost) of one candidate: the one written-out formula.
 
     ``queue_weight`` None scales the queued prefill by ``weight`` too (Dynamo's formula)."""
     uncached = isl_tokens - c.overlap_blocks * block_size
@@ -122,6 +122,14 @@ def cost_terms(c: Candidate, isl_tokens: int, weight: float, block_size: int,
         cost = (weight * own + queue_weight * c.active_prefill_tokens) / block_size + decode
     if c.weight < 1.0:
         cost /= c.weight if c.weight > _MIN_WEIGHT else _MIN_WEIGHT
+    return prefill, decode, cost
+
+
+def cost_terms(c: Candidate, isl_tokens: int, weight: float, block_size: int,
+               busy: bool = False, queue_weight: float | None = None) -> CostTerms:
+    """The cost formula for one candidate (``Selector.select`` inlines exactly this arithmetic;
+    a test checks they agree)."""
+    prefill, decode, cost = _terms(c, isl_tokens, weight, block_size, queue_weight)
     return CostTerms(c.worker, c.overlap_blocks, prefill, decode, cost, busy)
 
 
@@ -151,16 +159,7 @@ class CostTable(Sequence[CostTerms]):
         isl, w, bs, busy, qw = self._isl, self._weight, self._bs, self._busy, self._qw
         out = []
         for c in self._candidates:
-            uncached = isl - c.overlap_blocks * bs
-            own = uncached if uncached > 0 else 0
-            prefill = (c.active_prefill_tokens + own) / bs
-            decode = c.active_decode_blocks + c.new_request_blocks
-            if qw is None:
-                cost = w * prefill + decode
-            else:
-                cost = (w * own + qw * c.active_prefill_tokens) / bs + decode
-            if c.weight < 1.0:
-                cost /= c.weight if c.weight > _MIN_WEIGHT else _MIN_WEIGHT
+            prefill, decode, cost = _terms(c, isl, w, bs, qw)
             out.append((c.worker[0], c.worker[1], c.overlap_blocks, prefill, float(decode), cost,
                         c.worker[0] in busy))
         return out

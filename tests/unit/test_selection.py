@@ -292,3 +292,21 @@ def test_least_loaded_ignores_overlap() -> None:
 def test_unknown_mode_is_rejected() -> None:
     with pytest.raises(ValueError):
         RoutingConfig(mode="sticky")
+
+
+def test_ledger_rows_carry_the_same_terms_as_the_decision() -> None:
+    """What RequestRouted.candidates records equals the cost terms the selector used."""
+    import random as _random
+
+    from replicas.selection import Candidate, RoutingConfig, Selector
+
+    cands = [Candidate(("a", 0), 3, 10, 40, 7, 2, 100, 8192),
+             Candidate(("b", 0), 0, 5, 0, 1, 5, 100, 8192, weight=0.5)]
+    for q in (None, 1.0):
+        d = Selector(RoutingConfig(kv_overlap_score_weight=2.0, prefill_queue_weight=q)).select(
+            cands, 80, _random.Random(0))
+        rows = d.costs.rows()
+        assert [(r[0], r[1], r[2], r[3], r[4], r[5], r[6]) for r in rows] == [
+            (t.worker[0], t.worker[1], t.overlap_blocks, t.prefill_blocks,
+             float(t.decode_blocks), t.cost, t.busy) for t in d.costs]
+        assert d.worker == min(d.costs, key=lambda t: t.cost).worker
