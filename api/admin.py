@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import os
 from typing import Any
 
@@ -19,6 +20,31 @@ def _json_response(obj: object, status: int = 200) -> Response:
     return Response(_json.encode(obj), status_code=status, media_type="application/json")
 
 
+def require_admin(request: Request, admin_token: str | None) -> None:
+    """Raise 403 (admin API disabled, wrong token) or 401 (no token) unless ``request`` carries
+    ``Authorization: Bearer <admin_token>``.
+
+    The comparison is constant-time (``hmac.compare_digest`` on bytes): ``!=`` on strings stops
+    at the first differing character, and that timing difference lets a client that can measure
+    many requests guess the token one character at a time."""
+    if not admin_token:
+        raise ApiError(403, "the admin API is disabled: start the replica with --admin-token "
+                       "TOKEN (or JETROUTER_ADMIN_TOKEN) to enable it",
+                       type="permission_error")
+    auth = request.headers.get("authorization", "")
+    if not auth:
+        raise ApiError(401, "missing bearer token: send `Authorization: Bearer TOKEN`",
+                       type="authentication_error",
+                       headers={"www-authenticate": "Bearer"})
+    scheme, _, token = auth.partition(" ")
+    # compare_digest takes bytes of any content (str only when ASCII); a length difference
+    # still answers at once, which reveals only the token's length.
+    given = token.strip().encode("utf-8", "surrogateescape")
+    wanted = admin_token.encode("utf-8", "surrogateescape")
+    if not hmac.compare_digest(given, wanted) or scheme.lower() != "bearer":
+        raise ApiError(403, "invalid admin token", type="permission_error")
+
+
 def admin_router(replica: Replica, cfg: Any) -> APIRouter:
     router = APIRouter()
     admin_token: str | None = cfg.admin_token
@@ -26,18 +52,7 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
     # --- admin (bearer token) --------------------------------------------------------------------
 
     def check_admin(request: Request) -> None:
-        if not admin_token:
-            raise ApiError(403, "the admin API is disabled: start the replica with --admin-token "
-                           "TOKEN (or JETROUTER_ADMIN_TOKEN) to enable it",
-                           type="permission_error")
-        auth = request.headers.get("authorization", "")
-        if not auth:
-            raise ApiError(401, "missing bearer token: send `Authorization: Bearer TOKEN`",
-                           type="authentication_error",
-                           headers={"www-authenticate": "Bearer"})
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != admin_token:
-            raise ApiError(403, "invalid admin token", type="permission_error")
+        require_admin(request, admin_token)
 
     @router.get("/admin/state")
     async def admin_state(request: Request) -> Response:

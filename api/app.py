@@ -14,9 +14,10 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from api.admin import admin_router
+from api.admin import admin_router, require_admin
 from api.errors import ApiError, error_response, install_error_handlers, overloaded_response
 from api.forward import Forwarder, replica_headers
+from api.http_limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from api.metrics import RouterMetrics
 from api.openai_schema import parse_request
 from api.shed import Shedder
@@ -45,6 +46,9 @@ class AppConfig:
     reset_on_start: bool = False
     stream_idle_timeout: float = 30.0
     migration_limit: int = 3
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Dynamo leaves POST /busy_threshold open; True requires the admin bearer token for it.
+    busy_threshold_requires_admin: bool = False
 
 
 def _json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None
@@ -76,6 +80,8 @@ def create_app(replica: Replica, config: AppConfig | None = None,
 
     app = FastAPI(title="jetrouter", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    # Outside the routes: an oversized body is refused before anything reads or parses it.
+    app.add_middleware(BodySizeLimit, max_bytes=cfg.max_body_bytes)
     app.state.replica = replica
     replica.on_divergence = lambda d: metrics.divergence.inc()
     replica.on_health_check = lambda w, secs, outcome: metrics.health_check_duration.labels(
@@ -174,6 +180,9 @@ def create_app(replica: Replica, config: AppConfig | None = None,
 
     @app.post("/busy_threshold")
     async def post_busy_threshold(request: Request) -> Response:
+        if cfg.busy_threshold_requires_admin:
+            # One POST can mark every engine busy and so refuse all traffic.
+            require_admin(request, cfg.admin_token)
         body = object_body(await request.body())
         model = body.get("model")
         if not isinstance(model, str) or not model:

@@ -140,9 +140,11 @@ def _check_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(message, dict):
             raise _wrong_type(where, "an object", message)
         role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise _bad(f"Invalid '{where}.role': expected a non-empty string.",
-                       f"{where}.role")
+        if role is None:
+            raise _bad(f"Missing required parameter: '{where}.role'.", f"{where}.role")
+        why = tokens.role_error(role)
+        if why is not None:
+            raise _bad(f"Invalid value for '{where}.role': {why}.", f"{where}.role")
         content = message.get("content")
         # An assistant turn that only made tool calls has null content (OpenAI allows it).
         if isinstance(content, str) or (content is None and role == "assistant"):

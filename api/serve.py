@@ -12,6 +12,12 @@ from typing import Any
 
 import uvicorn
 
+from api.http_limits import (
+    DEFAULT_KEEP_ALIVE_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_REQUEST_READ_TIMEOUT,
+    guarded_http_protocol,
+)
 from replicas.runtime import Replica, ReplicaConfig
 from replicas.selection import BusyThresholds, RoutingConfig
 from replicas.state import StateConfig
@@ -61,6 +67,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompt-tokens", type=_positive_int, default=131072)
     g.add_argument("--graceful-shutdown-timeout", type=_non_negative, default=30.0,
                    help="on SIGTERM: stop taking requests, let in-flight ones finish this long")
+    g.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body accepted, in bytes; larger ones get 413 before "
+                        "they are read (default 8 MiB)")
+    g.add_argument("--request-read-timeout", type=_positive_float,
+                   default=DEFAULT_REQUEST_READ_TIMEOUT,
+                   help="seconds a client has to send a whole request (headers and body) "
+                        "before its connection is closed (slow clients, slowloris)")
+    g.add_argument("--http-keep-alive-timeout", type=_positive_float,
+                   default=DEFAULT_KEEP_ALIVE_TIMEOUT,
+                   help="seconds an idle kept-alive client connection stays open")
+    g.add_argument("--busy-threshold-requires-admin", action="store_true",
+                   help="require the admin bearer token for POST /busy_threshold (Dynamo "
+                        "leaves it open)")
     g.add_argument("--log-level", default="warning",
                    choices=("debug", "info", "warning", "error"))
     r = p.add_argument_group("routing")
@@ -183,9 +202,14 @@ def run(args: argparse.Namespace) -> int:
                                         admin_token=args.admin_token, tokenizer=args.tokenizer,
                                         reset_on_start=args.router_reset_states,
                                         stream_idle_timeout=args.stream_idle_timeout,
-                                        migration_limit=args.migration_limit))
+                                        migration_limit=args.migration_limit,
+                                        max_body_bytes=args.max_body_bytes,
+                                        busy_threshold_requires_admin=(
+                                            args.busy_threshold_requires_admin)))
     config_ = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                              access_log=False,
+                             http=guarded_http_protocol(args.request_read_timeout),  # type: ignore[arg-type]
+                             timeout_keep_alive=int(max(1, args.http_keep_alive_timeout)),
                              timeout_graceful_shutdown=int(args.graceful_shutdown_timeout))
     server = DrainingServer(config_, replica)
     server.run()

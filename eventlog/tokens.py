@@ -75,6 +75,21 @@ def _content_text(content: Any) -> str:
     return str(content)
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+"""The chat roles OpenAI's API accepts ("function" is its deprecated predecessor of "tool")."""
+
+
+def role_error(role: object) -> str | None:
+    """Why ``role`` is not an accepted chat role, or None when it is one.
+
+    Shared by the router and the simulated engine so that both reject the same messages."""
+    if not isinstance(role, str):
+        return "expected a string"
+    if role not in CHAT_ROLES:
+        return f"{role!r} is not one of {', '.join(repr(r) for r in CHAT_ROLES)}"
+    return None
+
+
 def chat_prompt(messages: Iterable[Mapping[str, Any]]) -> str:
     """Flatten chat messages into one prompt, deterministically (a ChatML-like template).
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from eventlog.tokens import MAX_TOKEN_ID, chat_prompt, decode, encode
+from eventlog.tokens import MAX_TOKEN_ID, chat_prompt, decode, encode, role_error
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) documented default for /completions
 
@@ -66,6 +66,10 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int,
         if not isinstance(messages, list) or not messages or \
                 not all(isinstance(m, dict) for m in messages):
             raise BadRequest("messages must be a non-empty list of objects", "messages")
+        for i, message in enumerate(messages):
+            why = role_error(message.get("role"))
+            if why is not None:
+                raise BadRequest(f"messages[{i}].role: {why}", f"messages[{i}].role")
         ids = encode(chat_prompt(messages))
         fallback = default_max_tokens
     else:

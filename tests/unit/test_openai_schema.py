@@ -91,6 +91,10 @@ BAD: list[tuple[str, str, Any, str | None, int, str, str | None]] = [
      "invalid_request_error", "messages[0].role"),
     ("message-role-int", "chat", chat(messages=[{"role": 1, "content": "x"}]), None, 400,
      "invalid_request_error", "messages[0].role"),
+    ("message-role-unknown", "chat", chat(messages=[*CHAT, {"role": "wizard", "content": "x"}]),
+     None, 400, "invalid_request_error", "messages[1].role"),
+    ("message-role-wrong-case", "chat", chat(messages=[{"role": "User", "content": "x"}]), None,
+     400, "invalid_request_error", "messages[0].role"),
     ("message-content-missing", "chat", chat(messages=[{"role": "user"}]), None, 400,
      "invalid_request_error", "messages[0].content"),
     ("message-content-int", "chat", chat(messages=[*CHAT, {"role": "user", "content": 3}]),
@@ -304,3 +308,9 @@ def test_custom_tokenizer_is_used_for_text() -> None:
     parsed = parse_request("completions", json.dumps(comp(prompt="ab")).encode(), Upper(),
                            max_prompt_tokens=10)
     assert parsed.prompt_ids == [65, 66]
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "assistant", "tool", "function"])
+def test_every_openai_chat_role_is_accepted(role: str) -> None:
+    parsed = parse("chat", chat(messages=[{"role": role, "content": "hi"}]))
+    assert parsed.prompt_ids
