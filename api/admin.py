@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from api.errors import ApiError
+from api.openai_schema import decode_json
 from replicas.runtime import Replica
 
 _json = msgspec.json.Encoder()
@@ -142,10 +143,7 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
     @router.put("/admin/snapshot-threshold")
     async def put_snapshot_threshold(request: Request) -> Response:
         check_admin(request)
-        try:
-            body = msgspec.json.decode(await request.body())
-        except msgspec.DecodeError:
-            raise ApiError(400, "the request body is not valid JSON") from None
+        body = decode_json(await request.body())
         value = body.get("threshold") if isinstance(body, dict) else None
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ApiError(400, "`threshold` must be a positive integer (messages between "
@@ -178,7 +176,7 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
             from replicas.divergence import inject_divergence
 
             raw = await request.body()
-            body = msgspec.json.decode(raw) if raw else {}
+            body = decode_json(raw) if raw else {}
             part = body.get("part", "index") if isinstance(body, dict) else "index"
             return _json_response({"injected": inject_divergence(
                 replica.state, part, replica_id=replica.replica_id)})

@@ -19,7 +19,7 @@ from api.errors import ApiError, error_response, install_error_handlers, overloa
 from api.forward import Forwarder, replica_headers
 from api.http_limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from api.metrics import RouterMetrics
-from api.openai_schema import parse_request
+from api.openai_schema import decode_json, parse_request
 from api.shed import Shedder
 from api.tokenizer import Tokenizer, load_tokenizer
 from replicas.canary import report_passive
@@ -281,10 +281,7 @@ async def _reset_when_ready(replica: Replica) -> None:
 
 
 def object_body(raw: bytes) -> dict[str, object]:
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        raise ApiError(400, "the request body is not valid JSON") from None
+    body = decode_json(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body

@@ -146,6 +146,17 @@ def _read_timeout_protocol(base: type[Any]) -> type[Any]:
             self._disarm_read_timer()
             super().connection_lost(exc)
 
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn's answer to bytes that are not HTTP (bad header characters, a broken
+            # request line) is plain text; clients of this API expect OpenAI's error JSON.
+            body = _error_body(400, f"{msg} The request is not valid HTTP/1.1.",
+                               "invalid_http_request")
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\n"
+                                 b"content-type: application/json\r\n"
+                                 b"content-length: " + str(len(body)).encode() + b"\r\n"
+                                 b"connection: close\r\n\r\n" + body)
+            self.transport.close()
+
         def _read_timed_out(self) -> None:
             self._read_timer = None
             if self.transport.is_closing():

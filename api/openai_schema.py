@@ -50,6 +50,17 @@ class ParsedRequest:
     body: dict[str, Any]          # the JSON body as received (to forward upstream)
 
 
+def decode_json(raw: bytes) -> Any:
+    """The JSON value of a request body, or ApiError 400 for anything that is not JSON.
+
+    Beyond syntax errors: invalid UTF-8 inside a string, and nesting deeper than the decoder's
+    recursion limit (``[[[[...`` a few thousand deep), which surfaces as RecursionError."""
+    try:
+        return msgspec.json.decode(raw)
+    except (msgspec.MsgspecError, UnicodeDecodeError, RecursionError):
+        raise _bad(_JSON_ERROR, None) from None
+
+
 def _bad(message: str, param: str | None) -> ApiError:
     return ApiError(400, message, param=param)
 
@@ -276,10 +287,7 @@ def parse_request(endpoint: str, raw: bytes, tokenizer: Tokenizer, *, max_prompt
     """Validate one request body for ``endpoint`` ("completions" or "chat"); raises ApiError."""
     if endpoint not in ENDPOINTS:
         raise ValueError(f"unknown endpoint {endpoint!r}; expected one of {ENDPOINTS}")
-    try:
-        body = msgspec.json.decode(raw)
-    except (msgspec.MsgspecError, UnicodeDecodeError):  # invalid UTF-8 inside a string
-        raise _bad(_JSON_ERROR, None) from None
+    body = decode_json(raw)
     if not isinstance(body, dict):
         raise _bad(f"Invalid request body: expected a JSON object, but got {_type_name(body)}.",
                    None)

@@ -156,7 +156,7 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
             return _error(503, "worker is shutting down", "service_unavailable")
         try:
             body = json.loads(await request.body())
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's limit
             return _error(400, "request body is not valid JSON")
         try:
             parsed = parse_request(body, chat=chat, default_max_tokens=settings.default_max_tokens,

@@ -6,6 +6,7 @@ constant-time admin token, and the admin-only POST /busy_threshold option."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -128,6 +129,35 @@ async def test_chunked_body_over_the_limit_is_413(cluster: LocalCluster) -> None
         r = await h.post(cluster.router_urls[0] + "/v1/completions", content=body,
                          headers={"content-type": "application/json"})
         assert r.status_code == 200, r.text
+
+
+async def test_bytes_that_are_not_http_get_an_openai_shaped_400(cluster: LocalCluster) -> None:
+    # Found by the HTTP fuzz test: uvicorn's own parser error was a plain-text 400.
+    host, port = host_port(cluster.router_urls[0])
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\nauthorization: \x01\x7f ;;\r\n\r\n")
+        await writer.drain()
+        raw = await read_response(reader)
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, raw[:300]
+    assert json.loads(body)["error"]["code"] == "invalid_http_request"
+
+
+async def test_deeply_nested_json_is_a_400_on_every_body_endpoint(cluster: LocalCluster) -> None:
+    # Found by the HTTP fuzz test: RecursionError in the JSON decoder was a 500.
+    deep = b"[" * 20000 + b"]" * 20000
+    url = cluster.router_urls[0]
+    auth = {"authorization": f"Bearer {cluster.admin_token}"}
+    async with httpx.AsyncClient(timeout=30) as h:
+        for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                             ("POST", "/busy_threshold"), ("PUT", "/admin/snapshot-threshold")):
+            r = await h.request(method, url + path, content=deep, headers=auth)
+            assert_openai_error(r, 400)
+        r = await h.post(cluster.worker_urls[0] + "/v1/completions", content=deep)
+        assert r.status_code == 400
 
 
 # --- slow and idle clients ---------------------------------------------------------------------

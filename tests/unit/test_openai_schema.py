@@ -314,3 +314,13 @@ def test_custom_tokenizer_is_used_for_text() -> None:
 def test_every_openai_chat_role_is_accepted(role: str) -> None:
     parsed = parse("chat", chat(messages=[{"role": role, "content": "hi"}]))
     assert parsed.prompt_ids
+
+
+@pytest.mark.parametrize("raw", [b"[" * 5000 + b"]" * 5000,
+                                 b'{"model": "m", "prompt": "x", "extra": ' + b"[" * 3000
+                                 + b"]" * 3000 + b"}"])
+def test_nesting_deeper_than_the_decoder_allows_is_a_400(raw: bytes) -> None:
+    # Found by the HTTP fuzz test: the decoder's RecursionError used to become a 500.
+    with pytest.raises(ApiError) as caught:
+        parse("completions", raw)
+    assert caught.value.status == 400
