@@ -7,9 +7,26 @@ of tagged events, so a worker's cache changes that happened together are applied
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import msgspec
 
-BlockPair = tuple[int, int]
+# Bounds every decoded event must respect. Anything else on a stream is malformed: counted and
+# skipped by every replica alike, never applied (design-notes: "absurd events"). They keep each
+# value inside what the state can hold — sizes below 2**53 so that sums of them stay exact and
+# within struct's signed 64-bit packing, hashes as unsigned 64-bit (the snapshot's columns),
+# timestamps finite and non-negative (a NaN or infinite ``ts`` would poison event time).
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+Count = Annotated[int, msgspec.Meta(ge=0, lt=2**53)]
+Seq = Annotated[int, msgspec.Meta(ge=0, lt=2**53)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=2**16)]
+Hash = Annotated[int, msgspec.Meta(ge=0)]  # msgpack carries at most 2**64 - 1
+Ts = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
+Priority = Annotated[int, msgspec.Meta(ge=-(2**31), lt=2**31)]
+
+BlockPair = tuple[Hash, Hash]
 """(block_hash, tokens_hash): the engine's opaque id and jetrouter's hash of the block's tokens."""
 
 CandidateRow = tuple[str, int, int, float, float, float, bool]
@@ -25,79 +42,79 @@ class _Event(msgspec.Struct, frozen=True, tag=True, array_like=False, omit_defau
 
 
 class WorkerRegistered(_Event, frozen=True, tag=True):
-    worker_id: str
+    worker_id: Id
     url: str
     model: str
-    block_size: int
-    kv_total_blocks: int
-    max_num_batched_tokens: int
-    ts: float
-    dp_size: int = 1
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=2**16)]
+    kv_total_blocks: Count
+    max_num_batched_tokens: Count
+    ts: Ts
+    dp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
 
 
 class WorkerRetired(_Event, frozen=True, tag=True):
-    worker_id: str
+    worker_id: Id
     reason: str
-    ts: float
+    ts: Ts
 
 
 class BlocksStored(_Event, frozen=True, tag=True):
-    worker_id: str
-    event_id: int
-    dp_rank: int
-    parent_hash: int | None
+    worker_id: Id
+    event_id: Seq
+    dp_rank: Rank
+    parent_hash: Hash | None
     blocks: list[BlockPair]
-    ts: float
+    ts: Ts
 
 
 class BlocksRemoved(_Event, frozen=True, tag=True):
-    worker_id: str
-    event_id: int
-    dp_rank: int
-    block_hashes: list[int]
-    ts: float
+    worker_id: Id
+    event_id: Seq
+    dp_rank: Rank
+    block_hashes: list[Hash]
+    ts: Ts
 
 
 class AllBlocksCleared(_Event, frozen=True, tag=True):
-    worker_id: str
-    event_id: int
-    dp_rank: int
-    ts: float
+    worker_id: Id
+    event_id: Seq
+    dp_rank: Rank
+    ts: Ts
 
 
 # --- Router stream: jr.router.<replica_id> ----------------------------------------------------
 
 
 class RequestRouted(_Event, frozen=True, tag=True):
-    request_id: str
-    replica_id: str
-    worker_id: str
-    dp_rank: int
-    isl_tokens: int
-    block_seq_hashes: list[int]
-    overlap_blocks: int
-    expected_osl: int
-    priority: int
-    ts: float
+    request_id: Id
+    replica_id: Id
+    worker_id: Id
+    dp_rank: Rank
+    isl_tokens: Count
+    block_seq_hashes: list[Hash]
+    overlap_blocks: Count
+    expected_osl: Count
+    priority: Priority
+    ts: Ts
     candidates: list[CandidateRow] = []
     model: str = ""
 
 
 class PrefillCompleted(_Event, frozen=True, tag=True):
-    request_id: str
-    ts: float
+    request_id: Id
+    ts: Ts
 
 
 class RequestFinished(_Event, frozen=True, tag=True):
-    request_id: str
+    request_id: Id
     outcome: str  # "ok" | "error" | "cancelled" | "migrated" | "expired"
-    output_tokens: int
-    ts: float
+    output_tokens: Count
+    ts: Ts
 
 
 class ReplicaLost(_Event, frozen=True, tag=True):
-    replica_id: str
-    ts: float
+    replica_id: Id
+    ts: Ts
 
 
 # --- Control stream: jr.control.<kind> --------------------------------------------------------
@@ -105,25 +122,25 @@ class ReplicaLost(_Event, frozen=True, tag=True):
 
 class BusyThresholdsSet(_Event, frozen=True, tag=True):
     model: str
-    active_decode_blocks_threshold: float | None
-    active_prefill_tokens_threshold: int | None
-    active_prefill_tokens_threshold_frac: float | None
-    ts: float
+    active_decode_blocks_threshold: Fraction | None
+    active_prefill_tokens_threshold: Count | None
+    active_prefill_tokens_threshold_frac: Ratio | None
+    ts: Ts
 
 
 class SnapshotThresholdSet(_Event, frozen=True, tag=True):
-    threshold: int
-    ts: float
+    threshold: Annotated[int, msgspec.Meta(ge=1, lt=2**53)]
+    ts: Ts
 
 
 class SnapshotTaken(_Event, frozen=True, tag=True):
     snapshot_id: str
-    positions: dict[str, int]
-    size: int
+    positions: dict[str, Seq]
+    size: Count
     sha256: str
     created_by: str
     trigger: str
-    ts: float
+    ts: Ts
 
 
 class StateReset(_Event, frozen=True, tag=True):
@@ -131,17 +148,17 @@ class StateReset(_Event, frozen=True, tag=True):
     cuts at: messages at or below them belong to the old epoch (they are purged), messages above
     them to the new one, whatever order a replica happens to apply the streams in."""
 
-    epoch: int
+    epoch: Seq
     reason: str
-    ts: float
-    positions: dict[str, int] = {}
+    ts: Ts
+    positions: dict[str, Seq] = {}
 
 
 class WorkerHealthChanged(_Event, frozen=True, tag=True):
-    worker_id: str
-    status: str  # "healthy" | "suspicious" | "unhealthy"
+    worker_id: Id
+    status: Literal["healthy", "suspicious", "unhealthy"]
     reason: str
-    ts: float
+    ts: Ts
 
 
 KvEvent = WorkerRegistered | WorkerRetired | BlocksStored | BlocksRemoved | AllBlocksCleared

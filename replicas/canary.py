@@ -241,7 +241,7 @@ class CanaryChecker:
                                        timeout=self.timeout)
         except httpx.TimeoutException:
             return Attempt(False, time.monotonic() - started, reason="timeout")
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL: a registered url
             return Attempt(False, time.monotonic() - started, reason=type(exc).__name__)
         latency = time.monotonic() - started
         if r.status_code != 200:

@@ -404,7 +404,9 @@ class Liveness:
         assert self._http is not None
         try:
             r = await self._http.get(f"{url.rstrip('/')}/health")
-        except (httpx.HTTPError, OSError):
+        except (httpx.HTTPError, httpx.InvalidURL, OSError):
+            # InvalidURL: the url came from a WorkerRegistered event; one that is not a URL must
+            # fail this worker's check, not the whole round (every other worker's included).
             return False
         return 200 <= r.status_code < 300
 

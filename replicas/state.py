@@ -93,6 +93,9 @@ class RouterState:
         self.last_event_id: dict[str, int] = {}
         self.out_of_sync: set[str] = set()
         self.last_snapshot: ev.SnapshotTaken | None = None
+        # Highest position per stream any SnapshotTaken recorded: the leader purges only up to a
+        # snapshot's positions, so nothing at or above this floor is ever purged (see reset).
+        self.snapshot_floor: dict[str, int] = {}
         self.stats = ApplyStats()
         # (routed ts, request_id) of active requests, for expiry in event time.
         self._expiry: list[tuple[float, str]] = []
@@ -116,10 +119,18 @@ class RouterState:
         if not events:
             self.stats.bump(stream, "message", "malformed")
         for event in events:
-            if event.ts > self.now:
-                self.now = event.ts
             handler = _HANDLERS.get(type(event))
-            status = handler(self, event) if handler else "unexpected"
+            if handler is None:
+                status = "unexpected"
+            elif _STREAM_OF[type(event)] != stream:
+                # Only each stream's own total order makes replicas agree: a RequestRouted on the
+                # KV stream would be applied before or after the router stream's RequestFinished
+                # depending on how a replica interleaves the streams.
+                status = "wrong_stream"
+            else:
+                if event.ts > self.now:
+                    self.now = event.ts
+                status = handler(self, event)
             self.stats.bump(stream, type(event).__name__, status)
         self._expire()
         return True
@@ -226,6 +237,9 @@ class RouterState:
 
     def _request_finished(self, e: ev.RequestFinished) -> str:
         if not self.load.finish(e.request_id):
+            # Remember it anyway: a decision whose append timed out is finished by its replica
+            # ("not_routed") in case it landed; should it land after all, it must not count.
+            self._end((e.request_id,))
             return "unknown_request"
         self._end((e.request_id,))
         return "ok"
@@ -249,11 +263,20 @@ class RouterState:
 
     def _snapshot_taken(self, e: ev.SnapshotTaken) -> str:
         self.last_snapshot = e
+        for kind, pos in e.positions.items():
+            if kind in self.positions and pos > self.snapshot_floor.get(kind, 0):
+                self.snapshot_floor[kind] = pos
         return "ok"
 
     def _state_reset(self, e: ev.StateReset) -> str:
         if e.epoch <= self.epoch:
             return "stale_epoch"
+        if any(e.positions.get(k, self.snapshot_floor[k]) < self.snapshot_floor[k]
+               for k in (KV, ROUTER) if k in self.snapshot_floor):
+            # A real reset cuts at the streams' ends, which are past every snapshot taken
+            # before it. A cut below a snapshot's positions may already be purged: rewinding to
+            # it would leave every replica waiting forever for messages that are gone.
+            return "stale_cut"
         c = self.config
         self.epoch = e.epoch
         for kind in (KV, ROUTER):
@@ -335,6 +358,7 @@ class RouterState:
             # Only live entries: finished requests linger in the heap until they age out.
             "expiry": sorted(x for x in self._expiry if self.load.request(x[1]) is not None),
             "ended": dict(self._ended),
+            "snapshot_floor": dict(self.snapshot_floor),
         }
 
         def encode() -> bytes:
@@ -364,6 +388,7 @@ class RouterState:
         heapq.heapify(state._expiry)
         state._routed_ts = {rid: ts for ts, rid in state._expiry}
         state._ended = dict(doc["ended"])
+        state.snapshot_floor = dict(doc.get("snapshot_floor", {}))  # absent in older blobs
         state._ended_expiry = [(ts, rid) for rid, ts in state._ended.items()]
         heapq.heapify(state._ended_expiry)
         return state
@@ -389,6 +414,11 @@ _HANDLERS = {
     ev.StateReset: RouterState._state_reset,
     ev.WorkerHealthChanged: RouterState._worker_health_changed,
 }
+
+
+_STREAM_OF = {cls: KV if cls in ev.KvEvent.__args__ else  # type: ignore[attr-defined]
+              ROUTER if cls in ev.RouterEvent.__args__ else CONTROL  # type: ignore[attr-defined]
+              for cls in _HANDLERS}
 
 
 def stream_of(event: ev.Event) -> str:
