@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import time
 from typing import Any
 
 import msgspec
@@ -75,7 +76,10 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
             "event_time": state.now,
             "workers": len(state.workers),
             "active_requests": len(state.load),
-            "malformed_messages": replica.malformed,
+            "malformed_messages": replica.malformed_counts(),
+            # Decisions routed here and not yet seen back from the stream (optimistic overlay).
+            "pending_decisions": replica.pending_decisions(),
+            "decision_log": replica.decision_log.view(time.monotonic()),
         })
 
     @router.get("/admin/workers")

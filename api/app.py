@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,6 +27,7 @@ from replicas.canary import report_passive
 from replicas.health import STATUS_GAUGE
 from replicas.runtime import (
     AllWorkersBusy,
+    DecisionNotRecorded,
     NoWorkers,
     Replica,
     RouteRequest,
@@ -84,6 +86,8 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     app.add_middleware(BodySizeLimit, max_bytes=cfg.max_body_bytes)
     app.state.replica = replica
     replica.on_divergence = lambda d: metrics.divergence.inc()
+    replica.on_decision_refused = lambda reason: metrics.decisions_not_recorded.labels(
+        reason=reason).inc()
     replica.on_health_check = lambda w, secs, outcome: metrics.health_check_duration.labels(
         worker=w, outcome=outcome).observe(secs)
     app.state.metrics = metrics
@@ -130,6 +134,14 @@ def create_app(replica: Replica, config: AppConfig | None = None,
             metrics.rejections.labels(reason="no_workers").inc()
             return error_response(503, str(exc), type="service_unavailable",
                                   headers=base_headers())
+        except DecisionNotRecorded as exc:
+            metrics.rejections.labels(reason="decision_not_recorded").inc()
+            metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
+            return error_response(
+                503, f"{exc}; this request was not served, retry it (on another replica if "
+                "one is available)", type="service_unavailable",
+                headers={**replica_headers(replica.replica_id, None, request_id),
+                         "retry-after": "1"})
         except AllWorkersBusy:
             metrics.rejections.labels(reason="busy").inc()
             metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
@@ -214,10 +226,14 @@ def create_app(replica: Replica, config: AppConfig | None = None,
 
     @app.get("/ready")
     async def ready() -> Response:
-        if replica.ready:
+        # Not ready while routing decisions cannot be recorded (a load balancer then sends
+        # traffic to replicas that can); it turns ready again after a quiet window or at the
+        # first decision recorded, so that traffic finds out when JetStream takes appends again.
+        decisions = replica.decision_log.view(time.monotonic())
+        if replica.ready and decisions["ok"]:
             return _json_response({"ready": True, "replica_id": replica.replica_id})
         return _json_response({"ready": False, "replica_id": replica.replica_id,
-                               "lag": replica.lag()}, status=503)
+                               "lag": replica.lag(), "decision_log": decisions}, status=503)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -259,6 +275,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                     and durability.is_leader:
                 metrics.breaker_state.labels(worker=w).set(replica.health_board.breaker_gauge(w))
         metrics.inflight.set(len(state.load))
+        metrics.decision_log_ok.set(0 if replica.decision_log.failing(time.monotonic()) else 1)
 
     app.include_router(admin_router(replica, cfg))
 

@@ -71,6 +71,14 @@ class RouterMetrics:
             ["worker"], registry=reg)
         self.rejections = Counter(f"{p}_rejections", "Requests refused, by reason",
                                   ["reason"], registry=reg)
+        self.decisions_not_recorded = Counter(
+            f"{p}_decisions_not_recorded",
+            "Routing decisions JetStream refused or did not acknowledge in time; each one's "
+            "request was answered 503 (reason: refused | timeout)", ["reason"], registry=reg)
+        self.decision_log_ok = Gauge(
+            f"{p}_decision_log_ok",
+            "0 while recent routing decisions could not be recorded (/ready is 503), else 1",
+            registry=reg)
         self.queue_depth = Gauge(f"{p}_queue_depth",
                                  "Requests held in the priority queue waiting for capacity",
                                  registry=reg)

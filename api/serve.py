@@ -139,6 +139,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--canary-timeout", type=_non_negative, default=5.0)
     h.add_argument("--canary-recovery-timeout", type=_non_negative, default=60.0,
                    help="seconds an open circuit breaker waits before its half-open trial")
+    s.add_argument("--decision-append-timeout", type=_positive_float, default=10.0,
+                   help="seconds a request waits for JetStream to acknowledge its routing "
+                        "decision (retries included) before it is refused with 503")
+    s.add_argument("--stream-max-bytes", type=_positive_int, default=None,
+                   help="size limit of each stream in bytes (default: unlimited, or what the "
+                        "stream already has); a full stream refuses appends (discard new)")
     s.add_argument("--no-snapshots", dest="durable", action="store_false",
                    help=argparse.SUPPRESS)
 
@@ -187,6 +193,8 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
         canary_interval=args.canary_interval,
         canary_timeout=args.canary_timeout,
         canary_recovery_timeout=args.canary_recovery_timeout,
+        decision_append_timeout=args.decision_append_timeout,
+        stream_max_bytes=args.stream_max_bytes,
     )
 
 

@@ -41,9 +41,23 @@ class AppendFailed(RuntimeError):
         self.cause = cause
 
 
+# JetStream answers 503 for these too, but they are limits, not a passing state: the stream or
+# account is full (max bytes / messages, storage quota) or the message is over the maximum size.
+# Retrying cannot cure them within an append's lifetime, so the writer hears "no" at once.
+_LIMIT_ERR_CODES = {
+    10023,  # insufficient resources
+    10028,  # insufficient memory resources available
+    10047,  # insufficient storage resources available
+    10054,  # message size exceeds maximum allowed
+    10077,  # store failed: maximum bytes / messages (per subject) exceeded
+}
+
+
 def is_transient(exc: BaseException) -> bool:
     """Failures that a retry can cure: no ack in time, no stream leader (election or restart),
     JetStream temporarily unavailable, or the connection being re-established."""
+    if isinstance(exc, ServiceUnavailableError) and exc.err_code in _LIMIT_ERR_CODES:
+        return False
     return isinstance(
         exc,
         nats.errors.TimeoutError

@@ -3,8 +3,9 @@
 Every process calls :func:`ensure_streams` at start-up, possibly at the same moment: a create
 with the exact same config succeeds on an existing stream, and a stream that already exists keeps
 its replica count unless one is asked for explicitly. Streams use file storage, a duplicate
-window (publishers set ``Nats-Msg-Id``), and no age or size limits: only an explicit purge after a
-snapshot removes events, never a silent expiry.
+window (publishers set ``Nats-Msg-Id``), and no age limit: only an explicit purge after a
+snapshot removes events, never a silent expiry. A size limit (``max_bytes``) is optional; with
+the "discard new" policy a full stream refuses appends rather than dropping old events.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import time
 
 from nats.js import JetStreamContext
-from nats.js.api import StorageType, StreamConfig, StreamInfo
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig, StreamInfo
 from nats.js.errors import APIError, NotFoundError
 
 from eventlog.names import STREAM_KINDS, Names
@@ -50,13 +51,18 @@ def cluster_size_hint(js: JetStreamContext) -> int:
     return max(1, min(MAX_REPLICAS, len(urls) or 3))
 
 
-def _wanted_config(names: Names, kind: str, replicas: int, duplicate_window: float) -> StreamConfig:
+def _wanted_config(names: Names, kind: str, replicas: int, duplicate_window: float,
+                   max_bytes: int | None) -> StreamConfig:
     return StreamConfig(
         name=names.stream(kind),
         subjects=[names.subjects(kind)],
         storage=StorageType.FILE,
         num_replicas=replicas,
         duplicate_window=duplicate_window,
+        # A full stream refuses the append (the writer sees it) instead of silently dropping
+        # its oldest events, which replicas and snapshots may still need (design-notes).
+        discard=DiscardPolicy.NEW,
+        max_bytes=max_bytes if max_bytes is not None else -1,
     )
 
 
@@ -97,8 +103,13 @@ async def _create(
         return info
 
 
-def _differences(have: StreamConfig, want: StreamConfig, check_replicas: bool) -> list[str]:
+def _differences(have: StreamConfig, want: StreamConfig, check_replicas: bool,
+                 check_max_bytes: bool = False) -> list[str]:
     diffs = []
+    if have.discard != DiscardPolicy.NEW:
+        diffs.append(f"discard {have.discard} -> {DiscardPolicy.NEW}")
+    if check_max_bytes and (have.max_bytes or -1) != want.max_bytes:
+        diffs.append(f"max_bytes {have.max_bytes} -> {want.max_bytes}")
     if sorted(have.subjects or []) != sorted(want.subjects or []):
         diffs.append(f"subjects {have.subjects} -> {want.subjects}")
     if abs((have.duplicate_window or 0.0) - (want.duplicate_window or 0.0)) > 1e-6:
@@ -109,7 +120,8 @@ def _differences(have: StreamConfig, want: StreamConfig, check_replicas: bool) -
 
 
 async def _reconcile(
-    js: JetStreamContext, info: StreamInfo, want: StreamConfig, check_replicas: bool
+    js: JetStreamContext, info: StreamInfo, want: StreamConfig, check_replicas: bool,
+    check_max_bytes: bool = False,
 ) -> StreamInfo:
     """Update an existing stream to ``want`` where it differs; a no-op when it already matches."""
     have = info.config
@@ -118,7 +130,7 @@ async def _reconcile(
             f"stream {have.name} uses {have.storage} storage, jetrouter needs file storage: "
             "delete it (losing its events) or use another --namespace"
         )
-    diffs = _differences(have, want, check_replicas)
+    diffs = _differences(have, want, check_replicas, check_max_bytes)
     if not diffs:
         return info
     log.info("updating stream %s: %s", have.name, "; ".join(diffs))
@@ -127,6 +139,8 @@ async def _reconcile(
             subjects=want.subjects,
             duplicate_window=want.duplicate_window,
             num_replicas=want.num_replicas if check_replicas else have.num_replicas,
+            discard=DiscardPolicy.NEW,
+            max_bytes=want.max_bytes if check_max_bytes else have.max_bytes,
         )
     )
 
@@ -137,6 +151,7 @@ async def ensure_stream(
     *,
     replicas_given: bool,
     placement_wait: float = 5.0,
+    max_bytes_given: bool = False,
 ) -> StreamInfo:
     """Create ``config.name`` or bring the existing stream in line with ``config``."""
     assert config.name is not None
@@ -152,7 +167,7 @@ async def ensure_stream(
                 raise
             # Another process created it between our lookup and our create: reconcile with it.
             info = await js.stream_info(config.name)
-    return await _reconcile(js, info, config, replicas_given)
+    return await _reconcile(js, info, config, replicas_given, max_bytes_given)
 
 
 async def ensure_streams(
@@ -161,19 +176,24 @@ async def ensure_streams(
     *,
     replicas: int | None = None,
     duplicate_window: float = 120.0,
+    max_bytes: int | None = None,
 ) -> dict[str, StreamInfo]:
     """Create or update the KV, router and control streams; returns ``{stream name: info}``.
 
     ``replicas`` defaults to the JetStream cluster size (1 on a single server, 3 on three,
     at most 5); an existing stream keeps its replica count unless ``replicas`` is given.
+    ``max_bytes`` (per stream; -1 unlimited) likewise: an existing stream keeps its limit unless
+    one is given, so processes started without the flag never undo it. Every stream discards
+    *new* messages when a limit is reached: the append fails and its writer knows.
     """
     if replicas is not None and not 1 <= replicas <= MAX_REPLICAS:
         raise ValueError(f"replicas must be between 1 and {MAX_REPLICAS}, got {replicas}")
     count = replicas if replicas is not None else cluster_size_hint(js)
     result: dict[str, StreamInfo] = {}
     for kind in STREAM_KINDS:
-        config = _wanted_config(names, kind, count, duplicate_window)
-        info = await ensure_stream(js, config, replicas_given=replicas is not None)
+        config = _wanted_config(names, kind, count, duplicate_window, max_bytes)
+        info = await ensure_stream(js, config, replicas_given=replicas is not None,
+                                   max_bytes_given=max_bytes is not None)
         result[names.stream(kind)] = info
     return result
 

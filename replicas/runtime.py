@@ -24,7 +24,7 @@ from nats.js import JetStreamContext
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from eventlog import events as ev
-from eventlog.appender import Appender
+from eventlog.appender import Appender, AppendFailed
 from eventlog.hashing import prompt_hashes
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
 from eventlog.reader import StartPurged, StreamReader
@@ -71,6 +71,42 @@ class AllWorkersBusy(RoutingError):
     pass
 
 
+class DecisionNotRecorded(RoutingError):
+    """JetStream refused the routing decision's append or did not ack it in time: the request
+    is not served (docs/design-notes.md, "when JetStream says no")."""
+
+    def __init__(self, request_id: str, cause: BaseException) -> None:
+        super().__init__(f"the routing decision could not be recorded ({_describe(cause)})")
+        self.request_id = request_id
+        self.cause = cause
+
+
+def _describe(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None) or exc  # AppendFailed carries the server's answer
+    if isinstance(cause, TimeoutError):
+        return "no acknowledgement from JetStream in time"
+    text = str(cause).strip() or type(cause).__name__
+    return f"{type(cause).__name__}: {text}"[:300]
+
+
+@dataclass(slots=True)
+class DecisionLogHealth:
+    """What /ready, metrics and logs say about recording routing decisions on this replica."""
+
+    failures: int = 0          # decisions refused or timed out since start
+    last_error: str | None = None
+    last_failure_at: float | None = None  # time.monotonic()
+    failing_since: float | None = None    # wall time of the first failure of the current run
+    recent_window: float = 5.0  # seconds a failure keeps /ready at 503 without a success
+
+    def failing(self, now: float) -> bool:
+        return self.last_failure_at is not None and now - self.last_failure_at < self.recent_window
+
+    def view(self, now: float) -> dict[str, object]:
+        return {"ok": not self.failing(now), "failures": self.failures,
+                "last_error": self.last_error, "failing_since": self.failing_since}
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaConfig:
     replica_id: str
@@ -96,6 +132,10 @@ class ReplicaConfig:
     canary_interval: float = 30.0  # 0 disables canaries
     canary_timeout: float = 5.0
     canary_recovery_timeout: float = 60.0
+    # Longest a request waits for its routing decision to be acknowledged (retries included)
+    # before it is refused with 503; covers a stream leader election after a NATS node loss.
+    decision_append_timeout: float = 10.0
+    stream_max_bytes: int | None = None  # per stream; None leaves the streams' limit as it is
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +187,8 @@ class Replica:
         self._becoming_ready = False
         self._boot = f"{time.time_ns():x}"
         self.stream_last: dict[str, int] = {k: 0 for k in STREAM_KINDS}
-        self.malformed: dict[str, int] = {k: 0 for k in STREAM_KINDS}
+        self.malformed: dict[str, int] = {k: 0 for k in STREAM_KINDS}  # by finished followers
+        self._readers: dict[str, StreamReader] = {}
         self._catch_up_targets: dict[str, int] = {}
         self._supervisor: asyncio.Task[None] | None = None
         self.durability: Durability | None = None
@@ -169,6 +210,9 @@ class Replica:
         self._dispatcher: asyncio.Task[None] | None = None
         self._ready_event = asyncio.Event()
         self._reannounce_asked: set[str] = set()
+        self.decision_log = DecisionLogHealth()
+        # (reason) -> None: the HTTP layer's counter of decisions JetStream did not take.
+        self.on_decision_refused: Callable[[str], None] | None = None
         # Hooks for the HTTP layer's metrics (no prometheus in here).
         self.on_applied: Callable[[str, int, Sequence[ev.Event]], None] | None = None
 
@@ -186,7 +230,7 @@ class Replica:
                                              connect_timeout=2)
         assert self.nc is not None
         self.js = self.nc.jetstream()
-        await ensure_streams(self.js, self.names)
+        await ensure_streams(self.js, self.names, max_bytes=self.config.stream_max_bytes)
         # Retry for ~15 s (backoff capped at 2 s): a stream leader election after a NATS node
         # dies answers 'no responders' at once for several seconds (chaos suite, issue 5).
         self.appender = Appender(self.js, attempts=12)
@@ -383,10 +427,12 @@ class Replica:
         assert self.js is not None
         stream = self.names.stream(kind)
         reader = StreamReader(self.js, stream, start_seq=self.state.positions[kind] + 1)
+        self._readers[kind] = reader
         try:
             async for seq, batch in reader:
                 self._apply(kind, seq, batch, reader)
         finally:
+            self._readers.pop(kind, None)
             self.malformed[kind] += reader.malformed
             with contextlib.suppress(Exception):
                 await reader.close()
@@ -445,6 +491,11 @@ class Replica:
                         self.replica_id)
         finally:
             self._mark_ready()
+
+    def malformed_counts(self) -> dict[str, int]:
+        """Malformed messages skipped per stream, including the running followers' counts."""
+        return {k: self.malformed[k] + (r.malformed if (r := self._readers.get(k)) else 0)
+                for k in STREAM_KINDS}
 
     def lag(self) -> dict[str, int]:
         return {k: max(self.stream_last[k] - self.state.positions[k], 0) for k in STREAM_KINDS}
@@ -534,11 +585,48 @@ class Replica:
         else:
             routed = self._prepare(req)
         try:
-            await self._append(ROUTER, routed.event, f"{req.request_id}.routed")
+            await asyncio.wait_for(
+                self._append(ROUTER, routed.event, f"{req.request_id}.routed"),
+                self.config.decision_append_timeout)
+        except (AppendFailed, TimeoutError) as exc:
+            self._reconcile(req.request_id)  # the overlay must not keep what the log refused
+            self._decision_refused(req.request_id, exc)
+            raise DecisionNotRecorded(req.request_id, exc) from exc
         except BaseException:
             self._reconcile(req.request_id)
             raise
+        if self.decision_log.last_failure_at is not None:
+            log.warning("replica %s records routing decisions again (after %d refused)",
+                        self.replica_id, self.decision_log.failures)
+            self.decision_log.last_failure_at = None
+            self.decision_log.failing_since = None
         return routed
+
+    def _decision_refused(self, request_id: str, exc: BaseException) -> None:
+        """Count and log a decision JetStream did not take, and make sure it never counts:
+        an append that timed out may still land later, so a RequestFinished follows it (same
+        subject and connection, hence after it on the stream); if the decision never landed,
+        that finish is a no-op for every replica."""
+        health = self.decision_log
+        why = _describe(exc)
+        reason = "timeout" if isinstance(exc, TimeoutError) or isinstance(
+            getattr(exc, "cause", None), TimeoutError) else "refused"
+        health.failures += 1
+        health.last_error = why
+        health.last_failure_at = time.monotonic()
+        if health.failing_since is None:
+            health.failing_since = time.time()
+            log.error("replica %s: JetStream did not take the routing decision of %s (%s); "
+                      "refusing requests with 503 until it does", self.replica_id, request_id,
+                      why)
+        else:
+            log.warning("replica %s: routing decision of %s not recorded (%s)", self.replica_id,
+                        request_id, why)
+        if self.on_decision_refused is not None:
+            self.on_decision_refused(reason)
+        self._spawn(self._append(ROUTER, ev.RequestFinished(request_id, "not_routed", 0,
+                                                            time.time()),
+                                 f"{request_id}.finished"))
 
     def _prepare(self, req: RouteRequest) -> Routed:
         """Synchronous part of routing: select and add the decision to the overlay."""
@@ -680,6 +768,10 @@ class Replica:
                     fut.set_result(self._prepare(req))
                 except RoutingError as exc:
                     fut.set_exception(exc)
+
+    def pending_decisions(self) -> int:
+        """Decisions in the optimistic overlay: routed here, not yet applied from the stream."""
+        return len(self._pending)
 
     def queue_depth(self) -> int:
         return len(self._queue)
