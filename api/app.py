@@ -23,6 +23,7 @@ from api.metrics import RouterMetrics
 from api.openai_schema import decode_json, parse_request
 from api.shed import Shedder
 from api.tokenizer import Tokenizer, load_tokenizer
+from eventlog.appender import AppendFailed
 from replicas.canary import report_passive
 from replicas.health import STATUS_GAUGE
 from replicas.runtime import (
@@ -82,6 +83,13 @@ def create_app(replica: Replica, config: AppConfig | None = None,
 
     app = FastAPI(title="jetrouter", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
+
+    async def on_append_failed(_request: Request, exc: Exception) -> Response:
+        # A config change (busy thresholds, snapshot threshold) JetStream did not take.
+        return error_response(503, f"the change could not be recorded: {exc}; retry",
+                              type="service_unavailable", headers={"retry-after": "1"})
+
+    app.add_exception_handler(AppendFailed, on_append_failed)
     # Outside the routes: an oversized body is refused before anything reads or parses it.
     app.add_middleware(BodySizeLimit, max_bytes=cfg.max_body_bytes)
     app.state.replica = replica

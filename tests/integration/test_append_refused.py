@@ -20,7 +20,7 @@ import pytest_asyncio
 from nats.js.api import DiscardPolicy
 
 from api.up import LocalCluster
-from eventlog.names import ROUTER, Names
+from eventlog.names import CONTROL, ROUTER, Names
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
@@ -87,7 +87,7 @@ async def test_full_router_stream_refuses_with_503_and_nothing_diverges(
             info = await js.stream_info(stream)
             assert info.config.discard == DiscardPolicy.NEW  # as ensure_streams sets it
             # Full: not one more byte fits.
-            await js.update_stream(info.config.evolve(max_bytes=info.state.bytes))
+            await js.update_stream(info.config.evolve(max_bytes=max(info.state.bytes, 1)))
             last_seq = info.state.last_seq
             refused = []
             for _ in range(3):
@@ -116,6 +116,17 @@ async def test_full_router_stream_refuses_with_503_and_nothing_diverges(
                 for rid in refused:
                     r = await h.get(f"{url}/admin/requests/{rid}", headers=auth(cluster))
                     assert r.status_code == 404, r.text
+            # A config change JetStream refuses is a 503 too, never a 500.
+            control = Names(cluster.namespace).stream(CONTROL)
+            cinfo = await js.stream_info(control)
+            # (0 would mean "no limit": an empty stream gets 1 byte)
+            await js.update_stream(cinfo.config.evolve(max_bytes=max(cinfo.state.bytes, 1)))
+            try:
+                r = await h.post(r0 + "/busy_threshold", json={
+                    "model": MODEL, "active_decode_blocks_threshold": 0.9})
+                assert r.status_code == 503 and r.json()["type"] == "service_unavailable", r.text
+            finally:
+                await js.update_stream(cinfo.config.evolve(max_bytes=-1))
             # Room again: the next decision is recorded and /ready recovers at once.
             await js.update_stream(info.config.evolve(max_bytes=-1))
             assert (await h.post(r0 + "/v1/completions", json=BODY)).status_code == 200
