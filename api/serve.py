@@ -139,7 +139,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--canary-timeout", type=_non_negative, default=5.0)
     h.add_argument("--canary-recovery-timeout", type=_non_negative, default=60.0,
                    help="seconds an open circuit breaker waits before its half-open trial")
-    s.add_argument("--decision-append-timeout", type=_positive_float, default=10.0,
+    s.add_argument("--decision-append-timeout", type=_positive_float, default=15.0,
                    help="seconds a request waits for JetStream to acknowledge its routing "
                         "decision (retries included) before it is refused with 503")
     s.add_argument("--stream-max-bytes", type=_positive_int, default=None,

@@ -134,7 +134,7 @@ class ReplicaConfig:
     canary_recovery_timeout: float = 60.0
     # Longest a request waits for its routing decision to be acknowledged (retries included)
     # before it is refused with 503; covers a stream leader election after a NATS node loss.
-    decision_append_timeout: float = 10.0
+    decision_append_timeout: float = 15.0
     stream_max_bytes: int | None = None  # per stream; None leaves the streams' limit as it is
 
 
