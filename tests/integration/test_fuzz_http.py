@@ -31,7 +31,7 @@ from tests.loop_thread import LoopThread
 MODEL = "jetrouter-sim"
 pytestmark = pytest.mark.timeout(180)
 
-FUZZ = settings(max_examples=int(os.environ.get("JETROUTER_FUZZ_EXAMPLES", "200")),
+FUZZ = settings(max_examples=int(os.environ.get("JETROUTER_FUZZ_EXAMPLES", "150")),
                 deadline=None, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])

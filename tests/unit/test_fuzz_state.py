@@ -30,7 +30,7 @@ def feed(state: RouterState, messages: list[tuple[str, bytes]]) -> None:
 def test_any_stream_message_is_skipped_or_applied_without_error() -> None:
     statuses: Counter[str] = Counter()
 
-    @settings(max_examples=150, deadline=None, database=None,
+    @settings(max_examples=100, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(messages=st.lists(st.tuples(KINDS, payloads), max_size=8))
     def run(messages: list[tuple[str, bytes]]) -> None:
