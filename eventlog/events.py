@@ -33,6 +33,9 @@ class WorkerRegistered(_Event, frozen=True, tag=True):
     max_num_batched_tokens: int
     ts: float
     dp_size: int = 1
+    # LoRA adapters the engine serves besides ``model`` (requests naming one route here, and
+    # their blocks hash under the adapter's salt: eventlog.hashing.adapter_salt).
+    loras: list[str] = []
 
 
 class WorkerRetired(_Event, frozen=True, tag=True):
@@ -48,6 +51,9 @@ class BlocksStored(_Event, frozen=True, tag=True):
     parent_hash: int | None
     blocks: list[BlockPair]
     ts: float
+    # Storage tier the blocks went to; None = the device (GPU) tier. Only device blocks count
+    # for prefix overlap (replicas/state.py): others are carried, counted and not indexed.
+    medium: str | None = None
 
 
 class BlocksRemoved(_Event, frozen=True, tag=True):
@@ -56,6 +62,7 @@ class BlocksRemoved(_Event, frozen=True, tag=True):
     dp_rank: int
     block_hashes: list[int]
     ts: float
+    medium: str | None = None  # tier the blocks left; None = the device (GPU) tier
 
 
 class AllBlocksCleared(_Event, frozen=True, tag=True):

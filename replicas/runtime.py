@@ -459,7 +459,15 @@ class Replica:
     # --- routing -----------------------------------------------------------------------------
 
     def models(self) -> list[str]:
-        return sorted({w.model for w in self.state.workers.values()})
+        return sorted({m for w in self.state.workers.values() for m in (w.model, *w.loras)})
+
+    def _adapter(self, model: str) -> str | None:
+        """``model`` if it names a LoRA adapter some worker serves (its blocks hash salted),
+        else None (a base model)."""
+        workers = self.state.workers.values()
+        if any(w.model == model for w in workers):
+            return None
+        return model if any(model in w.loras for w in workers) else None
 
     def thresholds_for(self, model: str) -> BusyThresholds:
         return self.state.thresholds_for(model) or self.config.default_thresholds
@@ -472,7 +480,7 @@ class Replica:
         n = len(seq_hashes)
         load = state.load
         for w in state.workers.values():
-            if w.model != model or w.worker_id in exclude:
+            if (w.model != model and model not in w.loras) or w.worker_id in exclude:
                 continue
             weight = HEALTH_WEIGHT.get(state.health.get(w.worker_id, "healthy"), 0.0)
             if weight <= 0.0:
@@ -500,10 +508,11 @@ class Replica:
     ) -> tuple[Decision | Overloaded, list[int], dict[str, float]]:
         if not self.state.workers:
             raise NoWorkers("no inference workers are registered yet")
-        if not any(w.model == req.model for w in self.state.workers.values()):
+        if req.model not in self.models():
             raise UnknownModel(req.model, self.models())
         t0 = time.perf_counter()
-        seq_hashes = prompt_hashes(req.token_ids, self.config.state.block_size)
+        seq_hashes = prompt_hashes(req.token_ids, self.config.state.block_size,
+                                   adapter=self._adapter(req.model))
         t1 = time.perf_counter()
         cands = self.candidates(req.model, seq_hashes, req.exclude)
         t2 = time.perf_counter()

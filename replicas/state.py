@@ -56,6 +56,7 @@ class WorkerInfo:
     max_num_batched_tokens: int
     dp_size: int
     registered_ts: float
+    loras: list[str] = field(default_factory=list)  # LoRA adapters served besides `model`
 
 
 @dataclass(slots=True)
@@ -146,7 +147,7 @@ class RouterState:
         self.lost_workers.pop(e.worker_id, None)
         self.workers[e.worker_id] = WorkerInfo(e.worker_id, e.url, e.model, e.block_size,
                                                e.kv_total_blocks, e.max_num_batched_tokens,
-                                               e.dp_size, e.ts)
+                                               e.dp_size, e.ts, list(e.loras))
         # A (re)registered engine starts with an empty cache and a fresh event_id sequence.
         self.index.remove_worker(e.worker_id)
         self.last_event_id.pop(e.worker_id, None)
@@ -180,12 +181,18 @@ class RouterState:
         skip = self._check_event_id(e.worker_id, e.event_id)
         if skip:
             return skip
+        if e.medium is not None:
+            # An offloaded tier (CPU, disk): carried on the stream, not indexed, so only device
+            # blocks count for overlap (design-notes: storage tiers).
+            return "other_tier"
         return self.index.store((e.worker_id, e.dp_rank), e.parent_hash, e.blocks)
 
     def _blocks_removed(self, e: ev.BlocksRemoved) -> str:
         skip = self._check_event_id(e.worker_id, e.event_id)
         if skip:
             return skip
+        if e.medium is not None:
+            return "other_tier"  # leaving an offloaded tier does not touch the device blocks
         unknown = self.index.remove((e.worker_id, e.dp_rank), e.block_hashes)
         return "block_not_found" if unknown else "ok"
 
@@ -294,7 +301,8 @@ class RouterState:
             self.snapshot_threshold,
             sorted(self.health.items()),
             sorted((w.worker_id, w.url, w.model, w.block_size, w.kv_total_blocks,
-                    w.max_num_batched_tokens, w.dp_size) for w in self.workers.values()),
+                    w.max_num_batched_tokens, w.dp_size, *((tuple(w.loras),) if w.loras else ()))
+                   for w in self.workers.values()),
             sorted(self.lost_workers),
         )
         parts = {"index": self.index.digest & _MASK, "load": self.load.digest & _MASK,

@@ -1,0 +1,597 @@
+"""The bridge process: one real engine's ZMQ KV events -> ``JR_KV``, its /metrics -> load gauges.
+
+Exactly-once across bridge restarts, without local state
+--------------------------------------------------------
+Every message the bridge appends to ``<ns>.kv.<worker_id>`` carries headers saying where it is:
+``Jr-Bridge-Gen`` (a token naming one run of one engine), ``Jr-Engine-Seq`` (the engine's ZMQ
+sequence number of the batch it holds), ``Jr-Event-Id`` (the last ``event_id`` in it),
+``Jr-Block-Size`` and ``Jr-Engine-Start`` (the engine's ``process_start_time_seconds``, when
+``/metrics`` reports it). The message id is ``<worker_id>.<gen>.<seq>``. A (re)started bridge
+reads the *last* message on its subject (JetStream get-last-by-subject):
+
+* same engine (same start time, or none reported) and not a retirement -> it resumes: the next
+  ``event_id`` follows the header's, and the engine's replay socket is asked for every batch after
+  ``seq``. A batch that was appended but whose ack was lost is re-sent under the same message id
+  with the same content (translation is deterministic), so the stream's duplicate window drops it.
+* otherwise (nothing yet, a retirement, another engine run) -> a new ``gen``, a fresh
+  ``WorkerRegistered`` (which empties the worker's index on every replica), and a replay from
+  seq 0 to learn what the engine cached before the bridge started.
+
+``event_id`` keeps increasing across bridge restarts (it resumes from the header), so a restart is
+neither a gap nor a duplicate for replicas/state.py.
+
+Sequence discipline (one task appends, in engine order)
+-------------------------------------------------------
+* live ``seq > last + 1``: a gap -> replay ``last + 1 ..``; what cannot be replayed makes the next
+  appended message start with ``AllBlocksCleared`` for every dp rank seen.
+* live ``seq <=`` the highest live seq seen: the engine restarted (its seq went back) -> a new
+  ``gen``, ``AllBlocksCleared``, replay of the new run from 0. A changed ``process_start_time``
+  seen while polling ``/metrics`` does the same even if the new engine is silent.
+* never a silently wrong index: when in doubt, clear.
+
+Also: load gauges on core NATS ``<ns>.load.<worker_id>`` (same JSON as the simulated worker),
+re-announce requests (``<ns>.reannounce.<id>|all``) answered from a mirror of what the bridge put
+in the index (or with a clear when the bridge did not see the whole history), ``WorkerRetired`` on
+SIGTERM or when ``/health`` fails for ``--unhealthy-after`` seconds (re-registered when it
+recovers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import nats
+import zmq.asyncio
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
+
+from eventlog.appender import Appender, AppendFailed
+from eventlog.events import (
+    Event,
+    MalformedMessage,
+    WorkerRegistered,
+    WorkerRetired,
+    decode_batch,
+)
+from eventlog.names import KV, Names
+from eventlog.streams import ensure_streams
+from workers.bridge.decode import BadPayload, EngineStored, decode_payload
+from workers.bridge.engine_http import EngineHttp, EngineUnavailable, MetricsView
+from workers.bridge.translate import CacheMirror, Translator
+from workers.bridge.zmqio import Frame, LiveFeed, ReplayUnavailable, replay
+
+log = logging.getLogger(__name__)
+
+H_GEN = "Jr-Bridge-Gen"
+H_SEQ = "Jr-Engine-Seq"
+H_EVENT_ID = "Jr-Event-Id"
+H_BLOCK_SIZE = "Jr-Block-Size"
+H_START = "Jr-Engine-Start"
+
+
+class ConfigError(ValueError):
+    """Settings the bridge cannot run with (reported as one line, exit 2)."""
+
+
+@dataclass(slots=True)
+class BridgeSettings:
+    engine_url: str
+    kv_events: str
+    worker_id: str
+    nats_url: str
+    kv_replay: str = ""
+    namespace: str = "jr"
+    kv_topic: str = ""
+    block_size: int | None = None
+    kv_total_blocks: int | None = None
+    max_num_batched_tokens: int = 8192
+    advertise_url: str | None = None
+    model: str | None = None
+    health_interval: float = 2.0
+    unhealthy_after: float = 10.0
+    load_interval: float = 1.0
+    replay_timeout: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    gen: str
+    seq: int
+    event_id: int
+    block_size: int
+    engine_start: float | None
+
+
+def resume_point(headers: dict[str, str] | None, data: bytes) -> ResumePoint | None:
+    """Where a previous bridge left off, from the last message on the subject (None: start
+    afresh — nothing there, not a bridge message, or the worker was retired)."""
+    if not headers or H_GEN not in headers:
+        return None
+    try:
+        events = decode_batch(data)
+    except MalformedMessage:
+        return None
+    if any(isinstance(e, WorkerRetired) for e in events):
+        return None
+    try:
+        start = headers.get(H_START) or ""
+        return ResumePoint(gen=headers[H_GEN], seq=int(headers[H_SEQ]),
+                           event_id=int(headers[H_EVENT_ID]),
+                           block_size=int(headers[H_BLOCK_SIZE]),
+                           engine_start=float(start) if start else None)
+    except (KeyError, ValueError):
+        return None
+
+
+def _new_gen() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+class Bridge:
+    def __init__(self, settings: BridgeSettings, *, clock: Callable[[], float] = time.time) -> None:
+        self.s = settings
+        self.names = Names(settings.namespace)
+        self.subject = self.names.kv_subject(settings.worker_id)
+        self._clock = clock
+        self.engine = EngineHttp(settings.engine_url)
+        self.ctx = zmq.asyncio.Context()
+        self.nc: NatsClient | None = None
+        self.appender: Appender | None = None
+        # where we are
+        self.gen = _new_gen()
+        self.last_seq = -1  # engine seq of the last batch handled in this gen
+        self.live_high = -1  # highest seq seen on the live socket in this engine run
+        self.registered = False
+        self.retired = False
+        self.block_size: int | None = settings.block_size
+        self.engine_start: float | None = None
+        self.translator: Translator | None = None
+        self.next_event_id = 1
+        self.mirror = CacheMirror()
+        self.mirror_valid = True  # the mirror equals what the index holds for this worker
+        self.pending_clear = False
+        self.ranks_seen: set[int] = {0}
+        self.metrics = MetricsView()
+        self._control: asyncio.Queue[str] = asyncio.Queue()
+        self._stop = asyncio.Event()
+        self._unhealthy_since: float | None = None
+        # counters (logged at exit; tests read them in-process)
+        self.appended = 0
+        self.replayed = 0
+        self.unreplayable_gaps = 0
+        self.engine_restarts = 0
+        self.bad_payloads = 0
+        self.dropped_before_block_size = 0
+        self.reannounces = 0
+
+    # --- start-up ----------------------------------------------------------------------------
+
+    async def _connect_nats(self) -> None:
+        delay = 0.2
+        servers = [u.strip() for u in self.s.nats_url.split(",") if u.strip()]
+        while True:
+            try:
+                nc = await nats.connect(servers=servers,
+                                        name=f"jetrouter-bridge-{self.s.worker_id}",
+                                        max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+                js = nc.jetstream()
+                await ensure_streams(js, self.names)
+                break
+            except Exception as exc:
+                log.warning("NATS %s not usable yet (%r); retrying in %.1fs",
+                            self.s.nats_url, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        self.nc = nc
+        self.appender = Appender(js)
+
+    async def _wait_engine(self) -> tuple[str, list[str]]:
+        """Block until the engine answers /health, /v1/models and /metrics."""
+        delay = 0.2
+        while True:
+            try:
+                if not await self.engine.healthy():
+                    raise EngineUnavailable("/health is not 2xx")
+                model, loras = await self.engine.models()
+                self.metrics = await self.engine.metrics()
+                return model, loras
+            except EngineUnavailable as exc:
+                log.info("engine %s not ready (%s); retrying in %.1fs", self.s.engine_url, exc,
+                         delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _last_message(self) -> ResumePoint | None:
+        assert self.nc is not None
+        js = self.nc.jetstream()
+        try:
+            msg = await js.get_last_msg(self.names.stream(KV), self.subject)
+        except NotFoundError:
+            return None
+        return resume_point(msg.headers, msg.data or b"")
+
+    async def start(self) -> None:
+        """Connect, learn where we are, and (if starting afresh) register. Raises ConfigError."""
+        await self._connect_nats()
+        model, loras = await self._wait_engine()
+        self.model = self.s.model or model
+        self.loras = loras
+        self.engine_start = self.metrics.start_time
+        if self.block_size is None:
+            self.block_size = self.metrics.block_size
+        self.kv_total_blocks = self.s.kv_total_blocks or self.metrics.num_gpu_blocks
+        if not self.kv_total_blocks:
+            raise ConfigError(f"{self.s.engine_url}/metrics reports no KV capacity "
+                              "(vllm:cache_config_info num_gpu_blocks): pass --kv-total-blocks")
+        point = await self._last_message()
+        same_engine = point is not None and (
+            point.engine_start is None or self.engine_start is None
+            or point.engine_start == self.engine_start)
+        if point is not None and same_engine and (
+                self.block_size is None or point.block_size == self.block_size):
+            self.gen, self.last_seq = point.gen, point.seq
+            self.live_high = point.seq
+            self.block_size = point.block_size
+            self.next_event_id = point.event_id + 1
+            self.registered = True
+            # The index holds what earlier runs appended, which this process never saw.
+            self.mirror_valid = False
+            log.info("resuming %s: gen %s after engine seq %d, event id %d",
+                     self.s.worker_id, self.gen, self.last_seq, point.event_id)
+        else:
+            if point is not None:
+                self.next_event_id = point.event_id + 1
+            log.info("starting %s afresh (gen %s)", self.s.worker_id, self.gen)
+        self.live = LiveFeed(self.ctx, self.s.kv_events, self.s.kv_topic)
+        self.live.open()
+        assert self.nc is not None
+        await self.nc.subscribe(self.names.reannounce_subject(self.s.worker_id),
+                                cb=self._on_reannounce)
+        await self.nc.subscribe(self.names.reannounce_subject("all"), cb=self._on_reannounce)
+        if not self.registered and self.block_size is not None:
+            await self._register()
+        if self.registered and self.translator is None:
+            assert self.block_size is not None
+            self.translator = Translator(self.s.worker_id, self.block_size, self.next_event_id)
+        # What the engine did before (or while) no bridge listened.
+        await self._fill_gap(self.last_seq + 1, None)
+        await self._flush_clear()
+
+    # --- appending ---------------------------------------------------------------------------
+
+    def _headers(self) -> dict[str, str]:
+        return {H_GEN: self.gen, H_SEQ: str(self.last_seq),
+                H_EVENT_ID: str(self.next_event_id - 1),
+                H_BLOCK_SIZE: str(self.block_size or 0),
+                H_START: "" if self.engine_start is None else repr(self.engine_start)}
+
+    async def _append(self, events: list[Event], msg_id: str, headers: dict[str, str]) -> None:
+        """Append one message, retrying until it is stored: its ``event_id``s are taken, so it
+        must land (the same id and bytes every time: stored once)."""
+        assert self.appender is not None
+        delay = 0.1
+        while True:
+            try:
+                await self.appender.append(self.subject, events, msg_id, headers)
+                self.appended += 1
+                return
+            except AppendFailed as exc:
+                log.warning("append %s failed (%r); retrying in %.1fs", msg_id, exc.cause, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _register(self) -> None:
+        assert self.block_size is not None and self.kv_total_blocks is not None
+        dp_size = max([1, *(r + 1 for r in self.metrics.load)])
+        event = WorkerRegistered(
+            self.s.worker_id, self.s.advertise_url or self.s.engine_url, self.model,
+            self.block_size, self.kv_total_blocks, self.s.max_num_batched_tokens,
+            self._clock(), dp_size=dp_size, loras=list(self.loras))
+        self.translator = Translator(self.s.worker_id, self.block_size, self.next_event_id)
+        await self._append([event], f"{self.s.worker_id}.{self.gen}.registered", self._headers())
+        self.registered = True
+        self.retired = False
+        self.mirror.reset()
+        self.mirror_valid = True
+        log.info("registered %s: model %s, block size %d, %d KV blocks, loras %s",
+                 self.s.worker_id, self.model, self.block_size, self.kv_total_blocks, self.loras)
+
+    async def _handle(self, frame: Frame) -> None:
+        """Append one engine batch (its seq follows ``last_seq``)."""
+        try:
+            batch = decode_payload(frame.payload)
+        except BadPayload as exc:
+            self.bad_payloads += 1
+            log.warning("engine batch seq %d skipped: %s", frame.seq, exc)
+            self.last_seq = frame.seq
+            return
+        if self.retired:
+            self.last_seq = frame.seq
+            return
+        if not self.registered:
+            if self.block_size is None:
+                first = next((e for e in batch.events if isinstance(e, EngineStored)), None)
+                if first is None:
+                    # Nothing indexed for this worker yet: removals and clears change nothing.
+                    self.dropped_before_block_size += 1
+                    self.last_seq = frame.seq
+                    return
+                self.block_size = first.block_size
+            await self._register()
+        if self.translator is None:
+            assert self.block_size is not None
+            self.translator = Translator(self.s.worker_id, self.block_size, self.next_event_id)
+        self.ranks_seen.add(batch.dp_rank)
+        events: list[Event] = []
+        if self.pending_clear:
+            events.extend(self.translator.clear(self.ranks_seen, batch.ts))
+        events.extend(self.translator.translate(batch))
+        self.last_seq = frame.seq
+        self.next_event_id = self.translator.next_event_id
+        if not events:
+            return
+        await self._append(events, f"{self.s.worker_id}.{self.gen}.{frame.seq}", self._headers())
+        self.pending_clear = False
+        self.mirror.apply(events)
+
+    async def _fill_gap(self, start: int, upto: int | None) -> None:
+        """Append batches ``start .. upto-1`` (``upto`` None: all the engine buffers) from the
+        replay socket; if some are gone, the next message starts with a clear."""
+        if upto is not None and upto <= start:
+            return
+        replay_failed = False
+        try:
+            frames = await replay(self.ctx, self.s.kv_replay, start, self.s.replay_timeout)
+        except ReplayUnavailable as exc:
+            log.warning("replay from seq %d unavailable: %s", start, exc)
+            frames, replay_failed = [], True
+        expected = start
+        hole = False
+        for frame in frames:
+            if frame.seq < expected:
+                continue
+            if upto is not None and frame.seq >= upto:
+                break
+            if frame.seq != expected:
+                hole = True
+                break
+            await self._handle(frame)
+            self.replayed += 1
+            expected += 1
+        # An empty answer to "everything from `start`" is normal (the engine was idle); a failed
+        # one after a resume is not knowable, so it counts as lost.
+        if hole or (upto is not None and expected < upto) or (
+                upto is None and replay_failed and start > 0):
+            self._unreplayable(start, expected)
+
+    def _unreplayable(self, start: int, seen_up_to: int) -> None:
+        if self.mirror_valid and not any(self.mirror.ranks.values()):
+            return  # nothing indexed for this worker: missed history only makes the index smaller
+        self.unreplayable_gaps += 1
+        self.pending_clear = True
+        log.warning("engine batches from seq %d are gone (replayed up to %d): clearing %s's "
+                    "blocks", start, seen_up_to, self.s.worker_id)
+
+    async def _flush_clear(self) -> None:
+        """Append a pending clear now (at start-up the next batch may be far away)."""
+        if not self.pending_clear or not self.registered or self.translator is None:
+            return
+        events = self.translator.clear(self.ranks_seen, self._clock())
+        self.next_event_id = self.translator.next_event_id
+        await self._append(events, f"{self.s.worker_id}.{self.gen}.{self.last_seq}.clear",
+                           self._headers())
+        self.pending_clear = False
+        self.mirror.apply(events)
+
+    async def _on_live(self, frame: Frame) -> None:
+        if frame.seq <= self.live_high:
+            await self._engine_restarted(f"seq went back from {self.live_high} to {frame.seq}")
+        self.live_high = frame.seq
+        if frame.seq <= self.last_seq:
+            return  # already appended from a replay
+        if frame.seq > self.last_seq + 1:
+            await self._fill_gap(self.last_seq + 1, frame.seq)
+        await self._handle(frame)
+
+    async def _engine_restarted(self, why: str) -> None:
+        """A new engine run: its cache is empty and its seqs start again at 0."""
+        self.engine_restarts += 1
+        log.warning("engine %s restarted (%s): clearing its blocks", self.s.worker_id, why)
+        with contextlib.suppress(EngineUnavailable):
+            self.engine_start = (await self.engine.metrics()).start_time
+        self.gen = _new_gen()
+        self.last_seq = -1
+        self.live_high = -1
+        if self.registered and not self.retired:
+            assert self.translator is not None
+            events = self.translator.clear(self.ranks_seen, self._clock())
+            self.next_event_id = self.translator.next_event_id
+            await self._append(events, f"{self.s.worker_id}.{self.gen}.restart", self._headers())
+            self.mirror.apply(events)
+            self.mirror.reset()
+            self.mirror_valid = True
+            self.pending_clear = False
+
+    async def _reannounce(self) -> None:
+        if not self.registered or self.retired or self.translator is None:
+            return
+        self.reannounces += 1
+        ts = self._clock()
+        if self.mirror_valid:
+            events = self.mirror.announce(self.translator, ts, self.ranks_seen)
+        else:  # this process did not see the whole history: a clear is the truth we can tell
+            events = self.translator.clear(self.ranks_seen, ts)
+            self.mirror.reset()
+            self.mirror_valid = True
+        self.next_event_id = self.translator.next_event_id
+        tag = uuid.uuid4().hex[:8]
+        await self._append(events, f"{self.s.worker_id}.{self.gen}.{self.last_seq}.re-{tag}",
+                           self._headers())
+        log.info("re-announced %s: %d events", self.s.worker_id, len(events))
+
+    async def _retire(self, reason: str) -> None:
+        if not self.registered or self.retired:
+            return
+        event = WorkerRetired(self.s.worker_id, reason, self._clock())
+        await self._append([event], f"{self.s.worker_id}.{self.gen}.retired", self._headers())
+        self.retired = True
+        log.warning("retired %s: %s", self.s.worker_id, reason)
+
+    # --- control items, handled between batches by the one appending task -----------------
+
+    async def _on_reannounce(self, msg: Msg) -> None:
+        self._control.put_nowait("reannounce")
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await msg.respond(b"ok")
+
+    async def _control_item(self, item: str) -> None:
+        if item == "reannounce":
+            await self._reannounce()
+        elif item == "unhealthy":
+            await self._retire("engine unhealthy")
+        elif item == "recovered" and self.retired:
+            # The engine may be a new run, or the old one with its cache: start over from seq 0.
+            self.gen = _new_gen()
+            self.last_seq = self.live_high = -1
+            self.registered = False
+            self.pending_clear = False
+            with contextlib.suppress(EngineUnavailable):
+                self.metrics = await self.engine.metrics()
+                self.engine_start = self.metrics.start_time
+            if self.block_size is not None:
+                await self._register()
+                await self._fill_gap(0, None)
+                await self._flush_clear()
+        elif item == "engine_restarted" and not self.retired:
+            await self._engine_restarted("engine process start time changed")
+
+    async def _events_loop(self) -> None:
+        recv: asyncio.Task[Frame] | None = None
+        ctl: asyncio.Task[str] | None = None
+        try:
+            while True:
+                recv = recv or asyncio.create_task(self.live.receive())
+                ctl = ctl or asyncio.create_task(self._control.get())
+                done, _ = await asyncio.wait({recv, ctl}, return_when=asyncio.FIRST_COMPLETED)
+                if ctl in done:
+                    item, ctl = ctl.result(), None
+                    await self._control_item(item)
+                if recv in done:
+                    frame, recv = recv.result(), None
+                    await self._on_live(frame)
+        finally:
+            for task in (recv, ctl):
+                if task is not None:
+                    task.cancel()
+
+    # --- periodic loops ----------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.s.health_interval)
+            healthy = await self.engine.healthy()
+            now = time.monotonic()
+            if healthy:
+                if self._unhealthy_since is not None and self.retired:
+                    self._control.put_nowait("recovered")
+                self._unhealthy_since = None
+                continue
+            if self._unhealthy_since is None:
+                self._unhealthy_since = now
+            elif now - self._unhealthy_since >= self.s.unhealthy_after and not self.retired:
+                self._control.put_nowait("unhealthy")
+
+    async def _load_loop(self) -> None:
+        subject = self.names.load_subject(self.s.worker_id)
+        while True:
+            try:
+                view = await self.engine.metrics()
+            except EngineUnavailable:
+                view = None
+            if view is not None:
+                self.metrics = view
+                if (view.start_time is not None and self.engine_start is not None
+                        and view.start_time != self.engine_start):
+                    self.engine_start = view.start_time
+                    self._control.put_nowait("engine_restarted")
+                nc = self.nc
+                if self.registered and not self.retired and nc is not None and nc.is_connected:
+                    for payload in self._gauges(view):
+                        with contextlib.suppress(Exception):
+                            await nc.publish(subject, json.dumps(payload).encode())
+            await asyncio.sleep(self.s.load_interval)
+
+    def _gauges(self, view: MetricsView) -> list[dict[str, object]]:
+        """Load per dp rank in the simulated worker's JSON shape (workers/scheduler.py load)."""
+        total = self.kv_total_blocks or 0
+        per_rank = max(1, total)
+        out: list[dict[str, object]] = []
+        for rank, load in sorted((view.load or {0: {}}).items()):
+            usage = float(load.get("kv_usage", 0.0))
+            out.append({
+                "worker_id": self.s.worker_id, "ts": self._clock(), "dp_rank": rank,
+                "active_decode_blocks": round(usage * per_rank),
+                "kv_total_blocks": total,
+                "kv_usage": usage,
+                "num_running": int(load.get("num_running", 0)),
+                "num_waiting": int(load.get("num_waiting", 0)),
+            })
+        return out
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        starting = asyncio.create_task(self.start(), name="bridge-start")
+        stopping = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # SIGTERM while the engine or NATS was not ready yet
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            stopping.cancel()
+            await self.close()
+            return
+        stopping.cancel()
+        starting.result()  # raises ConfigError
+        tasks = [asyncio.create_task(self._events_loop(), name="bridge-events"),
+                 asyncio.create_task(self._health_loop(), name="bridge-health"),
+                 asyncio.create_task(self._load_loop(), name="bridge-load")]
+        stopper = asyncio.create_task(self._stop.wait())
+        try:
+            done, _ = await asyncio.wait({*tasks, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stopper and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            for task in (*tasks, stopper):
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        await self._retire("shutdown")
+        await self.close()
+
+    async def close(self) -> None:
+        log.info("bridge %s: %d messages appended, %d batches replayed, %d unreplayable gaps, "
+                 "%d engine restarts, %d bad payloads, skipped %s", self.s.worker_id,
+                 self.appended, self.replayed, self.unreplayable_gaps, self.engine_restarts,
+                 self.bad_payloads, self.translator.skipped if self.translator else {})
+        with contextlib.suppress(Exception):
+            self.live.close()
+        self.ctx.destroy(linger=0)
+        await self.engine.close()
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
