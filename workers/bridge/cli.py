@@ -113,6 +113,7 @@ async def _main(settings: BridgeSettings) -> int:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /metrics poll otherwise
     try:
         settings = settings_from_args(args)
     except ValueError as exc:
