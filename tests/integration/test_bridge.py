@@ -371,6 +371,15 @@ async def test_bridge_sigkill_under_load_loses_nothing_and_applies_nothing_twice
     assert int(msgs[-1][1][H_EVENT_ID]) == ids[-1]
     assert bridge.log().count("resuming e1") == 3, bridge.log()[-3000:]
 
+    # A re-announce from the third restarted bridge is the whole cache (its mirror was rebuilt
+    # from the engine's replay buffer), not merely a clear.
+    await nc.publish(NAMES.reannounce_subject("all"), b"")
+    msgs = await until(lambda: kv_messages(nc, NAMES.kv_subject("e1")),
+                       lambda m: isinstance(m[-1][2][0], AllBlocksCleared), what="re-announce")
+    assert sum(len(e.blocks) for e in msgs[-1][2] if isinstance(e, BlocksStored)) == sum(
+        map(len, engine.cache.values()))
+    await assert_index_matches_engine(nc, engine)
+
 
 @pytest.mark.timeout(120)
 async def test_unhealthy_engine_is_retired_and_registered_again(

@@ -242,7 +242,8 @@ class Bridge:
             self.block_size = point.block_size
             self.next_event_id = point.event_id + 1
             self.registered = True
-            # The index holds what earlier runs appended, which this process never saw.
+            # The index holds what earlier runs appended, which this process never saw: the
+            # mirror is rebuilt below from the engine's replay buffer when it still starts at 0.
             self.mirror_valid = False
             log.info("resuming %s: gen %s after engine seq %d, event id %d",
                      self.s.worker_id, self.gen, self.last_seq, point.event_id)
@@ -261,9 +262,32 @@ class Bridge:
         if self.registered and self.translator is None:
             assert self.block_size is not None
             self.translator = Translator(self.s.worker_id, self.block_size, self.next_event_id)
+        if not self.mirror_valid:
+            await self._rebuild_mirror()
         # What the engine did before (or while) no bridge listened.
         await self._fill_gap(self.last_seq + 1, None)
         await self._flush_clear()
+
+    async def _rebuild_mirror(self) -> None:
+        """After a resume: replay the engine's run from seq 0 up to where we left off into the
+        mirror (not the stream), so re-announce requests get the whole cache, not just a clear.
+        Possible only while the engine's buffer still holds its whole run."""
+        assert self.block_size is not None
+        try:
+            frames = await replay(self.ctx, self.s.kv_replay, 0, self.s.replay_timeout)
+        except ReplayUnavailable:
+            return
+        head = frames[:self.last_seq + 1]
+        if len(head) != self.last_seq + 1 or any(f.seq != i for i, f in enumerate(head)):
+            log.info("engine replay buffer no longer starts at seq 0: re-announce will clear")
+            return
+        scratch = Translator(self.s.worker_id, self.block_size)
+        for frame in head:
+            with contextlib.suppress(BadPayload):
+                batch = decode_payload(frame.payload)
+                self.ranks_seen.add(batch.dp_rank)
+                self.mirror.apply(scratch.translate(batch))
+        self.mirror_valid = True
 
     # --- appending ---------------------------------------------------------------------------
 
