@@ -552,7 +552,7 @@ class Replica:
             dp_rank=dp_rank, isl_tokens=len(req.token_ids), block_seq_hashes=list(seq_hashes),
             overlap_blocks=result.overlap_blocks, expected_osl=req.expected_osl,
             priority=req.priority, ts=time.time(), candidates=result.costs.rows(),
-            model=req.model)
+            model=req.model, block_size=self.config.state.block_size)
         prefill = max(len(req.token_ids) - result.overlap_blocks * info.block_size, 0)
         new_blocks = len(seq_hashes) - self.state.load.active_prefix_len(result.worker,
                                                                          seq_hashes)
@@ -572,10 +572,11 @@ class Replica:
         self._spawn(self._append(ROUTER, ev.PrefillCompleted(request_id, time.time()),
                                  f"{request_id}.prefilled"))
 
-    def finished(self, request_id: str, outcome: str, output_tokens: int) -> None:
+    def finished(self, request_id: str, outcome: str, output_tokens: int,
+                 cached_tokens: int = -1) -> None:
         self._reconcile(request_id)
         self._spawn(self._append(ROUTER, ev.RequestFinished(request_id, outcome, output_tokens,
-                                                            time.time()),
+                                                            time.time(), cached_tokens),
                                  f"{request_id}.finished"))
 
     # --- config changes through the control stream -------------------------------------------

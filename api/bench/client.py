@@ -26,6 +26,7 @@ OK, FAILED, REJECTED = "ok", "failed", "rejected"
 DEFAULT_MODEL = "jetrouter-sim"
 WORKER_HEADER = "x-jetrouter-worker"
 REPLICA_HEADER = "x-jetrouter-replica"
+PREDICTED_HEADER = "x-jetrouter-predicted-cached-tokens"
 # Errors raised before a response exists: the request never reached a live server (or the server
 # died before answering), so sending it elsewhere cannot double-serve it. Timeouts are excluded:
 # a slow server may still be working on the request.
@@ -61,6 +62,7 @@ class RequestRecord:
     output_tokens: int = 0
     prompt_tokens: int | None = None    # from usage
     cached_tokens: int | None = None    # usage.prompt_tokens_details.cached_tokens
+    predicted_tokens: int | None = None  # the router's predicted reuse (response header)
     sent_prompt_tokens: int = 0
     worker: str | None = None
     replica: str | None = None
@@ -225,6 +227,9 @@ class _Replayer:
             result.status = resp.status_code
             result.worker = resp.headers.get(WORKER_HEADER)
             result.replica = resp.headers.get(REPLICA_HEADER)
+            predicted = resp.headers.get(PREDICTED_HEADER)
+            result.predicted_tokens = int(predicted) if predicted and predicted.isdigit() \
+                else None
             if resp.status_code != 200:
                 result.outcome = REJECTED if resp.status_code == 503 else FAILED
                 result.error = f"HTTP {resp.status_code}: {_error_text(await resp.aread())}"
