@@ -317,7 +317,7 @@ show_replicas = show_list("replicas", ("replica_id", "ready", "leader", "epoch",
                                        "divergent", "positions", "digests"), "no replicas")
 show_workers = show_list("workers", ("worker_id", "url", "model", "health", "dp_size",
                                      "kv_total_blocks", "cached_blocks", "active_prefill_tokens",
-                                     "active_decode_blocks", "out_of_sync"),
+                                     "active_decode_blocks", "out_of_sync", "status", "reason"),
                          "no workers registered")
 
 

@@ -4,14 +4,19 @@ processes given the same `--model-path` (a tokenizer trained offline, workers/ti
 What it proves: the engine's own token ids for a chat request hash to exactly the blocks the
 router recorded in its decision; a second request sharing a prefix, sent through the *other*
 replica, lands on the engine holding that prefix, which reports `cached_tokens` > 0; and every
-decision's ledger row carries the predicted reuse beside the engine-reported one.
+decision's ledger row carries the predicted reuse beside the engine-reported one. An engine
+started with another block size is refused: logged, listed with its reason, never routed to.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -181,6 +186,40 @@ async def test_chat_hashes_like_the_engine_and_the_next_turn_reuses_it(
         cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= 6 * BLOCK  # the system prompt's blocks at least
         assert int(r2.headers["x-jetrouter-predicted-cached-tokens"]) == cached
+
+
+async def test_a_worker_with_another_block_size_is_refused_visibly(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    log_file = tmp_path / "wbad.log"
+    with open(log_file, "wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "api.cli", "worker", "--worker-id", "wbad", "--port", "0",
+            "--nats-url", cluster.nats_url, "--namespace", NAMESPACE,
+            "--kv-cache-block-size", str(2 * BLOCK), "--model-path", str(cluster_model(cluster)),
+            stdout=out, stderr=subprocess.STDOUT)
+    try:
+        async with httpx.AsyncClient(timeout=30) as h:
+            for url in cluster.router_urls:
+                ws = await until(lambda url=url: workers(h, cluster, url),
+                                 lambda ws: "wbad" in ws, timeout=60)
+                assert ws["wbad"]["status"] == "refused"
+                assert ws["wbad"]["reason"] == (
+                    f"block size {2 * BLOCK} differs from the router's --kv-cache-block-size "
+                    f"{BLOCK}")
+                assert all(w["status"] == "ok" for k, w in ws.items() if k != "wbad")
+            for i in range(6):  # never routed to, whichever replica decides
+                r = await h.post(f"{cluster.router_urls[i % 2]}/v1/completions",
+                                 json={"model": MODEL, "prompt": text(40, seed=10 + i),
+                                       "max_tokens": 2})
+                assert r.status_code == 200 and r.headers["x-jetrouter-worker"] != "wbad"
+        replica_log = cluster.data_dir / "logs" / "r0.log"
+        await until(lambda: replica_log.read_text(), lambda t: "worker wbad" in t)
+        line = next(x for x in replica_log.read_text().splitlines() if "worker wbad" in x)
+        assert "refused: block size 32 differs from the router's --kv-cache-block-size 16" in line
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGKILL)
+        await proc.wait()
 
 
 def cluster_model(cluster: LocalCluster) -> Path:
