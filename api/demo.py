@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", type=Path, default=None,
                    help="HuggingFace model folder for routers and workers alike (default: "
                         "byte tokens)")
+    p.add_argument("--text-prompts", action="store_true",
+                   help="send text prompts (words) instead of token ids; with --model-path the "
+                        "model's tokenizer turns them into ids on both sides")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
 
@@ -130,7 +133,7 @@ async def _demo(args: argparse.Namespace) -> int:
                        model_path=args.model_path)
     options = BenchOptions(concurrency=args.concurrency, speedup=args.speedup,
                            max_output_tokens=args.max_output_tokens or None,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, text_prompts=args.text_prompts)
     modes = ("kv", args.compare)
     shape = workload["shape"]
     print(f"jetrouter demo: {shape['requests']} requests (~{shape['duration_s'] / args.speedup:.0f}"

@@ -179,6 +179,9 @@ def _add_trace_arguments(p: argparse.ArgumentParser, suppress: bool) -> None:
         help="cap max_tokens (default 128; 0 = the trace's output_length)")
     add("--model", default=None, help="model name (default: the first of GET /v1/models)")
     add("--request-timeout", type=float, default=300.0, help="seconds per request")
+    add("--text-prompts", action="store_true", default=False,
+        help="send text prompts (one word per trace token) instead of token ids, so the "
+             "router's and the engines' tokenizers decide the ids (see --model-path)")
     add("--ignore-eos", action="store_true", default=False,
         help="send ignore_eos (vLLM) so real engines produce output_length tokens")
     add("--label", default=None, help="name of the run in the report (default: router mode)")
@@ -317,7 +320,8 @@ def options_from_args(args: argparse.Namespace, label: str) -> BenchOptions:
                         max_output_tokens=args.max_output_tokens or None,
                         trace_block_tokens=args.trace_block_tokens, vocab_size=args.trace_vocab,
                         model=args.model, request_timeout_s=args.request_timeout,
-                        ignore_eos=args.ignore_eos, progress=not args.no_progress, label=label)
+                        ignore_eos=args.ignore_eos, progress=not args.no_progress, label=label,
+                        text_prompts=args.text_prompts)
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
