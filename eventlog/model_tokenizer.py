@@ -29,6 +29,8 @@ from eventlog import tokens
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+# Newer transformers save the template as its own file; it wins over the config's field.
+TEMPLATE_FILE = "chat_template.jinja"
 # transformers passes these special tokens to every chat template as variables.
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                       "cls_token", "mask_token")
@@ -94,11 +96,21 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
         # jinja2 only where a folder has a template: byte-tokenizer deployments never import it.
         from jinja2 import TemplateError
-        from jinja2.ext import loopcontrols
+        from jinja2.ext import Extension, loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+        class GenerationTag(Extension):
+            """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask
+            markers) renders its body unchanged, as it does when masks are not asked for."""
+
+            tags = {"generation"}
+
+            def parse(self, parser: Any) -> Any:
+                next(parser.stream)
+                return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[loopcontrols])
+                                            extensions=[loopcontrols, GenerationTag])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
@@ -172,6 +184,13 @@ class ModelTokenizer:
         self.special_tokens = {k: t for k in SPECIAL_TOKEN_KEYS
                                if (t := _token_text(self.config.get(k))) is not None}
         source = self.config.get("chat_template")
+        template_file = os.path.join(folder, TEMPLATE_FILE)
+        if os.path.isdir(path) and os.path.isfile(template_file):
+            try:
+                with open(template_file, encoding="utf-8") as fh:
+                    source = fh.read()
+            except OSError as exc:
+                raise ModelFolderError(f"cannot read {template_file!r}: {exc}") from exc
         if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, Mapping)}
             source = named.get("default")

@@ -153,3 +153,16 @@ def test_serve_refuses_a_bad_model_path_with_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"jetrouter serve: error: model path {str(tmp_path / 'missing')!r} does not exist"]
+
+
+def test_template_file_and_generation_tags(tiny_model: Path, tmp_path: Path) -> None:
+    """A folder saved by newer transformers keeps the template in chat_template.jinja (it wins
+    over the config's field); {% generation %} markers render their body."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_text((tiny_model / name).read_text())
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m.role }}]{% generation %}{{ m.content }}{% endgeneration %}"
+        "{% endfor %}")
+    assert ModelTokenizer(folder).render_chat(CHAT[1:]) == f"[user]{CHAT[1]['content']}"
