@@ -88,6 +88,9 @@ class RequestRouted(_Event, frozen=True, tag=True):
     ts: float
     candidates: list[CandidateRow] = []
     model: str = ""
+    # Tokens per block the decision was made with (0: not recorded, older messages), so the
+    # predicted reuse in tokens is overlap_blocks * block_size wherever the event is read.
+    block_size: int = 0
 
 
 class PrefillCompleted(_Event, frozen=True, tag=True):
@@ -100,6 +103,9 @@ class RequestFinished(_Event, frozen=True, tag=True):
     outcome: str  # "ok" | "error" | "cancelled" | "migrated" | "expired"
     output_tokens: int
     ts: float
+    # Prompt tokens the engine reports it served from its prefix cache
+    # (usage.prompt_tokens_details.cached_tokens); -1 = the engine did not say (older messages).
+    cached_tokens: int = -1
 
 
 class ReplicaLost(_Event, frozen=True, tag=True):
