@@ -14,7 +14,7 @@ import pytest
 
 from eventlog.events import AllBlocksCleared, BlocksRemoved, BlocksStored, WorkerRegistered
 from eventlog.hashing import adapter_salt, prompt_hashes, tokens_hashes
-from replicas.state import RouterState
+from replicas.state import RouterState, StateConfig
 from workers.bridge.decode import (
     BadPayload,
     EngineCleared,
@@ -39,7 +39,7 @@ def _jsonl(name: str) -> list[dict]:  # type: ignore[type-arg]
 
 
 def _state(worker: str = "w", block_size: int = BS) -> RouterState:
-    state = RouterState()
+    state = RouterState(StateConfig(block_size=block_size))
     state.apply("kv", 1, [WorkerRegistered(worker, "http://e", "tiny", block_size, 256, 8192,
                                            0.0)])
     return state
