@@ -435,3 +435,18 @@ async def test_bridge_refuses_bad_flags_with_one_line(tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, proc.stderr
         assert needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(120)
+async def test_block_size_flag_that_contradicts_the_engine_is_refused(
+        nc: NATS, engine: EngineSim, tmp_path: Path) -> None:
+    """The bridge registers the engine's real block size (here 16, from /metrics); a --block-size
+    that contradicts it is refused before anything is registered."""
+    proc = BridgeProc(engine, nc.connected_url.geturl(), "e1", tmp_path, "--block-size", "32")
+    proc.start()
+    assert proc.proc is not None
+    rc = await until(lambda: proc.proc.poll(), lambda r: r is not None, timeout=60,  # type: ignore[union-attr]
+                     what="bridge exit")
+    assert rc == 2
+    assert "--block-size 32 differs from the engine's block size 16" in proc.log()
+    assert await kv_messages(nc, NAMES.kv_subject("e1")) == []

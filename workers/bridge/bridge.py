@@ -225,6 +225,10 @@ class Bridge:
         self.model = self.s.model or model
         self.loras = loras
         self.engine_start = self.metrics.start_time
+        engine_bs = self.metrics.block_size
+        if self.block_size is not None and engine_bs is not None and engine_bs != self.block_size:
+            raise ConfigError(f"--block-size {self.block_size} differs from the engine's block "
+                              f"size {engine_bs} ({self.s.engine_url}/metrics)")
         if self.block_size is None:
             self.block_size = self.metrics.block_size
         self.kv_total_blocks = self.s.kv_total_blocks or self.metrics.num_gpu_blocks
