@@ -37,7 +37,7 @@ from eventlog.streams import ensure_streams
 from replicas.state import RouterState, StateConfig
 from tests.kvengine import EngineSim
 from tests.waiting import until
-from workers.bridge.bridge import H_EVENT_ID, H_GEN, H_SEQ
+from workers.bridge.resume import H_EVENT_ID, H_GEN, H_SEQ
 from workers.bridge.zmqio import parse_replay_reply, replay, replay_request
 
 NAMES = Names("jr")
