@@ -35,17 +35,34 @@ from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from eventlog.appender import Appender, AppendFailed
-from eventlog.events import Event, WorkerRegistered, WorkerRetired
+from eventlog.events import BlocksRemoved, BlocksStored, Event, WorkerRegistered, WorkerRetired
 from eventlog.names import KV, Names
 from eventlog.streams import ensure_streams
 from workers.bridge.decode import BadPayload, EngineStored, decode_payload
 from workers.bridge.engine_http import EngineHttp, EngineUnavailable, MetricsView
 from workers.bridge.monitor import EngineMonitor
-from workers.bridge.resume import ResumePoint, new_gen, position_headers, resume_point
+from workers.bridge.resume import (
+    H_EVENT_ID,
+    ResumePoint,
+    new_gen,
+    position_headers,
+    resume_point,
+)
 from workers.bridge.translate import CacheMirror, Translator
 from workers.bridge.zmqio import Frame, LiveFeed, ReplayUnavailable, replay
 
 log = logging.getLogger(__name__)
+
+MAX_EVENTS_PER_MESSAGE = 256
+MAX_BLOCKS = 4096  # ~100 KB of msgpack, far below NATS' 1 MB default payload
+
+
+def _size(event: Event) -> int:
+    if isinstance(event, BlocksStored):
+        return len(event.blocks)
+    if isinstance(event, BlocksRemoved):
+        return len(event.block_hashes)
+    return 1
 
 class ConfigError(ValueError):
     """Settings the bridge cannot run with (reported as one line, exit 2)."""
@@ -91,10 +108,15 @@ class Bridge:
         self.engine_start: float | None = None
         self.translator: Translator | None = None
         self.next_event_id = 1
+        self.appended_event_id = 0  # the last event id on the stream (position headers)
         self.mirror = CacheMirror()
         self.mirror_valid = True  # the mirror equals what the index holds for this worker
         self.pending_clear = False
         self.ranks_seen: set[int] = {0}
+        # translated engine batches not appended yet (one message for a run of them)
+        self.out_events: list[Event] = []
+        self.out_first = -1
+        self.out_blocks = 0
         self.metrics = MetricsView()
         self.control: asyncio.Queue[str] = asyncio.Queue()  # handled between batches
         self._stop = asyncio.Event()
@@ -180,6 +202,7 @@ class Bridge:
             self.live_high = point.seq
             self.block_size = point.block_size
             self.next_event_id = point.event_id + 1
+            self.appended_event_id = point.event_id
             self.registered = True
             # The index holds what earlier runs appended, which this process never saw: the
             # mirror is rebuilt below from the engine's replay buffer when it still starts at 0.
@@ -189,6 +212,7 @@ class Bridge:
         else:
             if point is not None:
                 self.next_event_id = point.event_id + 1
+                self.appended_event_id = point.event_id
             log.info("starting %s afresh (gen %s)", self.s.worker_id, self.gen)
         self.live = LiveFeed(self.ctx, self.s.kv_events, self.s.kv_topic)
         self.live.open()
@@ -230,19 +254,45 @@ class Bridge:
 
     # --- appending ---------------------------------------------------------------------------
 
-    def _headers(self) -> dict[str, str]:
-        return position_headers(self.gen, self.last_seq, self.next_event_id - 1,
-                                self.block_size or 0, self.engine_start)
+    def _headers(self, events: list[Event]) -> dict[str, str]:
+        """Position headers of a message holding ``events``, appended after engine batch
+        ``last_seq`` was handled."""
+        event_id = max((e.event_id for e in events if hasattr(e, "event_id")),  # type: ignore[attr-defined]
+                       default=self.appended_event_id)
+        return position_headers(self.gen, self.last_seq, event_id, self.block_size or 0,
+                                self.engine_start)
 
-    async def _append(self, events: list[Event], msg_id: str, headers: dict[str, str]) -> None:
+    async def _append(self, events: list[Event], msg_id: str) -> None:
         """Append one message, retrying until it is stored: its ``event_id``s are taken, so it
-        must land (the same id and bytes every time: stored once)."""
+        must land (the same id and bytes every time: stored once). Whatever the outbox holds
+        goes first, so the stream keeps the engine's order."""
+        await self._flush_out()
+        await self._append_now(events, msg_id)
+
+    async def _flush_out(self) -> None:
+        """Append the engine batches gathered in the outbox as one message.
+
+        Batches that arrive together (a backlog on the SUB socket, a replay) share a message:
+        one JetStream round trip instead of one per engine step. The id names the seq range
+        (``<worker>.<gen>.<first>-<last>``); a restarted bridge may cut ranges differently, and
+        that is safe: equal seqs translate to the same events with the same ``event_id``s from
+        the same resume point, so any overlap is dropped event by event by replicas/state.py."""
+        if not self.out_events:
+            return
+        events, first = self.out_events, self.out_first
+        self.out_events, self.out_blocks = [], 0
+        await self._append_now(events, f"{self.s.worker_id}.{self.gen}.{first}-{self.last_seq}")
+        self.mirror.apply(events)
+
+    async def _append_now(self, events: list[Event], msg_id: str) -> None:
         assert self.appender is not None
+        headers = self._headers(events)
         delay = 0.1
         while True:
             try:
                 await self.appender.append(self.subject, events, msg_id, headers)
                 self.appended += 1
+                self.appended_event_id = int(headers[H_EVENT_ID])
                 return
             except AppendFailed as exc:
                 log.warning("append %s failed (%r); retrying in %.1fs", msg_id, exc.cause, delay)
@@ -257,7 +307,7 @@ class Bridge:
             self.block_size, self.kv_total_blocks, self.s.max_num_batched_tokens,
             self.clock(), dp_size=dp_size, loras=list(self.loras))
         self.translator = Translator(self.s.worker_id, self.block_size, self.next_event_id)
-        await self._append([event], f"{self.s.worker_id}.{self.gen}.registered", self._headers())
+        await self._append([event], f"{self.s.worker_id}.{self.gen}.registered")
         self.registered = True
         self.retired = False
         self.mirror.reset()
@@ -299,9 +349,13 @@ class Bridge:
         self.next_event_id = self.translator.next_event_id
         if not events:
             return
-        await self._append(events, f"{self.s.worker_id}.{self.gen}.{frame.seq}", self._headers())
         self.pending_clear = False
-        self.mirror.apply(events)
+        if not self.out_events:
+            self.out_first = frame.seq
+        self.out_events.extend(events)
+        self.out_blocks += sum(_size(e) for e in events)
+        if len(self.out_events) >= MAX_EVENTS_PER_MESSAGE or self.out_blocks >= MAX_BLOCKS:
+            await self._flush_out()
 
     async def _fill_gap(self, start: int, upto: int | None) -> None:
         """Append batches ``start .. upto-1`` (``upto`` None: all the engine buffers) from the
@@ -342,13 +396,14 @@ class Bridge:
                     "blocks", start, seen_up_to, self.s.worker_id)
 
     async def _flush_clear(self) -> None:
-        """Append a pending clear now (at start-up the next batch may be far away)."""
+        """Append what the outbox holds, and a pending clear now (at start-up the next batch may
+        be far away)."""
+        await self._flush_out()
         if not self.pending_clear or not self.registered or self.translator is None:
             return
         events = self.translator.clear(self.ranks_seen, self.clock())
         self.next_event_id = self.translator.next_event_id
-        await self._append(events, f"{self.s.worker_id}.{self.gen}.{self.last_seq}.clear",
-                           self._headers())
+        await self._append(events, f"{self.s.worker_id}.{self.gen}.{self.last_seq}.clear")
         self.pending_clear = False
         self.mirror.apply(events)
 
@@ -364,6 +419,7 @@ class Bridge:
 
     async def _engine_restarted(self, why: str) -> None:
         """A new engine run: its cache is empty and its seqs start again at 0."""
+        await self._flush_out()  # what the old run sent belongs under the old gen
         self.engine_restarts += 1
         log.warning("engine %s restarted (%s): clearing its blocks", self.s.worker_id, why)
         with contextlib.suppress(EngineUnavailable):
@@ -375,7 +431,7 @@ class Bridge:
             assert self.translator is not None
             events = self.translator.clear(self.ranks_seen, self.clock())
             self.next_event_id = self.translator.next_event_id
-            await self._append(events, f"{self.s.worker_id}.{self.gen}.restart", self._headers())
+            await self._append(events, f"{self.s.worker_id}.{self.gen}.restart")
             self.mirror.apply(events)
             self.mirror.reset()
             self.mirror_valid = True
@@ -394,15 +450,14 @@ class Bridge:
             self.mirror_valid = True
         self.next_event_id = self.translator.next_event_id
         tag = uuid.uuid4().hex[:8]
-        await self._append(events, f"{self.s.worker_id}.{self.gen}.{self.last_seq}.re-{tag}",
-                           self._headers())
+        await self._append(events, f"{self.s.worker_id}.{self.gen}.{self.last_seq}.re-{tag}")
         log.info("re-announced %s: %d events", self.s.worker_id, len(events))
 
     async def _retire(self, reason: str) -> None:
         if not self.registered or self.retired:
             return
         event = WorkerRetired(self.s.worker_id, reason, self.clock())
-        await self._append([event], f"{self.s.worker_id}.{self.gen}.retired", self._headers())
+        await self._append([event], f"{self.s.worker_id}.{self.gen}.retired")
         self.retired = True
         log.warning("retired %s: %s", self.s.worker_id, reason)
 
@@ -415,6 +470,7 @@ class Bridge:
                 await msg.respond(b"ok")
 
     async def control_item(self, item: str) -> None:
+        await self._flush_out()
         if item == "reannounce":
             await self._reannounce()
         elif item == "unhealthy":
@@ -449,6 +505,10 @@ class Bridge:
                 if recv in done:
                     frame, recv = recv.result(), None
                     await self._on_live(frame)
+                    # A backlog goes out in few messages: take what is already queued, then send.
+                    while len(self.out_events) < MAX_EVENTS_PER_MESSAGE and self.live.ready():
+                        await self._on_live(await self.live.receive())
+                    await self._flush_out()
         finally:
             for task in (recv, ctl):
                 if task is not None:
