@@ -5,13 +5,15 @@ Every message the bridge appends to ``<ns>.kv.<worker_id>`` carries headers sayi
 ``Jr-Bridge-Gen`` (a token naming one run of one engine), ``Jr-Engine-Seq`` (the engine's ZMQ
 sequence number of the batch it holds), ``Jr-Event-Id`` (the last ``event_id`` in it),
 ``Jr-Block-Size`` and ``Jr-Engine-Start`` (the engine's ``process_start_time_seconds``, when
-``/metrics`` reports it). The message id is ``<worker_id>.<gen>.<seq>``. A (re)started bridge
-reads the *last* message on its subject (JetStream get-last-by-subject):
+``/metrics`` reports it). The message id is ``<worker_id>.<gen>.<first seq>-<last seq>`` for the
+engine batches it carries. A (re)started bridge reads the *last* message on its subject
+(JetStream get-last-by-subject):
 
 * same engine (same start time, or none reported) and not a retirement -> it resumes: the next
   ``event_id`` follows the header's, and the engine's replay socket is asked for every batch after
-  ``seq``. A batch that was appended but whose ack was lost is re-sent under the same message id
-  with the same content (translation is deterministic), so the stream's duplicate window drops it.
+  ``seq``. A batch that was appended but whose ack was lost is re-sent with the same events and
+  ``event_id``s (translation is deterministic): the stream's duplicate window drops an identical
+  message, and replicas/state.py drops events whose ``event_id`` it has already applied.
 * otherwise (nothing yet, a retirement, another engine run) -> a new ``gen``, a fresh
   ``WorkerRegistered`` (which empties the worker's index on every replica), and a replay from
   seq 0 to learn what the engine cached before the bridge started.
