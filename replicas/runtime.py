@@ -526,7 +526,8 @@ class Replica:
                 raise NoWorkers(f"no usable inference workers: {', '.join(refused)} refused ("
                                 f"{self.state.refusal_reason(refused[0])})")
             raise NoWorkers("no inference workers are registered yet")
-        if req.model not in self.models():
+        if not any(w.model == req.model or req.model in w.loras
+                   for w in self.state.workers.values()):
             raise UnknownModel(req.model, self.models())
         t0 = time.perf_counter()
         seq_hashes = prompt_hashes(req.token_ids, self.config.state.block_size,

@@ -37,7 +37,7 @@ from eventlog.streams import ensure_streams
 from replicas.state import RouterState, StateConfig
 from tests.kvengine import EngineSim
 from tests.waiting import until
-from workers.bridge.bridge import H_EVENT_ID, H_GEN, H_SEQ
+from workers.bridge.resume import H_EVENT_ID, H_GEN, H_SEQ
 from workers.bridge.zmqio import parse_replay_reply, replay, replay_request
 
 NAMES = Names("jr")
@@ -295,7 +295,7 @@ async def test_unreplayable_gap_clears_instead_of_guessing(
     fresh = engine.store([engine.rng.randrange(30_000) for _ in range(3 * engine.block_size)])
     await until(lambda: caught_up(nc, "e1", engine), timeout=60, what="caught up after gap")
     msgs = await kv_messages(nc, NAMES.kv_subject("e1"))
-    first_after = next(evs for _, h, evs in msgs if h.get(H_SEQ) == str(after_gap_seq))
+    first_after = next(evs for _, h, evs in msgs if int(h.get(H_SEQ, -1)) >= after_gap_seq)
     assert isinstance(first_after[0], AllBlocksCleared)
     # Never a wrong index: what it holds, the engine holds (here it knows less).
     state = await state_from_stream(nc, engine.block_size)
@@ -435,3 +435,18 @@ async def test_bridge_refuses_bad_flags_with_one_line(tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, proc.stderr
         assert needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(120)
+async def test_block_size_flag_that_contradicts_the_engine_is_refused(
+        nc: NATS, engine: EngineSim, tmp_path: Path) -> None:
+    """The bridge registers the engine's real block size (here 16, from /metrics); a --block-size
+    that contradicts it is refused before anything is registered."""
+    proc = BridgeProc(engine, nc.connected_url.geturl(), "e1", tmp_path, "--block-size", "32")
+    proc.start()
+    assert proc.proc is not None
+    rc = await until(lambda: proc.proc.poll(), lambda r: r is not None, timeout=60,  # type: ignore[union-attr]
+                     what="bridge exit")
+    assert rc == 2
+    assert "--block-size 32 differs from the engine's block size 16" in proc.log()
+    assert await kv_messages(nc, NAMES.kv_subject("e1")) == []

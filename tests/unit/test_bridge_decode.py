@@ -322,3 +322,14 @@ def test_mirror_reannounce_rebuilds_the_same_index() -> None:
     # ... and applied on top of the old state (a re-announce after a gap) it changes nothing.
     state.apply("kv", seq, mirror.announce(translator, 10.0))
     assert state.digests()["index"] == fresh.digests()["index"]
+
+
+def test_non_integer_token_ids_are_skipped_when_hashed() -> None:
+    translator = Translator("w", 2)
+    out = translator.translate(decode_payload(_payload([
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [1.5, 2], "block_size": 2},
+        {"type": "BlockStored", "block_hashes": [2], "token_ids": ["a", 2], "block_size": 2},
+        {"type": "BlockStored", "block_hashes": [3], "token_ids": [1, 2], "block_size": 2},
+    ])))
+    assert [e.blocks[0][0] for e in out] == [3]  # type: ignore[union-attr]
+    assert translator.skipped == {"malformed": 2}

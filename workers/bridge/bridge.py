@@ -1,24 +1,6 @@
 """The bridge process: one real engine's ZMQ KV events -> ``JR_KV``, its /metrics -> load gauges.
 
-Exactly-once across bridge restarts, without local state
---------------------------------------------------------
-Every message the bridge appends to ``<ns>.kv.<worker_id>`` carries headers saying where it is:
-``Jr-Bridge-Gen`` (a token naming one run of one engine), ``Jr-Engine-Seq`` (the engine's ZMQ
-sequence number of the batch it holds), ``Jr-Event-Id`` (the last ``event_id`` in it),
-``Jr-Block-Size`` and ``Jr-Engine-Start`` (the engine's ``process_start_time_seconds``, when
-``/metrics`` reports it). The message id is ``<worker_id>.<gen>.<seq>``. A (re)started bridge
-reads the *last* message on its subject (JetStream get-last-by-subject):
-
-* same engine (same start time, or none reported) and not a retirement -> it resumes: the next
-  ``event_id`` follows the header's, and the engine's replay socket is asked for every batch after
-  ``seq``. A batch that was appended but whose ack was lost is re-sent under the same message id
-  with the same content (translation is deterministic), so the stream's duplicate window drops it.
-* otherwise (nothing yet, a retirement, another engine run) -> a new ``gen``, a fresh
-  ``WorkerRegistered`` (which empties the worker's index on every replica), and a replay from
-  seq 0 to learn what the engine cached before the bridge started.
-
-``event_id`` keeps increasing across bridge restarts (it resumes from the header), so a restart is
-neither a gap nor a duplicate for replicas/state.py.
+Exactly-once across bridge restarts: see workers/bridge/resume.py.
 
 Sequence discipline (one task appends, in engine order)
 -------------------------------------------------------
@@ -40,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -54,28 +35,34 @@ from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from eventlog.appender import Appender, AppendFailed
-from eventlog.events import (
-    Event,
-    MalformedMessage,
-    WorkerRegistered,
-    WorkerRetired,
-    decode_batch,
-)
+from eventlog.events import BlocksRemoved, BlocksStored, Event, WorkerRegistered, WorkerRetired
 from eventlog.names import KV, Names
 from eventlog.streams import ensure_streams
 from workers.bridge.decode import BadPayload, EngineStored, decode_payload
 from workers.bridge.engine_http import EngineHttp, EngineUnavailable, MetricsView
+from workers.bridge.monitor import EngineMonitor
+from workers.bridge.resume import (
+    H_EVENT_ID,
+    ResumePoint,
+    new_gen,
+    position_headers,
+    resume_point,
+)
 from workers.bridge.translate import CacheMirror, Translator
 from workers.bridge.zmqio import Frame, LiveFeed, ReplayUnavailable, replay
 
 log = logging.getLogger(__name__)
 
-H_GEN = "Jr-Bridge-Gen"
-H_SEQ = "Jr-Engine-Seq"
-H_EVENT_ID = "Jr-Event-Id"
-H_BLOCK_SIZE = "Jr-Block-Size"
-H_START = "Jr-Engine-Start"
+MAX_EVENTS_PER_MESSAGE = 256
+MAX_BLOCKS = 4096  # ~100 KB of msgpack, far below NATS' 1 MB default payload
 
+
+def _size(event: Event) -> int:
+    if isinstance(event, BlocksStored):
+        return len(event.blocks)
+    if isinstance(event, BlocksRemoved):
+        return len(event.block_hashes)
+    return 1
 
 class ConfigError(ValueError):
     """Settings the bridge cannot run with (reported as one line, exit 2)."""
@@ -101,52 +88,18 @@ class BridgeSettings:
     replay_timeout: float = 5.0
 
 
-@dataclass(frozen=True, slots=True)
-class ResumePoint:
-    gen: str
-    seq: int
-    event_id: int
-    block_size: int
-    engine_start: float | None
-
-
-def resume_point(headers: dict[str, str] | None, data: bytes) -> ResumePoint | None:
-    """Where a previous bridge left off, from the last message on the subject (None: start
-    afresh — nothing there, not a bridge message, or the worker was retired)."""
-    if not headers or H_GEN not in headers:
-        return None
-    try:
-        events = decode_batch(data)
-    except MalformedMessage:
-        return None
-    if any(isinstance(e, WorkerRetired) for e in events):
-        return None
-    try:
-        start = headers.get(H_START) or ""
-        return ResumePoint(gen=headers[H_GEN], seq=int(headers[H_SEQ]),
-                           event_id=int(headers[H_EVENT_ID]),
-                           block_size=int(headers[H_BLOCK_SIZE]),
-                           engine_start=float(start) if start else None)
-    except (KeyError, ValueError):
-        return None
-
-
-def _new_gen() -> str:
-    return uuid.uuid4().hex[:12]
-
-
 class Bridge:
     def __init__(self, settings: BridgeSettings, *, clock: Callable[[], float] = time.time) -> None:
         self.s = settings
         self.names = Names(settings.namespace)
         self.subject = self.names.kv_subject(settings.worker_id)
-        self._clock = clock
+        self.clock = clock
         self.engine = EngineHttp(settings.engine_url)
         self.ctx = zmq.asyncio.Context()
         self.nc: NatsClient | None = None
         self.appender: Appender | None = None
         # where we are
-        self.gen = _new_gen()
+        self.gen = new_gen()
         self.last_seq = -1  # engine seq of the last batch handled in this gen
         self.live_high = -1  # highest seq seen on the live socket in this engine run
         self.registered = False
@@ -155,14 +108,18 @@ class Bridge:
         self.engine_start: float | None = None
         self.translator: Translator | None = None
         self.next_event_id = 1
+        self.appended_event_id = 0  # the last event id on the stream (position headers)
         self.mirror = CacheMirror()
         self.mirror_valid = True  # the mirror equals what the index holds for this worker
         self.pending_clear = False
         self.ranks_seen: set[int] = {0}
+        # translated engine batches not appended yet (one message for a run of them)
+        self.out_events: list[Event] = []
+        self.out_first = -1
+        self.out_blocks = 0
         self.metrics = MetricsView()
-        self._control: asyncio.Queue[str] = asyncio.Queue()
+        self.control: asyncio.Queue[str] = asyncio.Queue()  # handled between batches
         self._stop = asyncio.Event()
-        self._unhealthy_since: float | None = None
         # counters (logged at exit; tests read them in-process)
         self.appended = 0
         self.replayed = 0
@@ -225,6 +182,10 @@ class Bridge:
         self.model = self.s.model or model
         self.loras = loras
         self.engine_start = self.metrics.start_time
+        engine_bs = self.metrics.block_size
+        if self.block_size is not None and engine_bs is not None and engine_bs != self.block_size:
+            raise ConfigError(f"--block-size {self.block_size} differs from the engine's block "
+                              f"size {engine_bs} ({self.s.engine_url}/metrics)")
         if self.block_size is None:
             self.block_size = self.metrics.block_size
         self.kv_total_blocks = self.s.kv_total_blocks or self.metrics.num_gpu_blocks
@@ -241,6 +202,7 @@ class Bridge:
             self.live_high = point.seq
             self.block_size = point.block_size
             self.next_event_id = point.event_id + 1
+            self.appended_event_id = point.event_id
             self.registered = True
             # The index holds what earlier runs appended, which this process never saw: the
             # mirror is rebuilt below from the engine's replay buffer when it still starts at 0.
@@ -250,6 +212,7 @@ class Bridge:
         else:
             if point is not None:
                 self.next_event_id = point.event_id + 1
+                self.appended_event_id = point.event_id
             log.info("starting %s afresh (gen %s)", self.s.worker_id, self.gen)
         self.live = LiveFeed(self.ctx, self.s.kv_events, self.s.kv_topic)
         self.live.open()
@@ -291,21 +254,45 @@ class Bridge:
 
     # --- appending ---------------------------------------------------------------------------
 
-    def _headers(self) -> dict[str, str]:
-        return {H_GEN: self.gen, H_SEQ: str(self.last_seq),
-                H_EVENT_ID: str(self.next_event_id - 1),
-                H_BLOCK_SIZE: str(self.block_size or 0),
-                H_START: "" if self.engine_start is None else repr(self.engine_start)}
+    def _headers(self, events: list[Event]) -> dict[str, str]:
+        """Position headers of a message holding ``events``, appended after engine batch
+        ``last_seq`` was handled."""
+        event_id = max((e.event_id for e in events if hasattr(e, "event_id")),  # type: ignore[attr-defined]
+                       default=self.appended_event_id)
+        return position_headers(self.gen, self.last_seq, event_id, self.block_size or 0,
+                                self.engine_start)
 
-    async def _append(self, events: list[Event], msg_id: str, headers: dict[str, str]) -> None:
+    async def _append(self, events: list[Event], msg_id: str) -> None:
         """Append one message, retrying until it is stored: its ``event_id``s are taken, so it
-        must land (the same id and bytes every time: stored once)."""
+        must land (the same id and bytes every time: stored once). Whatever the outbox holds
+        goes first, so the stream keeps the engine's order."""
+        await self._flush_out()
+        await self._append_now(events, msg_id)
+
+    async def _flush_out(self) -> None:
+        """Append the engine batches gathered in the outbox as one message.
+
+        Batches that arrive together (a backlog on the SUB socket, a replay) share a message:
+        one JetStream round trip instead of one per engine step. The id names the seq range
+        (``<worker>.<gen>.<first>-<last>``); a restarted bridge may cut ranges differently, and
+        that is safe: equal seqs translate to the same events with the same ``event_id``s from
+        the same resume point, so any overlap is dropped event by event by replicas/state.py."""
+        if not self.out_events:
+            return
+        events, first = self.out_events, self.out_first
+        self.out_events, self.out_blocks = [], 0
+        await self._append_now(events, f"{self.s.worker_id}.{self.gen}.{first}-{self.last_seq}")
+        self.mirror.apply(events)
+
+    async def _append_now(self, events: list[Event], msg_id: str) -> None:
         assert self.appender is not None
+        headers = self._headers(events)
         delay = 0.1
         while True:
             try:
                 await self.appender.append(self.subject, events, msg_id, headers)
                 self.appended += 1
+                self.appended_event_id = int(headers[H_EVENT_ID])
                 return
             except AppendFailed as exc:
                 log.warning("append %s failed (%r); retrying in %.1fs", msg_id, exc.cause, delay)
@@ -318,9 +305,9 @@ class Bridge:
         event = WorkerRegistered(
             self.s.worker_id, self.s.advertise_url or self.s.engine_url, self.model,
             self.block_size, self.kv_total_blocks, self.s.max_num_batched_tokens,
-            self._clock(), dp_size=dp_size, loras=list(self.loras))
+            self.clock(), dp_size=dp_size, loras=list(self.loras))
         self.translator = Translator(self.s.worker_id, self.block_size, self.next_event_id)
-        await self._append([event], f"{self.s.worker_id}.{self.gen}.registered", self._headers())
+        await self._append([event], f"{self.s.worker_id}.{self.gen}.registered")
         self.registered = True
         self.retired = False
         self.mirror.reset()
@@ -362,9 +349,13 @@ class Bridge:
         self.next_event_id = self.translator.next_event_id
         if not events:
             return
-        await self._append(events, f"{self.s.worker_id}.{self.gen}.{frame.seq}", self._headers())
         self.pending_clear = False
-        self.mirror.apply(events)
+        if not self.out_events:
+            self.out_first = frame.seq
+        self.out_events.extend(events)
+        self.out_blocks += sum(_size(e) for e in events)
+        if len(self.out_events) >= MAX_EVENTS_PER_MESSAGE or self.out_blocks >= MAX_BLOCKS:
+            await self._flush_out()
 
     async def _fill_gap(self, start: int, upto: int | None) -> None:
         """Append batches ``start .. upto-1`` (``upto`` None: all the engine buffers) from the
@@ -405,13 +396,14 @@ class Bridge:
                     "blocks", start, seen_up_to, self.s.worker_id)
 
     async def _flush_clear(self) -> None:
-        """Append a pending clear now (at start-up the next batch may be far away)."""
+        """Append what the outbox holds, and a pending clear now (at start-up the next batch may
+        be far away)."""
+        await self._flush_out()
         if not self.pending_clear or not self.registered or self.translator is None:
             return
-        events = self.translator.clear(self.ranks_seen, self._clock())
+        events = self.translator.clear(self.ranks_seen, self.clock())
         self.next_event_id = self.translator.next_event_id
-        await self._append(events, f"{self.s.worker_id}.{self.gen}.{self.last_seq}.clear",
-                           self._headers())
+        await self._append(events, f"{self.s.worker_id}.{self.gen}.{self.last_seq}.clear")
         self.pending_clear = False
         self.mirror.apply(events)
 
@@ -427,18 +419,19 @@ class Bridge:
 
     async def _engine_restarted(self, why: str) -> None:
         """A new engine run: its cache is empty and its seqs start again at 0."""
+        await self._flush_out()  # what the old run sent belongs under the old gen
         self.engine_restarts += 1
         log.warning("engine %s restarted (%s): clearing its blocks", self.s.worker_id, why)
         with contextlib.suppress(EngineUnavailable):
             self.engine_start = (await self.engine.metrics()).start_time
-        self.gen = _new_gen()
+        self.gen = new_gen()
         self.last_seq = -1
         self.live_high = -1
         if self.registered and not self.retired:
             assert self.translator is not None
-            events = self.translator.clear(self.ranks_seen, self._clock())
+            events = self.translator.clear(self.ranks_seen, self.clock())
             self.next_event_id = self.translator.next_event_id
-            await self._append(events, f"{self.s.worker_id}.{self.gen}.restart", self._headers())
+            await self._append(events, f"{self.s.worker_id}.{self.gen}.restart")
             self.mirror.apply(events)
             self.mirror.reset()
             self.mirror_valid = True
@@ -448,7 +441,7 @@ class Bridge:
         if not self.registered or self.retired or self.translator is None:
             return
         self.reannounces += 1
-        ts = self._clock()
+        ts = self.clock()
         if self.mirror_valid:
             events = self.mirror.announce(self.translator, ts, self.ranks_seen)
         else:  # this process did not see the whole history: a clear is the truth we can tell
@@ -457,34 +450,34 @@ class Bridge:
             self.mirror_valid = True
         self.next_event_id = self.translator.next_event_id
         tag = uuid.uuid4().hex[:8]
-        await self._append(events, f"{self.s.worker_id}.{self.gen}.{self.last_seq}.re-{tag}",
-                           self._headers())
+        await self._append(events, f"{self.s.worker_id}.{self.gen}.{self.last_seq}.re-{tag}")
         log.info("re-announced %s: %d events", self.s.worker_id, len(events))
 
     async def _retire(self, reason: str) -> None:
         if not self.registered or self.retired:
             return
-        event = WorkerRetired(self.s.worker_id, reason, self._clock())
-        await self._append([event], f"{self.s.worker_id}.{self.gen}.retired", self._headers())
+        event = WorkerRetired(self.s.worker_id, reason, self.clock())
+        await self._append([event], f"{self.s.worker_id}.{self.gen}.retired")
         self.retired = True
         log.warning("retired %s: %s", self.s.worker_id, reason)
 
     # --- control items, handled between batches by the one appending task -----------------
 
     async def _on_reannounce(self, msg: Msg) -> None:
-        self._control.put_nowait("reannounce")
+        self.control.put_nowait("reannounce")
         if msg.reply:
             with contextlib.suppress(Exception):
                 await msg.respond(b"ok")
 
-    async def _control_item(self, item: str) -> None:
+    async def control_item(self, item: str) -> None:
+        await self._flush_out()
         if item == "reannounce":
             await self._reannounce()
         elif item == "unhealthy":
             await self._retire("engine unhealthy")
         elif item == "recovered" and self.retired:
             # The engine may be a new run, or the old one with its cache: start over from seq 0.
-            self.gen = _new_gen()
+            self.gen = new_gen()
             self.last_seq = self.live_high = -1
             self.registered = False
             self.pending_clear = False
@@ -504,72 +497,22 @@ class Bridge:
         try:
             while True:
                 recv = recv or asyncio.create_task(self.live.receive())
-                ctl = ctl or asyncio.create_task(self._control.get())
+                ctl = ctl or asyncio.create_task(self.control.get())
                 done, _ = await asyncio.wait({recv, ctl}, return_when=asyncio.FIRST_COMPLETED)
                 if ctl in done:
                     item, ctl = ctl.result(), None
-                    await self._control_item(item)
+                    await self.control_item(item)
                 if recv in done:
                     frame, recv = recv.result(), None
                     await self._on_live(frame)
+                    # A backlog goes out in few messages: take what is already queued, then send.
+                    while len(self.out_events) < MAX_EVENTS_PER_MESSAGE and self.live.ready():
+                        await self._on_live(await self.live.receive())
+                    await self._flush_out()
         finally:
             for task in (recv, ctl):
                 if task is not None:
                     task.cancel()
-
-    # --- periodic loops ----------------------------------------------------------------------
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.s.health_interval)
-            healthy = await self.engine.healthy()
-            now = time.monotonic()
-            if healthy:
-                if self._unhealthy_since is not None and self.retired:
-                    self._control.put_nowait("recovered")
-                self._unhealthy_since = None
-                continue
-            if self._unhealthy_since is None:
-                self._unhealthy_since = now
-            elif now - self._unhealthy_since >= self.s.unhealthy_after and not self.retired:
-                self._control.put_nowait("unhealthy")
-
-    async def _load_loop(self) -> None:
-        subject = self.names.load_subject(self.s.worker_id)
-        while True:
-            try:
-                view = await self.engine.metrics()
-            except EngineUnavailable:
-                view = None
-            if view is not None:
-                self.metrics = view
-                if (view.start_time is not None and self.engine_start is not None
-                        and view.start_time != self.engine_start):
-                    self.engine_start = view.start_time
-                    self._control.put_nowait("engine_restarted")
-                nc = self.nc
-                if self.registered and not self.retired and nc is not None and nc.is_connected:
-                    for payload in self._gauges(view):
-                        with contextlib.suppress(Exception):
-                            await nc.publish(subject, json.dumps(payload).encode())
-            await asyncio.sleep(self.s.load_interval)
-
-    def _gauges(self, view: MetricsView) -> list[dict[str, object]]:
-        """Load per dp rank in the simulated worker's JSON shape (workers/scheduler.py load)."""
-        total = self.kv_total_blocks or 0
-        per_rank = max(1, total)
-        out: list[dict[str, object]] = []
-        for rank, load in sorted((view.load or {0: {}}).items()):
-            usage = float(load.get("kv_usage", 0.0))
-            out.append({
-                "worker_id": self.s.worker_id, "ts": self._clock(), "dp_rank": rank,
-                "active_decode_blocks": round(usage * per_rank),
-                "kv_total_blocks": total,
-                "kv_usage": usage,
-                "num_running": int(load.get("num_running", 0)),
-                "num_waiting": int(load.get("num_waiting", 0)),
-            })
-        return out
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -589,9 +532,10 @@ class Bridge:
             return
         stopping.cancel()
         starting.result()  # raises ConfigError
+        monitor = EngineMonitor(self)
         tasks = [asyncio.create_task(self._events_loop(), name="bridge-events"),
-                 asyncio.create_task(self._health_loop(), name="bridge-health"),
-                 asyncio.create_task(self._load_loop(), name="bridge-load")]
+                 asyncio.create_task(monitor.health_loop(), name="bridge-health"),
+                 asyncio.create_task(monitor.load_loop(), name="bridge-load")]
         stopper = asyncio.create_task(self._stop.wait())
         try:
             done, _ = await asyncio.wait({*tasks, stopper}, return_when=asyncio.FIRST_COMPLETED)

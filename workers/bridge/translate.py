@@ -97,7 +97,11 @@ class Translator:
         if len(event.token_ids) != n * self.block_size:
             self._skip("token_count_mismatch")
             return None
-        local = tokens_hashes(event.token_ids, self.block_size)
+        try:
+            local = tokens_hashes(event.token_ids, self.block_size)
+        except ValueError:  # a token id that is not an integer
+            self._skip("malformed")
+            return None
         salt = adapter_salt(adapter_of(event))
         extra = event.extra_keys or ()
         pairs: list[tuple[int, int]] = []

@@ -82,6 +82,10 @@ class LiveFeed:
                     return Frame(parse_seq(frames[1]), frames[2])
             self.bad_frames += 1
 
+    def ready(self) -> bool:
+        """A message is queued (the next :meth:`receive` will not wait for the engine)."""
+        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
     def close(self) -> None:
         self.sock.close(linger=0)
 
