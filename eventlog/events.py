@@ -50,6 +50,9 @@ class WorkerRegistered(_Event, frozen=True, tag=True):
     max_num_batched_tokens: Count
     ts: Ts
     dp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    # LoRA adapters the engine serves besides ``model`` (requests naming one route here, and
+    # their blocks hash under the adapter's salt: eventlog.hashing.adapter_salt).
+    loras: list[str] = []
 
 
 class WorkerRetired(_Event, frozen=True, tag=True):
@@ -65,6 +68,9 @@ class BlocksStored(_Event, frozen=True, tag=True):
     parent_hash: Hash | None
     blocks: list[BlockPair]
     ts: Ts
+    # Storage tier the blocks went to; None = the device (GPU) tier. Only device blocks count
+    # for prefix overlap (replicas/state.py): others are carried, counted and not indexed.
+    medium: str | None = None
 
 
 class BlocksRemoved(_Event, frozen=True, tag=True):
@@ -73,6 +79,7 @@ class BlocksRemoved(_Event, frozen=True, tag=True):
     dp_rank: Rank
     block_hashes: list[Hash]
     ts: Ts
+    medium: str | None = None  # tier the blocks left; None = the device (GPU) tier
 
 
 class AllBlocksCleared(_Event, frozen=True, tag=True):
@@ -98,6 +105,9 @@ class RequestRouted(_Event, frozen=True, tag=True):
     ts: Ts
     candidates: list[CandidateRow] = []
     model: str = ""
+    # Tokens per block the decision was made with (0: not recorded, older messages), so the
+    # predicted reuse in tokens is overlap_blocks * block_size wherever the event is read.
+    block_size: Annotated[int, msgspec.Meta(ge=0, le=2**16)] = 0
 
 
 class PrefillCompleted(_Event, frozen=True, tag=True):
@@ -110,6 +120,9 @@ class RequestFinished(_Event, frozen=True, tag=True):
     outcome: str  # "ok" | "error" | "cancelled" | "migrated" | "expired"
     output_tokens: Count
     ts: Ts
+    # Prompt tokens the engine reports it served from its prefix cache
+    # (usage.prompt_tokens_details.cached_tokens); -1 = the engine did not say (older messages).
+    cached_tokens: Annotated[int, msgspec.Meta(ge=-1, lt=2**53)] = -1
 
 
 class ReplicaLost(_Event, frozen=True, tag=True):
