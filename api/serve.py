@@ -12,6 +12,14 @@ from typing import Any
 
 import uvicorn
 
+from eventlog.connect import (
+    NatsConnectFatal,
+    NatsOptionsError,
+    add_nats_arguments,
+    check_connect_sync,
+    check_files,
+    options_from_args,
+)
 from replicas.runtime import Replica, ReplicaConfig
 from replicas.selection import BusyThresholds, RoutingConfig
 from replicas.state import StateConfig
@@ -122,6 +130,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds an open circuit breaker waits before its half-open trial")
     s.add_argument("--no-snapshots", dest="durable", action="store_false",
                    help=argparse.SUPPRESS)
+    add_nats_arguments(p)
 
 
 def _default_db(data_dir: str) -> str:
@@ -168,6 +177,7 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
         canary_interval=args.canary_interval,
         canary_timeout=args.canary_timeout,
         canary_recovery_timeout=args.canary_recovery_timeout,
+        nats=options_from_args(args, check=False),  # files are checked by run()
     )
 
 
@@ -176,7 +186,16 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = build_config(args)
+    from api.cli import CliError
+
+    try:
+        config = build_config(args)
+        check_files(config.nats_options)
+        # One connection before anything starts: a wrong password or an untrusted certificate
+        # is one line and exit 2 here, not a replica that retries forever.
+        check_connect_sync(config.nats_options, name=config.replica_id)
+    except (NatsOptionsError, NatsConnectFatal) as exc:
+        raise CliError(str(exc)) from None
     Path(args.data_dir).mkdir(parents=True, exist_ok=True)
     replica = Replica(config)
     app = create_app(replica, AppConfig(max_prompt_tokens=args.max_prompt_tokens,

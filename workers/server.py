@@ -25,6 +25,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from eventlog.connect import NatsOptions
 from eventlog.events import WorkerRegistered
 from eventlog.names import Names, check_token
 from eventlog.tokens import decode
@@ -58,6 +59,7 @@ class WorkerSettings:
     default_max_tokens: int = 256  # chat requests without max_tokens
     shutdown_timeout: float = 30.0
     load_interval: float = 0.5
+    nats: NatsOptions = field(default_factory=NatsOptions)  # credentials and TLS
 
 
 class WorkerRuntime:
@@ -70,7 +72,8 @@ class WorkerRuntime:
         self.faults = FaultState()
         self.publisher = KvPublisher(
             settings.nats_url, Names(settings.namespace), settings.worker_id, self.incarnation,
-            dump=self._dump, load=self._loads, load_interval=settings.load_interval)
+            dump=self._dump, load=self._loads, load_interval=settings.load_interval,
+            nats=settings.nats)
         rng = random.SystemRandom()
         self.engines = [
             Engine(settings.engine, dp_rank=rank, salt=rng.getrandbits(64), faults=self.faults,
