@@ -9,13 +9,14 @@ streams are per account); each identity gets publish/subscribe permissions from 
   itself, whose ack comes back on its inbox) and its load gauges ``<ns>.load.W``; receive only
   re-announce requests for itself or for all. It cannot create, update or purge streams, cannot
   touch the router or control streams, the heartbeat/lease buckets or the snapshot store.
-* **replica**, id ``R``: its own router subject, the control subjects except ``reset``, the
-  heartbeat and lease KV buckets, the snapshot object store, and the JetStream API calls on the
-  jetrouter streams only. Because any replica may become the leader, it also holds rights one
-  would rather not give (docs/design-notes.md lists them): publishing ``ReplicaLost`` on *other*
-  replicas' router subjects and ``WorkerRetired`` on engines' KV subjects, purging the streams
-  (snapshot → purge), and creating/updating the jetrouter streams (idempotent set-up at start).
-* **admin**: everything, including ``<ns>.control.reset`` and stream deletion.
+* **replica**, id ``R``: its own router subject, the control subjects, the heartbeat and lease KV
+  buckets, the snapshot object store, and the JetStream API calls on the jetrouter streams only
+  (no stream deletion, nothing outside jetrouter's streams). Because any replica may become the
+  leader, it also holds rights one would rather not give (docs/design-notes.md lists them):
+  ``ReplicaLost`` on *other* replicas' router subjects, ``WorkerRetired`` on engines' KV
+  subjects, purging the streams (snapshot → purge), ``<ns>.control.reset`` (the leader carries
+  out ``POST /admin/reset``), and creating/updating the jetrouter streams (set-up at start).
+* **admin**: everything, including stream deletion; the identity for operators' tools.
 
 :func:`render` writes the configuration (users with plain or ``$ENV``-referenced passwords or
 NKey public keys, optional TLS); ``deploy/nats/`` holds the rendering used by ``compose.yaml``.
@@ -109,7 +110,6 @@ def permissions(role: str, ident: str, names: Names) -> Permissions | None:
                      f"{ns}.reannounce.*", f"{ns}.health.report",
                      f"$KV.{names.replicas_bucket}.>", f"$KV.{names.leases_bucket}.>",
                      f"$O.{names.snapshot_bucket}.>", *api),
-            publish_deny=(names.control_subject("reset"),),
             subscribe=("_INBOX.>", f"{ns}.load.*", f"{ns}.admin.*", f"{ns}.health.report",
                        f"$KV.{names.leases_bucket}.>"),
         )
