@@ -162,6 +162,25 @@ def parse_haproxy(text: str) -> HAProxyConfig:
             cfg.problems.append("requests whose connection failed are not retried")
         if "option redispatch" not in last:
             cfg.problems.append("retries stay on the failed replica (add `option redispatch`)")
+        if "empty-response" not in retry_on[1:]:
+            cfg.problems.append("a request that reached a replica as it died fails (add "
+                                "`empty-response` to retry-on)")
+        l7 = {"empty-response", "response-timeout"} & set(retry_on[1:]) or any(
+            c.endswith("xx") or c.isdigit() for c in retry_on[1:])
+        if l7 and not any(w[:2] == ["http-request", "disable-l7-retry"] for w in scope):
+            cfg.problems.append("admin writes may be retried after reaching a replica (two "
+                                "resets): add `http-request disable-l7-retry` for them")
+        connect = _haproxy_seconds(last.get("timeout connect", ["timeout", "connect", "5s"])[2])
+        if connect > 0.5:
+            cfg.problems.append(f"`timeout connect` {connect:g} s holds requests to a vanished "
+                                "replica that long (want <= 500ms)")
+        for w in servers:
+            words = [x for d in default_server for x in d[1:]] + w[3:]
+            opts = {k: v for k, v in zip(words, [*words[1:], ""], strict=True)}
+            out = _haproxy_seconds(opts.get("inter", "2s")) * int(opts.get("fall", "3") or 3)
+            if out > 1.5:
+                cfg.problems.append(f"server {w[1]}: a dead replica stays in rotation ~{out:g} s "
+                                    "(inter x fall; want <= 1.5 s)")
         server_timeout = last.get("timeout server", ["timeout", "server", "0"])
         if _haproxy_seconds(server_timeout[2]) < 60:
             cfg.problems.append("`timeout server` under 60 s cuts long streamed generations")
@@ -236,6 +255,9 @@ class ComposeChecker:
         self.services: dict[str, Service] = {}
         self.doc: dict[str, Any] = {}
         self.dockerfiles: dict[Path, dict[str, list[str]]] = {}
+        # `${VAR:?message}`: the user must set VAR to start the stack (a secret with no default).
+        # Unset here, it becomes a placeholder: required is not wrong.
+        self.required: dict[str, str] = {}             # name -> value or placeholder
 
     def rel(self, path: Path) -> str:
         return os.path.relpath(path, self.root)
@@ -264,6 +286,9 @@ class ComposeChecker:
                 return arg if unset else str(val)
             if op.endswith("+"):
                 return "" if unset else arg
+            if op.endswith("?"):
+                self.required[name] = f"<{name}>" if unset else str(val)
+                return self.required[name]
             if unset:
                 self.problem(where, f"variable {name} is not set and has no default"
                              + (f" ({arg})" if op.endswith("?") else ""))
@@ -378,6 +403,10 @@ class ComposeChecker:
                          "use 0.0.0.0")
         if verb == "serve" and not args.replica_id:
             self.problem(where, "no --replica-id: each restart would join as a new replica")
+        if verb == "serve" and args.admin_token is not None and (
+                args.admin_token not in self.required.values()):
+            self.problem(where, "the admin token has a fixed or default value (anyone who reads "
+                         "this file can reset the cluster): use ${JETROUTER_ADMIN_TOKEN:?...}")
         if verb == "worker":
             url = urlsplit(args.advertise_url or "")
             names = {svc.name, svc.spec.get("hostname"), svc.spec.get("container_name")}
@@ -603,6 +632,13 @@ class ComposeChecker:
 
     def check_grafana(self, svc: Service) -> None:
         svc.ports = {3000}
+        env = svc.spec.get("environment") or {}
+        if isinstance(env, list):
+            env = dict(e.split("=", 1) if "=" in e else (e, "") for e in env)
+        password = env.get("GF_SECURITY_ADMIN_PASSWORD")
+        if password is None or str(password) not in self.required.values():
+            self.problem(f"service {svc.name}", "Grafana's admin password has a default "
+                         "(admin/admin when unset): use ${GRAFANA_ADMIN_PASSWORD:?...}")
         prov = self.mounted_file(svc, "/etc/grafana/provisioning")
         if prov is None:
             return
@@ -647,6 +683,26 @@ class ComposeChecker:
                 StopIteration) as exc:
             self.problem(where, f"could not be checked ({type(exc).__name__}: {exc})")
 
+    def check_image_builds(self) -> None:
+        """One build per image: several services building one tag run parallel builds that each
+        produce an image id, and a later plain `up -d` recreates every service whose id changed.
+        Services using an image another service builds must not pull it (no registry has it)."""
+        builders: dict[str, list[str]] = {}
+        for svc in self.services.values():
+            if "build" in svc.spec:
+                builders.setdefault(str(svc.spec.get("image", "")), []).append(svc.name)
+        for image, names in builders.items():
+            if len(names) > 1:
+                self.problem(self.path.name, f"services {', '.join(names)} all build {image!r}: "
+                             "let one build it and the others use `image:` only")
+        for svc in self.services.values():
+            image = str(svc.spec.get("image", ""))
+            if "build" not in svc.spec and image in builders and svc.spec.get(
+                    "pull_policy") not in ("never",):
+                self.problem(f"service {svc.name}", f"runs {image!r}, built by "
+                             f"{builders[image][0]}, without `pull_policy: never` (compose "
+                             "would try to pull it)")
+
     def check_ids_and_block_sizes(self) -> None:
         for verb, attr in (("serve", "replica_id"), ("worker", "worker_id")):
             ids = [getattr(s.args, attr) for s in self.by_verb(verb).values() if s.args]
@@ -681,6 +737,7 @@ class ComposeChecker:
         if not any(s.kind == "haproxy" for s in services):
             self.problem(self.path.name, "no HAProxy load balancer in front of the replicas")
         self.check_ids_and_block_sizes()
+        self.check_image_builds()
         for svc in services:
             for check in (self.check_healthcheck, self.check_ports, self.check_volumes):
                 self.guarded(f"service {svc.name}", check, svc)
@@ -713,6 +770,13 @@ def check_compose(path: str | os.PathLike[str],
     return ComposeChecker(Path(path).resolve(), environ or {}).run()
 
 
+def required_variables(path: str | os.PathLike[str]) -> list[str]:
+    """The ``${VAR:?...}`` variables the file needs set to start (secrets without defaults)."""
+    checker = ComposeChecker(Path(path).resolve(), {})
+    checker.load()
+    return sorted(checker.required)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of a `jetrouter check-config` verb (api/cli.py VERBS entry, if the lead adds one)."""
     parser.add_argument("compose", nargs="?", default="compose.yaml",
@@ -728,8 +792,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for line in problems:
         print(line)
+    required = required_variables(args.compose)
     print(f"checkconfig: {args.compose}: "
-          + (f"{len(problems)} problem(s)" if problems else "ok"), file=sys.stderr)
+          + (f"{len(problems)} problem(s)" if problems else "ok")
+          + (f" (to start it, set {', '.join(required)})" if required else ""), file=sys.stderr)
     return 1 if problems else 0
 
 
