@@ -246,9 +246,43 @@ def _jetrouter_env(env: Mapping[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
+# Lists Compose merges across files (`-f a.yaml -f b.yaml`) instead of replacing: volumes by
+# their container path, the others by value.
+_MERGED_BY_TARGET = ("volumes", "devices", "secrets", "configs")
+_CONCATENATED = ("ports", "expose", "dns", "dns_search", "external_links", "tmpfs")
+
+
+def _target(entry: Any) -> str:
+    if isinstance(entry, dict):
+        return str(entry.get("target") or entry.get("source"))
+    text = str(entry)
+    return text.split(":")[1] if ":" in text else text
+
+
+def merge_compose(base: Any, override: Any, key: str = "") -> Any:
+    """``override`` applied to ``base`` the way ``docker compose -f base -f override`` does
+    for what this checker reads: mappings merge key by key, ``command``/``entrypoint`` and
+    other scalars or lists are replaced, volumes/secrets merge by target, ports concatenate."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for k, v in override.items():
+            out[k] = merge_compose(base[k], v, k) if k in base else v
+        return out
+    if isinstance(base, list) and isinstance(override, list):
+        if key in _MERGED_BY_TARGET:
+            merged = {_target(e): e for e in base}
+            merged.update({_target(e): e for e in override})
+            return list(merged.values())
+        if key in _CONCATENATED:
+            return base + [e for e in override if e not in base]
+    return override
+
+
 class ComposeChecker:
-    def __init__(self, path: Path, environ: Mapping[str, str]) -> None:
+    def __init__(self, path: Path, environ: Mapping[str, str],
+                 overrides: tuple[Path, ...] = ()) -> None:
         self.path = path
+        self.overrides = overrides  # later `-f` files, merged over `path`
         self.root = path.parent
         self.environ = environ
         self.problems: list[str] = []
@@ -298,6 +332,8 @@ class ComposeChecker:
 
     def load(self) -> bool:
         raw = _load_yaml(self.path)
+        for extra in self.overrides:
+            raw = merge_compose(raw, _load_yaml(extra))
         if not isinstance(raw, dict) or not isinstance(raw.get("services"), dict):
             self.problem(self.path.name, "no `services:` mapping")
             return False
@@ -469,6 +505,70 @@ class ComposeChecker:
             missing = names - routed - {s.name}
             if missing:
                 self.problem(where, f"--routes miss {sorted(missing)}")
+
+    def container_files(self, svc: Service) -> list[tuple[str, str]]:
+        """(container path, host source) of every bind mount and secret of ``svc``."""
+        out = [(t, src) for src, t in svc.mounts()]
+        declared = self.doc.get("secrets") or {}
+        for entry in svc.spec.get("secrets") or []:
+            source = entry.get("source") if isinstance(entry, dict) else str(entry)
+            target = (entry.get("target") if isinstance(entry, dict) else None) or source
+            if source not in declared:
+                self.problem(f"service {svc.name}", f"secret {source} is not declared under "
+                             "top-level `secrets:`")
+                continue
+            out.append((target if str(target).startswith("/") else f"/run/secrets/{target}",
+                        str((declared[source] or {}).get("file", ""))))
+        return out
+
+    def nats_server_config(self) -> tuple[Path, str] | None:
+        """The nats-server configuration file the NATS services load (`--config`), if any."""
+        for svc in self.services.values():
+            conf = svc.nats.get("config") if svc.kind == "nats" else None
+            if not conf:
+                continue
+            for target, source in self.container_files(svc):
+                if (conf == target or conf.startswith(target.rstrip("/") + "/")) and \
+                        source.startswith("."):
+                    path = self.root / source / os.path.relpath(conf, target)
+                    if path.is_file():
+                        return path, path.read_text()
+            self.problem(f"service {svc.name}", f"--config {conf} is not a mounted file")
+            return None
+        return None
+
+    def check_nats_security(self, svc: Service) -> None:
+        """Credential/TLS files exist in the container; users and TLS match the server config."""
+        where = f"service {svc.name}"
+        args = svc.args
+        files = self.container_files(svc)
+        for flag in ("nats_creds", "nats_nkey", "nats_password_file", "nats_token_file",
+                     "nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
+            path = getattr(args, flag, None)
+            if path and not any(path == t or path.startswith(t.rstrip("/") + "/")
+                                for t, _ in files):
+                self.problem(where, f"--{flag.replace('_', '-')} {path} is not mounted into the "
+                             "container (volume or secret)")
+        found = self.nats_server_config()
+        if found is None:
+            return
+        path, text = found
+        blocks = dict(re.findall(r'user:\s*"([^"]+)"(.*?)(?=user:|nkey:|\Z)', text, re.S))
+        user = getattr(args, "nats_user", None)
+        if not (user or args.nats_creds or args.nats_nkey or args.nats_token_file):
+            self.problem(where, f"{self.rel(path)} requires credentials; give --nats-user ...")
+        elif user and user not in blocks:
+            self.problem(where, f"--nats-user {user} is not a user in {self.rel(path)}")
+        elif user and "permissions" in blocks[user]:
+            own = (".router.*" if svc.verb == "serve"
+                   else f".kv.{getattr(args, 'worker_id', '')}\"")
+            if own not in blocks[user]:
+                self.problem(where, f"NATS user {user} lacks the {svc.verb} permissions "
+                             f"(no {own.strip(chr(34))} in {self.rel(path)})")
+        if re.search(r"^tls\s*\{", text, re.M) and not args.nats_tls_ca:
+            # Its certificate comes from a private CA, which no system trust store holds.
+            self.problem(where, f"{self.rel(path)} turns TLS on: give --nats-tls-ca (and "
+                         "tls:// URLs)")
 
     def check_nats_urls(self, svc: Service) -> None:
         url = getattr(svc.args, "nats_url", None)
@@ -729,6 +829,7 @@ class ComposeChecker:
         for svc in services:
             if svc.verb in HEALTH_PATHS and svc.args is not None:    # serve and worker
                 self.guarded(f"service {svc.name}", self.check_nats_urls, svc)
+                self.guarded(f"service {svc.name}", self.check_nats_security, svc)
         checks = {"haproxy": self.check_haproxy, "prometheus": self.check_prometheus,
                   "grafana": self.check_grafana}
         for svc in services:
@@ -761,13 +862,16 @@ def known_metric_names() -> set[str]:
 
 
 def check_compose(path: str | os.PathLike[str],
-                  environ: Mapping[str, str] | None = None) -> list[str]:
+                  environ: Mapping[str, str] | None = None,
+                  overrides: tuple[str | os.PathLike[str], ...] = ()) -> list[str]:
     """Problems found in the compose file and the deploy/ files it uses; empty = consistent.
 
-    ``environ`` feeds ``${VAR}`` interpolation (default: none set, so defaults apply).
+    ``environ`` feeds ``${VAR}`` interpolation (default: none set, so defaults apply);
+    ``overrides`` are further ``-f`` files merged over ``path`` (e.g. compose.secure.yaml).
     Raises :class:`YamlUnavailable` without PyYAML.
     """
-    return ComposeChecker(Path(path).resolve(), environ or {}).run()
+    return ComposeChecker(Path(path).resolve(), environ or {},
+                          tuple(Path(o).resolve() for o in overrides)).run()
 
 
 def required_variables(path: str | os.PathLike[str]) -> list[str]:
@@ -781,19 +885,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of a `jetrouter check-config` verb (api/cli.py VERBS entry, if the lead adds one)."""
     parser.add_argument("compose", nargs="?", default="compose.yaml",
                         help="compose file; deploy/ files are found through its mounts")
+    parser.add_argument("overrides", nargs="*", default=[],
+                        help="override files merged over it, as `docker compose -f A -f B` "
+                             "(e.g. compose.secure.yaml)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Print one line per problem; exit status 1 if any, 0 if consistent or PyYAML is missing."""
     try:
-        problems = check_compose(args.compose)
+        problems = check_compose(args.compose, overrides=tuple(args.overrides))
     except YamlUnavailable as exc:
         print(f"checkconfig: skipped, {exc}")
         return 0
     for line in problems:
         print(line)
     required = required_variables(args.compose)
-    print(f"checkconfig: {args.compose}: "
+    print(f"checkconfig: {' + '.join([args.compose, *args.overrides])}: "
           + (f"{len(problems)} problem(s)" if problems else "ok")
           + (f" (to start it, set {', '.join(required)})" if required else ""), file=sys.stderr)
     return 1 if problems else 0

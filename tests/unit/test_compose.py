@@ -322,3 +322,50 @@ def test_image_runtime_imports_are_declared_dependencies() -> None:
                 if not {canonicalize_name(d) for d in owners.get(module, [])} & provided:
                     missing.setdefault(module, []).append(str(path.relative_to(ROOT)))
     assert not missing, f"imported but not in pyproject [project].dependencies: {missing}"
+
+
+# --- compose.secure.yaml: NATS with TLS, users and permissions (an override file) -------------
+
+def test_secured_override_is_consistent(copy: Path) -> None:
+    shutil.copy(ROOT / "compose.secure.yaml", copy / "compose.secure.yaml")
+    assert check_compose(copy / "compose.yaml", overrides=(copy / "compose.secure.yaml",)) == []
+
+
+SECURE_MUTATIONS = [
+    pytest.param('"--nats-user", "w2"', '"--nats-user", "w1"',
+                 "service w2: NATS user w1 lacks the worker permissions (no .kv.w2",
+                 id="engine-runs-as-another-engine"),
+    pytest.param('"--nats-user", "r3"', '"--nats-user", "r9"',
+                 "service r3: --nats-user r9 is not a user in deploy/nats/jetrouter.conf",
+                 id="unknown-user"),
+    pytest.param("    secrets: [{source: w4-nats-password, target: nats-password}, nats-ca.pem]\n",
+                 "", "service w4: --nats-password-file /run/secrets/nats-password is not mounted",
+                 id="password-file-not-mounted"),
+    pytest.param("  w4-nats-password: {file: ./deploy/nats/secrets/users/w4.password}\n", "",
+                 "service w4: secret w4-nats-password is not declared", id="undeclared-secret"),
+    pytest.param('"--nats-tls-ca", "/run/secrets/nats-ca.pem"]\n    secrets: [{source: r1',
+                 ']\n    secrets: [{source: r1',
+                 "service r1: deploy/nats/jetrouter.conf turns TLS on: give --nats-tls-ca",
+                 id="tls-without-ca"),
+    pytest.param('"--nats-url", *nats-urls, "--data-dir", "/data", "--nats-user", "r2",\n'
+                 '              "--nats-password-file", "/run/secrets/nats-password",\n',
+                 '"--nats-url", *nats-urls, "--data-dir", "/data",\n',
+                 "service r2: deploy/nats/jetrouter.conf requires credentials",
+                 id="no-credentials"),
+]
+
+
+@pytest.mark.parametrize(("old", "new", "expected"), SECURE_MUTATIONS)
+def test_secured_override_mutation_is_reported(copy: Path, old: str, new: str,
+                                               expected: str) -> None:
+    shutil.copy(ROOT / "compose.secure.yaml", copy / "compose.secure.yaml")
+    mutate(copy, "compose.secure.yaml", old, new)
+    problems = check_compose(copy / "compose.yaml", overrides=(copy / "compose.secure.yaml",))
+    assert any(expected in p for p in problems), problems
+
+
+def test_committed_nats_config_is_the_rendered_one() -> None:
+    from api.secure import compose_config
+
+    assert (ROOT / "deploy" / "nats" / "jetrouter.conf").read_text() == compose_config(), \
+        "deploy/nats/jetrouter.conf drifted from api/secure.py compose_config(): re-render it"
