@@ -278,11 +278,13 @@ def fatal_reason(exc: BaseException, options: NatsOptions, url: str) -> str | No
     if "authentication expired" in lowered or "authentication revoked" in lowered:
         return f"NATS credentials expired or revoked connecting to {url}: {options.auth_hint()}"
     if isinstance(exc, ssl.SSLCertVerificationError):
+        why = getattr(exc, "verify_message", None) or getattr(exc, "reason", None) or text
         return (f"TLS certificate of the NATS server at {url} not trusted "
-                f"({exc.verify_message or exc.reason}): check --nats-tls-ca"
+                f"({why}): check --nats-tls-ca"
                 f"{' and --nats-tls-hostname' if options.tls_hostname else ''}")
     if isinstance(exc, ssl.SSLError):
-        return (f"TLS handshake with the NATS server at {url} failed ({exc.reason or text}): "
+        return (f"TLS handshake with the NATS server at {url} failed "
+                f"({getattr(exc, 'reason', None) or text}): "
                 "check --nats-tls-cert/--nats-tls-key and the server's TLS settings")
     if "tls required" in lowered or "secure connection" in lowered:
         return (f"the NATS server at {url} and this client disagree about TLS ({text}): "
