@@ -167,6 +167,10 @@ def parse_haproxy(text: str) -> HAProxyConfig:
                                 "`empty-response` to retry-on)")
         l7 = {"empty-response", "response-timeout"} & set(retry_on[1:]) or any(
             c.endswith("xx") or c.isdigit() for c in retry_on[1:])
+        if l7 and "option http-buffer-request" not in last and not any(
+                "wait-for-body" in w for w in scope):
+            cfg.problems.append("retry-on beyond conn-failure never fires while request bodies "
+                                "stream through: add `option http-buffer-request`")
         if l7 and not any(w[:2] == ["http-request", "disable-l7-retry"] for w in scope):
             cfg.problems.append("admin writes may be retried after reaching a replica (two "
                                 "resets): add `http-request disable-l7-retry` for them")

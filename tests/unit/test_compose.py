@@ -142,6 +142,9 @@ MUTATIONS = [
     pytest.param("deploy/haproxy.cfg", "retry-on conn-failure empty-response response-timeout",
                  "retry-on conn-failure",
                  "a request that reached a replica as it died fails", id="lb-no-empty-response"),
+    pytest.param("deploy/haproxy.cfg", "    option http-buffer-request\n", "",
+                 "retry-on beyond conn-failure never fires while request bodies stream",
+                 id="lb-retries-without-buffered-body"),
     pytest.param("deploy/haproxy.cfg", "    http-request disable-l7-retry", "    #",
                  "admin writes may be retried after reaching a replica",
                  id="lb-retries-admin-writes"),
@@ -249,6 +252,7 @@ def test_haproxy_defaults_are_inherited_and_overridden() -> None:
     cfg = parse_haproxy(
         "defaults\n    timeout server 30s\n    retries 3\n    option redispatch\n"
         "    timeout connect 100ms\n    retry-on conn-failure empty-response\n"
+        "    option http-buffer-request\n"
         "    http-request disable-l7-retry if METH_POST\n"
         "frontend f\n    bind *:9000  # comment\n    default_backend b\n"
         "backend b\n    timeout server 5m\n    compression algo gzip\n"
