@@ -740,9 +740,12 @@ class ComposeChecker:
         if isinstance(env, list):
             env = dict(e.split("=", 1) if "=" in e else (e, "") for e in env)
         password = env.get("GF_SECURITY_ADMIN_PASSWORD")
-        if password is None or str(password) not in self.required.values():
+        no_login = (str(env.get("GF_AUTH_DISABLE_LOGIN_FORM", "")).lower() == "true"
+                    and str(env.get("GF_AUTH_BASIC_ENABLED", "")).lower() == "false")
+        if not no_login and (password is None or str(password) not in self.required.values()):
             self.problem(f"service {svc.name}", "Grafana's admin password has a default "
-                         "(admin/admin when unset): use ${GRAFANA_ADMIN_PASSWORD:?...}")
+                         "(admin/admin when unset): disable the login (GF_AUTH_DISABLE_LOGIN_FORM"
+                         ", GF_AUTH_BASIC_ENABLED=false) or require ${GRAFANA_ADMIN_PASSWORD:?}")
         prov = self.mounted_file(svc, "/etc/grafana/provisioning")
         if prov is None:
             return
