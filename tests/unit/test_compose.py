@@ -118,11 +118,11 @@ MUTATIONS = [
                  "datasource url http://prometheus:9091 is not the prometheus service",
                  id="grafana-datasource-port"),
     # --- one build, no default secrets, a balancer that drops a dead replica fast ------------
-    pytest.param("compose.yaml", "  image: jetrouter:local\n  pull_policy: never\n",
+    pytest.param("compose.yaml", "  image: jetrouter:local\n",
                  "  image: jetrouter:local\n  build: {context: ., dockerfile: deploy/Dockerfile}\n",
                  "services r1, r2, r3, w1, w2, w3, w4 all build 'jetrouter:local'",
                  id="every-service-builds-the-image"),
-    pytest.param("compose.yaml", "  pull_policy: never\n", "",
+    pytest.param("compose.yaml", "    <<: *replica\n    pull_policy: never\n", "    <<: *replica\n",
                  "service r2: runs 'jetrouter:local', built by r1, without `pull_policy: never`",
                  id="image-user-would-pull"),
     pytest.param("compose.yaml",
