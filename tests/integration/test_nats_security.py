@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -32,7 +33,9 @@ from eventlog.server import NatsServer
 from eventlog.streams import ensure_streams
 from tests.waiting import until
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180),
+              pytest.mark.skipif(shutil.which("openssl") is None,
+                                 reason="the certificates are made with the openssl CLI")]
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "jetrouter-sim"
 NAMES = Names("jr")
