@@ -163,9 +163,14 @@ class LocalCluster:
         stop_timeout: float = 10.0,
         secure: bool = False,
         nats_options: NatsOptions | None = None,
+        model_path: Path | str | None = None,
     ) -> None:
         if replicas < 1 or workers < 1:
             raise ValueError("a cluster needs at least one replica and one worker")
+        # One model folder for both sides: the router hashes exactly the ids the engines cache.
+        model_args = ["--model-path", str(Path(model_path).resolve())] if model_path else []
+        router_args = [*model_args, *router_args]
+        worker_args = [*model_args, *worker_args]
         self.replicas = replicas
         self.workers = workers
         self.base_port = base_port
@@ -552,6 +557,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra raw argument for every replica (repeatable)")
     g.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra raw argument for every worker (repeatable)")
+    g.add_argument("--model-path", default=None,
+                   help="replicas and workers: one HuggingFace model folder (tokenizer.json, "
+                        "tokenizer_config.json) so both tokenize alike (default: byte tokens)")
+
+
+def check_model_path(path: str | None) -> None:
+    """Fail fast, with one clear line, on a model folder the children could not load."""
+    if not path:
+        return
+    from api.cli import CliError
+    from eventlog.model_tokenizer import ModelFolderError, load_codec
+
+    try:
+        load_codec(path)
+    except ModelFolderError as exc:
+        raise CliError(str(exc)) from None
 
 
 def forwarded_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -628,6 +649,7 @@ def run(args: argparse.Namespace) -> int:
                         datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per readiness poll
     router_args, worker_args = forwarded_args(args)
+    check_model_path(args.model_path)
     if args.secure and args.nats_url:
         raise CliError("--secure sets up the embedded nats-server; for an existing NATS give "
                        "its credentials with the --nats-* flags instead")
@@ -640,7 +662,8 @@ def run(args: argparse.Namespace) -> int:
         data_dir=args.data_dir, router_args=router_args, worker_args=worker_args,
         nats_url=args.nats_url, restart=not args.no_restart, namespace=args.namespace,
         nats_cluster=args.nats_cluster, admin_token=args.admin_token,
-        ready_timeout=args.ready_timeout, secure=args.secure, nats_options=nats_options)
+        ready_timeout=args.ready_timeout, model_path=args.model_path, secure=args.secure,
+        nats_options=nats_options)
     try:
         asyncio.run(_serve_until_signalled(cluster))
     except nats_server.NatsServerNotFound as exc:

@@ -14,6 +14,7 @@ from eventlog.connect import (
     check_files,
     options_from_args,
 )
+from eventlog.model_tokenizer import load_codec
 from eventlog.names import check_token
 from workers.scheduler import EngineConfig
 from workers.server import WorkerSettings, serve
@@ -29,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise-url", default=None,
                    help="URL routers should use (default http://HOST:PORT)")
     p.add_argument("--model", default="jetrouter-sim", help="served model name")
+    p.add_argument("--model-path", default=None,
+                   help="HuggingFace model folder (tokenizer.json, tokenizer_config.json): "
+                        "tokenize prompts and chat like the router given the same folder "
+                        "(default: one token per UTF-8 byte)")
     p.add_argument("--nats-url", default="",
                    help="NATS server for KV events and load gauges; empty = no events")
     p.add_argument("--namespace", default="jr", help="stream/subject namespace (default jr)")
@@ -89,6 +94,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         advertise_url=args.advertise_url,
         default_max_tokens=args.default_max_tokens,
         shutdown_timeout=args.shutdown_timeout,
+        model_path=args.model_path or None,
         nats=options_from_args(args, check=False),  # files are checked by run()
     )
 
@@ -99,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
         check_token(settings.worker_id, "worker id")
+        if settings.model_path:
+            load_codec(settings.model_path)  # a bad folder: one clear line, before binding
         if settings.dp_size < 1:
             raise ValueError("--dp-size must be at least 1")
         if settings.nats_url:
