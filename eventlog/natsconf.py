@@ -95,8 +95,12 @@ def permissions(role: str, ident: str, names: Names) -> Permissions | None:
     if role == "engine":
         check_token(ident, "worker id")
         return Permissions(
+            # MSG.GET: a restarted bridge reads the last message on its own subject to resume.
+            # NATS cannot narrow a get to one subject, so an engine can read (not write) any
+            # KV message.
             publish=(names.kv_subject(ident), names.load_subject(ident), "$JS.API.INFO",
-                     f"$JS.API.STREAM.INFO.{names.stream('kv')}"),
+                     f"$JS.API.STREAM.INFO.{names.stream('kv')}",
+                     f"$JS.API.STREAM.MSG.GET.{names.stream('kv')}"),
             subscribe=("_INBOX.>", names.reannounce_subject(ident),
                        names.reannounce_subject("all")),
         )

@@ -187,3 +187,57 @@ async def test_nkey_engine_with_client_certificate(tmp_path: Path) -> None:
 
 def _fields(options: NatsOptions) -> dict:
     return {f: getattr(options, f) for f in options.__slots__}  # type: ignore[attr-defined]
+
+
+async def test_bridge_as_an_engine_identity_registers_and_resumes(tmp_path: Path) -> None:
+    """`jetrouter bridge` with an engine identity: it registers, appends, and a restarted bridge
+    resumes from the last message on its subject, all within the engine permissions."""
+    from tests.integration.test_bridge import BridgeProc, prefixes
+    from tests.kvengine import EngineSim
+    from workers.bridge.resume import H_SEQ
+
+    pki = Pki(tmp_path / "tls")
+    pki.create_ca()
+    cert = pki.issue("server")
+    conf = tmp_path / "nats.conf"
+    conf.write_text(render([Identity("admin", "admin", password="admin-pw"),
+                            Identity("e1", "engine", "e1", password="e1-pw")],
+                           tls=ServerTls(str(cert.cert), str(cert.key), str(pki.ca.cert))))
+    (tmp_path / "e1.password").write_text("e1-pw\n")
+    server = NatsServer(store_dir=tmp_path / "nats", config_file=conf, scheme="tls").start()
+    engine = await EngineSim().start()
+    bridge = BridgeProc(engine, server.url, "e1", tmp_path, "--nats-user", "e1",
+                        "--nats-password-file", str(tmp_path / "e1.password"),
+                        "--nats-tls-ca", str(pki.ca.cert))
+    admin = await connect(NatsOptions(servers=(server.url,), user="admin", password="admin-pw",
+                                      tls_ca=str(pki.ca.cert)), name="admin")
+    try:
+        js = admin.jetstream()
+        await ensure_streams(js, NAMES)  # the admin sets the streams up; engines cannot
+
+        async def last_seq() -> int:
+            try:
+                msg = await js.get_last_msg(NAMES.stream("kv"), NAMES.kv_subject("e1"))
+            except Exception:
+                return -1
+            return int((msg.headers or {}).get(H_SEQ, -1))
+
+        shared = prefixes(engine, 3)
+        bridge.start()
+        for run in range(2):
+            at = await last_seq()
+            for _ in range(40):
+                engine.random_step(shared)
+            await until(last_seq, lambda s, at=at: s > at, timeout=60,
+                        what=f"bridge run {run + 1} appending")
+            bridge.kill()
+            if run == 0:
+                bridge.start()
+        assert "resuming e1" in bridge.log(), bridge.log()[-2000:]
+        log = server.log_path.read_text(errors="replace")
+        assert "Violation" not in log, [ln for ln in log.splitlines() if "Violation" in ln]
+    finally:
+        bridge.kill()
+        await admin.close()
+        await engine.stop()
+        server.cleanup()

@@ -46,9 +46,14 @@ def _with(files: dict[str, str], argv: list[str]) -> list[str]:
     return [files.get(a, a) for a in argv]
 
 
-@pytest.mark.parametrize("verb", ["serve", "worker", "up"])
+REQUIRED = {"bridge": ["--engine-url", "http://e:8000", "--kv-events", "tcp://e:5557",
+                       "--worker-id", "w1"]}
+
+
+@pytest.mark.parametrize("verb", ["serve", "worker", "up", "bridge"])
 def test_every_process_verb_takes_the_nats_flags(verb: str, files: dict[str, str]) -> None:
-    args = build_parser([verb]).parse_args([verb, *_with(files, FLAGS)])
+    argv = [verb, *REQUIRED.get(verb, []), *_with(files, FLAGS)]
+    args = build_parser([verb]).parse_args(argv)
     options = options_from_args(args, url="tls://a:4222,tls://b:4222", environ={})
     assert options.user == "r1" and options.password_file == files["PW"]
     assert (options.tls_ca, options.tls_cert, options.tls_key) == (files["CA"], files["CERT"],
@@ -131,7 +136,8 @@ def test_an_engine_may_publish_only_its_own_subjects() -> None:
     assert perms is not None
     app = [s for s in perms.publish if not s.startswith("$JS.API")]
     assert app == ["jr.kv.w1", "jr.load.w1"]
-    assert set(perms.publish) - set(app) == {"$JS.API.INFO", "$JS.API.STREAM.INFO.JR_KV"}
+    assert set(perms.publish) - set(app) == {"$JS.API.INFO", "$JS.API.STREAM.INFO.JR_KV",
+                                             "$JS.API.STREAM.MSG.GET.JR_KV"}
     assert not any("*" in s or ">" in s for s in perms.publish)
     assert set(perms.subscribe) == {"_INBOX.>", "jr.reannounce.w1", "jr.reannounce.all"}
 
