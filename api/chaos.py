@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import nats
 
 from api.chaos_scenarios import (
     SCENARIOS,
@@ -32,6 +31,7 @@ from api.chaos_scenarios import (
     run_scenario,
 )
 from api.up import LocalCluster
+from eventlog.connect import connect
 
 
 def cluster_args(t: Timing) -> tuple[list[str], list[str]]:
@@ -62,8 +62,8 @@ class ChaosSession:
 
     async def __aenter__(self) -> ChaosSession:
         self.http = httpx.AsyncClient()
-        self.nc = await nats.connect(servers=self.cluster.nats_url.split(","),
-                                     max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        self.nc = await connect(self.cluster.client_options, name="jetrouter-chaos",
+                                max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         self.probe = Probe(self.cluster, self.http, self.nc)
         self.follower = RouterFollower(self.probe.js, self.probe.names)
         self.follower.start()

@@ -162,6 +162,29 @@ def parse_haproxy(text: str) -> HAProxyConfig:
             cfg.problems.append("requests whose connection failed are not retried")
         if "option redispatch" not in last:
             cfg.problems.append("retries stay on the failed replica (add `option redispatch`)")
+        if "empty-response" not in retry_on[1:]:
+            cfg.problems.append("a request that reached a replica as it died fails (add "
+                                "`empty-response` to retry-on)")
+        l7 = {"empty-response", "response-timeout"} & set(retry_on[1:]) or any(
+            c.endswith("xx") or c.isdigit() for c in retry_on[1:])
+        if l7 and "option http-buffer-request" not in last and not any(
+                "wait-for-body" in w for w in scope):
+            cfg.problems.append("retry-on beyond conn-failure never fires while request bodies "
+                                "stream through: add `option http-buffer-request`")
+        if l7 and not any(w[:2] == ["http-request", "disable-l7-retry"] for w in scope):
+            cfg.problems.append("admin writes may be retried after reaching a replica (two "
+                                "resets): add `http-request disable-l7-retry` for them")
+        connect = _haproxy_seconds(last.get("timeout connect", ["timeout", "connect", "5s"])[2])
+        if connect > 0.5:
+            cfg.problems.append(f"`timeout connect` {connect:g} s holds requests to a vanished "
+                                "replica that long (want <= 500ms)")
+        for w in servers:
+            words = [x for d in default_server for x in d[1:]] + w[3:]
+            opts = {k: v for k, v in zip(words, [*words[1:], ""], strict=True)}
+            out = _haproxy_seconds(opts.get("inter", "2s")) * int(opts.get("fall", "3") or 3)
+            if out > 1.5:
+                cfg.problems.append(f"server {w[1]}: a dead replica stays in rotation ~{out:g} s "
+                                    "(inter x fall; want <= 1.5 s)")
         server_timeout = last.get("timeout server", ["timeout", "server", "0"])
         if _haproxy_seconds(server_timeout[2]) < 60:
             cfg.problems.append("`timeout server` under 60 s cuts long streamed generations")
@@ -227,15 +250,52 @@ def _jetrouter_env(env: Mapping[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
+# Lists Compose merges across files (`-f a.yaml -f b.yaml`) instead of replacing: volumes by
+# their container path, the others by value.
+_MERGED_BY_TARGET = ("volumes", "devices", "secrets", "configs")
+_CONCATENATED = ("ports", "expose", "dns", "dns_search", "external_links", "tmpfs")
+
+
+def _target(entry: Any) -> str:
+    if isinstance(entry, dict):
+        return str(entry.get("target") or entry.get("source"))
+    text = str(entry)
+    return text.split(":")[1] if ":" in text else text
+
+
+def merge_compose(base: Any, override: Any, key: str = "") -> Any:
+    """``override`` applied to ``base`` the way ``docker compose -f base -f override`` does
+    for what this checker reads: mappings merge key by key, ``command``/``entrypoint`` and
+    other scalars or lists are replaced, volumes/secrets merge by target, ports concatenate."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for k, v in override.items():
+            out[k] = merge_compose(base[k], v, k) if k in base else v
+        return out
+    if isinstance(base, list) and isinstance(override, list):
+        if key in _MERGED_BY_TARGET:
+            merged = {_target(e): e for e in base}
+            merged.update({_target(e): e for e in override})
+            return list(merged.values())
+        if key in _CONCATENATED:
+            return base + [e for e in override if e not in base]
+    return override
+
+
 class ComposeChecker:
-    def __init__(self, path: Path, environ: Mapping[str, str]) -> None:
+    def __init__(self, path: Path, environ: Mapping[str, str],
+                 overrides: tuple[Path, ...] = ()) -> None:
         self.path = path
+        self.overrides = overrides  # later `-f` files, merged over `path`
         self.root = path.parent
         self.environ = environ
         self.problems: list[str] = []
         self.services: dict[str, Service] = {}
         self.doc: dict[str, Any] = {}
         self.dockerfiles: dict[Path, dict[str, list[str]]] = {}
+        # `${VAR:?message}`: the user must set VAR to start the stack (a secret with no default).
+        # Unset here, it becomes a placeholder: required is not wrong.
+        self.required: dict[str, str] = {}             # name -> value or placeholder
 
     def rel(self, path: Path) -> str:
         return os.path.relpath(path, self.root)
@@ -264,6 +324,9 @@ class ComposeChecker:
                 return arg if unset else str(val)
             if op.endswith("+"):
                 return "" if unset else arg
+            if op.endswith("?"):
+                self.required[name] = f"<{name}>" if unset else str(val)
+                return self.required[name]
             if unset:
                 self.problem(where, f"variable {name} is not set and has no default"
                              + (f" ({arg})" if op.endswith("?") else ""))
@@ -273,6 +336,8 @@ class ComposeChecker:
 
     def load(self) -> bool:
         raw = _load_yaml(self.path)
+        for extra in self.overrides:
+            raw = merge_compose(raw, _load_yaml(extra))
         if not isinstance(raw, dict) or not isinstance(raw.get("services"), dict):
             self.problem(self.path.name, "no `services:` mapping")
             return False
@@ -378,6 +443,10 @@ class ComposeChecker:
                          "use 0.0.0.0")
         if verb == "serve" and not args.replica_id:
             self.problem(where, "no --replica-id: each restart would join as a new replica")
+        if verb == "serve" and args.admin_token is not None and (
+                args.admin_token not in self.required.values()):
+            self.problem(where, "the admin token has a fixed or default value (anyone who reads "
+                         "this file can reset the cluster): use ${JETROUTER_ADMIN_TOKEN:?...}")
         if verb == "worker":
             url = urlsplit(args.advertise_url or "")
             names = {svc.name, svc.spec.get("hostname"), svc.spec.get("container_name")}
@@ -440,6 +509,70 @@ class ComposeChecker:
             missing = names - routed - {s.name}
             if missing:
                 self.problem(where, f"--routes miss {sorted(missing)}")
+
+    def container_files(self, svc: Service) -> list[tuple[str, str]]:
+        """(container path, host source) of every bind mount and secret of ``svc``."""
+        out = [(t, src) for src, t in svc.mounts()]
+        declared = self.doc.get("secrets") or {}
+        for entry in svc.spec.get("secrets") or []:
+            source = entry.get("source") if isinstance(entry, dict) else str(entry)
+            target = (entry.get("target") if isinstance(entry, dict) else None) or source
+            if source not in declared:
+                self.problem(f"service {svc.name}", f"secret {source} is not declared under "
+                             "top-level `secrets:`")
+                continue
+            out.append((target if str(target).startswith("/") else f"/run/secrets/{target}",
+                        str((declared[source] or {}).get("file", ""))))
+        return out
+
+    def nats_server_config(self) -> tuple[Path, str] | None:
+        """The nats-server configuration file the NATS services load (`--config`), if any."""
+        for svc in self.services.values():
+            conf = svc.nats.get("config") if svc.kind == "nats" else None
+            if not conf:
+                continue
+            for target, source in self.container_files(svc):
+                if (conf == target or conf.startswith(target.rstrip("/") + "/")) and \
+                        source.startswith("."):
+                    path = self.root / source / os.path.relpath(conf, target)
+                    if path.is_file():
+                        return path, path.read_text()
+            self.problem(f"service {svc.name}", f"--config {conf} is not a mounted file")
+            return None
+        return None
+
+    def check_nats_security(self, svc: Service) -> None:
+        """Credential/TLS files exist in the container; users and TLS match the server config."""
+        where = f"service {svc.name}"
+        args = svc.args
+        files = self.container_files(svc)
+        for flag in ("nats_creds", "nats_nkey", "nats_password_file", "nats_token_file",
+                     "nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
+            path = getattr(args, flag, None)
+            if path and not any(path == t or path.startswith(t.rstrip("/") + "/")
+                                for t, _ in files):
+                self.problem(where, f"--{flag.replace('_', '-')} {path} is not mounted into the "
+                             "container (volume or secret)")
+        found = self.nats_server_config()
+        if found is None:
+            return
+        path, text = found
+        blocks = dict(re.findall(r'user:\s*"([^"]+)"(.*?)(?=user:|nkey:|\Z)', text, re.S))
+        user = getattr(args, "nats_user", None)
+        if not (user or args.nats_creds or args.nats_nkey or args.nats_token_file):
+            self.problem(where, f"{self.rel(path)} requires credentials; give --nats-user ...")
+        elif user and user not in blocks:
+            self.problem(where, f"--nats-user {user} is not a user in {self.rel(path)}")
+        elif user and "permissions" in blocks[user]:
+            own = (".router.*" if svc.verb == "serve"
+                   else f".kv.{getattr(args, 'worker_id', '')}\"")
+            if own not in blocks[user]:
+                self.problem(where, f"NATS user {user} lacks the {svc.verb} permissions "
+                             f"(no {own.strip(chr(34))} in {self.rel(path)})")
+        if re.search(r"^tls\s*\{", text, re.M) and not args.nats_tls_ca:
+            # Its certificate comes from a private CA, which no system trust store holds.
+            self.problem(where, f"{self.rel(path)} turns TLS on: give --nats-tls-ca (and "
+                         "tls:// URLs)")
 
     def check_nats_urls(self, svc: Service) -> None:
         url = getattr(svc.args, "nats_url", None)
@@ -603,6 +736,16 @@ class ComposeChecker:
 
     def check_grafana(self, svc: Service) -> None:
         svc.ports = {3000}
+        env = svc.spec.get("environment") or {}
+        if isinstance(env, list):
+            env = dict(e.split("=", 1) if "=" in e else (e, "") for e in env)
+        password = env.get("GF_SECURITY_ADMIN_PASSWORD")
+        no_login = (str(env.get("GF_AUTH_DISABLE_LOGIN_FORM", "")).lower() == "true"
+                    and str(env.get("GF_AUTH_BASIC_ENABLED", "")).lower() == "false")
+        if not no_login and (password is None or str(password) not in self.required.values()):
+            self.problem(f"service {svc.name}", "Grafana's admin password has a default "
+                         "(admin/admin when unset): disable the login (GF_AUTH_DISABLE_LOGIN_FORM"
+                         ", GF_AUTH_BASIC_ENABLED=false) or require ${GRAFANA_ADMIN_PASSWORD:?}")
         prov = self.mounted_file(svc, "/etc/grafana/provisioning")
         if prov is None:
             return
@@ -647,6 +790,26 @@ class ComposeChecker:
                 StopIteration) as exc:
             self.problem(where, f"could not be checked ({type(exc).__name__}: {exc})")
 
+    def check_image_builds(self) -> None:
+        """One build per image: several services building one tag run parallel builds that each
+        produce an image id, and a later plain `up -d` recreates every service whose id changed.
+        Services using an image another service builds must not pull it (no registry has it)."""
+        builders: dict[str, list[str]] = {}
+        for svc in self.services.values():
+            if "build" in svc.spec:
+                builders.setdefault(str(svc.spec.get("image", "")), []).append(svc.name)
+        for image, names in builders.items():
+            if len(names) > 1:
+                self.problem(self.path.name, f"services {', '.join(names)} all build {image!r}: "
+                             "let one build it and the others use `image:` only")
+        for svc in self.services.values():
+            image = str(svc.spec.get("image", ""))
+            if "build" not in svc.spec and image in builders and svc.spec.get(
+                    "pull_policy") not in ("never",):
+                self.problem(f"service {svc.name}", f"runs {image!r}, built by "
+                             f"{builders[image][0]}, without `pull_policy: never` (compose "
+                             "would try to pull it)")
+
     def check_ids_and_block_sizes(self) -> None:
         for verb, attr in (("serve", "replica_id"), ("worker", "worker_id")):
             ids = [getattr(s.args, attr) for s in self.by_verb(verb).values() if s.args]
@@ -673,6 +836,7 @@ class ComposeChecker:
         for svc in services:
             if svc.verb in HEALTH_PATHS and svc.args is not None:    # serve and worker
                 self.guarded(f"service {svc.name}", self.check_nats_urls, svc)
+                self.guarded(f"service {svc.name}", self.check_nats_security, svc)
         checks = {"haproxy": self.check_haproxy, "prometheus": self.check_prometheus,
                   "grafana": self.check_grafana}
         for svc in services:
@@ -681,6 +845,7 @@ class ComposeChecker:
         if not any(s.kind == "haproxy" for s in services):
             self.problem(self.path.name, "no HAProxy load balancer in front of the replicas")
         self.check_ids_and_block_sizes()
+        self.check_image_builds()
         for svc in services:
             for check in (self.check_healthcheck, self.check_ports, self.check_volumes):
                 self.guarded(f"service {svc.name}", check, svc)
@@ -704,32 +869,47 @@ def known_metric_names() -> set[str]:
 
 
 def check_compose(path: str | os.PathLike[str],
-                  environ: Mapping[str, str] | None = None) -> list[str]:
+                  environ: Mapping[str, str] | None = None,
+                  overrides: tuple[str | os.PathLike[str], ...] = ()) -> list[str]:
     """Problems found in the compose file and the deploy/ files it uses; empty = consistent.
 
-    ``environ`` feeds ``${VAR}`` interpolation (default: none set, so defaults apply).
+    ``environ`` feeds ``${VAR}`` interpolation (default: none set, so defaults apply);
+    ``overrides`` are further ``-f`` files merged over ``path`` (e.g. compose.secure.yaml).
     Raises :class:`YamlUnavailable` without PyYAML.
     """
-    return ComposeChecker(Path(path).resolve(), environ or {}).run()
+    return ComposeChecker(Path(path).resolve(), environ or {},
+                          tuple(Path(o).resolve() for o in overrides)).run()
+
+
+def required_variables(path: str | os.PathLike[str]) -> list[str]:
+    """The ``${VAR:?...}`` variables the file needs set to start (secrets without defaults)."""
+    checker = ComposeChecker(Path(path).resolve(), {})
+    checker.load()
+    return sorted(checker.required)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of a `jetrouter check-config` verb (api/cli.py VERBS entry, if the lead adds one)."""
     parser.add_argument("compose", nargs="?", default="compose.yaml",
                         help="compose file; deploy/ files are found through its mounts")
+    parser.add_argument("overrides", nargs="*", default=[],
+                        help="override files merged over it, as `docker compose -f A -f B` "
+                             "(e.g. compose.secure.yaml)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Print one line per problem; exit status 1 if any, 0 if consistent or PyYAML is missing."""
     try:
-        problems = check_compose(args.compose)
+        problems = check_compose(args.compose, overrides=tuple(args.overrides))
     except YamlUnavailable as exc:
         print(f"checkconfig: skipped, {exc}")
         return 0
     for line in problems:
         print(line)
-    print(f"checkconfig: {args.compose}: "
-          + (f"{len(problems)} problem(s)" if problems else "ok"), file=sys.stderr)
+    required = required_variables(args.compose)
+    print(f"checkconfig: {' + '.join([args.compose, *args.overrides])}: "
+          + (f"{len(problems)} problem(s)" if problems else "ok")
+          + (f" (to start it, set {', '.join(required)})" if required else ""), file=sys.stderr)
     return 1 if problems else 0
 
 

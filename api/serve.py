@@ -18,6 +18,14 @@ from api.http_limits import (
     DEFAULT_REQUEST_READ_TIMEOUT,
     guarded_http_protocol,
 )
+from eventlog.connect import (
+    NatsConnectFatal,
+    NatsOptionsError,
+    add_nats_arguments,
+    check_connect_sync,
+    check_files,
+    options_from_args,
+)
 from replicas.runtime import Replica, ReplicaConfig
 from replicas.selection import BusyThresholds, RoutingConfig
 from replicas.state import StateConfig
@@ -151,6 +159,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "stream already has); a full stream refuses appends (discard new)")
     s.add_argument("--no-snapshots", dest="durable", action="store_false",
                    help=argparse.SUPPRESS)
+    add_nats_arguments(p)
 
 
 def _default_db(data_dir: str) -> str:
@@ -199,6 +208,7 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
         canary_recovery_timeout=args.canary_recovery_timeout,
         decision_append_timeout=args.decision_append_timeout,
         stream_max_bytes=args.stream_max_bytes,
+        nats=options_from_args(args, check=False),  # files are checked by run()
     )
 
 
@@ -207,9 +217,17 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = build_config(args)
+    from api.cli import CliError
+
+    try:
+        config = build_config(args)
+        check_files(config.nats_options)
+        # One connection before anything starts: a wrong password or an untrusted certificate
+        # is one line and exit 2 here, not a replica that retries forever.
+        check_connect_sync(config.nats_options, name=config.replica_id)
+    except (NatsOptionsError, NatsConnectFatal) as exc:
+        raise CliError(str(exc)) from None
     if args.model_path:
-        from api.cli import CliError
         from eventlog.model_tokenizer import ModelFolderError, load_codec
 
         try:

@@ -34,6 +34,9 @@ from typing import Any
 import httpx
 
 from eventlog import server as nats_server
+from eventlog.connect import NatsOptions, add_nats_arguments, options_from_args
+from eventlog.names import Names
+from eventlog.pki import PkiError
 
 log = logging.getLogger("jetrouter.up")
 
@@ -158,6 +161,8 @@ class LocalCluster:
         admin_token: str | None = None,
         ready_timeout: float = 60.0,
         stop_timeout: float = 10.0,
+        secure: bool = False,
+        nats_options: NatsOptions | None = None,
         model_path: Path | str | None = None,
     ) -> None:
         if replicas < 1 or workers < 1:
@@ -179,6 +184,14 @@ class LocalCluster:
         self.admin_token = admin_token or secrets.token_urlsafe(24)
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
+        # --secure: the embedded nats-server gets TLS, users and per-role permissions
+        # (api/secure.py); every child connects as its own identity.
+        self.secure = secure
+        if secure and nats_url:
+            raise ValueError("--secure sets up the embedded nats-server; for an existing NATS "
+                             "give its credentials with the --nats-* flags instead")
+        self.nats_options = nats_options or NatsOptions()  # for an existing NATS (--nats-url)
+        self.secure_setup: Any = None  # api.secure.SecureSetup once started with secure=True
         self.children: dict[str, Child] = {}
         self._nats: Any = None  # eventlog.server.NatsServer | NatsCluster when embedded
         self._supervisors: dict[str, asyncio.Task[None]] = {}
@@ -263,6 +276,16 @@ class LocalCluster:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "logs").mkdir(exist_ok=True)
         self._plan_children()
+        if self.secure:
+            from api.secure import prepare
+
+            self.secure_setup = await asyncio.to_thread(
+                prepare, self.data_dir / "secure",
+                [c.name for c in self.children.values() if c.kind == "replica"],
+                [c.name for c in self.children.values() if c.kind == "worker"],
+                names=Names(self.namespace))
+            log.info("secured NATS: TLS CA, passwords and nats.conf in %s",
+                     self.secure_setup.directory)
         if not self.nats_url:
             await self._start_nats()
         for child in self.children.values():
@@ -329,9 +352,22 @@ class LocalCluster:
             self.children[name] = Child(name, "worker", [], f"http://127.0.0.1:{port}",
                                         "/health", logs / f"{name}.log")
 
+    def child_nats_options(self, name: str) -> NatsOptions:
+        """How child ``name`` (or ``admin``, for tools) connects: its own identity when secure,
+        else the options given for an existing NATS."""
+        if self.secure_setup is not None:
+            return self.secure_setup.client_options(name).with_servers(self.nats_url)
+        return self.nats_options.with_servers(self.nats_url)
+
+    @property
+    def client_options(self) -> NatsOptions:
+        """NATS options for tools that observe the cluster (the admin identity when secure)."""
+        return self.child_nats_options("admin")
+
     def _finish_argv(self, child: Child) -> None:
         port = child.url.rsplit(":", 1)[1]
-        common = ["--host", "127.0.0.1", "--port", port]
+        common = ["--host", "127.0.0.1", "--port", port,
+                  *self.child_nats_options(child.name).child_argv()]
         if child.kind == "replica":
             replica_dir = self.data_dir / child.name
             replica_dir.mkdir(exist_ok=True)
@@ -348,11 +384,13 @@ class LocalCluster:
         store = self.data_dir / "nats"
         store.mkdir(exist_ok=True)
         nats: Any
+        setup = self.secure_setup
+        conf = {"config_file": setup.config_file, "scheme": "tls"} if setup is not None else {}
         if self.nats_cluster > 1:
-            nats = nats_server.NatsCluster(self.nats_cluster, base_dir=store)
+            nats = nats_server.NatsCluster(self.nats_cluster, base_dir=store, **conf)
             servers = list(nats.servers)
         else:
-            nats = nats_server.NatsServer(store_dir=store)
+            nats = nats_server.NatsServer(store_dir=store, **conf)
             servers = [nats]
         self._nats = nats
         for server in servers:
@@ -376,7 +414,8 @@ class LocalCluster:
             logf.flush()
             child.proc = await asyncio.create_subprocess_exec(
                 *child.argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf,
-                stderr=asyncio.subprocess.STDOUT, env=_child_env(), cwd=str(REPO_ROOT),
+                stderr=asyncio.subprocess.STDOUT, cwd=str(REPO_ROOT),
+                env={**_child_env(), **self.child_nats_options(child.name).child_env()},
                 # Own process group: Ctrl-C reaches only `up`, which stops children in order.
                 start_new_session=True,
                 preexec_fn=functools.partial(_die_with_parent, self._prctl, os.getpid()))
@@ -447,7 +486,9 @@ class LocalCluster:
             return {"id": c.name, "url": c.url, "pid": c.pid if c.running else None}
 
         kids = self.children.values()
+        secured = {"nats_secure": self.secure_setup.describe()} if self.secure_setup else {}
         return {
+            **secured,
             "nats_url": self.nats_url,
             "namespace": self.namespace,
             "admin_token": self.admin_token,
@@ -499,6 +540,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="admin bearer token (default: a fresh random one)")
     p.add_argument("--ready-timeout", type=float, default=60.0,
                    help="seconds to wait for every child to be ready (default 60)")
+    p.add_argument("--secure", action="store_true",
+                   help="secure the embedded nats-server: TLS with a generated CA, one user "
+                        "per replica/engine with only the subjects its role needs, an admin "
+                        "user; files under <data-dir>/secure/")
+    add_nats_arguments(p)  # credentials/TLS of an existing NATS (--nats-url), for every child
     g = p.add_argument_group("forwarded to the children")
     g.add_argument("--router-mode", default=None,
                    help="replicas: kv | round-robin | random | least-loaded")
@@ -553,6 +599,9 @@ def banner(cluster: LocalCluster) -> str:
         f"  routers : {' '.join(cluster.router_urls)}",
         f"  workers : {' '.join(cluster.worker_urls)}",
         f"  nats    : {cluster.nats_url}  (namespace {cluster.namespace})",
+        *([f"  secured : TLS CA {cluster.secure_setup.ca_file}; users' password files in "
+           f"{cluster.secure_setup.directory / 'users'} (admin: admin.password); server "
+           f"config {cluster.secure_setup.config_file}"] if cluster.secure_setup else []),
         f"  admin   : token in {token} (and {cluster.cluster_json_path})",
         f"  logs    : {cluster.data_dir / 'logs'}",
         "try:",
@@ -601,16 +650,26 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per readiness poll
     router_args, worker_args = forwarded_args(args)
     check_model_path(args.model_path)
+    if args.secure and args.nats_url:
+        raise CliError("--secure sets up the embedded nats-server; for an existing NATS give "
+                       "its credentials with the --nats-* flags instead")
+    try:
+        nats_options = options_from_args(args, url="")
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     cluster = LocalCluster(
         replicas=args.replicas, workers=args.workers, base_port=args.base_port or None,
         data_dir=args.data_dir, router_args=router_args, worker_args=worker_args,
         nats_url=args.nats_url, restart=not args.no_restart, namespace=args.namespace,
         nats_cluster=args.nats_cluster, admin_token=args.admin_token,
-        ready_timeout=args.ready_timeout, model_path=args.model_path)
+        ready_timeout=args.ready_timeout, model_path=args.model_path, secure=args.secure,
+        nats_options=nats_options)
     try:
         asyncio.run(_serve_until_signalled(cluster))
     except nats_server.NatsServerNotFound as exc:
         raise CliError(str(exc)) from None
+    except PkiError as exc:
+        raise CliError(f"--secure: {exc}") from None
     except ClusterStartError as exc:
         print(f"jetrouter up: error: {exc}", file=sys.stderr)
         return 1

@@ -13,7 +13,9 @@ client's ``fetch``) so that it alone decides what counts as progress:
   the server also recreate the consumer from ``last_seq + 1`` (with backoff while the server is
   away), so a server restart or a dead cluster node costs neither duplicates nor gaps.
 
-A message that does not decode is yielded as ``(seq, [])``: the sequence still advances.
+A message that does not decode is yielded as ``(seq, [])``: the sequence still advances. So is a
+message whose events speak for another worker or replica than its subject names
+(:mod:`eventlog.binding`), counted in ``forged``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from nats.errors import ConnectionClosedError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from eventlog.binding import foreign_party
 from eventlog.events import Event, MalformedMessage, decode_batch
 
 log = logging.getLogger(__name__)
@@ -96,6 +99,7 @@ class StreamReader:
         self.last_seq = start_seq - 1
         self.pending = 0
         self.malformed = 0
+        self.forged = 0
         self.resets = 0
 
         self._started = False
@@ -204,6 +208,13 @@ class StreamReader:
         except MalformedMessage as exc:
             self.malformed += 1
             log.warning("stream %s seq %d: skipping malformed message (%s)", self.stream, sseq, exc)
+            events = []
+        party = foreign_party(msg.subject, events) if events else None
+        if party is not None:
+            self.malformed += 1  # counted with the malformed ones: skipped, never applied
+            self.forged += 1
+            log.warning("stream %s seq %d: skipping a message on %s that speaks for %r",
+                        self.stream, sseq, msg.subject, party)
             events = []
         self.last_seq = sseq
         self.pending = int(tokens[i_pending])

@@ -96,8 +96,14 @@ class NatsServer:
         binary: str | None = None,
         extra_args: Sequence[str] = (),
         host: str = LOOPBACK,
+        config_file: str | os.PathLike[str] | None = None,
+        scheme: str = "nats",
     ) -> None:
         self.binary = binary or find_nats_server()
+        # A configuration file (accounts, users, permissions, TLS: eventlog/natsconf.py); the
+        # addresses, store dir and routes stay on the command line, which takes precedence.
+        self.config_file = Path(config_file) if config_file is not None else None
+        self.scheme = scheme  # "tls" when the configuration turns TLS on
         self.host = host
         self.port = port or free_port(host)
         self.monitor_port = monitor_port or free_port(host)
@@ -115,7 +121,7 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     @property
     def monitor_url(self) -> str:
@@ -130,8 +136,10 @@ class NatsServer:
         return self.proc is not None and self.proc.poll() is None
 
     def command(self) -> list[str]:
-        args = [
-            self.binary,
+        args = [self.binary]
+        if self.config_file is not None:
+            args += ["-c", str(self.config_file)]
+        args += [
             "-js",
             "-a", self.host,
             "-p", str(self.port),
@@ -275,6 +283,8 @@ class NatsCluster:
         base_dir: str | os.PathLike[str] | None = None,
         cluster_name: str = "jetrouter",
         binary: str | None = None,
+        config_file: str | os.PathLike[str] | None = None,
+        scheme: str = "nats",
     ) -> None:
         if size < 1:
             raise ValueError("a cluster needs at least one server")
@@ -291,6 +301,8 @@ class NatsCluster:
                 cluster_port=cluster_ports[i],
                 routes=[r for j, r in enumerate(routes) if j != i],
                 binary=binary,
+                config_file=config_file,
+                scheme=scheme,
             )
             for i in range(size)
         ]

@@ -177,8 +177,10 @@ async def ensure_streams(
     replicas: int | None = None,
     duplicate_window: float = 120.0,
     max_bytes: int | None = None,
+    kinds: tuple[str, ...] = STREAM_KINDS,
 ) -> dict[str, StreamInfo]:
-    """Create or update the KV, router and control streams; returns ``{stream name: info}``.
+    """Create or update the KV, router and control streams (or only ``kinds``: an engine needs
+    just the KV stream, and its NATS identity may see no other); returns ``{stream name: info}``.
 
     ``replicas`` defaults to the JetStream cluster size (1 on a single server, 3 on three,
     at most 5); an existing stream keeps its replica count unless ``replicas`` is given.
@@ -190,7 +192,7 @@ async def ensure_streams(
         raise ValueError(f"replicas must be between 1 and {MAX_REPLICAS}, got {replicas}")
     count = replicas if replicas is not None else cluster_size_hint(js)
     result: dict[str, StreamInfo] = {}
-    for kind in STREAM_KINDS:
+    for kind in kinds:
         config = _wanted_config(names, kind, count, duplicate_window, max_bytes)
         info = await ensure_stream(js, config, replicas_given=replicas is not None,
                                    max_bytes_given=max_bytes is not None)

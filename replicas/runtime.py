@@ -18,13 +18,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-import nats
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+from tenacity import AsyncRetrying, retry_if_not_exception_type, stop_after_delay, wait_exponential
 
 from eventlog import events as ev
 from eventlog.appender import Appender, AppendFailed
+from eventlog.connect import NatsConnectFatal, NatsOptions, connect
 from eventlog.hashing import prompt_hashes
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
 from eventlog.reader import StartPurged, StreamReader
@@ -136,6 +136,12 @@ class ReplicaConfig:
     # before it is refused with 503; covers a stream leader election after a NATS node loss.
     decision_append_timeout: float = 15.0
     stream_max_bytes: int | None = None  # per stream; None leaves the streams' limit as it is
+    # Credentials and TLS (eventlog/connect.py); its servers are ignored: nats_url names them.
+    nats: NatsOptions = field(default_factory=NatsOptions)
+
+    @property
+    def nats_options(self) -> NatsOptions:
+        return self.nats.with_servers(self.nats_url)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,15 +226,15 @@ class Replica:
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        servers = [s.strip() for s in self.config.nats_url.split(",") if s.strip()]
+        # Bad credentials or TLS are not retried: NatsConnectFatal names the cause at once.
         async for attempt in AsyncRetrying(stop=stop_after_delay(30),
                                            wait=wait_exponential(0.1, max=2.0),
-                                           retry=retry_if_exception_type(Exception),
+                                           retry=retry_if_not_exception_type(NatsConnectFatal),
                                            reraise=True):
             with attempt:
-                self.nc = await nats.connect(servers=servers, name=self.replica_id,
-                                             max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                             connect_timeout=2)
+                self.nc = await connect(self.config.nats_options, name=self.replica_id,
+                                        max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                        connect_timeout=2)
         assert self.nc is not None
         self.js = self.nc.jetstream()
         await ensure_streams(self.js, self.names, max_bytes=self.config.stream_max_bytes)
@@ -268,10 +274,13 @@ class Replica:
 
         self.projections = Projections(url, ledger_retention=self.config.ledger_retention)
         await self.projections.start()  # creates the tables before the writer starts
+        nats_opts = self.config.nats_options
         self._projector = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "snapshots.projector", "--nats-url", self.config.nats_url,
+            *nats_opts.child_argv(),  # same identity as this replica; secrets via env below
             "--namespace", self.config.namespace, "--database-url", url,
-            "--ledger-retention", str(self.config.ledger_retention), "--parent", str(os.getpid()))
+            "--ledger-retention", str(self.config.ledger_retention), "--parent", str(os.getpid()),
+            env={**os.environ, **nats_opts.child_env()})
 
     async def _start_liveness(self) -> None:
         from replicas.liveness import Heartbeat, Liveness, liveness_subject

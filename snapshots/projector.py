@@ -5,8 +5,9 @@ replica's own process, that work competed with request handling for the interpre
 quarter of the replica's CPU under load). In a child process it runs on the other core. The
 replica opens the same database for reading (SQLite WAL: readers never block the writer).
 
-`python -m snapshots.projector --nats-url URL --namespace NS --database-url URL` — it exits when
-its parent dies (it checks the parent pid) or on SIGTERM.
+`python -m snapshots.projector --nats-url URL --namespace NS --database-url URL` (plus the
+replica's NATS credential/TLS flags) — it exits when its parent dies (it checks the parent pid)
+or on SIGTERM.
 """
 
 from __future__ import annotations
@@ -20,19 +21,17 @@ import signal
 import threading
 import time
 
-import nats
-
+from eventlog.connect import NatsOptions, add_nats_arguments, connect, options_from_args
 from eventlog.names import Names
 from snapshots.projections import ProjectionFeeder, Projections
 
 log = logging.getLogger("jetrouter.projector")
 
 
-async def project(nats_url: str, namespace: str, database_url: str, retention: float,
+async def project(nats: NatsOptions, namespace: str, database_url: str, retention: float,
                   parent: int) -> None:
-    servers = [s.strip() for s in nats_url.split(",") if s.strip()]
-    nc = await nats.connect(servers=servers, name=f"projector-{parent}",
-                            max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+    nc = await connect(nats, name=f"projector-{parent}",
+                       max_reconnect_attempts=-1, reconnect_time_wait=0.5)
     projections = Projections(database_url, ledger_retention=retention)
     await projections.start()
     feeder = ProjectionFeeder(nc.jetstream(), Names(namespace), projections)
@@ -67,11 +66,12 @@ def main() -> None:
     p.add_argument("--database-url", required=True)
     p.add_argument("--ledger-retention", type=float, default=7 * 86400.0)
     p.add_argument("--parent", type=int, default=os.getppid())
+    add_nats_arguments(p)  # the replica's own identity; literal secrets come in the environment
     args = p.parse_args()
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
-    asyncio.run(project(args.nats_url, args.namespace, args.database_url, args.ledger_retention,
-                        args.parent))
+    asyncio.run(project(options_from_args(args), args.namespace, args.database_url,
+                        args.ledger_retention, args.parent))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,13 @@ import logging
 import sys
 import uuid
 
+from eventlog.connect import (
+    NatsConnectFatal,
+    add_nats_arguments,
+    check_connect_sync,
+    check_files,
+    options_from_args,
+)
 from eventlog.model_tokenizer import load_codec
 from eventlog.names import check_token
 from workers.scheduler import EngineConfig
@@ -61,6 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM (default 30)")
     p.add_argument("--log-level", default="warning",
                    choices=["debug", "info", "warning", "error"], help="(default warning)")
+    add_nats_arguments(p)
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
@@ -87,6 +95,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         default_max_tokens=args.default_max_tokens,
         shutdown_timeout=args.shutdown_timeout,
         model_path=args.model_path or None,
+        nats=options_from_args(args, check=False),  # files are checked by run()
     )
 
 
@@ -100,7 +109,13 @@ def run(args: argparse.Namespace) -> int:
             load_codec(settings.model_path)  # a bad folder: one clear line, before binding
         if settings.dp_size < 1:
             raise ValueError("--dp-size must be at least 1")
-    except ValueError as exc:
+        if settings.nats_url:
+            check_files(settings.nats)
+            # A wrong password or untrusted certificate: one line and exit 2 now, not an
+            # engine serving requests whose cache events never reach the routers.
+            check_connect_sync(settings.nats.with_servers(settings.nats_url),
+                               name=f"jetrouter-worker-{settings.worker_id}")
+    except (ValueError, NatsConnectFatal) as exc:
         print(f"jetrouter worker: error: {exc}", file=sys.stderr)
         return 2
     return serve(settings)

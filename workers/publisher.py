@@ -25,11 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from eventlog.appender import Appender, AppendFailed
+from eventlog.connect import NatsConnectFatal, NatsOptions, connect
 from eventlog.events import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -38,7 +38,7 @@ from eventlog.events import (
     WorkerRegistered,
     WorkerRetired,
 )
-from eventlog.names import Names
+from eventlog.names import KV, Names
 from eventlog.streams import ensure_streams
 from workers.kvcache import Cleared, KvChange, Removed, Stored
 
@@ -78,8 +78,10 @@ class KvPublisher:
         load_interval: float = 0.5,
         max_pending: int = 100_000,
         clock: Callable[[], float] = time.time,
+        nats: NatsOptions | None = None,
     ) -> None:
         self.nats_url = nats_url
+        self.nats = (nats or NatsOptions()).with_servers(nats_url)  # credentials and TLS
         self.names = names
         self.worker_id = worker_id
         self.incarnation = incarnation
@@ -230,21 +232,28 @@ class KvPublisher:
     async def _connect(self) -> Appender:
         delay = 0.2
         while True:
+            nc = None
             try:
-                servers = [u.strip() for u in self.nats_url.split(",") if u.strip()]
-                nc = await nats.connect(servers=servers,
-                                        name=f"jetrouter-worker-{self.worker_id}",
-                                        max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+                nc = await connect(self.nats, name=f"jetrouter-worker-{self.worker_id}",
+                                   max_reconnect_attempts=-1, reconnect_time_wait=0.5)
                 js = nc.jetstream()
-                await ensure_streams(js, self.names)
+                await ensure_streams(js, self.names, kinds=(KV,))
                 break
+            except NatsConnectFatal as exc:
+                # Checked at start-up (workers/cli.py); credentials changed since: keep trying
+                # slowly, saying why, rather than dying with the engine still serving.
+                log.error("%s; retrying in 5 s", exc)
+                await asyncio.sleep(5.0)
+                continue
             except Exception as exc:
                 log.warning("NATS %s not usable yet (%r); retrying in %.1fs",
                             self.nats_url, exc, delay)
-                with contextlib.suppress(Exception):
-                    await nc.close()  # type: ignore[possibly-undefined]
+                if nc is not None:
+                    with contextlib.suppress(Exception):
+                        await nc.close()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+        assert nc is not None
         self._nc = nc
         await nc.subscribe(self.names.reannounce_subject(self.worker_id), cb=self._on_reannounce)
         await nc.subscribe(self.names.reannounce_subject("all"), cb=self._on_reannounce)

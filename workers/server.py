@@ -25,6 +25,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from eventlog.connect import NatsOptions
 from eventlog.events import WorkerRegistered
 from eventlog.model_tokenizer import load_codec
 from eventlog.names import Names, check_token
@@ -60,6 +61,7 @@ class WorkerSettings:
     shutdown_timeout: float = 30.0
     load_interval: float = 0.5
     model_path: str | None = None  # a model folder: tokenize like the engine that serves it
+    nats: NatsOptions = field(default_factory=NatsOptions)  # credentials and TLS
 
 
 class WorkerRuntime:
@@ -75,7 +77,8 @@ class WorkerRuntime:
         self.faults = FaultState()
         self.publisher = KvPublisher(
             settings.nats_url, Names(settings.namespace), settings.worker_id, self.incarnation,
-            dump=self._dump, load=self._loads, load_interval=settings.load_interval)
+            dump=self._dump, load=self._loads, load_interval=settings.load_interval,
+            nats=settings.nats)
         rng = random.SystemRandom()
         self.engines = [
             Engine(settings.engine, dp_rank=rank, salt=rng.getrandbits(64), faults=self.faults,

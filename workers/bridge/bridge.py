@@ -26,15 +26,15 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import nats
 import zmq.asyncio
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from eventlog.appender import Appender, AppendFailed
+from eventlog.connect import NatsConnectFatal, NatsOptions, connect
 from eventlog.events import Event, WorkerRegistered, WorkerRetired
 from eventlog.names import KV, Names
 from eventlog.streams import ensure_streams
@@ -77,6 +77,7 @@ class BridgeSettings:
     unhealthy_after: float = 10.0
     load_interval: float = 1.0
     replay_timeout: float = 5.0
+    nats: NatsOptions = field(default_factory=NatsOptions)  # credentials and TLS
 
 
 class Bridge:
@@ -124,15 +125,19 @@ class Bridge:
 
     async def _connect_nats(self) -> None:
         delay = 0.2
-        servers = [u.strip() for u in self.s.nats_url.split(",") if u.strip()]
+        options = self.s.nats.with_servers(self.s.nats_url)
         while True:
             try:
-                nc = await nats.connect(servers=servers,
-                                        name=f"jetrouter-bridge-{self.s.worker_id}",
-                                        max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+                nc = await connect(options, name=f"jetrouter-bridge-{self.s.worker_id}",
+                                   max_reconnect_attempts=-1, reconnect_time_wait=0.5)
                 js = nc.jetstream()
-                await ensure_streams(js, self.names)
+                # Only the KV stream: an engine identity may see no other (eventlog/natsconf.py).
+                await ensure_streams(js, self.names, kinds=(KV,))
                 break
+            except NatsConnectFatal as exc:
+                # Checked at start-up (workers/bridge/cli.py); changed since: say why, slowly.
+                log.error("%s; retrying in 5 s", exc)
+                await asyncio.sleep(5.0)
             except Exception as exc:
                 log.warning("NATS %s not usable yet (%r); retrying in %.1fs",
                             self.s.nats_url, exc, delay)

@@ -14,6 +14,13 @@ import logging
 import signal
 import sys
 
+from eventlog.connect import (
+    NatsConnectFatal,
+    add_nats_arguments,
+    check_connect_sync,
+    check_files,
+    options_from_args,
+)
 from eventlog.names import check_token
 from workers.bridge.bridge import Bridge, BridgeSettings, ConfigError
 
@@ -78,6 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds of silence before a replay request counts as failed (default 5)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="(default info)")
+    add_nats_arguments(p)
 
 
 def settings_from_args(args: argparse.Namespace) -> BridgeSettings:
@@ -92,7 +100,8 @@ def settings_from_args(args: argparse.Namespace) -> BridgeSettings:
         kv_total_blocks=args.kv_total_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
         advertise_url=args.advertise_url, model=args.model,
         health_interval=args.health_interval, unhealthy_after=args.unhealthy_after,
-        load_interval=args.load_interval, replay_timeout=args.replay_timeout)
+        load_interval=args.load_interval, replay_timeout=args.replay_timeout,
+        nats=options_from_args(args, check=False))  # files are checked by run()
 
 
 async def _main(settings: BridgeSettings) -> int:
@@ -116,7 +125,11 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /metrics poll otherwise
     try:
         settings = settings_from_args(args)
-    except ValueError as exc:
+        check_files(settings.nats)
+        # A wrong password or untrusted certificate: one line and exit 2 now.
+        check_connect_sync(settings.nats.with_servers(settings.nats_url),
+                           name=f"jetrouter-bridge-{settings.worker_id}")
+    except (ValueError, NatsConnectFatal) as exc:
         print(f"jetrouter bridge: error: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(_main(settings))
