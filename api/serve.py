@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompt-tokens", type=_positive_int, default=131072)
     g.add_argument("--graceful-shutdown-timeout", type=_non_negative, default=30.0,
                    help="on SIGTERM: stop taking requests, let in-flight ones finish this long")
+    g.add_argument("--ready-wait", type=_non_negative, default=5.0,
+                   help="seconds a request reaching a replica that is still catching up waits "
+                        "for it to be ready before a 503 (0: answer 503 at once)")
     g.add_argument("--log-level", default="warning",
                    choices=("debug", "info", "warning", "error"))
     r = p.add_argument_group("routing")
@@ -183,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
                                         admin_token=args.admin_token, tokenizer=args.tokenizer,
                                         reset_on_start=args.router_reset_states,
                                         stream_idle_timeout=args.stream_idle_timeout,
-                                        migration_limit=args.migration_limit))
+                                        migration_limit=args.migration_limit,
+                                        ready_wait=args.ready_wait))
     config_ = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                              access_log=False,
                              timeout_graceful_shutdown=int(args.graceful_shutdown_timeout))
