@@ -43,8 +43,10 @@ def cluster_args(t: Timing) -> tuple[list[str], list[str]]:
 
 
 def chaos_cluster(data_dir: Path, t: Timing, *, replicas: int = 3, workers: int = 4,
-                  namespace: str = "chaos") -> LocalCluster:
+                  namespace: str = "chaos", extra_router_args: Sequence[str] = ()
+                  ) -> LocalCluster:
     router, worker = cluster_args(t)
+    router += list(extra_router_args)
     return LocalCluster(replicas=replicas, workers=workers, data_dir=data_dir,
                         namespace=namespace, nats_cluster=3, router_args=router,
                         worker_args=worker, ready_timeout=120.0)
@@ -183,7 +185,11 @@ async def run_soak_cluster(args: argparse.Namespace, t: Timing, data_dir: Path) 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    async with chaos_cluster(data_dir, t) as cluster, ChaosSession(cluster) as session:
+    # A soak runs long enough for the streams to matter: the leader snapshots and purges as a
+    # production deployment would (so restarted replicas also load snapshots mid-soak).
+    extra = ["--router-snapshot-threshold", "20000"]
+    async with chaos_cluster(data_dir, t, extra_router_args=extra) as cluster, \
+            ChaosSession(cluster) as session:
         assert session.probe is not None and session.follower is not None
         report = await run_soak(session.probe, session.follower, t, duration=args.soak,
                                 fault_interval=args.fault_interval, seed=args.seed,

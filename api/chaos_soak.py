@@ -16,9 +16,10 @@ fault on any replica for the other faults (a dead engine's request fails only if
 failed too, which the report shows).
 
 Leak check: the RSS of every long-lived process is read after a warm-up cycle without faults and
-again at the end. Kill faults spare one *sentinel* of each kind (``r0``, ``w0``, the first NATS
-node) so that at least those processes live through the whole soak; processes restarted during
-the soak are reported with both figures but not judged.
+again at the end. Kill faults spare one *sentinel* replica and engine (``r0``, ``w0``) so that at
+least those live through the whole soak (``nats-kill`` always takes the router stream's leader,
+the hard case); processes restarted during the soak are reported with both figures but not
+judged.
 """
 
 from __future__ import annotations
