@@ -318,7 +318,7 @@ async def fault_replica_stop(probe: Probe, t: Timing, res: ScenarioResult) -> Ca
         if lost is None:
             res.notes.append(f"{victim} not shown declared_lost while stopped")
     finally:
-        os.kill(pid, signal.SIGCONT)
+        os.killpg(pid, signal.SIGCONT)  # the group, as it was stopped
         res.fault_end = time.monotonic()
 
     async def back() -> bool:

@@ -189,7 +189,7 @@ async def inject(kind: str, probe: Probe, t: Timing, rng: random.Random, cyc: Cy
                 cyc.notes.append(f"{cyc.victim} not shown declared lost while stopped "
                                  "(it owned nothing, or no leader)")
         finally:
-            os.kill(pid, signal.SIGCONT)
+            os.killpg(pid, signal.SIGCONT)  # the group, as it was stopped
             cyc.fault_end = time.monotonic()
         return await _ready_again(probe, cyc.victim, None, t.recovery_timeout)
     if kind == "nats-kill":

@@ -122,7 +122,7 @@ async def test_stopped_replica_finds_its_position_purged_and_loads_the_snapshot(
         await nc.close()
         assert first > before["router"] + 1, "the paused replica's next message was purged"
     finally:
-        os.kill(pid, signal.SIGCONT)
+        os.killpg(pid, signal.SIGCONT)  # the group, as it was stopped
     states = await admin.converged(REPLICAS, timeout=60)
     assert_equal_digests(states)
     assert states[victim]["restores"] >= 1, states[victim]  # it reloaded from the snapshot
