@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test demo bench bench-core chaos lint clean
+.PHONY: install test demo bench bench-core chaos lint clean soak
 
 $(BIN)/jetrouter: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,10 @@ bench-core: install
 
 chaos: install
 	$(BIN)/jetrouter chaos
+
+# 30 minutes of load with a random fault every ~60 s (not part of CI).
+soak: install
+	$(BIN)/jetrouter chaos --soak 30m
 
 lint: install
 	$(BIN)/ruff check .

@@ -4,6 +4,7 @@ and the admin views (design.md §9). Everything routing-related is delegated to 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -53,6 +54,9 @@ class AppConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # Dynamo leaves POST /busy_threshold open; True requires the admin bearer token for it.
     busy_threshold_requires_admin: bool = False
+    # A request that reaches a replica still catching up waits this long for readiness instead
+    # of failing: a load balancer's health check lags the replica's start by up to one interval.
+    ready_wait: float = 5.0
 
 
 def _json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None
@@ -115,6 +119,8 @@ def create_app(replica: Replica, config: AppConfig | None = None,
 
     async def handle(endpoint: str, request: Request) -> Response:
         raw = await request.body()
+        if not replica.ready and not replica.draining and cfg.ready_wait > 0:
+            await _await_ready(replica, cfg.ready_wait)
         if replica.draining or not replica.ready:
             why = "shutting down" if replica.draining else "still catching up with the streams"
             return error_response(503, f"this router replica is {why}; retry on another",
@@ -289,6 +295,12 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     app.include_router(admin_router(replica, cfg))
 
     return app
+
+
+async def _await_ready(replica: Replica, timeout: float) -> None:
+    """Wait up to `timeout` for the replica to become ready; the caller re-checks the flag."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await replica.wait_ready(timeout)
 
 
 async def _reset_when_ready(replica: Replica) -> None:

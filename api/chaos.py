@@ -43,8 +43,10 @@ def cluster_args(t: Timing) -> tuple[list[str], list[str]]:
 
 
 def chaos_cluster(data_dir: Path, t: Timing, *, replicas: int = 3, workers: int = 4,
-                  namespace: str = "chaos") -> LocalCluster:
+                  namespace: str = "chaos", extra_router_args: Sequence[str] = ()
+                  ) -> LocalCluster:
     router, worker = cluster_args(t)
+    router += list(extra_router_args)
     return LocalCluster(replicas=replicas, workers=workers, data_dir=data_dir,
                         namespace=namespace, nats_cluster=3, router_args=router,
                         worker_args=worker, ready_timeout=120.0)
@@ -159,12 +161,60 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write every figure of every scenario to this JSON file")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="cluster data and logs (default: a fresh temporary directory)")
+    p.add_argument("--soak", type=_duration, default=None, metavar="DURATION",
+                   help="instead of the scenarios: steady load and a random fault every "
+                        "--fault-interval for this long (e.g. 30m), then a report of requests, "
+                        "events lost, digests at quiet points, RSS and p99 per window")
+    p.add_argument("--fault-interval", type=_duration, default=60.0, metavar="DURATION",
+                   help="soak: time between faults (default 60s)")
+    p.add_argument("--seed", type=int, default=None, help="soak: seed of the fault choice")
+
+
+def _duration(text: str) -> float:
+    from api.chaos_soak import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+async def run_soak_cluster(args: argparse.Namespace, t: Timing, data_dir: Path) -> int:
+    from api.chaos_soak import format_report, run_soak, soak_verdict
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    # A soak runs long enough for the streams to matter: the leader snapshots and purges as a
+    # production deployment would (so restarted replicas also load snapshots mid-soak).
+    extra = ["--router-snapshot-threshold", "20000"]
+    async with chaos_cluster(data_dir, t, extra_router_args=extra) as cluster, \
+            ChaosSession(cluster) as session:
+        assert session.probe is not None and session.follower is not None
+        report = await run_soak(session.probe, session.follower, t, duration=args.soak,
+                                fault_interval=args.fault_interval, seed=args.seed,
+                                progress=progress)
+    print(format_report(report))
+    bad = soak_verdict(report)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"timing": dataclasses.asdict(t),
+                                         "soak": report.as_dict(), "violations": bad},
+                                        indent=2) + "\n")
+    for line in bad:
+        print(f"expectation not met: {line}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s chaos: %(message)s",
                         datefmt="%H:%M:%S")
     t = Timing.short() if args.short else Timing()
+    if args.soak is not None:
+        if args.data_dir is not None:
+            args.data_dir.mkdir(parents=True, exist_ok=True)
+            return asyncio.run(run_soak_cluster(args, t, args.data_dir))
+        with tempfile.TemporaryDirectory(prefix="jetrouter-soak-") as tmp:
+            return asyncio.run(run_soak_cluster(args, t, Path(tmp)))
     scenarios = args.scenario or list(SCENARIOS)
     if args.data_dir is not None:
         args.data_dir.mkdir(parents=True, exist_ok=True)

@@ -130,7 +130,9 @@ class Probe:
 
     def __init__(self, cluster: LocalCluster, http: httpx.AsyncClient, nc: NatsClient) -> None:
         self.c, self.http, self.nc = cluster, http, nc
-        self.js = nc.jetstream()
+        # Short API waits: during a stream leader election a request with nats-py's default 5 s
+        # wait would blur the recovery times measured here by up to 5 s (callers retry).
+        self.js = nc.jetstream(timeout=2.0)
         self.names = Names(cluster.namespace)
         self.auth = {"authorization": f"Bearer {cluster.admin_token}"}
         self.replicas = [n for n, ch in cluster.children.items() if ch.kind == "replica"]
@@ -203,6 +205,11 @@ class Probe:
             if {w["worker_id"] for w in ws} != set(self.workers):
                 return False
         return True
+
+    async def router_positions(self) -> dict[str, int | None]:
+        """Each replica's applied router-stream position (None: it did not answer)."""
+        return {n: (s["positions"][ROUTER] if s is not None else None)
+                for n, s in (await self.states()).items()}
 
     async def applied_past(self, lasts: dict[str, int]) -> bool:
         """Every replica ready and at or past `lasts` on every stream."""
@@ -311,7 +318,7 @@ async def fault_replica_stop(probe: Probe, t: Timing, res: ScenarioResult) -> Ca
         if lost is None:
             res.notes.append(f"{victim} not shown declared_lost while stopped")
     finally:
-        os.kill(pid, signal.SIGCONT)
+        os.killpg(pid, signal.SIGCONT)  # the group, as it was stopped
         res.fault_end = time.monotonic()
 
     async def back() -> bool:
@@ -382,12 +389,29 @@ async def fault_nats_kill(probe: Probe, t: Timing, res: ScenarioResult) -> Calla
     leader = info.cluster.leader if info.cluster else None
     index = next((i for i, s in enumerate(nats.servers) if s.server_name == leader), 0)
     res.victim = f"{nats.servers[index].server_name} (router stream leader)"
+    before = info.state.last_seq
     t0 = res.fault_at = res.fault_end = time.monotonic()
     await asyncio.to_thread(nats.kill, index)
-    if await until_new_events_applied(probe, t.recovery_timeout):
+    elected = asyncio.create_task(_new_leader_after(probe, leader, t.recovery_timeout))
+    # Resumed: every replica applied router events the *new* leader appended. Read from the
+    # replicas (no JetStream API call that would wait out the election); the margin covers
+    # appends the old leader acknowledged between reading `before` and the kill.
+    margin = 16
+
+    async def applied() -> bool:
+        pos = await probe.router_positions()
+        return all(p is not None and p > before + margin for p in pos.values())
+
+    if await wait_for(applied, t.recovery_timeout, interval=0.05) is not None:
         res.resume_s = round(time.monotonic() - t0, 2)
     else:
         res.notes.append("replicas did not apply new events while the node was down")
+    election = await elected
+    if election is not None:
+        res.notes.append(f"router stream leader elected after {election:.1f}s (nats-server Raft "
+                         "election timeout: 4-9 s); replicas resumed "
+                         + ("-" if res.resume_s is None else f"{res.resume_s - election:+.1f}s")
+                         + " after it")
     remaining = t.nats_down_s - (time.monotonic() - t0)
     if remaining > 0:
         await asyncio.sleep(remaining)  # keep the node down for the scenario's duration
@@ -397,6 +421,20 @@ async def fault_nats_kill(probe: Probe, t: Timing, res: ScenarioResult) -> Calla
         return bool(nats.servers[index].running)
 
     return back
+
+
+async def _new_leader_after(probe: Probe, old: str | None, timeout: float) -> float | None:
+    """Seconds until the router stream reports a leader other than `old` (polled with short
+    API waits by a separate connection's context; None at the deadline)."""
+    t0 = time.monotonic()
+    js = probe.nc.jetstream(timeout=0.5)
+
+    async def elected() -> bool:
+        info = await js.stream_info(probe.names.stream(ROUTER))
+        return bool(info.cluster and info.cluster.leader and info.cluster.leader != old)
+
+    got = await wait_for(elected, timeout, interval=0.1)
+    return None if got is None else time.monotonic() - t0
 
 
 FAULTS: dict[str, Callable[[Probe, Timing, ScenarioResult],
@@ -453,7 +491,10 @@ async def run_scenario(name: str, probe: Probe, follower: RouterFollower, t: Tim
         res.phantom_left = await probe.active_load() - baseline
     conv = await wait_for(lambda: _converged(probe), 30.0)
     res.converged = conv is not None
-    res.digests_equal = res.converged and (await probe.converged())[1]
+    # A second read may land after one more append (a ReplicaLost, a health change): wait for
+    # a read where every replica sits at the streams' ends and agrees.
+    res.digests_equal = res.converged and await wait_for(
+        lambda: _digests_equal(probe), 30.0) is not None
     res.requests_ok = load.ok
     failed = load.failed
     res.requests_failed = len(failed)
@@ -474,6 +515,10 @@ async def run_scenario(name: str, probe: Probe, follower: RouterFollower, t: Tim
 
 async def _no_load(probe: Probe, baseline: int) -> bool:
     return await probe.active_load() <= baseline
+
+
+async def _digests_equal(probe: Probe) -> bool:
+    return (await probe.converged())[1]
 
 
 async def _converged(probe: Probe) -> bool:

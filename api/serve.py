@@ -92,6 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--busy-threshold-requires-admin", action="store_true",
                    help="require the admin bearer token for POST /busy_threshold (Dynamo "
                         "leaves it open)")
+    g.add_argument("--ready-wait", type=_non_negative, default=5.0,
+                   help="seconds a request reaching a replica that is still catching up waits "
+                        "for it to be ready before a 503 (0: answer 503 at once)")
     g.add_argument("--log-level", default="warning",
                    choices=("debug", "info", "warning", "error"))
     r = p.add_argument_group("routing")
@@ -244,7 +247,8 @@ def run(args: argparse.Namespace) -> int:
                                         migration_limit=args.migration_limit,
                                         max_body_bytes=args.max_body_bytes,
                                         busy_threshold_requires_admin=(
-                                            args.busy_threshold_requires_admin)))
+                                            args.busy_threshold_requires_admin),
+                                        ready_wait=args.ready_wait))
     config_ = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                              access_log=False,
                              http=guarded_http_protocol(args.request_read_timeout),  # type: ignore[arg-type]

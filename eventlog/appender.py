@@ -21,6 +21,7 @@ from tenacity import (
     RetryError,
     retry_if_exception,
     stop_after_attempt,
+    stop_after_delay,
     wait_exponential,
 )
 
@@ -76,6 +77,9 @@ class Appender:
 
     ``timeout`` bounds each attempt's wait for the ack; ``attempts`` counts every try (so the
     default retries five times, spanning roughly 1.5 s of backoff plus the attempts' own waits).
+    ``retry_window``, when set, also stops retrying that many seconds after the first failure,
+    so a caller can use a short backoff cap (retry soon after a stream leader election ends)
+    with many attempts and still bound the total wait.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class Appender:
         attempts: int = 6,
         backoff_initial: float = 0.05,
         backoff_max: float = 2.0,
+        retry_window: float | None = None,
     ) -> None:
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
@@ -93,6 +98,7 @@ class Appender:
         self.timeout = timeout
         self.attempts = attempts
         self._backoff = wait_exponential(multiplier=backoff_initial, max=backoff_max)
+        self.retry_window = retry_window
         self.duplicates = 0
         self.retries = 0
 
@@ -124,7 +130,9 @@ class Appender:
     async def _append_retrying(self, subject: str, payload: bytes, headers: dict[str, str]) -> Any:
         """The same publish with exponential backoff (same msg id: applied once)."""
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(max(self.attempts - 1, 1)),  # the first try was the fast path
+            stop=(stop_after_attempt(max(self.attempts - 1, 1))  # the first try was the fast path
+                  | stop_after_delay(self.retry_window if self.retry_window is not None
+                                     else float("inf"))),
             wait=self._backoff,
             retry=retry_if_exception(is_transient),
             before_sleep=self._note_retry,

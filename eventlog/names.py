@@ -51,6 +51,11 @@ class Names:
         """Core-NATS request to a worker to re-announce its whole cache."""
         return f"{self.namespace}.reannounce.{worker_id}"
 
+    def heartbeat_subject(self, replica_id: str = "*") -> str:
+        """Core-NATS replica heartbeats (never stored: they need no stream leader, so one dead
+        NATS server does not delay them)."""
+        return f"{self.namespace}.heartbeat.{replica_id}"
+
     @property
     def snapshot_bucket(self) -> str:
         return f"{self.namespace}-snapshots"

@@ -9,8 +9,9 @@ streams are per account); each identity gets publish/subscribe permissions from 
   itself, whose ack comes back on its inbox) and its load gauges ``<ns>.load.W``; receive only
   re-announce requests for itself or for all. It cannot create, update or purge streams, cannot
   touch the router or control streams, the heartbeat/lease buckets or the snapshot store.
-* **replica**, id ``R``: its own router subject, the control subjects, the heartbeat and lease KV
-  buckets, the snapshot object store, and the JetStream API calls on the jetrouter streams only
+* **replica**, id ``R``: its own router and heartbeat subjects, the control subjects, the heartbeat
+  and lease KV buckets, the snapshot object store, and the JetStream API calls on the jetrouter
+  streams only
   (no stream deletion, nothing outside jetrouter's streams). Because any replica may become the
   leader, it also holds rights one would rather not give (docs/design-notes.md lists them):
   ``ReplicaLost`` on *other* replicas' router subjects, ``WorkerRetired`` on engines' KV
@@ -112,10 +113,11 @@ def permissions(role: str, ident: str, names: Names) -> Permissions | None:
         return Permissions(
             publish=(f"{ns}.router.*", f"{ns}.kv.*", f"{ns}.control.*", f"{ns}.admin.*",
                      f"{ns}.reannounce.*", f"{ns}.health.report",
-                     f"$KV.{names.replicas_bucket}.>", f"$KV.{names.leases_bucket}.>",
+                     names.heartbeat_subject(ident), f"$KV.{names.replicas_bucket}.>",
+                     f"$KV.{names.leases_bucket}.>",
                      f"$O.{names.snapshot_bucket}.>", *api),
             subscribe=("_INBOX.>", f"{ns}.load.*", f"{ns}.admin.*", f"{ns}.health.report",
-                       f"$KV.{names.leases_bucket}.>"),
+                       names.heartbeat_subject(), f"$KV.{names.leases_bucket}.>"),
         )
     raise ValueError(f"unknown role {role!r}")
 

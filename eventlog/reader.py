@@ -299,7 +299,9 @@ class StreamReader:
                     await asyncio.wait_for(self._closed_evt.wait(), delay)
                 except TimeoutError:
                     pass
-                delay = min(delay * 2, 2.0)
+                # Capped low: creation fails at once while the stream elects a leader
+                # (4-9 s after its node dies) and should succeed right after it.
+                delay = min(delay * 2, 0.25)
 
     async def _create_consumer(self) -> None:
         self._gen += 1

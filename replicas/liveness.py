@@ -3,22 +3,27 @@
 
 An adapter (NATS, HTTP, clocks), kept apart from the pure state machine:
 
-* Every replica puts a :class:`Heartbeat` (positions, digests, ready, leader) into the KV bucket
-  ``<ns>-replicas`` each ``heartbeat_interval`` and reads everyone else's back. A peer's
-  liveness is judged by its entry's *revision* changing, timed with this process's monotonic
-  clock: no two clocks are ever compared. Every replica tracks every peer, so a new leader acts
-  on what it has already watched instead of starting its timers from scratch.
-* While leader, a replica whose revision has not moved for ``replica_timeout`` and that still
-  owns in-flight requests gets one ``ReplicaLost``. Its msg id names the last revision seen, so
+* Every replica publishes a :class:`Heartbeat` (positions, digests, ready, leader) on the
+  core-NATS subject ``<ns>.heartbeat.<replica_id>`` each ``heartbeat_interval``, marked
+  ``<boot>.<counter>`` (a per-process token and a count), and subscribes to everyone else's.
+  Core NATS needs no stream leader, so heartbeats keep flowing while one NATS server is dead
+  and a JetStream stream elects a new leader (4-9 s): reading peers through a KV watch stalled
+  then and made live peers look stale for longer than ``replica_timeout``. A peer's liveness
+  is judged by its mark changing, timed with this process's monotonic clock: no two clocks are
+  ever compared. Every replica tracks every peer, so a new leader acts on what it has already
+  watched instead of starting its timers from scratch. The heartbeat is also put into the KV
+  bucket ``<ns>-replicas`` (best effort, in the background, never holding a round up) so
+  operators can read the last one of every replica.
+* While leader, a replica whose mark has not moved for ``replica_timeout`` and that still
+  owns in-flight requests gets one ``ReplicaLost``. Its msg id names the last mark seen, so
   two leaders overlapping in a hand-over append it once (the stream's duplicate window), and a
-  replica that comes back under the same id (new revisions) is a new lapse, never the old one.
+  replica that comes back under the same id (new boot token) is a new lapse, never the old one.
 * Workers are judged by their core-NATS load gauges (``<ns>.load.<worker_id>``) *and* their HTTP
   ``/health``: retired only when the gauges have stopped for ``worker_timeout`` and ``/health``
   does not answer 2xx. A worker that answers ``/health`` has a NATS problem, not a death.
 
-The bucket's TTL (``max(5 * interval, 2 * replica_timeout)``) is only a backstop that clears
-entries of replicas gone for good; it is long enough that a leader always saw the last revision
-of a lapsed peer before the entry expires.
+The bucket's TTL (``max(5 * interval, 2 * replica_timeout)``) clears entries of replicas gone
+for good; peers are forgotten after the same time plus ``replica_timeout`` once they own nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -52,7 +58,15 @@ from replicas.divergence import (
     encode_heartbeat,
 )
 
-__all__ = ["Heartbeat", "Liveness", "PeerStatus", "liveness_subject"]
+__all__ = ["Heartbeat", "Liveness", "PeerStatus", "heartbeat_subject", "liveness_subject"]
+
+MARK_HEADER = "Jr-Heartbeat-Mark"
+
+
+def heartbeat_subject(names: Names, replica_id: str = "*") -> str:
+    """Core-NATS subject of a replica's heartbeats (not a stream subject: never stored)."""
+    return names.heartbeat_subject(replica_id)
+
 
 log = logging.getLogger("jetrouter.liveness")
 
@@ -74,10 +88,11 @@ class PeerStatus:
     """What this process knows of one replica's heartbeats."""
 
     replica_id: str
-    revision: int  # KV revision last seen (0: never seen a heartbeat, only its load)
-    changed_at: float  # monotonic time the revision last moved (or we first noticed it)
+    revision: int  # heartbeat counter last seen (0: never seen a heartbeat, only its load)
+    changed_at: float  # monotonic time the mark last moved (or we first noticed it)
     heartbeat: Heartbeat | None
-    declared_lost: bool = False  # for the current revision (a new heartbeat clears it)
+    declared_lost: bool = False  # for the current mark (a new heartbeat clears it)
+    mark: str = ""  # "<boot>.<counter>" of the last heartbeat seen ("": none)
 
     def age(self, now: float) -> float:
         return now - self.changed_at
@@ -146,11 +161,15 @@ class Liveness:
         self.declared_lost: list[str] = []  # replica ids this instance appended ReplicaLost for
         self.retired: list[str] = []  # worker ids this instance appended WorkerRetired for
         self._kv: KeyValue | None = None
+        self._boot = secrets.token_hex(4)  # a restarted replica's marks never repeat old ones
+        self._sent = 0
+        self._hb_sub: Subscription | None = None
+        self._kv_put: asyncio.Task[None] | None = None
         self._gauges: dict[str, float] = {}  # worker id -> monotonic time of its last gauge
         self._sub: Subscription | None = None
         self._http: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._bad_entries: set[tuple[str, int]] = set()
+        self._bad_entries: set[tuple[str, str]] = set()
         self._last_poll: float | None = None
         self._last_worker_check: float | None = None
         self._reconnects_seen: dict[str, int] = {}
@@ -160,6 +179,8 @@ class Liveness:
     async def start(self) -> None:
         self._kv = await self._bucket()
         self._sub = await self.nc.subscribe(f"{self.names.namespace}.load.*", cb=self._on_gauge)
+        self._hb_sub = await self.nc.subscribe(heartbeat_subject(self.names),
+                                               cb=self._on_heartbeat)
         self._http = httpx.AsyncClient(timeout=self.health_timeout)
         self._tasks = [
             asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{self.replica_id}"),
@@ -175,10 +196,16 @@ class Liveness:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
+        if self._kv_put is not None:
+            self._kv_put.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._kv_put
+            self._kv_put = None
+        for sub in (self._sub, self._hb_sub):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        self._sub = self._hb_sub = None
         if self._http is not None:
             await self._http.aclose()
             self._http = None
@@ -219,67 +246,83 @@ class Liveness:
 
     async def _round(self) -> None:
         hb = self._snapshot()
+        self._sent += 1
         try:
-            assert self._kv is not None
-            await self._kv.put(self.replica_id, encode_heartbeat(hb))
+            # Core NATS: buffered by the client while reconnecting, needs no stream leader.
+            await self.nc.publish(heartbeat_subject(self.names, self.replica_id),
+                                  encode_heartbeat(hb),
+                                  headers={MARK_HEADER: f"{self._boot}.{self._sent}"})
             self.last_sent = hb
-        except Exception as exc:  # NATS away: peers will see us lapse, which is the truth
-            log.warning("heartbeat put failed: %r", exc)
+        except Exception as exc:  # connection closed: peers will see us lapse, the truth
+            log.warning("heartbeat publish failed: %r", exc)
+        self._put_in_bucket(hb)
         live = await self.peers()
         for d in self.divergence.observe(hb, live):
             log.error("state divergence: %s", d.describe())
             if self._on_divergence is not None:
                 self._on_divergence(d)
-        if self._is_leader():
+        if self._is_leader() and self.nc.is_connected:
             await self._declare_lost_replicas()
         self.rounds += 1
 
+    def _put_in_bucket(self, hb: Heartbeat) -> None:
+        """Keep the bucket's copy current, in the background: a put waits for a stream leader
+        (seconds while one is elected), and liveness must not wait with it."""
+        if self._kv is None or (self._kv_put is not None and not self._kv_put.done()):
+            return
+
+        async def put() -> None:
+            assert self._kv is not None
+            try:
+                await asyncio.wait_for(self._kv.put(self.replica_id, encode_heartbeat(hb)),
+                                       max(2.0, 2 * self.heartbeat_interval))
+            except Exception as exc:
+                log.info("heartbeat copy into the bucket failed: %r", exc)
+
+        self._kv_put = asyncio.create_task(put(), name=f"heartbeat-put-{self.replica_id}")
+
     async def peers(self) -> dict[str, Heartbeat]:
-        """Other replicas whose heartbeat moved within ``replica_timeout`` (reads the bucket now;
-        raises if it cannot, so a caller never mistakes an unreachable NATS for dead peers)."""
-        await self._poll()
+        """Other replicas whose heartbeat moved within ``replica_timeout``. While this process's
+        own NATS connection is down nobody's lapse can be judged: timers restart instead, so a
+        caller never mistakes an unreachable NATS for dead peers."""
+        self._refresh(blind=not self.nc.is_connected)
         now = self._clock()
         return {rid: p.heartbeat for rid, p in self.peers_status.items()
                 if rid != self.replica_id and p.heartbeat is not None
                 and p.age(now) < self.replica_timeout}
 
-    async def _poll(self) -> None:
-        """Read every live entry of the bucket and note which revisions moved."""
-        assert self._kv is not None
-        watcher = await self._kv.watchall(ignore_deletes=True)
-        entries = []
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        rid = msg.subject.rsplit(".", 1)[-1]
+        if rid == self.replica_id:
+            return
+        mark = (msg.headers or {}).get(MARK_HEADER, "")
+        status = self.peers_status.get(rid)
+        if status is not None and status.mark == mark:
+            return  # not moved
         try:
-            while (entry := await watcher.updates(timeout=max(2.0, self.heartbeat_interval))):
-                entries.append(entry)
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
+            hb = decode_heartbeat(msg.data or b"")
+            counter = int(mark.rsplit(".", 1)[-1]) if mark else 0
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            if (rid, mark) not in self._bad_entries and len(self._bad_entries) < 1000:
+                self._bad_entries.add((rid, mark))
+                log.warning("skipping malformed heartbeat from %s (%s): %s", rid, mark, exc)
+            return
+        self.peers_status[rid] = PeerStatus(rid, counter, self._clock(), hb, mark=mark)
+
+    def _refresh(self, *, blind: bool = False) -> None:
+        """Restart timers after a blind spell and forget replicas gone for good."""
         now = self._clock()
-        if self._was_blind(now, "_last_poll", self.replica_timeout):
-            # We could not watch (NATS away, our loop stalled): peers' heartbeats may have been
+        if self._was_blind(now, "_last_poll", self.replica_timeout) or blind:
+            # We could not observe (NATS away, our loop stalled): peers' heartbeats may have been
             # lost on their way too, so nobody's lapse can be judged across the gap.
             for status in self.peers_status.values():
                 status.changed_at = max(status.changed_at, now)
-        for entry in entries:
-            rid, rev = entry.key, int(entry.revision or 0)
-            status = self.peers_status.get(rid)
-            if status is not None and status.revision == rev:
-                continue  # not moved (a recreated bucket restarts revisions: any change counts)
-            try:
-                hb = decode_heartbeat(entry.value or b"")
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                if (rid, rev) not in self._bad_entries:
-                    self._bad_entries.add((rid, rev))
-                    log.warning("skipping malformed heartbeat %s rev %d: %s", rid, rev, exc)
-                continue
-            self.peers_status[rid] = PeerStatus(rid, rev, now, hb)
-        # Forget replicas gone for good: entry expired from the bucket and nothing left owned
-        # (one that still owns requests keeps its record, and so its last revision for the
+        # Forget replicas gone for good: silent long past the timeout and nothing left owned
+        # (one that still owns requests keeps its record, and so its last mark for the
         # ReplicaLost msg id).
-        present = {e.key for e in entries}
         owning = self._known_replicas_with_load()
         for rid, status in list(self.peers_status.items()):
-            if (rid not in present and rid not in owning and rid != self.replica_id
+            if (rid not in owning and rid != self.replica_id
                     and status.age(now) > self.bucket_ttl + self.replica_timeout):
                 del self.peers_status[rid]
 
@@ -303,7 +346,7 @@ class Liveness:
         not, with ``age_s`` since its heartbeat last moved and ``divergent`` when it sits at our
         positions with another state digest. A failed bucket read shows the last known view."""
         with contextlib.suppress(Exception):
-            await self._poll()
+            self._refresh()
         mine = self._snapshot()
         now = self._clock()
         rows: list[dict[str, object]] = [_row(mine, 0.0, False) | {"self": True}]
@@ -329,14 +372,14 @@ class Liveness:
                 continue
             event = ev.ReplicaLost(rid, self._wall())
             try:
-                await self._append(ROUTER, event, f"lost.{rid}.{status.revision}")
+                await self._append(ROUTER, event, f"lost.{rid}.{status.mark or status.revision}")
             except Exception as exc:
                 log.error("appending ReplicaLost(%s) failed, retrying next round: %r", rid, exc)
                 continue
             status.declared_lost = True
             self.declared_lost.append(rid)
-            log.warning("replica %s lost: no heartbeat for %.1fs (last revision %d)",
-                        rid, status.age(now), status.revision)
+            log.warning("replica %s lost: no heartbeat for %.1fs (last mark %s)",
+                        rid, status.age(now), status.mark or "-")
 
     # --- leader duty: workers ------------------------------------------------------------------
 

@@ -238,9 +238,12 @@ class Replica:
         assert self.nc is not None
         self.js = self.nc.jetstream()
         await ensure_streams(self.js, self.names, max_bytes=self.config.stream_max_bytes)
-        # Retry for ~15 s (backoff capped at 2 s): a stream leader election after a NATS node
-        # dies answers 'no responders' at once for several seconds (chaos suite, issue 5).
-        self.appender = Appender(self.js, attempts=12)
+        # A stream leader election after a NATS node dies answers 'no responders' at once for
+        # 4-9 s (nats-server's fixed Raft election timeout), and a publish that reached the dead
+        # leader is never acked. Short ack waits and a 0.25 s backoff cap retry soon after the new
+        # leader is up; the 20 s window bounds the whole wait (same msg id: applied once).
+        self.appender = Appender(self.js, timeout=1.5, attempts=1000, backoff_max=0.25,
+                                 retry_window=20.0)
         if self.config.durable:
             from replicas.durability import Durability
 

@@ -186,7 +186,9 @@ class RouterState:
         self.index.remove_worker(e.worker_id)
         self.last_event_id.pop(e.worker_id, None)
         self.out_of_sync.discard(e.worker_id)
-        self.health.pop(e.worker_id, None)
+        # `health` is left alone: it is a function of the control stream only. Clearing it here
+        # (a KV event) made it depend on how a replica interleaved the two streams, and a
+        # replica replaying them after a restart ended with another health map than its peers.
         return "ok" if known else "unknown_worker"
 
     def _check_event_id(self, worker_id: str, event_id: int) -> str | None:

@@ -29,7 +29,7 @@ Connect = Callable[[str], Awaitable[NATS]]
 
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
-    server = NatsServer(store_dir=tmp_path / "nats").start()
+    server = NatsServer(store_dir=tmp_path / "nats").start(timeout=60)
     try:
         yield server
     finally:
@@ -43,7 +43,7 @@ def nats_url(nats_server: NatsServer) -> str:
 
 @pytest.fixture
 def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
-    cluster = NatsCluster(3, base_dir=tmp_path / "nats-cluster").start()
+    cluster = NatsCluster(3, base_dir=tmp_path / "nats-cluster").start(timeout=90)
     try:
         yield cluster
     finally:

@@ -10,7 +10,7 @@ from typing import Any
 
 
 async def until(probe: Callable[[], Awaitable[Any] | Any], ok: Callable[[Any], bool] = bool,
-                timeout: float = 20.0, what: str = "condition", *, interval: float = 0.05,
+                timeout: float = 60.0, what: str = "condition", *, interval: float = 0.05,
                 tolerate: tuple[type[BaseException], ...] = ()) -> Any:
     """Poll `probe` until `ok(value)`; return that value, or fail with the last one seen.
 

@@ -258,7 +258,8 @@ class KvPublisher:
         await nc.subscribe(self.names.reannounce_subject(self.worker_id), cb=self._on_reannounce)
         await nc.subscribe(self.names.reannounce_subject("all"), cb=self._on_reannounce)
         self._tasks.append(asyncio.create_task(self._publish_load(), name="load-gauges"))
-        return Appender(js)
+        # Same reasoning as the replica's appender: resume soon after a stream leader election.
+        return Appender(js, timeout=1.5, attempts=1000, backoff_max=0.25, retry_window=20.0)
 
     async def _on_reannounce(self, msg: Msg) -> None:
         log.info("re-announce requested on %s", msg.subject)

@@ -112,7 +112,7 @@ class Fleet:
     async def health(self, name: str) -> dict[str, str]:
         return {w: d["health"] for w, d in (await self.workers(name)).items()}
 
-    async def everywhere(self, worker: str, status: str, timeout: float = 20.0) -> None:
+    async def everywhere(self, worker: str, status: str, timeout: float = 60.0) -> None:
         for name in REPLICAS:
             await until(lambda name=name: self.health(name), lambda s: s.get(worker) == status,
                         timeout, f"{name} sees {worker} {status}")

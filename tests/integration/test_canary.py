@@ -94,7 +94,7 @@ async def running(urls: Mapping[str, str], *, timeout: float = 2.0,
             await checker.stop()
 
 
-async def until(cond: Callable[[], object], timeout: float = 15.0) -> object:
+async def until(cond: Callable[[], object], timeout: float = 60.0) -> object:
     """Poll ``cond`` until it returns something truthy; fail at the deadline."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -34,7 +34,7 @@ async def append_range(appender: Appender, ids: range) -> None:
 Items = list[tuple[int, list[Event]]]
 
 
-async def take(reader: StreamReader, n: int, timeout: float = 10.0) -> Items:
+async def take(reader: StreamReader, n: int, timeout: float = 60.0) -> Items:
     """The next ``n`` items, failing (not hanging) if they do not come within ``timeout``."""
 
     async def collect() -> Items:

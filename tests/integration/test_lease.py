@@ -16,7 +16,7 @@ from eventlog.server import NatsCluster, NatsServer
 from snapshots.lease import LeaderLease
 
 NAMES = Names("jr")
-TTL = 1.0
+TTL = 3.0  # long enough that a loaded machine does not outlive a lease between two steps
 SLACK = 3.0  # seconds of slack on top of the TTL: these machines are shared and busy
 
 Connect = Callable[[str], Awaitable[object]]

@@ -39,7 +39,7 @@ TIMEOUT = 1.5
 SLACK = 4.0  # "within timeout + a few seconds"
 
 
-async def until(probe: Callable[[], Awaitable[Any] | Any], timeout: float = 15.0) -> Any:
+async def until(probe: Callable[[], Awaitable[Any] | Any], timeout: float = 60.0) -> Any:
     """Poll until `probe()` is truthy; fail with the last value at the deadline."""
     deadline = time.monotonic() + timeout
     value: Any = None

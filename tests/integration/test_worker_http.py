@@ -33,7 +33,7 @@ def expected_text(prompt: str | list[int], n: int) -> str:
     return decode(expected_tokens(ids, n))
 
 
-async def wait_until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+async def wait_until(predicate, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not await predicate():
         assert time.monotonic() < deadline, "condition not reached in time"

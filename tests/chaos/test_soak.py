@@ -1,0 +1,30 @@
+"""A short soak (slow; the 30-minute one is `make soak`, not CI): steady load and a fault every
+20 s on one chaos cluster; every quiet point has equal digests, nothing is lost, and failures
+are only requests in flight on a killed process. RSS is reported, not judged: a short run on a
+shared machine says nothing about leaks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from api.chaos import ChaosSession, chaos_cluster
+from api.chaos_scenarios import Timing
+from api.chaos_soak import format_report, run_soak, soak_verdict
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+async def test_short_soak_holds_its_expectations(tmp_path: Path) -> None:
+    t = Timing.short()
+    async with chaos_cluster(tmp_path, t, namespace="soak") as cluster, \
+            ChaosSession(cluster) as session:
+        assert session.probe is not None and session.follower is not None
+        report = await run_soak(session.probe, session.follower, t, duration=60.0,
+                                fault_interval=20.0, seed=7)
+    text = format_report(report)
+    assert soak_verdict(report, max_growth_pct=1e9) == [], text
+    assert report.quiet_points == len(report.cycles) >= 2, text
+    assert report.requests_ok > 0 and report.p99_by_window, text
+    assert {"r0", "w0"} <= set(report.rss), text

@@ -1,0 +1,114 @@
+"""Liveness across the loss of one NATS server of three: heartbeats must not stall behind it.
+
+Three replicas' liveness, each connected first to a different server of a real 3-node cluster.
+The server leading the heartbeat bucket's stream is SIGKILLed; for many rounds afterwards no
+replica may see a live peer's heartbeat older than ``--replica-timeout``, and the leader
+declares nobody lost (every replica pretends to own requests, so a lapse would be declared).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from eventlog import events as ev
+from eventlog.names import Names
+from eventlog.server import NatsCluster
+from replicas.liveness import Heartbeat, Liveness
+from tests.waiting import until
+
+pytestmark = pytest.mark.timeout(120)
+
+NAMES = Names("jr")
+INTERVAL = 0.25
+TIMEOUT = 3.0
+IDS = ("A", "B", "C")
+
+
+class Replica:
+    def __init__(self, rid: str, nc: NATS, leader: bool) -> None:
+        self.rid, self.nc = rid, nc
+        self.declared: list[str] = []
+        self.live = Liveness(
+            nc.jetstream(), nc, NAMES, rid, heartbeat_interval=INTERVAL, replica_timeout=TIMEOUT,
+            worker_timeout=TIMEOUT, snapshot=self.heartbeat, append=self.append,
+            is_leader=lambda: leader, known_workers=dict,
+            known_replicas_with_load=lambda: set(IDS))
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(self.rid, time.time(), {"kv": 0, "router": 0, "control": 0},
+                         {"state": 0}, True, False)
+
+    async def append(self, kind: str, event: ev.Event, msg_id: str) -> int:
+        # What the leader would append to the router stream: recorded, it is the output here.
+        self.declared.append(getattr(event, "replica_id", "?"))
+        return 0
+
+    def max_peer_age(self) -> float:
+        now = time.monotonic()
+        return max((p.age(now) for r, p in self.live.peers_status.items() if r != self.rid),
+                   default=0.0)
+
+
+@pytest.fixture
+async def replicas(nats_cluster: NatsCluster) -> AsyncIterator[list[Replica]]:
+    urls = nats_cluster.urls
+    out: list[Replica] = []
+    try:
+        for k, rid in enumerate(IDS):
+            # Each replica starts on a different server; the rest of the list is its fail-over.
+            nc = await nats.connect(servers=urls[k:] + urls[:k], dont_randomize=True,
+                                    reconnect_time_wait=0.2, max_reconnect_attempts=-1,
+                                    connect_timeout=2)
+            rep = Replica(rid, nc, leader=(rid == "A"))
+            await rep.live.start()
+            out.append(rep)
+        yield out
+    finally:
+        for rep in out:
+            with contextlib.suppress(Exception):
+                await rep.live.stop(delete_key=False)
+            await rep.nc.close()
+
+
+async def test_a_dead_nats_server_makes_no_live_peer_look_stale(
+        nats_cluster: NatsCluster, replicas: list[Replica]) -> None:
+    for rep in replicas:
+        others = set(IDS) - {rep.rid}
+        await until(rep.live.peers, lambda p, others=others: set(p) == others,
+                    timeout=30, what=f"{rep.rid} sees both peers")
+    info = await replicas[0].nc.jetstream().stream_info(f"KV_{NAMES.replicas_bucket}")
+    leader = info.cluster.leader if info.cluster else None
+    victim = next(s for s in nats_cluster.servers if s.server_name == leader)
+
+    worst: dict[str, float] = dict.fromkeys(IDS, 0.0)
+    stop = asyncio.Event()
+
+    async def sample() -> None:
+        while not stop.is_set():
+            for rep in replicas:
+                worst[rep.rid] = max(worst[rep.rid], rep.max_peer_age())
+            await asyncio.sleep(0.02)  # sampling period of the observation, not a sync
+
+    sampler = asyncio.create_task(sample())
+    rounds = {rep.rid: rep.live.rounds for rep in replicas}
+    await asyncio.to_thread(victim.kill)
+    try:
+        # Long past a stream leader election (4-9 s) and twice the timeout: counted rounds.
+        need = int(12.0 / INTERVAL)
+        await until(lambda: all(rep.live.rounds >= rounds[rep.rid] + need for rep in replicas),
+                    timeout=90, what=f"{need} heartbeat rounds on every replica after the kill")
+    finally:
+        stop.set()
+        await sampler
+    assert all(age < TIMEOUT for age in worst.values()), (
+        f"a live peer looked stale (worst ages {worst}, killed {victim.server_name})")
+    assert [r.declared for r in replicas] == [[], [], []]
+    for rep in replicas:
+        assert set(await rep.live.peers()) == set(IDS) - {rep.rid}
