@@ -15,7 +15,7 @@ from typing import Any
 
 import nats.errors
 from nats.js import JetStreamContext
-from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
+from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 from tenacity import (
     AsyncRetrying,
     RetryError,
@@ -54,11 +54,20 @@ _LIMIT_ERR_CODES = {
 }
 
 
+# A retry under the same msg id while the stream is still proposing the first attempt (an ack
+# that timed out during a leader election or without quorum): the outcome is not known yet, so
+# asking again later is the only way to learn it.
+_IN_PROCESS_ERR_CODE = 10158  # duplicate message id is in process
+
+
 def is_transient(exc: BaseException) -> bool:
     """Failures that a retry can cure: no ack in time, no stream leader (election or restart),
-    JetStream temporarily unavailable, or the connection being re-established."""
+    JetStream temporarily unavailable, an earlier attempt still in process, or the connection
+    being re-established."""
     if isinstance(exc, ServiceUnavailableError) and exc.err_code in _LIMIT_ERR_CODES:
         return False
+    if isinstance(exc, APIError) and exc.err_code == _IN_PROCESS_ERR_CODE:
+        return True
     return isinstance(
         exc,
         nats.errors.TimeoutError

@@ -14,11 +14,15 @@ import asyncio
 import logging
 import time
 
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig, StreamInfo
 from nats.js.errors import APIError, NotFoundError
 
 from eventlog.names import STREAM_KINDS, Names
+
+CREATE_ANSWER_WAIT = 30.0
+"""Seconds stream creation keeps asking a cluster that does not answer (meta leader election)."""
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +79,17 @@ async def _create(
     wanted = config.num_replicas or 1
     replicas = wanted
     deadline = time.monotonic() + placement_wait
+    # A cluster still electing its meta leader (just started, or busy) may not answer a create
+    # in time; creating an identical stream again is a no-op, so the request is simply repeated.
+    answer_deadline = time.monotonic() + CREATE_ANSWER_WAIT
     delay = 0.05
     while True:
         try:
             info = await js.add_stream(config.evolve(num_replicas=replicas))
+        except NatsTimeoutError:
+            if time.monotonic() >= answer_deadline:
+                raise
+            continue
         except APIError as exc:
             if exc.err_code not in _PLACEMENT_ERRORS or replicas == 1:
                 raise

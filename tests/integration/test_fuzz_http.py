@@ -214,8 +214,11 @@ def test_openai_endpoints_answer_2xx_or_openai_4xx(fleet: Fleet, endpoint: str) 
 
     @FUZZ
     @given(raw=raw_bodies(openai_bodies(endpoint)), replica=st.integers(0, 1),
+           # What a client can send at all: h11 refuses header values with surrounding
+           # whitespace before they leave the client.
            priority=st.none() | st.text(max_size=12).filter(lambda s: s.isascii()
-                                                            and s.isprintable()))
+                                                            and s.isprintable()
+                                                            and s == s.strip()))
     def run(raw: bytes, replica: int, priority: str | None) -> None:
         headers = {"x-priority": priority} if priority is not None else None
         r = post(fleet, fleet.urls[replica] + path, raw, headers)
