@@ -83,6 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "after a clean run)")
     p.add_argument("--out", type=Path, default=None, help="also write the report as JSON here")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--engine", choices=("sim", "vllm"), default="sim",
+                   help="sim: simulated workers (default); vllm: real vLLM engines behind "
+                        "`jetrouter bridge` (api/demo_vllm.py; `make demo-vllm`)")
+    from api import demo_vllm
+
+    demo_vllm.add_arguments(p)
 
 
 def load_slice(args: argparse.Namespace) -> tuple[list[TraceRecord], dict[str, Any]]:
@@ -150,6 +156,10 @@ def run(args: argparse.Namespace) -> int:
     from eventlog.server import NatsServerNotFound
 
     try:
+        if args.engine == "vllm":
+            from api import demo_vllm
+
+            return demo_vllm.run(args, ("kv", args.compare))
         return asyncio.run(_demo(args))
     except NatsServerNotFound as exc:
         raise CliError(str(exc)) from None

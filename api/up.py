@@ -159,8 +159,9 @@ class LocalCluster:
         ready_timeout: float = 60.0,
         stop_timeout: float = 10.0,
     ) -> None:
-        if replicas < 1 or workers < 1:
-            raise ValueError("a cluster needs at least one replica and one worker")
+        # workers=0: engines come from elsewhere (real engines behind `jetrouter bridge`).
+        if replicas < 1 or workers < 0:
+            raise ValueError("a cluster needs at least one replica and no negative workers")
         self.replicas = replicas
         self.workers = workers
         self.base_port = base_port
