@@ -479,7 +479,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "children with --router-arg=--flag=value / --worker-arg=--flag=value (repeatable).\n"
         "Every flag can also be set as JETROUTER_<FLAG>, e.g. JETROUTER_REPLICAS=3.")
     p.add_argument("--replicas", type=int, default=2, help="router replicas (default 2)")
-    p.add_argument("--workers", type=int, default=4, help="simulated workers (default 4)")
+    p.add_argument("--workers", type=int, default=4,
+                   help="simulated workers (default 4; 0: real engines only, via bridges)")
     p.add_argument("--base-port", type=int, default=8000,
                    help="first replica port (default 8000); 0 = free ports")
     p.add_argument("--data-dir", type=Path, default=Path(".jetrouter"),

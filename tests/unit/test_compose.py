@@ -116,6 +116,15 @@ MUTATIONS = [
                  "http://prometheus:9090", "http://prometheus:9091",
                  "datasource url http://prometheus:9091 is not the prometheus service",
                  id="grafana-datasource-port"),
+    pytest.param("compose.yaml", '"--block-size", "16", "--nats-url"',
+                 '"--block-size", "32", "--nats-url"',
+                 "service vllm1-bridge: --block-size 32, but vllm1 runs --block-size 16",
+                 id="bridge-block-size-differs-from-engine"),
+    pytest.param("compose.yaml", '"tcp://vllm1:5557"', '"tcp://vllm1:5559"',
+                 "service vllm1-bridge: --kv-events port 5559, but vllm1 binds tcp://*:5557",
+                 id="bridge-kv-events-wrong-port"),
+    pytest.param("compose.yaml", '"--enable-prefix-caching", ', "",
+                 "service vllm1: no --enable-prefix-caching", id="engine-without-prefix-cache"),
 ]
 
 

@@ -10,8 +10,10 @@ engine starts are the expensive part, so tests share them and use disjoint rando
 
 from __future__ import annotations
 
+import shutil
 import sys
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -35,20 +37,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="module")
-def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def vllm_dir(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """Model and cluster logs, kept (and named on stderr) when a test failed: pytest's own
+    temp dirs rotate away under parallel runs before anyone reads an engine's log."""
+    root = Path(tempfile.mkdtemp(prefix="jetrouter-vllm-tests-"))
+    failed_before = request.session.testsfailed
+    yield root
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(root, ignore_errors=True)
+    else:
+        print(f"\nreal-vLLM test logs kept in {root / 'cluster' / 'logs'}", file=sys.stderr)
+
+
+@pytest.fixture(scope="module")
+def vllm_model(vllm_dir: Path) -> Path:
     """The small model (2 layers, hidden 128): the tests need real caching, not speed-ups."""
-    out = tmp_path_factory.mktemp("vllm-model")
-    return vllm_env.build_model(out, layers=2, hidden=128)
+    return vllm_env.build_model(vllm_dir / "model", layers=2, hidden=128)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def vllm_cluster(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) \
-        -> AsyncIterator[object]:
+async def vllm_cluster(vllm_model: Path, vllm_dir: Path) -> AsyncIterator[object]:
     from api.vllm_cluster import VllmCluster, router_model_args
 
     cluster = VllmCluster(
         python=vllm_env.venv_python(), model_dir=vllm_model,
-        data_dir=tmp_path_factory.mktemp("vllm-cluster"), engines=2, replicas=2,
+        data_dir=vllm_dir / "cluster", engines=2, replicas=2,
         num_gpu_blocks=256, cache_root=Path.home() / ".cache" / "jetrouter-vllm",
         router_args=router_model_args(vllm_model),
         # Fast retirement so the engine-kill test does not wait the default 10 s.

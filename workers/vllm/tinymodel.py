@@ -93,11 +93,21 @@ def write_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE) -> Path:
     return out_dir
 
 
-def write_model(out_dir: Path, *, layers: int = 4, hidden: int = 512, heads: int = 8,
+HEAD_DIM = 64  # vLLM's CPU attention has kernels for some head sizes only (16 is refused)
+
+
+def write_model(out_dir: Path, *, layers: int = 4, hidden: int = 512,
                 max_positions: int = 4096, seed: int = 0) -> Path:
     """Random Llama weights (bfloat16 safetensors) + the tokenizer into ``out_dir``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    if hidden % HEAD_DIM:
+        raise ValueError(f"hidden size must be a multiple of {HEAD_DIM}")
+    heads = hidden // HEAD_DIM
+    try:  # only the vLLM environment has them; the router's never does
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as exc:
+        raise SystemExit(f"writing model weights needs torch and transformers ({exc}); run "
+                         "this with the vLLM environment's python (make vllm-env)") from None
 
     write_tokenizer(out_dir)
     vocab = len(json.loads((out_dir / "tokenizer.json").read_text())["model"]["vocab"])
