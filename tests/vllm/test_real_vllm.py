@@ -28,7 +28,7 @@ from eventlog.events import (
 from eventlog.names import KV, Names
 from tests.waiting import until
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900),
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800),
               pytest.mark.asyncio(loop_scope="module")]
 
 MODEL = "tiny"
