@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import signal
 import sys
@@ -120,8 +121,8 @@ def format_prediction(summaries: Sequence[dict[str, Any]]) -> str:
             ("over-predicted", "over_share", lambda v: f"{v * 100:.1f}%"),
             ("under-predicted", "under_share", lambda v: f"{v * 100:.1f}%")]
     header = ["prediction error (router - engine)", *(s["label"] for s in summaries)]
-    table = [[title, *(fmt(s["prediction"][key]) if key in s["prediction"] else "-"
-                       for s in summaries)] for title, key, fmt in rows]
+    table = [[title, *(fmt(s["prediction_detail"][key]) if key in s["prediction_detail"]
+                       else "-" for s in summaries)] for title, key, fmt in rows]
     widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                        for i, (c, w) in enumerate(zip(header, widths, strict=True)))]
@@ -181,6 +182,10 @@ async def _demo(args: argparse.Namespace, modes: Sequence[str]) -> int:
                            max_output_tokens=args.max_output_tokens or None,
                            trace_block_tokens=BLOCK_SIZE, vocab_size=VOCAB, ignore_eos=True,
                            progress=not args.no_progress)
+    if getattr(args, "text_prompts", False):
+        # Words instead of ids: the router (--model-path) and vLLM each tokenize them, so the
+        # prediction error also measures whether both sides tokenize alike.
+        options = dataclasses.replace(options, text_prompts=True)
     ok = False
     try:
         await cluster.start(modes[0])
@@ -207,7 +212,7 @@ async def _demo(args: argparse.Namespace, modes: Sequence[str]) -> int:
                                 args.vllm_gpu_blocks, workload=workload,
                                 num_workers=args.vllm_engines)
     for summary, prediction in zip(summaries, predictions, strict=True):
-        summary["prediction"] = prediction
+        summary["prediction_detail"] = prediction
     print(report.format_workload(workload))
     print(report.format_comparison(summaries[0], summaries[1]) if len(summaries) == 2 else
           "\n".join(report.format_table(s) for s in summaries))

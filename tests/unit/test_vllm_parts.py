@@ -71,6 +71,6 @@ def test_prediction_summary() -> None:
     assert s["within_one_block_share"] == 0.75
     assert s["over_share"] == 0.25 and s["under_share"] == 0.25
     assert prediction_summary([]) == {"requests": 0}
-    table = format_prediction([{"label": "kv", "prediction": s},
-                               {"label": "round-robin", "prediction": {"requests": 0}}])
+    table = format_prediction([{"label": "kv", "prediction_detail": s},
+                               {"label": "round-robin", "prediction_detail": {"requests": 0}}])
     assert "mean |error| (tokens)" in table and "24.0" in table
