@@ -1,7 +1,9 @@
 """`jetrouter demo --engine vllm` (`make demo-vllm`): KV-aware routing vs a baseline on real vLLM.
 
 On a fresh machine: creates the vLLM environment if missing (`deploy/vllm-venv.sh`), writes a
-tiny random-weight Llama and an offline-trained tokenizer into a temporary dir, starts NATS, N
+tiny random-weight Llama and an offline-trained tokenizer (once, under ~/.cache/jetrouter-vllm:
+vLLM keys its compile cache by the model's path, so a fixed path starts engines faster on every
+later run; the cluster's own data and logs go to a temporary dir), starts NATS, N
 vLLM engines (concurrently, with a progress line), one `jetrouter bridge` per engine and the
 router replicas (`api.vllm_cluster`). Then, for each router mode, it empties the engines' prefix
 caches, starts fresh replicas in that mode, replays the same workload through them with the bench
@@ -164,11 +166,10 @@ async def _demo(args: argparse.Namespace, modes: Sequence[str]) -> int:
     model_dir = args.vllm_model_dir
     started = time.monotonic()
     if model_dir is None:
-        model_dir = tmp / "model"
-        print(f"writing a tiny Llama ({args.vllm_layers} layers, hidden {args.vllm_hidden}) "
-              f"and its tokenizer to {model_dir}", file=sys.stderr, flush=True)
-        await asyncio.to_thread(vllm_env.build_model, model_dir, layers=args.vllm_layers,
-                                hidden=args.vllm_hidden, python=python)
+        print(f"a tiny Llama ({args.vllm_layers} layers, hidden {args.vllm_hidden}) and its "
+              f"tokenizer, under {vllm_env.CACHE_ROOT / 'models'}", file=sys.stderr, flush=True)
+        model_dir = await asyncio.to_thread(vllm_env.cached_model, args.vllm_layers,
+                                            args.vllm_hidden, python)
     print(f"jetrouter demo (vLLM): {shape['requests']} requests (~{shape['duration_s']:.0f} s "
           f"each run), modes {' vs '.join(modes)}, {args.replicas} replicas, "
           f"{args.vllm_engines} vLLM engines; logs in {data_dir / 'logs'}",
@@ -176,7 +177,7 @@ async def _demo(args: argparse.Namespace, modes: Sequence[str]) -> int:
     cluster = VllmCluster(python=python, model_dir=model_dir, data_dir=data_dir,
                           engines=args.vllm_engines, replicas=args.replicas,
                           block_size=BLOCK_SIZE, num_gpu_blocks=args.vllm_gpu_blocks,
-                          cache_root=Path.home() / ".cache" / "jetrouter-vllm",
+                          cache_root=vllm_env.CACHE_ROOT,
                           router_args=router_model_args(model_dir))
     options = BenchOptions(concurrency=args.concurrency, speedup=args.speedup,
                            max_output_tokens=args.max_output_tokens or None,

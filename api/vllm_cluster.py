@@ -33,8 +33,8 @@ from eventlog.server import NatsServer
 from workers.vllm.engine import DEFAULT_BLOCK_SIZE, VllmEngine
 from workers.vllm.env import REPO_ROOT, child_preexec
 
-# A cold start is ~40 s alone; two at once on a 2-core host shared with other work took 5 min.
-ENGINE_READY_TIMEOUT = 600.0
+# A cold start is ~40 s alone; two at once on a 2-core host shared with other work took 5-10 min.
+ENGINE_READY_TIMEOUT = 900.0
 
 
 def router_model_args(model_dir: Path) -> list[str]:

@@ -21,9 +21,6 @@ import pytest_asyncio
 
 from workers.vllm import env as vllm_env
 
-CACHE_ROOT = Path.home() / ".cache" / "jetrouter-vllm"   # VLLM_CACHE_ROOT of the test engines
-MODEL_CACHE = CACHE_ROOT / "models"
-
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     selected = "vllm" in (config.option.markexpr or "")
@@ -54,17 +51,8 @@ def vllm_dir(request: pytest.FixtureRequest) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def vllm_model() -> Path:
-    """The small model (2 layers, hidden 128): the tests need real caching, not speed-ups.
-    Kept at a fixed path (its content is deterministic) because vLLM keys its torch.compile
-    cache by the model path: a warm cache cuts every later engine start by about a third."""
-    out = MODEL_CACHE / "llama-2x128"
-    if not (out / "config.json").exists():
-        MODEL_CACHE.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix="llama-2x128-", dir=MODEL_CACHE))
-        vllm_env.build_model(staging, layers=2, hidden=128)
-        shutil.rmtree(out, ignore_errors=True)
-        staging.rename(out)
-    return out
+    """The small model (2 layers, hidden 128): the tests need real caching, not speed-ups."""
+    return vllm_env.cached_model(layers=2, hidden=128)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -74,7 +62,7 @@ async def vllm_cluster(vllm_model: Path, vllm_dir: Path) -> AsyncIterator[object
     cluster = VllmCluster(
         python=vllm_env.venv_python(), model_dir=vllm_model,
         data_dir=vllm_dir / "cluster", engines=2, replicas=2,
-        num_gpu_blocks=256, cache_root=CACHE_ROOT,
+        num_gpu_blocks=256, cache_root=vllm_env.CACHE_ROOT,
         router_args=router_model_args(vllm_model),
         # Fast retirement so the engine-kill test does not wait the default 10 s.
         bridge_args=["--unhealthy-after", "3", "--health-interval", "0.5"],

@@ -8,9 +8,11 @@ torch and brings ~3.5 GB. `deploy/vllm-venv.sh` makes a separate environment, by
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,6 +68,23 @@ def build_model(out_dir: Path, *, layers: int = 4, hidden: int = 512,
     if done.returncode != 0:
         raise VllmEnvError(f"building the tiny model failed:\n{done.stderr[-2000:]}")
     return out_dir
+
+
+CACHE_ROOT = Path.home() / ".cache" / "jetrouter-vllm"   # VLLM_CACHE_ROOT of our engines
+
+
+def cached_model(layers: int, hidden: int, python: Path | None = None) -> Path:
+    """The tiny model at a fixed path under CACHE_ROOT, written once (its content is
+    deterministic). vLLM keys its torch.compile cache by the model's path, so a fixed path keeps
+    that cache warm: a temp dir per run recompiles every time (minutes on a busy 2-core host)."""
+    out = CACHE_ROOT / "models" / f"llama-{layers}x{hidden}"
+    if not (out / "config.json").exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=out.name + "-", dir=out.parent))
+        build_model(staging, layers=layers, hidden=hidden, python=python)
+        shutil.rmtree(out, ignore_errors=True)
+        staging.rename(out)
+    return out
 
 
 def _load_prctl() -> Callable[..., int] | None:
