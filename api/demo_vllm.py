@@ -151,7 +151,8 @@ async def _run_mode(cluster: VllmCluster, mode: str, records: Sequence[TraceReco
     await cluster.start_routers(mode)
     # Each replica has caught up with the registrations and with the engines' AllBlocksCleared.
     await cluster.wait_workers(len(cluster.engines),
-                               predicate=lambda w: w["cached_blocks"] == 0)
+                               predicate=lambda w: w["cached_blocks"] == 0
+                               and w["health"] == "healthy")
     run = await run_trace_bench(cluster.router_urls, records, options)
     run.extra.update({"router_mode": mode, "engines": "vllm", "block_size": BLOCK_SIZE})
     return run, predicted_vs_cached(run)
@@ -178,7 +179,10 @@ async def _demo(args: argparse.Namespace, modes: Sequence[str]) -> int:
                           engines=args.vllm_engines, replicas=args.replicas,
                           block_size=BLOCK_SIZE, num_gpu_blocks=args.vllm_gpu_blocks,
                           cache_root=vllm_env.CACHE_ROOT,
-                          router_args=router_model_args(model_dir))
+                          # CPU engines on a shared host can take tens of seconds to a
+                          # first token under load; a request should wait, not migrate.
+                          router_args=[*router_model_args(model_dir),
+                                       "--stream-idle-timeout", "120"])
     options = BenchOptions(concurrency=args.concurrency, speedup=args.speedup,
                            max_output_tokens=args.max_output_tokens or None,
                            trace_block_tokens=BLOCK_SIZE, vocab_size=VOCAB, ignore_eos=True,
