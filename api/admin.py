@@ -77,6 +77,16 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
                 "active_prefill_tokens": sum(state.load.active_prefill_tokens(k) for k in keys),
                 "active_decode_blocks": sum(state.load.active_decode_blocks(k) for k in keys),
                 "out_of_sync": w.worker_id in state.out_of_sync,
+                "status": "ok", "reason": None,
+            })
+        for w in sorted(state.refused_workers.values(), key=lambda w: w.worker_id):
+            # Listed so an operator sees why a started engine takes no traffic.
+            out.append({
+                "worker_id": w.worker_id, "url": w.url, "model": w.model,
+                "block_size": w.block_size, "kv_total_blocks": w.kv_total_blocks,
+                "dp_size": w.dp_size, "health": "refused", "cached_blocks": 0,
+                "active_prefill_tokens": 0, "active_decode_blocks": 0, "out_of_sync": False,
+                "status": "refused", "reason": state.refusal_reason(w.worker_id),
             })
         return _json_response({"workers": out})
 

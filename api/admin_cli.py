@@ -317,7 +317,7 @@ show_replicas = show_list("replicas", ("replica_id", "ready", "leader", "epoch",
                                        "divergent", "positions", "digests"), "no replicas")
 show_workers = show_list("workers", ("worker_id", "url", "model", "health", "dp_size",
                                      "kv_total_blocks", "cached_blocks", "active_prefill_tokens",
-                                     "active_decode_blocks", "out_of_sync"),
+                                     "active_decode_blocks", "out_of_sync", "status", "reason"),
                          "no workers registered")
 
 
@@ -348,7 +348,8 @@ def show_request(data: dict[str, Any]) -> str:
         if _after(data, key):
             shown[key.removesuffix("_ts") + "_after"] = _after(data, key)
     head = render_mapping(shown, first=("request_id", "replica_id", "worker_id", "dp_rank",
-                                        "model", "isl_tokens", "overlap_blocks", "outcome",
+                                        "model", "isl_tokens", "overlap_blocks",
+                                        "predicted_tokens", "cached_tokens", "outcome",
                                         "output_tokens", "routed_ts", "prefill_after",
                                         "finished_after"),
                           skip=("candidates", "hops"))
@@ -356,7 +357,8 @@ def show_request(data: dict[str, Any]) -> str:
     hops = _listed(data, "hops")
     if len(hops) > 1:  # a migrated request: every hop of it, hop 0 first
         parts.append(f"hops ({len(hops)}):\n" + render_table(
-            hops, ("hop", "request_id", "worker_id", "dp_rank", "outcome", "routed_ts"),
+            hops, ("hop", "request_id", "worker_id", "dp_rank", "predicted_tokens",
+                   "cached_tokens", "outcome", "routed_ts"),
             only=True))
     rows = candidate_rows(data)
     if rows:

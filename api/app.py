@@ -20,7 +20,7 @@ from api.forward import Forwarder, replica_headers
 from api.metrics import RouterMetrics
 from api.openai_schema import parse_request
 from api.shed import Shedder
-from api.tokenizer import Tokenizer, load_tokenizer
+from api.tokenizer import Tokenizer, load_model_tokenizer
 from replicas.canary import report_passive
 from replicas.health import STATUS_GAUGE
 from replicas.runtime import (
@@ -42,6 +42,7 @@ class AppConfig:
     max_prompt_tokens: int = 131072
     admin_token: str | None = None
     tokenizer: str | None = None
+    model_path: str | None = None  # a model folder; wins over `tokenizer`
     reset_on_start: bool = False
     stream_idle_timeout: float = 30.0
     migration_limit: int = 3
@@ -57,7 +58,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                metrics: RouterMetrics | None = None) -> FastAPI:
     cfg = config or AppConfig()
     metrics = metrics or RouterMetrics()
-    tokenizer: Tokenizer = load_tokenizer(cfg.tokenizer)
+    tokenizer: Tokenizer = load_model_tokenizer(cfg.model_path, cfg.tokenizer)
     background: set[asyncio.Task[None]] = set()
     applied_seen: dict[tuple[str, str, str], int] = {}
     snapshots_seen = [0]

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 VERBS: dict[str, tuple[str, str]] = {
     "serve": ("api.serve", "run one router replica"),
     "worker": ("workers.cli", "run one simulated inference engine"),
+    "bridge": ("workers.bridge.cli", "put one real engine (vLLM, SGLang) behind jetrouter"),
     "up": ("api.up", "run a whole local cluster (nats-server, replicas, workers)"),
     "bench": ("api.bench.cli", "benchmarks: `bench core` (state machine) or a trace replay"),
     "demo": ("api.demo", "start a local cluster, replay a trace slice in kv and round-robin mode"),

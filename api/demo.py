@@ -82,6 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep cluster data and logs here (default: a temporary dir, removed "
                         "after a clean run)")
     p.add_argument("--out", type=Path, default=None, help="also write the report as JSON here")
+    p.add_argument("--model-path", type=Path, default=None,
+                   help="HuggingFace model folder for routers and workers alike (default: "
+                        "byte tokens)")
+    p.add_argument("--text-prompts", action="store_true",
+                   help="send text prompts (words) instead of token ids; with --model-path the "
+                        "model's tokenizer turns them into ids on both sides")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     p.add_argument("--engine", choices=("sim", "vllm"), default="sim",
                    help="sim: simulated workers (default); vllm: real vLLM engines behind "
@@ -124,12 +130,16 @@ async def _demo(args: argparse.Namespace) -> int:
         raise CliError(f"cannot load the trace: {exc}") from None
     if not records:
         raise CliError("no requests in the selected slice (check --start-offset)")
+    from api.up import check_model_path
+
+    check_model_path(str(args.model_path) if args.model_path else None)
     spec = ClusterSpec(replicas=args.replicas, workers=args.workers,
                        num_gpu_blocks=args.num_gpu_blocks,
-                       worker_speedup_ratio=args.worker_speedup_ratio, data_dir=args.data_dir)
+                       worker_speedup_ratio=args.worker_speedup_ratio, data_dir=args.data_dir,
+                       model_path=args.model_path)
     options = BenchOptions(concurrency=args.concurrency, speedup=args.speedup,
                            max_output_tokens=args.max_output_tokens or None,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, text_prompts=args.text_prompts)
     modes = ("kv", args.compare)
     shape = workload["shape"]
     print(f"jetrouter demo: {shape['requests']} requests (~{shape['duration_s'] / args.speedup:.0f}"

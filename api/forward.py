@@ -34,6 +34,7 @@ from replicas.runtime import Replica, Routed, RouteRequest, RoutingError
 
 log = logging.getLogger("jetrouter.forward")
 
+PREDICTED_HEADER = "x-jetrouter-predicted-cached-tokens"
 DEFAULT_STREAM_IDLE_TIMEOUT = 30.0
 DEFAULT_MIGRATION_LIMIT = 3
 # (worker_id, reason) -> None or an awaitable (e.g. replicas.canary.report_passive(...)).
@@ -124,6 +125,9 @@ class Forwarder:
         run = _Run(self, endpoint, parsed, raw, routed)
         early = await run.open_first()
         headers = replica_headers(self.replica.replica_id, run.first_worker, routed.request_id)
+        # The reuse this replica predicted on the engine it picked (compare with the usage's
+        # prompt_tokens_details.cached_tokens, the engine's own count).
+        headers[PREDICTED_HEADER] = str(run.hop.predicted_tokens)
         if early is not None:
             early.headers.update(headers)
             return early
@@ -174,7 +178,10 @@ class _Run:
     def _end_hop(self, hop: Hop, outcome: str) -> None:
         if not hop.ended:
             hop.ended = True
-            self.fw.replica.finished(hop.request_id, outcome, hop.count)
+            cached = hop.cached_tokens
+            self.fw.replica.finished(hop.request_id, outcome, hop.count, cached)
+            if cached >= 0:
+                self.fw.metrics.kv_prediction_error.observe(hop.predicted_tokens - cached)
 
     def _end_request(self, outcome: str) -> None:
         if self.request_done:
@@ -347,6 +354,7 @@ class _Run:
         # The engine that finished the answer; the migration count says whether it had help.
         headers = replica_headers(self.fw.replica.replica_id, self.hop.worker_id,
                                   self.base.request_id)
+        headers[PREDICTED_HEADER] = str(self.cont.hops[0].predicted_tokens)
         if self.migrations:
             headers["x-jetrouter-migrations"] = str(self.migrations)
         if self.request_done and self.give_up is None and self.cont.complete:

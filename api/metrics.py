@@ -33,6 +33,9 @@ _OVERHEAD_BUCKETS = (0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.00
                      0.0025, 0.005, 0.01, 0.025, 0.1)
 _TOKEN_BUCKETS = tuple(float(2**k) for k in range(4, 18))  # 16 .. 131072 tokens
 _FRACTION_BUCKETS = tuple(i / 10 for i in range(11))        # 0.0, 0.1, .. 1.0
+# Predicted minus engine-reported cached tokens: 0 is exact, a block either way is the usual
+# miss (an eviction not yet seen, a fully cached prompt recomputing its last block).
+_ERROR_BUCKETS = tuple(sorted({0.0, *(s * float(2**k) for k in range(0, 15) for s in (-1, 1))}))
 
 
 class RouterMetrics:
@@ -58,6 +61,11 @@ class RouterMetrics:
         self.kv_hit_rate = Histogram(f"{p}_kv_hit_rate",
                                      "Fraction of the prompt's blocks cached on the chosen worker",
                                      buckets=_FRACTION_BUCKETS, registry=reg)
+        self.kv_prediction_error = Histogram(
+            f"{p}_kv_prediction_error_tokens",
+            "Predicted minus engine-reported cached prompt tokens per request hop "
+            "(engine: usage.prompt_tokens_details.cached_tokens)",
+            buckets=_ERROR_BUCKETS, registry=reg)
         self.overhead = Histogram(f"{p}_router_overhead_seconds",
                                   "Router decision time by stage (hashing, matching, selection, "
                                   "total)", ["stage"], buckets=_OVERHEAD_BUCKETS, registry=reg)

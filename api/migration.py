@@ -64,6 +64,20 @@ class Hop:
         return self.routed.worker_id
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the engine served from its prefix cache for this hop, from its usage
+        (``prompt_tokens_details.cached_tokens``); -1 when it did not report them."""
+        details = self.usage.get("prompt_tokens_details") if self.usage is not None else None
+        value = details.get("cached_tokens") if isinstance(details, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) \
+            and value >= 0 else -1
+
+    @property
+    def predicted_tokens(self) -> int:
+        """The router's predicted reuse for this hop: overlap blocks times the block size."""
+        return self.routed.overlap_blocks * self.routed.event.block_size
+
+    @property
     def count(self) -> int:
         """Output tokens of this hop: the engine's own usage figure when it sent one."""
         if self.usage is not None and isinstance(self.usage.get("completion_tokens"), int):
@@ -142,11 +156,16 @@ class Continuation:
         p = self.parsed
         if not self.forwarded:
             body = self.raw
-            if not p.stream:
+            if not p.stream or not p.include_usage:
                 # The engine streams to us even for a non-streaming client: that is what lets an
-                # idle timeout tell a hung engine from a long generation.
+                # idle timeout tell a hung engine from a long generation. Usage is always asked
+                # for: its cached_tokens is the engine's own count of reused prompt tokens,
+                # recorded beside our prediction (stripped again if the client did not ask).
+                options = p.body.get("stream_options")
+                options = {**options} if isinstance(options, dict) else {}
+                options["include_usage"] = True
                 body = msgspec.json.encode({**p.body, "stream": True,
-                                            "stream_options": {"include_usage": True}})
+                                            "stream_options": options})
             return HopPlan(CHAT_PATH if self.chat else COMPLETIONS_PATH, body, True,
                            p.prompt_ids, p.expected_osl)
         generated = self.generated_ids()

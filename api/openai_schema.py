@@ -19,8 +19,8 @@ from typing import Annotated, Any
 import msgspec
 
 from api.errors import ApiError
-from api.tokenizer import Tokenizer
-from eventlog import tokens
+from api.tokenizer import Tokenizer, encode_chat, encode_prompt
+from eventlog.model_tokenizer import ChatTemplateError
 
 ENDPOINTS = ("completions", "chat")
 PRIORITIES = ("premium", "standard", "best_effort")
@@ -106,7 +106,7 @@ def _completion_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
         raise _bad("'prompt' is a required property.", "prompt")
     prompt = body["prompt"]
     if isinstance(prompt, str):
-        return tokenizer.encode(_check_text(prompt, "prompt"))
+        return encode_prompt(tokenizer, _check_text(prompt, "prompt"), body)
     if not isinstance(prompt, list):
         raise _wrong_type("prompt", "a string, an array of tokens or an array of one string",
                           prompt)
@@ -120,7 +120,7 @@ def _completion_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
             raise _bad("Invalid 'prompt': batched prompts are not supported; send one prompt "
                        "per request.", "prompt")
         if isinstance(first, str):
-            return tokenizer.encode(_check_text(first, "prompt"))
+            return encode_prompt(tokenizer, _check_text(first, "prompt"), body)
         return _check_ids(first, "prompt")
     raise _bad("Invalid 'prompt': expected a string, an array of token ids or an array of one "
                f"string, but the array holds {_type_name(first)}.", "prompt")
@@ -305,7 +305,10 @@ def parse_request(endpoint: str, raw: bytes, tokenizer: Tokenizer, *, max_prompt
     # Tokenize last: it is the expensive step, so cheap rejections come first.
     if endpoint == "chat":
         prompt_param = "messages"
-        prompt_ids = tokenizer.encode(tokens.chat_prompt(_check_messages(body)))
+        try:
+            prompt_ids = encode_chat(tokenizer, _check_messages(body), body)
+        except ChatTemplateError as exc:  # the model's template refused the conversation
+            raise _bad(f"Invalid 'messages': {exc}", "messages") from None
     else:
         prompt_param = "prompt"
         prompt_ids = _completion_prompt(body, tokenizer)

@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-dir", default=".jetrouter/replica")
     g.add_argument("--admin-token", default=None, help="bearer token enabling /admin/*")
     g.add_argument("--tokenizer", default=None, help="path to a HuggingFace tokenizer.json")
+    g.add_argument("--model-path", default=None,
+                   help="HuggingFace model folder (tokenizer.json + tokenizer_config.json with "
+                        "the chat template): hash prompts and chats as the engines tokenize "
+                        "them; give simulated workers the same folder")
     g.add_argument("--max-prompt-tokens", type=_positive_int, default=131072)
     g.add_argument("--graceful-shutdown-timeout", type=_non_negative, default=30.0,
                    help="on SIGTERM: stop taking requests, let in-flight ones finish this long")
@@ -177,10 +181,19 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = build_config(args)
+    if args.model_path:
+        from api.cli import CliError
+        from eventlog.model_tokenizer import ModelFolderError, load_codec
+
+        try:
+            load_codec(args.model_path)  # a bad folder is one clear line, not a traceback
+        except ModelFolderError as exc:
+            raise CliError(str(exc)) from None
     Path(args.data_dir).mkdir(parents=True, exist_ok=True)
     replica = Replica(config)
     app = create_app(replica, AppConfig(max_prompt_tokens=args.max_prompt_tokens,
                                         admin_token=args.admin_token, tokenizer=args.tokenizer,
+                                        model_path=args.model_path,
                                         reset_on_start=args.router_reset_states,
                                         stream_idle_timeout=args.stream_idle_timeout,
                                         migration_limit=args.migration_limit))

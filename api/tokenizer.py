@@ -1,17 +1,21 @@
 """Turning prompt text into the token ids the router hashes into KV blocks.
 
 The router only needs ids that match what the engines cache, so the choice follows the fleet:
-simulated workers use :mod:`eventlog.tokens` (one id per UTF-8 byte), real engines need the
-model's own ``tokenizer.json``. Special tokens are never added: engines add their own BOS, and a
-spurious extra id would shift every block boundary and destroy prefix matches.
+simulated workers without a model use :mod:`eventlog.tokens` (one id per UTF-8 byte); a model
+folder (``--model-path``, or the older ``--tokenizer`` pointing at a ``tokenizer.json``) is
+tokenized by :class:`eventlog.model_tokenizer.ModelTokenizer`, the same code the simulated engine
+runs, following vLLM's rules for completions (special tokens added) and chat (template rendered,
+no special tokens added). ``encode`` itself never adds special tokens: it is for plain text such as
+generated output re-tokenized for a migrated request.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from eventlog import tokens
+from eventlog.model_tokenizer import ByteCodec, ModelFolderError, ModelTokenizer, load_codec
 
 
 @runtime_checkable
@@ -21,44 +25,17 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
-class TokenizerLoadError(ValueError):
-    """The tokenizer file could not be found or parsed; the message names the path."""
+TokenizerLoadError = ModelFolderError
+"""The tokenizer file or model folder could not be found or parsed; the message names the path."""
 
 
-class ByteTokenizer:
-    """One id per UTF-8 byte (the simulated workers' tokenizer)."""
-
-    name = "bytes"
-
-    def encode(self, text: str) -> list[int]:
-        return tokens.encode(text)
+class ByteTokenizer(ByteCodec):
+    """One id per UTF-8 byte (the simulated workers' tokenizer without a model folder)."""
 
 
-class HuggingFaceTokenizer:
-    """A model's ``tokenizer.json`` through the ``tokenizers`` library.
-
-    ``path`` is the file itself or a directory holding ``tokenizer.json``.
-    """
-
-    def __init__(self, path: str) -> None:
-        # Imported here so replicas running on byte ids never pay for loading the library.
-        from tokenizers import Tokenizer as HFTokenizer
-
-        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        try:
-            tok = HFTokenizer.from_file(file)
-        except Exception as exc:  # the library raises bare Exception subclasses
-            raise TokenizerLoadError(f"cannot load tokenizer from {file!r}: {exc}") from exc
-        # A truncating or padding tokenizer would silently change the ids we hash.
-        tok.no_truncation()
-        tok.no_padding()
-        self._tok = tok
-        self.path = file
-        parent = os.path.basename(os.path.dirname(os.path.abspath(file)))
-        self.name = parent or os.path.basename(file)
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+class HuggingFaceTokenizer(ModelTokenizer):
+    """A model's ``tokenizer.json`` through the ``tokenizers`` library; ``path`` is the file
+    itself or a model folder (then its ``tokenizer_config.json`` chat template is used too)."""
 
 
 def load_tokenizer(path: str | None) -> Tokenizer:
@@ -66,3 +43,30 @@ def load_tokenizer(path: str | None) -> Tokenizer:
     if path is None or path == "" or path == "bytes":
         return ByteTokenizer()
     return HuggingFaceTokenizer(path)
+
+
+def load_model_tokenizer(model_path: str | None, tokenizer: str | None = None) -> Tokenizer:
+    """``--model-path`` wins over ``--tokenizer``; neither gives the byte tokenizer."""
+    if model_path:
+        codec = load_codec(model_path)  # checks the folder and names what is missing
+        return HuggingFaceTokenizer(codec.folder) if isinstance(codec, ModelTokenizer) \
+            else ByteTokenizer()
+    return load_tokenizer(tokenizer)
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str, body: Mapping[str, Any]) -> list[int]:
+    """A completions text prompt as the engine tokenizes it."""
+    method = getattr(tokenizer, "encode_prompt", None)
+    if method is None:
+        return tokenizer.encode(text)
+    add = body.get("add_special_tokens")
+    return list(method(text, add if isinstance(add, bool) else True))
+
+
+def encode_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]],
+                body: Mapping[str, Any]) -> list[int]:
+    """A chat request as the engine tokenizes it (template, then ids)."""
+    method = getattr(tokenizer, "encode_chat", None)
+    if method is None:
+        return tokenizer.encode(tokens.chat_prompt(messages))
+    return list(method(messages, body))

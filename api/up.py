@@ -158,10 +158,15 @@ class LocalCluster:
         admin_token: str | None = None,
         ready_timeout: float = 60.0,
         stop_timeout: float = 10.0,
+        model_path: Path | str | None = None,
     ) -> None:
         # workers=0: engines come from elsewhere (real engines behind `jetrouter bridge`).
         if replicas < 1 or workers < 0:
             raise ValueError("a cluster needs at least one replica and no negative workers")
+        # One model folder for both sides: the router hashes exactly the ids the engines cache.
+        model_args = ["--model-path", str(Path(model_path).resolve())] if model_path else []
+        router_args = [*model_args, *router_args]
+        worker_args = [*model_args, *worker_args]
         self.replicas = replicas
         self.workers = workers
         self.base_port = base_port
@@ -508,6 +513,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra raw argument for every replica (repeatable)")
     g.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra raw argument for every worker (repeatable)")
+    g.add_argument("--model-path", default=None,
+                   help="replicas and workers: one HuggingFace model folder (tokenizer.json, "
+                        "tokenizer_config.json) so both tokenize alike (default: byte tokens)")
+
+
+def check_model_path(path: str | None) -> None:
+    """Fail fast, with one clear line, on a model folder the children could not load."""
+    if not path:
+        return
+    from api.cli import CliError
+    from eventlog.model_tokenizer import ModelFolderError, load_codec
+
+    try:
+        load_codec(path)
+    except ModelFolderError as exc:
+        raise CliError(str(exc)) from None
 
 
 def forwarded_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -581,12 +602,13 @@ def run(args: argparse.Namespace) -> int:
                         datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per readiness poll
     router_args, worker_args = forwarded_args(args)
+    check_model_path(args.model_path)
     cluster = LocalCluster(
         replicas=args.replicas, workers=args.workers, base_port=args.base_port or None,
         data_dir=args.data_dir, router_args=router_args, worker_args=worker_args,
         nats_url=args.nats_url, restart=not args.no_restart, namespace=args.namespace,
         nats_cluster=args.nats_cluster, admin_token=args.admin_token,
-        ready_timeout=args.ready_timeout)
+        ready_timeout=args.ready_timeout, model_path=args.model_path)
     try:
         asyncio.run(_serve_until_signalled(cluster))
     except nats_server.NatsServerNotFound as exc:

@@ -82,29 +82,32 @@ class Appender:
         self.duplicates = 0
         self.retries = 0
 
-    async def append(self, subject: str, events: Sequence[Event], msg_id: str) -> int:
+    async def append(self, subject: str, events: Sequence[Event], msg_id: str,
+                     headers: dict[str, str] | None = None) -> int:
         """Append ``events`` as one message; return its stream sequence (the original one when
-        the stream already holds ``msg_id`` within its duplicate window)."""
+        the stream already holds ``msg_id`` within its duplicate window). ``headers`` are stored
+        with the message (a bridge keeps its resume point there)."""
         if not msg_id:
             raise ValueError("msg_id must be non-empty: it is what makes a retried append safe")
-        return await self.append_raw(subject, encode_batch(list(events)), msg_id)
+        return await self.append_raw(subject, encode_batch(list(events)), msg_id, headers)
 
-    async def append_raw(self, subject: str, payload: bytes, msg_id: str) -> int:
+    async def append_raw(self, subject: str, payload: bytes, msg_id: str,
+                         extra_headers: dict[str, str] | None = None) -> int:
         """Append pre-encoded bytes (used to inject malformed messages in tests, and by bridges
         that already hold an encoded batch)."""
-        headers = {MSG_ID_HEADER: msg_id}
+        headers = {**(extra_headers or {}), MSG_ID_HEADER: msg_id}
         try:  # the common case, without building a retry controller per append (hot path)
             ack = await self._js.publish(subject, payload, timeout=self.timeout, headers=headers)
         except Exception as exc:
             if not is_transient(exc):
                 raise AppendFailed(subject, msg_id, exc) from exc
             self.retries += 1
-            ack = await self._append_retrying(subject, payload, msg_id)
+            ack = await self._append_retrying(subject, payload, headers)
         if ack.duplicate:
             self.duplicates += 1
         return int(ack.seq)
 
-    async def _append_retrying(self, subject: str, payload: bytes, msg_id: str) -> Any:
+    async def _append_retrying(self, subject: str, payload: bytes, headers: dict[str, str]) -> Any:
         """The same publish with exponential backoff (same msg id: applied once)."""
         retrying = AsyncRetrying(
             stop=stop_after_attempt(max(self.attempts - 1, 1)),  # the first try was the fast path
@@ -116,14 +119,13 @@ class Appender:
         try:
             async for attempt in retrying:
                 with attempt:
-                    ack = await self._js.publish(
-                        subject, payload, timeout=self.timeout, headers={MSG_ID_HEADER: msg_id}
-                    )
+                    ack = await self._js.publish(subject, payload, timeout=self.timeout,
+                                                 headers=headers)
         except RetryError as exc:
             cause = exc.last_attempt.exception() or exc
-            raise AppendFailed(subject, msg_id, cause) from cause
+            raise AppendFailed(subject, headers[MSG_ID_HEADER], cause) from cause
         except Exception as exc:  # not transient: a bad subject, payload too large, closed conn
-            raise AppendFailed(subject, msg_id, exc) from exc
+            raise AppendFailed(subject, headers[MSG_ID_HEADER], exc) from exc
         return ack
 
     def _note_retry(self, state: object) -> None:

@@ -33,6 +33,9 @@ class WorkerRegistered(_Event, frozen=True, tag=True):
     max_num_batched_tokens: int
     ts: float
     dp_size: int = 1
+    # LoRA adapters the engine serves besides ``model`` (requests naming one route here, and
+    # their blocks hash under the adapter's salt: eventlog.hashing.adapter_salt).
+    loras: list[str] = []
 
 
 class WorkerRetired(_Event, frozen=True, tag=True):
@@ -48,6 +51,9 @@ class BlocksStored(_Event, frozen=True, tag=True):
     parent_hash: int | None
     blocks: list[BlockPair]
     ts: float
+    # Storage tier the blocks went to; None = the device (GPU) tier. Only device blocks count
+    # for prefix overlap (replicas/state.py): others are carried, counted and not indexed.
+    medium: str | None = None
 
 
 class BlocksRemoved(_Event, frozen=True, tag=True):
@@ -56,6 +62,7 @@ class BlocksRemoved(_Event, frozen=True, tag=True):
     dp_rank: int
     block_hashes: list[int]
     ts: float
+    medium: str | None = None  # tier the blocks left; None = the device (GPU) tier
 
 
 class AllBlocksCleared(_Event, frozen=True, tag=True):
@@ -81,6 +88,9 @@ class RequestRouted(_Event, frozen=True, tag=True):
     ts: float
     candidates: list[CandidateRow] = []
     model: str = ""
+    # Tokens per block the decision was made with (0: not recorded, older messages), so the
+    # predicted reuse in tokens is overlap_blocks * block_size wherever the event is read.
+    block_size: int = 0
 
 
 class PrefillCompleted(_Event, frozen=True, tag=True):
@@ -93,6 +103,9 @@ class RequestFinished(_Event, frozen=True, tag=True):
     outcome: str  # "ok" | "error" | "cancelled" | "migrated" | "expired"
     output_tokens: int
     ts: float
+    # Prompt tokens the engine reports it served from its prefix cache
+    # (usage.prompt_tokens_details.cached_tokens); -1 = the engine did not say (older messages).
+    cached_tokens: int = -1
 
 
 class ReplicaLost(_Event, frozen=True, tag=True):

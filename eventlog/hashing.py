@@ -18,6 +18,11 @@ that translate engine KV events) must compute ``tokens_hash`` exactly as the rou
   is already a 64-bit xxh3 digest, two different prefixes collide with probability ~2**-64 on
   honest input. Known weakness: a power-of-two modulus admits crafted collisions (Thue-Morse
   strings of ~2**11 blocks); the only effect is a wrong overlap estimate for that request.
+* **LoRA adapters**: a block cached under adapter A holds different KV than the same tokens under
+  adapter B or the base model, so it must never match them. ``tokens_hash`` of a block cached
+  under an adapter is xored with ``adapter_salt(name)`` (xxh3 of the adapter name); the base model
+  has no salt (salt 0), so base-model hashes are unchanged. Bridges salt by the event's adapter,
+  the router salts a request's blocks when the requested model is an adapter.
 """
 
 from __future__ import annotations
@@ -138,6 +143,23 @@ def sequence_hashes(local: Sequence[int], parent_seq: int | None = None) -> list
     return values.tolist()  # type: ignore[no-any-return]
 
 
-def prompt_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
-    """Sequence hashes of every full block of a prompt: what the router matches and records."""
-    return sequence_hashes(tokens_hashes(tokens, block_size))
+def adapter_salt(adapter: str | None) -> int:
+    """Salt xored into ``tokens_hash`` of blocks cached under a LoRA adapter; 0 for the base model
+    (``None`` or empty)."""
+    if not adapter:
+        return 0
+    return _xxh3(b"lora-adapter:" + adapter.encode(), SEED) or 1  # never 0: that is the base
+
+
+def salted(local: list[int], salt: int) -> list[int]:
+    """``tokens_hash`` values under an adapter's salt (unchanged for salt 0)."""
+    if not salt:
+        return local
+    return [value ^ salt for value in local]
+
+
+def prompt_hashes(tokens: Sequence[int], block_size: int, adapter: str | None = None) -> list[int]:
+    """Sequence hashes of every full block of a prompt: what the router matches and records.
+
+    ``adapter``: the LoRA adapter the request runs under (None: the base model)."""
+    return sequence_hashes(salted(tokens_hashes(tokens, block_size), adapter_salt(adapter)))

@@ -169,6 +169,7 @@ class Replica:
         self._dispatcher: asyncio.Task[None] | None = None
         self._ready_event = asyncio.Event()
         self._reannounce_asked: set[str] = set()
+        self._refused_logged: set[str] = set()
         # Hooks for the HTTP layer's metrics (no prometheus in here).
         self.on_applied: Callable[[str, int, Sequence[ev.Event]], None] | None = None
 
@@ -400,8 +401,11 @@ class Replica:
                 if isinstance(e, ev.RequestRouted):
                     self._reconcile(e.request_id)
             self._load_changed.set()
-        elif kind == KV and self.state.out_of_sync:
-            self._ask_reannounce()
+        elif kind == KV:
+            if self.state.out_of_sync:
+                self._ask_reannounce()
+            if self.state.refused_workers.keys() != self._refused_logged:
+                self._log_refusals()
         elif kind == CONTROL:
             self._load_changed.set()
         if self.on_applied is not None:
@@ -415,6 +419,16 @@ class Replica:
             self._overlay_prefill.clear()
             self._overlay_decode.clear()
             raise _Rewind()
+
+    def _log_refusals(self) -> None:
+        """One clear line when a worker becomes refused (a bad block size in its registration)."""
+        refused = self.state.refused_workers
+        for worker_id in refused.keys() - self._refused_logged:
+            info = refused[worker_id]
+            log.error("worker %s (%s) refused: %s; it is never indexed nor routed to until it "
+                      "registers again with --kv-cache-block-size %d", worker_id, info.url,
+                      self.state.refusal_reason(worker_id), self.config.state.block_size)
+        self._refused_logged = set(refused)
 
     def _check_ready(self) -> None:
         if self.draining:
@@ -459,7 +473,15 @@ class Replica:
     # --- routing -----------------------------------------------------------------------------
 
     def models(self) -> list[str]:
-        return sorted({w.model for w in self.state.workers.values()})
+        return sorted({m for w in self.state.workers.values() for m in (w.model, *w.loras)})
+
+    def _adapter(self, model: str) -> str | None:
+        """``model`` if it names a LoRA adapter some worker serves (its blocks hash salted),
+        else None (a base model)."""
+        workers = self.state.workers.values()
+        if any(w.model == model for w in workers):
+            return None
+        return model if any(model in w.loras for w in workers) else None
 
     def thresholds_for(self, model: str) -> BusyThresholds:
         return self.state.thresholds_for(model) or self.config.default_thresholds
@@ -472,7 +494,7 @@ class Replica:
         n = len(seq_hashes)
         load = state.load
         for w in state.workers.values():
-            if w.model != model or w.worker_id in exclude:
+            if (w.model != model and model not in w.loras) or w.worker_id in exclude:
                 continue
             weight = HEALTH_WEIGHT.get(state.health.get(w.worker_id, "healthy"), 0.0)
             if weight <= 0.0:
@@ -499,11 +521,17 @@ class Replica:
         self, req: RouteRequest
     ) -> tuple[Decision | Overloaded, list[int], dict[str, float]]:
         if not self.state.workers:
+            refused = sorted(self.state.refused_workers)
+            if refused:
+                raise NoWorkers(f"no usable inference workers: {', '.join(refused)} refused ("
+                                f"{self.state.refusal_reason(refused[0])})")
             raise NoWorkers("no inference workers are registered yet")
-        if not any(w.model == req.model for w in self.state.workers.values()):
+        if not any(w.model == req.model or req.model in w.loras
+                   for w in self.state.workers.values()):
             raise UnknownModel(req.model, self.models())
         t0 = time.perf_counter()
-        seq_hashes = prompt_hashes(req.token_ids, self.config.state.block_size)
+        seq_hashes = prompt_hashes(req.token_ids, self.config.state.block_size,
+                                   adapter=self._adapter(req.model))
         t1 = time.perf_counter()
         cands = self.candidates(req.model, seq_hashes, req.exclude)
         t2 = time.perf_counter()
@@ -552,7 +580,7 @@ class Replica:
             dp_rank=dp_rank, isl_tokens=len(req.token_ids), block_seq_hashes=list(seq_hashes),
             overlap_blocks=result.overlap_blocks, expected_osl=req.expected_osl,
             priority=req.priority, ts=time.time(), candidates=result.costs.rows(),
-            model=req.model)
+            model=req.model, block_size=self.config.state.block_size)
         prefill = max(len(req.token_ids) - result.overlap_blocks * info.block_size, 0)
         new_blocks = len(seq_hashes) - self.state.load.active_prefix_len(result.worker,
                                                                          seq_hashes)
@@ -572,10 +600,11 @@ class Replica:
         self._spawn(self._append(ROUTER, ev.PrefillCompleted(request_id, time.time()),
                                  f"{request_id}.prefilled"))
 
-    def finished(self, request_id: str, outcome: str, output_tokens: int) -> None:
+    def finished(self, request_id: str, outcome: str, output_tokens: int,
+                 cached_tokens: int = -1) -> None:
         self._reconcile(request_id)
         self._spawn(self._append(ROUTER, ev.RequestFinished(request_id, outcome, output_tokens,
-                                                            time.time()),
+                                                            time.time(), cached_tokens),
                                  f"{request_id}.finished"))
 
     # --- config changes through the control stream -------------------------------------------

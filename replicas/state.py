@@ -56,6 +56,7 @@ class WorkerInfo:
     max_num_batched_tokens: int
     dp_size: int
     registered_ts: float
+    loras: list[str] = field(default_factory=list)  # LoRA adapters served besides `model`
 
 
 @dataclass(slots=True)
@@ -87,6 +88,10 @@ class RouterState:
         self.workers: dict[str, WorkerInfo] = {}
         # Retired for cause (not shut down gracefully) and not back yet: lost capacity.
         self.lost_workers: dict[str, WorkerInfo] = {}
+        # Registered with a block size other than ours: its blocks would hash to different
+        # sequence hashes (silently never matching, or matching wrongly), so it is never indexed
+        # nor routed to. A function of the event and the config alone: the same on every replica.
+        self.refused_workers: dict[str, WorkerInfo] = {}
         self.thresholds: dict[str, BusyThresholds] = {}
         self.snapshot_threshold: int | None = None
         self.health: dict[str, str] = {}
@@ -144,9 +149,18 @@ class RouterState:
     def _worker_registered(self, e: ev.WorkerRegistered) -> str:
         restarted = e.worker_id in self.workers
         self.lost_workers.pop(e.worker_id, None)
-        self.workers[e.worker_id] = WorkerInfo(e.worker_id, e.url, e.model, e.block_size,
-                                               e.kv_total_blocks, e.max_num_batched_tokens,
-                                               e.dp_size, e.ts)
+        info = WorkerInfo(e.worker_id, e.url, e.model, e.block_size, e.kv_total_blocks,
+                          e.max_num_batched_tokens, e.dp_size, e.ts, list(e.loras))
+        if e.block_size != self.config.block_size:
+            self.workers.pop(e.worker_id, None)
+            self.health.pop(e.worker_id, None)
+            self.refused_workers[e.worker_id] = info
+            self.index.remove_worker(e.worker_id)
+            self.last_event_id.pop(e.worker_id, None)
+            self.out_of_sync.discard(e.worker_id)
+            return "refused_block_size"
+        self.refused_workers.pop(e.worker_id, None)
+        self.workers[e.worker_id] = info
         # A (re)registered engine starts with an empty cache and a fresh event_id sequence.
         self.index.remove_worker(e.worker_id)
         self.last_event_id.pop(e.worker_id, None)
@@ -155,7 +169,7 @@ class RouterState:
 
     def _worker_retired(self, e: ev.WorkerRetired) -> str:
         info = self.workers.pop(e.worker_id, None)
-        known = info is not None
+        known = info is not None or self.refused_workers.pop(e.worker_id, None) is not None
         if info is not None and e.reason != "shutdown":
             self.lost_workers[e.worker_id] = info
         self.index.remove_worker(e.worker_id)
@@ -176,20 +190,40 @@ class RouterState:
             self.stats.bump(KV, "EventIdGap", "gap")
         return None
 
+    def refusal_reason(self, worker_id: str) -> str | None:
+        """Why a registered worker is not used, or None when it is not refused."""
+        info = self.refused_workers.get(worker_id)
+        if info is None:
+            return None
+        return (f"block size {info.block_size} differs from the router's "
+                f"--kv-cache-block-size {self.config.block_size}")
+
     def _blocks_stored(self, e: ev.BlocksStored) -> str:
+        if e.worker_id in self.refused_workers:
+            return "refused_worker"
         skip = self._check_event_id(e.worker_id, e.event_id)
         if skip:
             return skip
+        if e.medium is not None:
+            # An offloaded tier (CPU, disk): carried on the stream, not indexed, so only device
+            # blocks count for overlap (design-notes: storage tiers).
+            return "other_tier"
         return self.index.store((e.worker_id, e.dp_rank), e.parent_hash, e.blocks)
 
     def _blocks_removed(self, e: ev.BlocksRemoved) -> str:
+        if e.worker_id in self.refused_workers:
+            return "refused_worker"
         skip = self._check_event_id(e.worker_id, e.event_id)
         if skip:
             return skip
+        if e.medium is not None:
+            return "other_tier"  # leaving an offloaded tier does not touch the device blocks
         unknown = self.index.remove((e.worker_id, e.dp_rank), e.block_hashes)
         return "block_not_found" if unknown else "ok"
 
     def _all_blocks_cleared(self, e: ev.AllBlocksCleared) -> str:
+        if e.worker_id in self.refused_workers:
+            return "refused_worker"
         skip = self._check_event_id(e.worker_id, e.event_id)
         if skip:
             return skip
@@ -294,8 +328,10 @@ class RouterState:
             self.snapshot_threshold,
             sorted(self.health.items()),
             sorted((w.worker_id, w.url, w.model, w.block_size, w.kv_total_blocks,
-                    w.max_num_batched_tokens, w.dp_size) for w in self.workers.values()),
+                    w.max_num_batched_tokens, w.dp_size, *((tuple(w.loras),) if w.loras else ()))
+                   for w in self.workers.values()),
             sorted(self.lost_workers),
+            sorted((w.worker_id, w.block_size) for w in self.refused_workers.values()),
         )
         parts = {"index": self.index.digest & _MASK, "load": self.load.digest & _MASK,
                  "config": config}
@@ -323,6 +359,7 @@ class RouterState:
             "positions": dict(self.positions),
             "workers": [_slots(w) for w in self.workers.values()],
             "lost_workers": [_slots(w) for w in self.lost_workers.values()],
+            "refused_workers": [_slots(w) for w in self.refused_workers.values()],
             "thresholds": {m: [t.active_decode_blocks_threshold, t.active_prefill_tokens_threshold,
                                t.active_prefill_tokens_threshold_frac]
                            for m, t in self.thresholds.items()},
@@ -353,6 +390,8 @@ class RouterState:
         state.positions = {k: int(doc["positions"].get(k, 0)) for k in STREAM_KINDS}
         state.workers = {w["worker_id"]: WorkerInfo(**w) for w in doc["workers"]}
         state.lost_workers = {w["worker_id"]: WorkerInfo(**w) for w in doc.get("lost_workers", [])}
+        state.refused_workers = {w["worker_id"]: WorkerInfo(**w)
+                                 for w in doc.get("refused_workers", [])}
         state.thresholds = {m: BusyThresholds(*t) for m, t in doc["thresholds"].items()}
         state.snapshot_threshold = doc["snapshot_threshold"]
         state.health = dict(doc["health"])

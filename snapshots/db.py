@@ -84,6 +84,11 @@ decision_ledger = Table(
     Column("output_tokens", Integer),
     Column("lost", Boolean, nullable=False, default=False),
     Column("lost_ts", Float),
+    # Prediction vs reality: the reuse the router predicted (overlap_blocks * block_size; NULL
+    # when the decision did not record its block size) and the engine's own cached_tokens (NULL
+    # until the request ends, or when the engine did not report it).
+    Column("predicted_tokens", Integer),
+    Column("cached_tokens", Integer),
     # ReplicaLost looks for the open requests of one replica.
     Index("ix_decision_ledger_open", "replica_id", "finished_ts"),
 )
@@ -123,9 +128,30 @@ def make_engine(url: str) -> AsyncEngine:
     return engine
 
 
+# Nullable columns added after a table's first release: a database written by an older
+# version gets them with ALTER TABLE at start (rows it already holds read NULL: unknown).
+ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
+    "decision_ledger": ("predicted_tokens", "cached_tokens"),
+}
+
+
+def _add_missing_columns(sync_conn: Any) -> None:
+    from sqlalchemy import inspect, text
+
+    inspector = inspect(sync_conn)
+    for table_name, columns in ADDED_COLUMNS.items():
+        have = {c["name"] for c in inspector.get_columns(table_name)}
+        table = metadata.tables[table_name]
+        for name in columns:
+            if name not in have:
+                kind = table.c[name].type.compile(dialect=sync_conn.dialect)
+                sync_conn.execute(text(f"ALTER TABLE {table_name} ADD COLUMN {name} {kind}"))
+
+
 async def create_tables(engine: AsyncEngine) -> None:
     async with engine.begin() as conn:
         await conn.run_sync(metadata.create_all)
+        await conn.run_sync(_add_missing_columns)
 
 
 @dataclass(slots=True)

@@ -12,6 +12,8 @@ not depend on how messages were grouped (a rebuild by replay groups them differe
 
 * the first ``RequestRouted`` for an id wins; later events on a row overwrite (last wins);
 * an update that arrives before its row exists hits nothing, as it would applied alone;
+* ``RequestFinished`` carries the engine's ``cached_tokens`` (when it reported them), kept in
+  the row beside ``predicted_tokens`` (``overlap_blocks * block_size`` of the decision);
 * ``ReplicaLost`` flushes pending updates before marking stored rows, so "still open" means open
   at that point of the stream;
 * retention drops rows whose ``routed_ts`` is older than a cutoff computed from the newest event
@@ -91,8 +93,11 @@ class LedgerView:
                 elif isinstance(e, ev.PrefillCompleted):
                     change(e.request_id, {"prefill_ts": e.ts})
                 elif isinstance(e, ev.RequestFinished):
-                    change(e.request_id, {"finished_ts": e.ts, "outcome": e.outcome,
-                                          "output_tokens": e.output_tokens})
+                    values: dict[str, Any] = {"finished_ts": e.ts, "outcome": e.outcome,
+                                              "output_tokens": e.output_tokens}
+                    if e.cached_tokens >= 0:  # -1: the engine did not report it
+                        values["cached_tokens"] = e.cached_tokens
+                    change(e.request_id, values)
                 elif isinstance(e, ev.ReplicaLost):
                     for row in fresh.values():
                         if row["replica_id"] == e.replica_id and _open(row):
@@ -169,7 +174,7 @@ class LedgerView:
         )
 
 
-_UPDATABLE = ("prefill_ts", "finished_ts", "outcome", "output_tokens")
+_UPDATABLE = ("prefill_ts", "finished_ts", "outcome", "output_tokens", "cached_tokens")
 _UPDATE_STMT = (
     update(decision_ledger)
     .where(decision_ledger.c.request_id == bindparam("p_request_id"))
@@ -206,6 +211,8 @@ def _routed_row(seq: int, e: ev.RequestRouted) -> dict[str, Any]:
         "output_tokens": None,
         "lost": False,
         "lost_ts": None,
+        "predicted_tokens": e.overlap_blocks * e.block_size if e.block_size > 0 else None,
+        "cached_tokens": None,
     }
 
 

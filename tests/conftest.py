@@ -80,3 +80,14 @@ async def js(
     context = nc.jetstream()
     await ensure_streams(context, Names("jr"))
     yield nc, context
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model folder with a byte-level BPE tokenizer (vocab 2048) trained offline here and a
+    Llama-3-style chat template (workers/tinymodel.py); no hub download."""
+    from workers.tinymodel import write_tokenizer_folder
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    write_tokenizer_folder(folder)
+    return folder

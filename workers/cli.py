@@ -7,6 +7,7 @@ import logging
 import sys
 import uuid
 
+from eventlog.model_tokenizer import load_codec
 from eventlog.names import check_token
 from workers.scheduler import EngineConfig
 from workers.server import WorkerSettings, serve
@@ -22,6 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise-url", default=None,
                    help="URL routers should use (default http://HOST:PORT)")
     p.add_argument("--model", default="jetrouter-sim", help="served model name")
+    p.add_argument("--model-path", default=None,
+                   help="HuggingFace model folder (tokenizer.json, tokenizer_config.json): "
+                        "tokenize prompts and chat like the router given the same folder "
+                        "(default: one token per UTF-8 byte)")
     p.add_argument("--nats-url", default="",
                    help="NATS server for KV events and load gauges; empty = no events")
     p.add_argument("--namespace", default="jr", help="stream/subject namespace (default jr)")
@@ -81,6 +86,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         advertise_url=args.advertise_url,
         default_max_tokens=args.default_max_tokens,
         shutdown_timeout=args.shutdown_timeout,
+        model_path=args.model_path or None,
     )
 
 
@@ -90,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
         check_token(settings.worker_id, "worker id")
+        if settings.model_path:
+            load_codec(settings.model_path)  # a bad folder: one clear line, before binding
         if settings.dp_size < 1:
             raise ValueError("--dp-size must be at least 1")
     except ValueError as exc:

@@ -1,9 +1,11 @@
 """OpenAI request parsing and response shapes for the simulated worker (no I/O).
 
 Accepted: ``prompt`` as text, a token-id list, or a one-element list of either; chat ``messages``
-flattened with :func:`eventlog.tokens.chat_prompt`; ``max_tokens`` (or ``max_completion_tokens``);
-``stream`` and ``stream_options.include_usage``. Other sampling fields are accepted and ignored:
-decoding is deterministic. ``ignore_eos`` is irrelevant (the simulator has no EOS).
+rendered and tokenized by the worker's codec (:mod:`eventlog.model_tokenizer`: the model folder's
+chat template, or :func:`eventlog.tokens.chat_prompt` over bytes without one); ``max_tokens``
+(or ``max_completion_tokens``); ``stream`` and ``stream_options.include_usage``. Other sampling
+fields are accepted and ignored: decoding is deterministic. ``ignore_eos`` is irrelevant (the
+simulator has no EOS).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from eventlog.tokens import MAX_TOKEN_ID, chat_prompt, decode, encode
+from eventlog.model_tokenizer import ByteCodec, ChatTemplateError, Codec
+from eventlog.tokens import MAX_TOKEN_ID, decode
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) documented default for /completions
 
@@ -42,15 +45,18 @@ def _token_list(value: list[Any]) -> list[int] | None:
     return None
 
 
-def prompt_ids(prompt: Any) -> list[int]:
+_BYTES = ByteCodec()
+
+
+def prompt_ids(prompt: Any, codec: Codec = _BYTES, add_special_tokens: bool = True) -> list[int]:
     if isinstance(prompt, str):
-        return encode(prompt)
+        return codec.encode_prompt(prompt, add_special_tokens)
     if isinstance(prompt, list):
         ids = _token_list(prompt)
         if ids is not None:
             return ids
         if len(prompt) == 1 and isinstance(prompt[0], str | list):
-            return prompt_ids(prompt[0])
+            return prompt_ids(prompt[0], codec, add_special_tokens)
         if len(prompt) > 1:
             raise BadRequest("only one prompt per request is supported", "prompt")
     raise BadRequest("prompt must be a string, a list of token ids, or a list of one of those",
@@ -58,7 +64,7 @@ def prompt_ids(prompt: Any) -> list[int]:
 
 
 def parse_request(body: Any, *, chat: bool, default_max_tokens: int,
-                  header_request_id: str | None = None) -> ParsedRequest:
+                  header_request_id: str | None = None, codec: Codec = _BYTES) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     if chat:
@@ -66,12 +72,16 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int,
         if not isinstance(messages, list) or not messages or \
                 not all(isinstance(m, dict) for m in messages):
             raise BadRequest("messages must be a non-empty list of objects", "messages")
-        ids = encode(chat_prompt(messages))
+        try:
+            ids = codec.encode_chat(messages, body)
+        except ChatTemplateError as exc:
+            raise BadRequest(str(exc), "messages") from None
         fallback = default_max_tokens
     else:
         if "prompt" not in body:
             raise BadRequest("prompt is required", "prompt")
-        ids = prompt_ids(body["prompt"])
+        add = body.get("add_special_tokens")
+        ids = prompt_ids(body["prompt"], codec, add if isinstance(add, bool) else True)
         fallback = COMPLETIONS_DEFAULT_MAX_TOKENS
     if not ids:
         raise BadRequest("the prompt is empty", "messages" if chat else "prompt")
@@ -116,6 +126,9 @@ class ResponseShaper:
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+        # Set when the request asked for ``return_token_ids`` (as vLLM names it): the prompt's
+        # ids ride on the first choice of the first chunk (or of the whole answer).
+        self.prompt_token_ids: list[int] | None = None
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -129,6 +142,8 @@ class ResponseShaper:
                                       "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if self.prompt_token_ids is not None:
+            choice["prompt_token_ids"] = self.prompt_token_ids
         body = self._envelope(self.object, [choice])
         body["usage"] = usage_body
         return body
@@ -146,6 +161,8 @@ class ResponseShaper:
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None,
                       "finish_reason": finish_reason}
+        if self.prompt_token_ids is not None:
+            choice["prompt_token_ids"], self.prompt_token_ids = self.prompt_token_ids, None
         return self._envelope(self.chunk_object, [choice])
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from eventlog.events import WorkerRegistered
+from eventlog.model_tokenizer import load_codec
 from eventlog.names import Names, check_token
 from eventlog.tokens import decode
 from workers.engine import Engine, RequestHandle
@@ -58,6 +59,7 @@ class WorkerSettings:
     default_max_tokens: int = 256  # chat requests without max_tokens
     shutdown_timeout: float = 30.0
     load_interval: float = 0.5
+    model_path: str | None = None  # a model folder: tokenize like the engine that serves it
 
 
 class WorkerRuntime:
@@ -66,6 +68,9 @@ class WorkerRuntime:
         if settings.dp_size < 1:
             raise ValueError("dp_size must be at least 1")
         self.settings = settings
+        # Prompts become token ids exactly as the router computes them (same module, same
+        # folder), so the blocks this engine caches are the blocks the router predicts.
+        self.codec = load_codec(settings.model_path)
         self.incarnation = uuid.uuid4().hex[:12]
         self.faults = FaultState()
         self.publisher = KvPublisher(
@@ -160,7 +165,8 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
             return _error(400, "request body is not valid JSON")
         try:
             parsed = parse_request(body, chat=chat, default_max_tokens=settings.default_max_tokens,
-                                   header_request_id=request.headers.get("x-request-id"))
+                                   header_request_id=request.headers.get("x-request-id"),
+                                   codec=runtime.codec)
         except BadRequest as exc:
             runtime.metrics.requests.labels(endpoint, "bad_request").inc()
             return _error(400, str(exc), param=exc.param)
@@ -183,6 +189,8 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
                                 settings.model, chat)
         headers = {"x-request-id": request_id, "x-jetrouter-worker": settings.worker_id,
                    "x-jetrouter-dp-rank": str(engine.dp_rank)}
+        if body.get("return_token_ids") is True:  # vLLM's request field: echo the prompt ids
+            shaper.prompt_token_ids = parsed.prompt_ids
         if parsed.stream:
             stream = _stream(runtime, handle, shaper, parsed.include_usage, crash_budget, endpoint)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)

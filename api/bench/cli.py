@@ -64,6 +64,7 @@ class ClusterSpec:
     worker_args: Sequence[str] = ()
     data_dir: Path | None = None               # None: a temporary dir, removed after a clean run
     ready_timeout: float = 60.0
+    model_path: Path | None = None             # one model folder for replicas and workers
 
     def gpu_blocks(self, trace_block_tokens: int) -> int:
         if self.num_gpu_blocks is not None:
@@ -80,7 +81,8 @@ class ClusterSpec:
                 "num_gpu_blocks": self.gpu_blocks(trace_block_tokens),
                 "kv_cache_block_size": self.kv_cache_block_size,
                 "worker_speedup_ratio": self.worker_speedup_ratio,
-                "router_args": list(self.router_args), "worker_args": list(self.worker_args)}
+                "router_args": list(self.router_args), "worker_args": list(self.worker_args),
+                "model_path": str(self.model_path) if self.model_path else None}
 
 
 async def run_managed(requests: Sequence[TraceRecord], options: BenchOptions, spec: ClusterSpec,
@@ -101,7 +103,7 @@ async def run_managed(requests: Sequence[TraceRecord], options: BenchOptions, sp
     cluster = LocalCluster(replicas=spec.replicas, workers=spec.workers, base_port=None,
                            data_dir=root / f"{index}-{mode}", router_args=router_args,
                            worker_args=worker_args, namespace=f"bench{index}",
-                           ready_timeout=spec.ready_timeout)
+                           ready_timeout=spec.ready_timeout, model_path=spec.model_path)
     async with cluster:
         result = await run_trace_bench(cluster.router_urls, requests, replace(options, label=mode))
     result.extra.update({"router_mode": mode, "managed_cluster": True,
@@ -177,6 +179,9 @@ def _add_trace_arguments(p: argparse.ArgumentParser, suppress: bool) -> None:
         help="cap max_tokens (default 128; 0 = the trace's output_length)")
     add("--model", default=None, help="model name (default: the first of GET /v1/models)")
     add("--request-timeout", type=float, default=300.0, help="seconds per request")
+    add("--text-prompts", action="store_true", default=False,
+        help="send text prompts (one word per trace token) instead of token ids, so the "
+             "router's and the engines' tokenizers decide the ids (see --model-path)")
     add("--ignore-eos", action="store_true", default=False,
         help="send ignore_eos (vLLM) so real engines produce output_length tokens")
     add("--label", default=None, help="name of the run in the report (default: router mode)")
@@ -230,6 +235,9 @@ def _add_trace_arguments(p: argparse.ArgumentParser, suppress: bool) -> None:
             help="extra raw argument for every worker (repeatable)")
     managed("--data-dir", type=Path, default=None,
             help="cluster data/logs here (default: a temporary dir, removed after a clean run)")
+    managed("--model-path", type=Path, default=None,
+            help="HuggingFace model folder given to every replica and worker (tokenizer.json, "
+                 "tokenizer_config.json); default: byte tokens")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -312,7 +320,8 @@ def options_from_args(args: argparse.Namespace, label: str) -> BenchOptions:
                         max_output_tokens=args.max_output_tokens or None,
                         trace_block_tokens=args.trace_block_tokens, vocab_size=args.trace_vocab,
                         model=args.model, request_timeout_s=args.request_timeout,
-                        ignore_eos=args.ignore_eos, progress=not args.no_progress, label=label)
+                        ignore_eos=args.ignore_eos, progress=not args.no_progress, label=label,
+                        text_prompts=args.text_prompts)
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
@@ -321,7 +330,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
                        kv_cache_block_size=args.kv_cache_block_size,
                        worker_speedup_ratio=args.worker_speedup_ratio,
                        router_args=list(args.router_arg), worker_args=list(args.worker_arg),
-                       data_dir=args.data_dir)
+                       data_dir=args.data_dir, model_path=args.model_path)
 
 
 async def _run_trace(args: argparse.Namespace) -> int:
@@ -340,6 +349,9 @@ async def _run_trace(args: argparse.Namespace) -> int:
         capacity, num_workers = args.cache_blocks, None
     else:
         spec = spec_from_args(args)
+        from api.up import check_model_path
+
+        check_model_path(str(spec.model_path) if spec.model_path else None)
         options = options_from_args(args, args.label or args.router_mode)
         modes = [args.router_mode] + ([args.compare] if args.compare else [])
         try:

@@ -20,12 +20,20 @@ from typing import Any, TextIO
 
 import httpx
 
-from api.bench.trace import DEFAULT_BLOCK_TOKENS, DEFAULT_VOCAB_SIZE, PromptBuilder, TraceRecord
+from api.bench.trace import (
+    DEFAULT_BLOCK_TOKENS,
+    DEFAULT_VOCAB_SIZE,
+    TEXT_ID_SPACE,
+    PromptBuilder,
+    TraceRecord,
+    words_of,
+)
 
 OK, FAILED, REJECTED = "ok", "failed", "rejected"
 DEFAULT_MODEL = "jetrouter-sim"
 WORKER_HEADER = "x-jetrouter-worker"
 REPLICA_HEADER = "x-jetrouter-replica"
+PREDICTED_HEADER = "x-jetrouter-predicted-cached-tokens"
 # Errors raised before a response exists: the request never reached a live server (or the server
 # died before answering), so sending it elsewhere cannot double-serve it. Timeouts are excluded:
 # a slow server may still be working on the request.
@@ -44,6 +52,9 @@ class BenchOptions:
     request_timeout_s: float = 300.0
     connect_timeout_s: float = 5.0
     ignore_eos: bool = False            # vLLM extension; lets real engines honour output_length
+    # Send text (one word per trace token) instead of token ids, so the tokenizers of the
+    # router and the engines decide the ids, as with real clients.
+    text_prompts: bool = False
     progress: bool = True
     label: str = "run"
 
@@ -61,6 +72,7 @@ class RequestRecord:
     output_tokens: int = 0
     prompt_tokens: int | None = None    # from usage
     cached_tokens: int | None = None    # usage.prompt_tokens_details.cached_tokens
+    predicted_tokens: int | None = None  # the router's predicted reuse (response header)
     sent_prompt_tokens: int = 0
     worker: str | None = None
     replica: str | None = None
@@ -160,8 +172,13 @@ class _Replayer:
         self.options, self.builder, self.progress = options, builder, progress
         self._next_url = 0
         self._slots = asyncio.Semaphore(max(1, options.concurrency))
+        self.words: tuple[str, ...] = ()
+        if options.text_prompts:
+            from workers.tinymodel import WORDS  # the words the tiny tokenizer was trained on
 
-    def _body(self, record: TraceRecord, prompt: list[int]) -> dict[str, Any]:
+            self.words = tuple(WORDS)
+
+    def _body(self, record: TraceRecord, prompt: list[int] | str) -> dict[str, Any]:
         max_tokens = max(1, record.output_length)
         if self.options.max_output_tokens is not None:
             max_tokens = min(max_tokens, max(1, self.options.max_output_tokens))
@@ -181,7 +198,7 @@ class _Replayer:
         result = RequestRecord(index=index, scheduled_s=scheduled)
         prompt = self.builder.prompt(record, filler_key=index)
         result.sent_prompt_tokens = len(prompt)
-        body = self._body(record, prompt)
+        body = self._body(record, words_of(prompt, self.words) if self.words else prompt)
         arrived = loop.time()
         async with self._slots:
             result.queued_s = loop.time() - arrived
@@ -225,6 +242,9 @@ class _Replayer:
             result.status = resp.status_code
             result.worker = resp.headers.get(WORKER_HEADER)
             result.replica = resp.headers.get(REPLICA_HEADER)
+            predicted = resp.headers.get(PREDICTED_HEADER)
+            result.predicted_tokens = int(predicted) if predicted and predicted.isdigit() \
+                else None
             if resp.status_code != 200:
                 result.outcome = REJECTED if resp.status_code == 503 else FAILED
                 result.error = f"HTTP {resp.status_code}: {_error_text(await resp.aread())}"
@@ -286,7 +306,8 @@ async def run_trace_bench(urls: Sequence[str], requests: Sequence[TraceRecord],
     if options.speedup <= 0:
         raise ValueError("speedup must be > 0")
     base_urls = [normalise_url(u) for u in urls]
-    builder = PromptBuilder(options.trace_block_tokens, options.vocab_size)
+    builder = PromptBuilder(options.trace_block_tokens,
+                            TEXT_ID_SPACE if options.text_prompts else options.vocab_size)
     progress = Progress(options.label, len(requests), enabled=options.progress)
     timeout = httpx.Timeout(options.request_timeout_s, connect=options.connect_timeout_s,
                             pool=None)

@@ -53,6 +53,12 @@ def summarize(run: RunResult, *, ideal: Mapping[str, IdealHitRate] | None = None
     fleet = max(num_workers or 0, len(per_worker))
     mean_load = sum(per_worker.values()) / fleet if fleet else 0.0
     errors = Counter((r.error or r.outcome) for r in records if r.outcome != OK)
+    # Prediction vs reality, per request: the router's predicted reuse (header) against the
+    # engine's own cached_tokens (usage).
+    pairs = [(r.predicted_tokens, r.cached_tokens, r.prompt_tokens or 0) for r in ok
+             if r.predicted_tokens is not None and r.cached_tokens is not None]
+    errors_abs = [abs(p - c) for p, c, _ in pairs]
+    paired_prompt = sum(n for _, _, n in pairs)
     return {
         "label": run.label,
         "model": run.model,
@@ -72,6 +78,14 @@ def summarize(run: RunResult, *, ideal: Mapping[str, IdealHitRate] | None = None
         "prefix_hit": {"engine_rate": cached_tokens / prompt_tokens if prompt_tokens else None,
                        "cached_tokens": cached_tokens, "prompt_tokens": prompt_tokens,
                        "requests_with_usage": len(with_usage)},
+        "prediction": {
+            "requests": len(pairs),
+            "mean_abs_error_tokens": sum(errors_abs) / len(pairs) if pairs else None,
+            "exact_share": sum(1 for e in errors_abs if e == 0) / len(pairs) if pairs else None,
+            "predicted_rate": sum(p for p, _, _ in pairs) / paired_prompt if paired_prompt
+            else None,
+            "mean_error_tokens": sum(p - c for p, c, _ in pairs) / len(pairs) if pairs else None,
+        },
         "ideal": {k: v.to_json() for k, v in (ideal or {}).items()},
         "workers": {"requests": dict(sorted(per_worker.items())), "fleet_size": fleet,
                     "max_over_mean": max(per_worker.values()) / mean_load if mean_load else None},
@@ -121,6 +135,9 @@ ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("throughput req/s", "throughput.req_per_s", _num),
     ("output tok/s", "throughput.output_tok_per_s", _num),
     ("prefix hit (engine)", "prefix_hit.engine_rate", _pct),
+    ("predicted hit (router)", "prediction.predicted_rate", _pct),
+    ("prediction |error| mean", "prediction.mean_abs_error_tokens", lambda v: f"{v:.1f} tok"),
+    ("predicted exactly", "prediction.exact_share", _pct),
     ("ideal hit (fleet LRU)", "ideal.finite.block_rate", _pct),
     ("ideal hit (infinite)", "ideal.infinite.block_rate", _pct),
     ("worker max/mean", "workers.max_over_mean", _num),

@@ -238,6 +238,18 @@ class PromptBuilder:
         return ids
 
 
+# Ids are drawn this wide for text prompts, then mapped onto the word list (every word used).
+TEXT_ID_SPACE = 2**16
+
+
+def words_of(ids: Sequence[int], words: Sequence[str]) -> str:
+    """A text prompt standing for ``ids``: one word per id, space-separated. Equal id prefixes
+    give equal text prefixes, so the token ids a real tokenizer makes of them share a prefix too
+    (up to the last word boundary)."""
+    n = len(words)
+    return " ".join(words[i % n] for i in ids)
+
+
 def iter_jsonl(records: Iterable[TraceRecord]) -> Iterable[str]:
     """Records as JSONL lines (for writing a generated workload to a file)."""
     for r in records:

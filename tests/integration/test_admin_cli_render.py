@@ -78,3 +78,16 @@ def test_api_message_reads_every_error_shape() -> None:
     assert msg(422, json={"detail": "bad"}) == "bad"
     assert msg(502, text="upstream down\n") == "upstream down"
     assert msg(500) == "Internal Server Error"
+
+
+def test_a_decision_shows_predicted_beside_engine_reported_reuse() -> None:
+    hop0 = {**_ledger_row("r0-1", 0, "w0", "migrated"), "predicted_tokens": 48,
+            "cached_tokens": 32}
+    hop1 = {**_ledger_row("r0-1~1", 1, "w1", "ok"), "predicted_tokens": 0, "cached_tokens": None}
+    text = admin_cli.show_request({**hop0, "hops": [hop0, hop1]})
+    head = text.split("hops (2):", 1)[0]
+    assert "predicted_tokens  48" in head and "cached_tokens     32" in head
+    assert head.index("predicted_tokens") < head.index("cached_tokens") < head.index("outcome")
+    hops = text.split("hops (2):\n", 1)[1].splitlines()
+    assert hops[0].split()[4:6] == ["predicted_tokens", "cached_tokens"]
+    assert hops[1].split()[4:6] == ["48", "32"]

@@ -10,6 +10,7 @@ is routed there by KV overlap. The fault is then armed on home only.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -330,7 +331,11 @@ def test_a_chat_request_continues_as_a_token_id_completion_in_the_chat_shape() -
     body = (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10,'
             b' "stream": true, "temperature": 0.5, "tools": []}')
     c = _continuation(body)
-    assert c.plan().verbatim and c.plan().body == body
+    # Verbatim, except that usage is asked for: its cached_tokens is recorded per request.
+    assert c.plan().verbatim and json.loads(c.plan().body) == {
+        **json.loads(body), "stream_options": {"include_usage": True}}
+    asked = body[:-1] + b', "stream_options": {"include_usage": true}}'
+    assert _continuation(asked).plan().body == asked  # already asked for: sent untouched
     first = _hop(c, True)
     raw = (b'data: {"id":"chatcmpl-a","object":"chat.completion.chunk","created":7,"model":"m",'
            b'"choices":[{"index":0,"delta":{"role":"assistant","content":"ab"}}]}\n\n')

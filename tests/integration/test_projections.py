@@ -390,3 +390,44 @@ async def test_feeder_follows_real_streams_and_steps_over_purges(
     finally:
         await feeder.stop()
         await fresh.close()
+
+
+# --- prediction vs reality ---------------------------------------------------------------------
+
+
+async def test_ledger_row_has_predicted_and_engine_reported_reuse(tmp_path: Path) -> None:
+    p = await opened(tmp_path)
+    try:
+        with_size = ev.RequestRouted(**{**_fields(routed("a", 10.0, overlap=3)),
+                                        "block_size": 16})
+        await p.apply(ROUTER, 1, [with_size, routed("old", 10.0)])
+        await p.apply(ROUTER, 2, [ev.RequestFinished("a", "ok", 4, 11.0, cached_tokens=40),
+                                  ev.RequestFinished("old", "ok", 4, 11.0)])
+        a, old = await p.request("a"), await p.request("old")
+        assert a is not None and old is not None
+        assert (a["predicted_tokens"], a["cached_tokens"]) == (48, 40)
+        # A decision without its block size, a finish without the engine's figure: unknown.
+        assert (old["predicted_tokens"], old["cached_tokens"]) == (None, None)
+    finally:
+        await p.close()
+
+
+async def test_an_older_database_gains_the_new_columns(tmp_path: Path) -> None:
+    db_file = tmp_path / "jetrouter.db"
+    p = await opened(tmp_path)
+    await p.apply(ROUTER, 1, [routed("a", 10.0)])
+    await p.close()
+    with sqlite3.connect(db_file) as conn:  # as the previous release left it
+        conn.execute("ALTER TABLE decision_ledger DROP COLUMN predicted_tokens")
+        conn.execute("ALTER TABLE decision_ledger DROP COLUMN cached_tokens")
+    p = await opened(tmp_path)
+    try:
+        await p.apply(ROUTER, 2, [ev.RequestFinished("a", "ok", 4, 11.0, cached_tokens=16)])
+        row = await p.request("a")
+        assert row is not None and (row["predicted_tokens"], row["cached_tokens"]) == (None, 16)
+    finally:
+        await p.close()
+
+
+def _fields(e: ev.RequestRouted) -> dict[str, Any]:
+    return {f: getattr(e, f) for f in e.__struct_fields__}

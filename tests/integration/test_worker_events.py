@@ -46,7 +46,7 @@ class KvFeed:
         return self
 
     async def wait_for(self, predicate: Callable[[list[Event]], bool],
-                       timeout: float = 10.0) -> list[Event]:
+                       timeout: float = 60.0) -> list[Event]:
         deadline = time.monotonic() + timeout
         while not predicate(self.events):
             assert time.monotonic() < deadline, f"events so far: {self.events}"

@@ -79,3 +79,22 @@ def test_tables_and_json(tmp_path: Path) -> None:
     assert saved["workload"] == {"source": "generator"}
     assert [r["label"] for r in saved["runs"]] == ["kv", "round-robin"]
     assert saved["ratios"]["ttft_s.p50"] == pytest.approx(2.0)
+
+
+def test_prediction_error_figures() -> None:
+    """Per request: the router's predicted reuse (header) against the engine's cached_tokens."""
+    def rec(i: int, predicted: int | None, cached: int | None) -> RequestRecord:
+        return RequestRecord(index=i, outcome=OK, prompt_tokens=100, cached_tokens=cached,
+                             predicted_tokens=predicted, ttft_s=0.01, e2e_s=0.02)
+
+    run = RunResult("kv", ["http://x"], [rec(0, 64, 64), rec(1, 32, 48), rec(2, 0, 0),
+                                         rec(3, None, 16), rec(4, 16, None)],
+                    started_at=0.0, duration_s=1.0, options=BenchOptions())
+    p = summarize(run)["prediction"]
+    assert p["requests"] == 3
+    assert p["mean_abs_error_tokens"] == pytest.approx(16 / 3)
+    assert p["exact_share"] == pytest.approx(2 / 3)
+    assert p["predicted_rate"] == pytest.approx(96 / 300)
+    assert p["mean_error_tokens"] == pytest.approx(-16 / 3)
+    table = format_table(summarize(run))
+    assert "predicted exactly" in table and "66.7%" in table

@@ -129,3 +129,16 @@ def test_prompt_filler_beyond_the_hash_ids_and_for_empty_ids() -> None:
     assert len(over) == 32 + 16 and over[:32] == list(b.block(5))
     assert len(b.prompt(TraceRecord(0, 40, 1, ()))) == 3
     assert b.prompt(TraceRecord(0, 0, 1, ())) != [], "never an empty prompt"
+
+
+def test_text_prompts_share_prefixes_word_for_word() -> None:
+    from api.bench.trace import TEXT_ID_SPACE, words_of
+    from workers.tinymodel import WORDS
+
+    builder = PromptBuilder(8, TEXT_ID_SPACE)
+    a = TraceRecord(0.0, 3 * 512, 1, (1, 2, 3))
+    b = TraceRecord(1.0, 3 * 512, 1, (1, 2, 4))
+    ta, tb = (words_of(builder.prompt(r), WORDS) for r in (a, b))
+    assert len(ta.split()) == len(tb.split()) == 24
+    assert ta.split()[:16] == tb.split()[:16] and ta != tb
+    assert set(ta.split()) <= set(WORDS)

@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ["eventlog/events.py", "eventlog/hashing.py", "replicas/index.py", "replicas/load.py",
-        "replicas/selection.py", "replicas/queue.py", "replicas/state.py"]
+        "replicas/selection.py", "replicas/queue.py", "replicas/state.py",
+        "workers/bridge/decode.py", "workers/bridge/translate.py"]
 FORBIDDEN_MODULES = {"nats", "sqlalchemy", "fastapi", "starlette", "prometheus_client", "httpx",
                      "asyncio", "time", "datetime", "socket", "os", "subprocess", "uvicorn",
                      "aiosqlite", "threading", "secrets", "uuid"}
