@@ -46,7 +46,7 @@ BLOCK_SIZE = 32
 DEMO_GENERATOR = GeneratorParams(sessions=24, turns=4, system_prompts=4, system_blocks=6,
                                  turn_blocks_min=1, turn_blocks_max=4, output_min=8,
                                  output_max=32, rate=2.0, think_s=4.0, seed=0)
-# Token ids stay below the tiny tokenizer's 2048 ids (and clear of its 3 special ids, 0..2).
+# Token ids stay below the tiny tokenizer's 2048 ids.
 VOCAB = 2000
 
 

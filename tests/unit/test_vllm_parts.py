@@ -1,5 +1,5 @@
-"""The real-vLLM plumbing that runs without vLLM: engine command line and environment, the
-offline tokenizer folder, and the demo's prediction-error arithmetic."""
+"""The real-vLLM plumbing that runs without vLLM: engine command line and environment, and the
+demo's prediction-error arithmetic."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 
 from api.demo_vllm import format_prediction, prediction_summary
 from workers.vllm.engine import VllmEngine
-from workers.vllm.tinymodel import write_tokenizer
 
 
 def engine(tmp_path: Path, **kw: object) -> VllmEngine:
@@ -43,22 +42,6 @@ def test_engine_environment_is_its_own(tmp_path: Path, monkeypatch: pytest.Monke
     assert env["VLLM_HOST_IP"] == "127.0.0.1"
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "cache")
-
-
-def test_tokenizer_folder_is_llama_like(tmp_path: Path) -> None:
-    from tokenizers import Tokenizer
-
-    write_tokenizer(tmp_path)
-    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    assert tok.get_vocab_size() == 2048
-    ids = tok.encode("Hello world, the router caches blocks.").ids
-    assert ids[0] == tok.token_to_id(config["bos_token"])  # completions get BOS
-    assert "{{ bos_token }}" in config["chat_template"]    # chats: the template writes it
-    # Deterministic: the same folder on every machine, so router and engine agree.
-    again = tmp_path / "again"
-    write_tokenizer(again)
-    assert (again / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
 
 
 def test_prediction_summary() -> None:

@@ -77,7 +77,8 @@ def cached_model(layers: int, hidden: int, python: Path | None = None) -> Path:
     """The tiny model at a fixed path under CACHE_ROOT, written once (its content is
     deterministic). vLLM keys its torch.compile cache by the model's path, so a fixed path keeps
     that cache warm: a temp dir per run recompiles every time (minutes on a busy 2-core host)."""
-    out = CACHE_ROOT / "models" / f"llama-{layers}x{hidden}"
+    # The suffix names the folder's recipe: change it whenever tinymodel writes other content.
+    out = CACHE_ROOT / "models" / f"llama-{layers}x{hidden}-llama3tok"
     if not (out / "config.json").exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=out.name + "-", dir=out.parent))
