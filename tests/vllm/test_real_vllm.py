@@ -103,11 +103,15 @@ async def test_chat_request_hashes_like_the_engine(vllm_cluster: Any) -> None:
                    {"role": "user", "content": "How is a gap in the sequence repaired?"}]
     async with httpx.AsyncClient(timeout=120.0) as client:
         first = await post(client, cluster.router_urls[0], "/v1/chat/completions",
-                           {"messages": first_msgs, "return_token_ids": True})
-        engine_ids = first.json()["prompt_token_ids"]
+                           {"messages": first_msgs})
+        owner = first.headers[WORKER_HEADER]
+        # The router answers in its own shape; the engine itself tells its prompt ids (vLLM
+        # 0.32's return_token_ids). Same prompt again: it only re-hits the cached blocks.
+        direct = await post(client, cluster.engine(owner).url, "/v1/chat/completions",
+                            {"messages": first_msgs, "return_token_ids": True})
+        engine_ids = direct.json()["prompt_token_ids"]
         router_ids = model_tokenizer.ModelTokenizer(cluster.model_dir).encode_chat(first_msgs)
         assert router_ids == engine_ids  # the router hashes exactly what the engine caches
-        owner = first.headers[WORKER_HEADER]
         shared_blocks = len(engine_ids) // BLOCK - 1   # the user turns differ after the system
         assert shared_blocks >= 3
         await all_replicas_index(cluster, owner, lambda n: n is not None and n >= shared_blocks,
