@@ -60,19 +60,7 @@ def chat_content_text(content: Any) -> str:
 
     vLLM hands "string"-format templates (all common ones) the text parts joined with a newline;
     a missing/None content stays empty."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, Sequence):
-        texts: list[str] = []
-        for part in content:
-            if isinstance(part, str):
-                texts.append(part)
-            elif isinstance(part, Mapping) and part.get("type", "text") == "text":
-                texts.append(str(part.get("text", "")))
-        return "\n".join(texts)
-    return str(content)
+    return tokens.content_text(content, "\n")
 
 
 def _raise_exception(message: str) -> None:

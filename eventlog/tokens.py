@@ -58,8 +58,9 @@ def decode(ids: Sequence[int] | Iterable[int]) -> str:
     return "".join(parts)
 
 
-def _content_text(content: Any) -> str:
-    """OpenAI message content: a string, None, or a list of parts of which text parts count."""
+def content_text(content: Any, joiner: str = "") -> str:
+    """OpenAI message content: a string, None, or a list of parts of which text parts count
+    (joined by ``joiner``)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -71,7 +72,7 @@ def _content_text(content: Any) -> str:
                 texts.append(part)
             elif isinstance(part, Mapping) and part.get("type", "text") == "text":
                 texts.append(str(part.get("text", "")))
-        return "".join(texts)
+        return joiner.join(texts)
     return str(content)
 
 
@@ -85,6 +86,6 @@ def chat_prompt(messages: Iterable[Mapping[str, Any]]) -> str:
     out: list[str] = []
     for message in messages:
         role = str(message.get("role", "user"))
-        out.append(f"<|{role}|>\n{_content_text(message.get('content'))}\n")
+        out.append(f"<|{role}|>\n{content_text(message.get('content'))}\n")
     out.append("<|assistant|>\n")
     return "".join(out)

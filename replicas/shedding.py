@@ -82,7 +82,7 @@ def model_units(state: RouterState, model: str) -> list[UnitLoad]:
     """Every engine (worker x dp rank) serving ``model``, with the load the state accounts."""
     out: list[UnitLoad] = []
     for w in state.workers.values():
-        if w.model != model:
+        if w.model != model and model not in w.loras:  # a LoRA adapter runs on its base's engine
             continue
         status = state.health.get(w.worker_id, HEALTHY)
         for rank in range(w.dp_size):
@@ -92,7 +92,7 @@ def model_units(state: RouterState, model: str) -> list[UnitLoad]:
     # Engines retired for cause (not a graceful shutdown) are capacity the fleet has lost until
     # they register again: without them a dead engine would stop counting once retired.
     for w in state.lost_workers.values():
-        if w.model == model and w.worker_id not in state.workers:
+        if (w.model == model or model in w.loras) and w.worker_id not in state.workers:
             out.extend(UnitLoad(UNHEALTHY, w.kv_total_blocks, 0, 0) for _ in range(w.dp_size))
     return out
 

@@ -57,7 +57,7 @@ class _Outgoing:
     attempted: bool = False  # once sent under its msg id, its content must never change
 
 
-def _block_count(event: Event) -> int:
+def block_count(event: Event) -> int:
     if isinstance(event, BlocksStored):
         return len(event.blocks)
     if isinstance(event, BlocksRemoved):
@@ -138,7 +138,7 @@ class KvPublisher:
         batch: list[Event] = []
         blocks = 0
         for event in events:
-            size = _block_count(event)
+            size = block_count(event)
             if batch and (blocks + size > MAX_BLOCKS_PER_MESSAGE
                           or len(batch) >= MAX_EVENTS_PER_MESSAGE):
                 self._enqueue_kv(batch, blocks)

@@ -450,3 +450,23 @@ async def test_block_size_flag_that_contradicts_the_engine_is_refused(
     assert rc == 2
     assert "--block-size 32 differs from the engine's block size 16" in proc.log()
     assert await kv_messages(nc, NAMES.kv_subject("e1")) == []
+
+
+@pytest.mark.timeout(120)
+async def test_silent_engine_restart_is_seen_in_metrics_and_clears(
+        nc: NATS, engine: EngineSim, bridges) -> None:  # type: ignore[no-untyped-def]
+    """A restarted engine that sends nothing yet still holds nothing: the new
+    process_start_time_seconds in /metrics makes the bridge clear its blocks at once."""
+    shared = prefixes(engine)
+    bridges(engine, nc.connected_url.geturl())
+    await registered(nc)
+    for _ in range(3):
+        engine.random_step(shared)
+    await assert_index_matches_engine(nc, engine)
+    engine.restart()  # no batch published: only /metrics tells
+
+    async def indexed() -> int:
+        return (await state_from_stream(nc, engine.block_size)).index.total_blocks
+    assert await until(indexed, lambda n: n == 0, timeout=60, what="blocks cleared") == 0
+    engine.random_step(shared)
+    await assert_index_matches_engine(nc, engine)

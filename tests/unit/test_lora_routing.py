@@ -9,6 +9,7 @@ import pytest
 from eventlog.events import WorkerRegistered
 from replicas.runtime import Replica, ReplicaConfig, RouteRequest, UnknownModel
 from replicas.selection import Decision
+from replicas.shedding import model_units
 from replicas.state import StateConfig
 from workers.bridge.decode import decode_payload
 from workers.bridge.translate import Translator
@@ -63,3 +64,8 @@ def test_base_request_never_matches_adapter_blocks(replica: Replica) -> None:
 def test_unknown_adapter_is_an_unknown_model(replica: Replica) -> None:
     with pytest.raises(UnknownModel):
         replica._decide(RouteRequest("q", "other-lora", TOKENS))
+
+
+def test_adapter_requests_are_shed_on_the_engines_that_serve_them(replica: Replica) -> None:
+    assert len(model_units(replica.state, "sql-lora")) == 1
+    assert len(model_units(replica.state, "tiny")) == 2

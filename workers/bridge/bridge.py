@@ -35,7 +35,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from eventlog.appender import Appender, AppendFailed
-from eventlog.events import BlocksRemoved, BlocksStored, Event, WorkerRegistered, WorkerRetired
+from eventlog.events import Event, WorkerRegistered, WorkerRetired
 from eventlog.names import KV, Names
 from eventlog.streams import ensure_streams
 from workers.bridge.decode import BadPayload, EngineStored, decode_payload
@@ -50,19 +50,10 @@ from workers.bridge.resume import (
 )
 from workers.bridge.translate import CacheMirror, Translator
 from workers.bridge.zmqio import Frame, LiveFeed, ReplayUnavailable, replay
+from workers.publisher import MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, block_count
 
 log = logging.getLogger(__name__)
 
-MAX_EVENTS_PER_MESSAGE = 256
-MAX_BLOCKS = 4096  # ~100 KB of msgpack, far below NATS' 1 MB default payload
-
-
-def _size(event: Event) -> int:
-    if isinstance(event, BlocksStored):
-        return len(event.blocks)
-    if isinstance(event, BlocksRemoved):
-        return len(event.block_hashes)
-    return 1
 
 class ConfigError(ValueError):
     """Settings the bridge cannot run with (reported as one line, exit 2)."""
@@ -353,8 +344,9 @@ class Bridge:
         if not self.out_events:
             self.out_first = frame.seq
         self.out_events.extend(events)
-        self.out_blocks += sum(_size(e) for e in events)
-        if len(self.out_events) >= MAX_EVENTS_PER_MESSAGE or self.out_blocks >= MAX_BLOCKS:
+        self.out_blocks += sum(block_count(e) for e in events)
+        if (len(self.out_events) >= MAX_EVENTS_PER_MESSAGE
+                or self.out_blocks >= MAX_BLOCKS_PER_MESSAGE):
             await self._flush_out()
 
     async def _fill_gap(self, start: int, upto: int | None) -> None:
