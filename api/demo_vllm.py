@@ -174,7 +174,8 @@ async def _demo(args: argparse.Namespace, modes: Sequence[str]) -> int:
         model_dir = await asyncio.to_thread(vllm_env.cached_model, args.vllm_layers,
                                             args.vllm_hidden, python)
     replay_s = shape["duration_s"] / args.speedup
-    print(f"jetrouter demo (vLLM): {shape['requests']} requests (~{replay_s:.0f} s each run), modes {' vs '.join(modes)}, {args.replicas} replicas, "
+    print(f"jetrouter demo (vLLM): {shape['requests']} requests (~{replay_s:.0f} s each run), "
+          f"modes {' vs '.join(modes)}, {args.replicas} replicas, "
           f"{args.vllm_engines} vLLM engines; logs in {data_dir / 'logs'}",
           file=sys.stderr, flush=True)
     cluster = VllmCluster(python=python, model_dir=model_dir, data_dir=data_dir,
