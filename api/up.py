@@ -165,8 +165,9 @@ class LocalCluster:
         nats_options: NatsOptions | None = None,
         model_path: Path | str | None = None,
     ) -> None:
-        if replicas < 1 or workers < 1:
-            raise ValueError("a cluster needs at least one replica and one worker")
+        # workers=0: engines come from elsewhere (real engines behind `jetrouter bridge`).
+        if replicas < 1 or workers < 0:
+            raise ValueError("a cluster needs at least one replica and no negative workers")
         # One model folder for both sides: the router hashes exactly the ids the engines cache.
         model_args = ["--model-path", str(Path(model_path).resolve())] if model_path else []
         router_args = [*model_args, *router_args]
@@ -524,7 +525,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "children with --router-arg=--flag=value / --worker-arg=--flag=value (repeatable).\n"
         "Every flag can also be set as JETROUTER_<FLAG>, e.g. JETROUTER_REPLICAS=3.")
     p.add_argument("--replicas", type=int, default=2, help="router replicas (default 2)")
-    p.add_argument("--workers", type=int, default=4, help="simulated workers (default 4)")
+    p.add_argument("--workers", type=int, default=4,
+                   help="simulated workers (default 4; 0: real engines only, via bridges)")
     p.add_argument("--base-port", type=int, default=8000,
                    help="first replica port (default 8000); 0 = free ports")
     p.add_argument("--data-dir", type=Path, default=Path(".jetrouter"),

@@ -36,7 +36,9 @@ from replicas.health import HEALTHY, HealthBoard, ReferenceAnswers, StatusChange
 log = logging.getLogger("jetrouter.canary")
 
 # A fixed multi-token prompt: a single token would skip attention (seed, "Canary Prompt Design").
-CANARY_PROMPT: tuple[int, ...] = tuple(100 + (i * 7919) % 30000 for i in range(24))
+# Ids stay under 1100 so every real vocabulary has them: vLLM answers 400 to an id beyond the
+# model's vocabulary, which made every engine of a small model look unhealthy.
+CANARY_PROMPT: tuple[int, ...] = tuple(100 + (i * 7919) % 1000 for i in range(24))
 CANARY_MAX_TOKENS = 8
 
 Emit = Callable[[StatusChange], Awaitable[None]]

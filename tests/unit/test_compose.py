@@ -120,7 +120,7 @@ MUTATIONS = [
     # --- one build, no default secrets, a balancer that drops a dead replica fast ------------
     pytest.param("compose.yaml", "  image: jetrouter:local\n",
                  "  image: jetrouter:local\n  build: {context: ., dockerfile: deploy/Dockerfile}\n",
-                 "services r1, r2, r3, w1, w2, w3, w4 all build 'jetrouter:local'",
+                 "services r1, r2, r3, w1, w2, w3, w4, vllm1-bridge all build 'jetrouter:local'",
                  id="every-service-builds-the-image"),
     pytest.param("compose.yaml", "    <<: *replica\n    pull_policy: never\n", "    <<: *replica\n",
                  "service r2: runs 'jetrouter:local', built by r1, without `pull_policy: never`",
@@ -148,6 +148,15 @@ MUTATIONS = [
     pytest.param("deploy/haproxy.cfg", "    http-request disable-l7-retry", "    #",
                  "admin writes may be retried after reaching a replica",
                  id="lb-retries-admin-writes"),
+    pytest.param("compose.yaml", '"--block-size", "16", "--nats-url"',
+                 '"--block-size", "32", "--nats-url"',
+                 "service vllm1-bridge: --block-size 32, but vllm1 runs --block-size 16",
+                 id="bridge-block-size-differs-from-engine"),
+    pytest.param("compose.yaml", '"tcp://vllm1:5557"', '"tcp://vllm1:5559"',
+                 "service vllm1-bridge: --kv-events port 5559, but vllm1 binds tcp://*:5557",
+                 id="bridge-kv-events-wrong-port"),
+    pytest.param("compose.yaml", '"--enable-prefix-caching", ', "",
+                 "service vllm1: no --enable-prefix-caching", id="engine-without-prefix-cache"),
 ]
 
 
