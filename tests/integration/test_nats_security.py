@@ -44,8 +44,11 @@ NAMES = Names("jr")
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def secured(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
     data = tmp_path_factory.mktemp("secured")
+    # No canaries: a canary prompt stores blocks on an engine whenever its round comes, which
+    # would move the index digest the forgery test compares before and after.
     async with LocalCluster(replicas=1, workers=2, data_dir=Path(data), secure=True,
-                            worker_args=["--num-gpu-blocks", "1024"]) as c:
+                            worker_args=["--num-gpu-blocks", "1024"],
+                            router_args=["--canary-interval", "0"]) as c:
         async with httpx.AsyncClient() as h:
             await until(lambda: _state(h, c), lambda s: s["workers"] == 2, timeout=60,
                         what="both engines registered on the replica")
