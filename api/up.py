@@ -78,20 +78,6 @@ class Child:
         return self.proc is not None and self.proc.returncode is None
 
 
-def free_ports(count: int) -> list[int]:
-    """Ports the kernel hands out now; all sockets are held until every port is chosen."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def port_in_use(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -333,7 +319,7 @@ class LocalCluster:
 
     def _plan_children(self) -> None:
         if self.base_port is None:
-            ports = free_ports(self.replicas + self.workers)
+            ports = nats_server.free_ports(self.replicas + self.workers)
             replica_ports, worker_ports = ports[: self.replicas], ports[self.replicas:]
         else:
             replica_ports = [self.base_port + REPLICA_PORT_OFFSET + i for i in range(self.replicas)]

@@ -58,6 +58,20 @@ def free_port(host: str = LOOPBACK) -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int) -> list[int]:
+    """Ports the kernel hands out now; all sockets are held until every port is chosen."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((LOOPBACK, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def _http_json(url: str, timeout: float = 0.5) -> tuple[int, Any]:
     """GET ``url``; (status, parsed JSON or None). Connection errors give status 0."""
     try:

@@ -23,7 +23,8 @@ import pytest
 import pytest_asyncio
 
 from api import cli
-from api.up import LocalCluster, free_ports
+from api.up import LocalCluster
+from eventlog.server import free_ports
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(90)]

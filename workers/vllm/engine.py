@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -27,26 +26,13 @@ from pathlib import Path
 
 import httpx
 
+from eventlog.server import free_ports
 from workers.vllm.env import child_preexec
 
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_MAX_MODEL_LEN = 2048
 SERVED_MODEL_NAME = "tiny"
 KV_TOPIC = "kv-events"
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports the kernel hands out now; all sockets are held until every port is chosen."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass
