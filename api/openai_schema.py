@@ -173,6 +173,11 @@ def _check_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
+# Engines take token counts as 32-bit integers; a larger one is a client error, not something
+# to carry into a routing decision (whose counters are bounded, eventlog/events.py).
+MAX_TOKEN_COUNT = 2**31 - 1
+
+
 def _max_tokens(body: dict[str, Any]) -> int | None:
     chosen: int | None = None
     # max_completion_tokens is the newer name (chat); it wins when both are given.
@@ -185,6 +190,9 @@ def _max_tokens(body: dict[str, Any]) -> int | None:
         if value < 1:
             raise _bad(f"Invalid '{param}': integer below minimum value. Expected a value >= 1, "
                        f"but got {value} instead.", param)
+        if value > MAX_TOKEN_COUNT:
+            raise _bad(f"Invalid '{param}': integer above maximum value. Expected a value <= "
+                       f"{MAX_TOKEN_COUNT}.", param)
         chosen = value
     return chosen
 
@@ -277,8 +285,8 @@ def _expected_osl(hints: dict[str, Any], max_tokens: int | None) -> int:
         return max_tokens if max_tokens is not None else DEFAULT_EXPECTED_OSL
     if not _is_int(osl):
         raise _wrong_type("nvext.agent_hints.osl", "an integer", osl)
-    if osl < 1:
-        raise _bad(f"Invalid 'nvext.agent_hints.osl': expected a value >= 1, but got {osl}.",
+    if not 1 <= osl <= MAX_TOKEN_COUNT:
+        raise _bad(f"Invalid 'nvext.agent_hints.osl': expected a value in [1, {MAX_TOKEN_COUNT}].",
                    "nvext.agent_hints.osl")
     return osl
 

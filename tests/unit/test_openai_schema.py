@@ -109,6 +109,11 @@ BAD: list[tuple[str, str, Any, str | None, int, str, str | None]] = [
      "max_tokens"),
     ("max-tokens-negative", "chat", chat(max_tokens=-5), None, 400, "invalid_request_error",
      "max_tokens"),
+    # Found by the HTTP fuzz test: a 400-digit max_tokens reached the routing decision (500).
+    ("max-tokens-huge", "chat", chat(max_tokens=10**400), None, 400, "invalid_request_error",
+     "max_tokens"),
+    ("max-completion-tokens-huge", "chat", chat(max_completion_tokens=2**31), None, 400,
+     "invalid_request_error", "max_completion_tokens"),
     ("max-tokens-float", "completions", comp(max_tokens=1.5), None, 400,
      "invalid_request_error", "max_tokens"),
     ("max-tokens-string", "completions", comp(max_tokens="10"), None, 400,
