@@ -26,9 +26,10 @@ from eventlog import events as ev
 from eventlog.appender import Appender, AppendFailed
 from eventlog.connect import NatsConnectFatal, NatsOptions, connect
 from eventlog.hashing import prompt_hashes
+from eventlog.jetstream_log import JetStreamLog
+from eventlog.log import EventLog, LogReader
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
-from eventlog.reader import StartPurged, StreamReader
-from eventlog.streams import ensure_streams, stream_bounds
+from eventlog.reader import StartPurged
 from replicas.core.index import WorkerKey
 from replicas.core.queue import RequestQueue, should_queue
 from replicas.core.selection import (
@@ -178,7 +179,14 @@ class _Pending:
 
 
 class Replica:
-    def __init__(self, config: ReplicaConfig) -> None:
+    """``log``: the event log to use instead of connecting to JetStream (the in-memory one, say);
+    durability (snapshots, the leader lease, liveness) needs JetStream, so it must be off."""
+
+    def __init__(self, config: ReplicaConfig, *, log: EventLog | None = None) -> None:
+        if log is not None and config.durable:
+            raise ValueError("durability (snapshots, leader lease, reset) needs JetStream: "
+                             "give an event log only with durable=False")
+        self.log: EventLog | None = log
         self.config = config
         self.replica_id = config.replica_id
         self.names = Names(config.namespace)
@@ -194,7 +202,7 @@ class Replica:
         self._boot = f"{time.time_ns():x}"
         self.stream_last: dict[str, int] = {k: 0 for k in STREAM_KINDS}
         self.malformed: dict[str, int] = {k: 0 for k in STREAM_KINDS}  # by finished followers
-        self._readers: dict[str, StreamReader] = {}
+        self._readers: dict[str, LogReader] = {}
         self._catch_up_targets: dict[str, int] = {}
         self._supervisor: asyncio.Task[None] | None = None
         self.durability: Durability | None = None
@@ -226,34 +234,22 @@ class Replica:
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        # Bad credentials or TLS are not retried: NatsConnectFatal names the cause at once.
-        async for attempt in AsyncRetrying(stop=stop_after_delay(30),
-                                           wait=wait_exponential(0.1, max=2.0),
-                                           retry=retry_if_not_exception_type(NatsConnectFatal),
-                                           reraise=True):
-            with attempt:
-                self.nc = await connect(self.config.nats_options, name=self.replica_id,
-                                        max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                        connect_timeout=2)
-        assert self.nc is not None
-        self.js = self.nc.jetstream()
-        await ensure_streams(self.js, self.names, max_bytes=self.config.stream_max_bytes)
-        # A stream leader election after a NATS node dies answers 'no responders' at once for
-        # 4-9 s (nats-server's fixed Raft election timeout), and a publish that reached the dead
-        # leader is never acked. Short ack waits and a 0.25 s backoff cap retry soon after the new
-        # leader is up; the 20 s window bounds the whole wait (same msg id: applied once).
-        self.appender = Appender(self.js, timeout=1.5, attempts=1000, backoff_max=0.25,
-                                 retry_window=20.0)
+        if self.log is None:
+            await self._connect()
+        else:
+            await self.log.ensure_streams(self.names, max_bytes=self.config.stream_max_bytes)
+        assert self.log is not None
         if self.config.durable:
             from replicas.runtime.durability import Durability
 
+            assert self.nc is not None and self.js is not None
             self.durability = Durability(self, self.nc, self.js, self.names,
                                          snapshot_threshold=self.config.snapshot_threshold,
                                          keep=self.config.snapshot_keep,
                                          lease_ttl=self.config.lease_ttl)
             await self._restore("start-up")
         for kind in STREAM_KINDS:
-            _, last = await stream_bounds(self.js, self.names.stream(kind))
+            _, last = await self.log.bounds(self.names.stream(kind))
             self._catch_up_targets[kind] = last
             self.stream_last[kind] = max(last, self.state.positions[kind])
         self._check_ready()
@@ -266,6 +262,29 @@ class Replica:
             await self._start_liveness()
             if self.config.canary_interval > 0:
                 await self._start_canary()
+
+    async def _connect(self) -> None:
+        """Connect to NATS and use its JetStream streams as the event log."""
+        # Bad credentials or TLS are not retried: NatsConnectFatal names the cause at once.
+        async for attempt in AsyncRetrying(stop=stop_after_delay(30),
+                                           wait=wait_exponential(0.1, max=2.0),
+                                           retry=retry_if_not_exception_type(NatsConnectFatal),
+                                           reraise=True):
+            with attempt:
+                self.nc = await connect(self.config.nats_options, name=self.replica_id,
+                                        max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                        connect_timeout=2)
+        assert self.nc is not None
+        self.js = self.nc.jetstream()
+        log_ = JetStreamLog(self.js)
+        await log_.ensure_streams(self.names, max_bytes=self.config.stream_max_bytes)
+        # A stream leader election after a NATS node dies answers 'no responders' at once for
+        # 4-9 s (nats-server's fixed Raft election timeout), and a publish that reached the dead
+        # leader is never acked. Short ack waits and a 0.25 s backoff cap retry soon after the new
+        # leader is up; the 20 s window bounds the whole wait (same msg id: applied once).
+        self.appender = log_.appender = Appender(self.js, timeout=1.5, attempts=1000,
+                                                 backoff_max=0.25, retry_window=20.0)
+        self.log = log_
 
     async def _start_projections(self, url: str) -> None:
         """Catalog + ledger: written by a child process (off this process's interpreter),
@@ -437,9 +456,9 @@ class Replica:
             backoff = min(backoff * 2, 5.0)
 
     async def _follow(self, kind: str) -> None:
-        assert self.js is not None
+        assert self.log is not None
         stream = self.names.stream(kind)
-        reader = StreamReader(self.js, stream, start_seq=self.state.positions[kind] + 1)
+        reader = self.log.reader(stream, start_seq=self.state.positions[kind] + 1)
         self._readers[kind] = reader
         try:
             async for seq, batch in reader:
@@ -450,7 +469,7 @@ class Replica:
             with contextlib.suppress(Exception):
                 await reader.close()
 
-    def _apply(self, kind: str, seq: int, batch: Sequence[ev.Event], reader: StreamReader) -> None:
+    def _apply(self, kind: str, seq: int, batch: Sequence[ev.Event], reader: LogReader) -> None:
         before = (self.state.epoch, self.state.positions[KV], self.state.positions[ROUTER])
         self.state.apply(kind, seq, batch)
         self.stream_last[kind] = max(self.stream_last[kind], seq + reader.pending)
@@ -527,7 +546,8 @@ class Replica:
         return {k: max(self.stream_last[k] - self.state.positions[k], 0) for k in STREAM_KINDS}
 
     def _ask_reannounce(self) -> None:
-        assert self.nc is not None
+        if self.nc is None:  # an event log without NATS: no engine to ask
+            return
         for worker_id in self.state.out_of_sync - self._reannounce_asked:
             self._reannounce_asked.add(worker_id)
             self._spawn(self.nc.publish(self.names.reannounce_subject(worker_id), b""))
@@ -753,7 +773,7 @@ class Replica:
 
     async def _append(self, kind: str, event: ev.Event, msg_id: str | None, *,
                       control_kind: str = "config") -> int:
-        assert self.appender is not None
+        assert self.log is not None
         if kind == ROUTER:
             subject = self.names.router_subject(self.replica_id)
         elif kind == CONTROL:
@@ -761,7 +781,7 @@ class Replica:
         else:
             raise ValueError("replicas append only to the router and control streams")
         mid = msg_id or f"{self.replica_id}.{time.time_ns()}.{self.rng.getrandbits(32)}"
-        return await self.appender.append(subject, [event], mid)
+        return await self.log.append(subject, [event], mid)
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
