@@ -102,6 +102,19 @@ class EventLogContract:
         assert [seq for seq, _ in live] == list(range(11, 16))
         assert event_ids(live) == list(range(11, 16))
 
+    async def test_a_reader_from_past_the_end_waits_for_the_next_message(
+            self, log: EventLog) -> None:
+        await append_ids(log, range(1, 4))
+        reader = log.reader(KV_STREAM, start_seq=4)
+        try:
+            await reader.start()
+            assert (reader.last_seq, reader.pending) == (3, 0)
+            follower = asyncio.create_task(take(reader, 1))
+            await append_ids(log, range(4, 5))
+            assert event_ids(await follower) == [4]
+        finally:
+            await reader.close()
+
     async def test_close_ends_a_reader_waiting_for_more(self, log: EventLog) -> None:
         reader = log.reader(KV_STREAM)
         waiting = asyncio.create_task(take(reader, 1))
