@@ -275,7 +275,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         for stream, lag in replica.lag().items():
             metrics.stream_lag.labels(stream=stream).set(lag)
         metrics.queue_depth.set(replica.queue_depth())
-        durability = replica.durability
+        durability = replica.leader
         metrics.is_leader.set(1 if durability is not None and durability.is_leader else 0)
         taken = durability.snapshots_taken if durability is not None else 0
         if taken > snapshots_seen[0]:
@@ -308,8 +308,8 @@ async def _reset_when_ready(replica: Replica) -> None:
     await replica.wait_ready()
     for attempt in range(30):
         try:
-            assert replica.durability is not None
-            answer = await replica.durability.request("reset", {"reason": "--router-reset-states"})
+            assert replica.leader is not None
+            answer = await replica.leader.request("reset", {"reason": "--router-reset-states"})
             log.warning("state reset on start: new epoch %s", answer.get("epoch"))
             return
         except Exception as exc:  # no leader yet: the lease is taken within a few seconds

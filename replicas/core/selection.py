@@ -262,7 +262,8 @@ def _softmax_pick(costs: list[float], temperature: float, rng: random.Random) ->
 
 
 class Selector:
-    """Picks a worker for one request. Holds the round-robin cursor; ``config`` is replaceable."""
+    """Picks a worker for one request. Holds the round-robin cursor; per-request options (the
+    overlap weight, the model's busy thresholds) are passed to `select`, never set on ``config``."""
 
     def __init__(self, config: RoutingConfig) -> None:
         self.config = config
@@ -275,7 +276,9 @@ class Selector:
         rng: random.Random,
         *,
         overlap_weight: float | None = None,
+        thresholds: BusyThresholds | None = None,
     ) -> Decision | Overloaded:
+        """``thresholds``: the busy thresholds of the request's model (None: ``config``'s)."""
         if not candidates:
             return Overloaded("no workers", _EMPTY_COSTS)
         cands = tuple(candidates)  # the lazy CostTable must not see later caller mutations
@@ -287,7 +290,7 @@ class Selector:
         # kv mode at temperature 0 only needs the running minimum; the others need every eligible
         # candidate with its cost.
         collect = mode != "kv" or cfg.temperature > 0.0
-        th = cfg.thresholds
+        th = cfg.thresholds if thresholds is None else thresholds
         check = th.enabled
         tb = th.active_decode_blocks_threshold
         tt = th.active_prefill_tokens_threshold
