@@ -14,7 +14,8 @@ import httpx
 import pytest
 from nats.aio.client import Client as NATS
 
-from eventlog.names import Names
+from eventlog import events as ev
+from eventlog.names import KV, Names
 from eventlog.server import NatsServer
 from replicas.core.health import (
     CLOSED,
@@ -23,8 +24,8 @@ from replicas.core.health import (
     UNHEALTHY,
     HealthBoard,
     HealthConfig,
-    StatusChange,
 )
+from replicas.core.state import RouterState
 from replicas.runtime.canary import CanaryChecker, health_report_subject, report_passive
 from workers.procs import WorkerProcess
 
@@ -57,36 +58,81 @@ async def urls(workers: dict[str, WorkerProcess]) -> AsyncIterator[dict[str, str
             await h.post(f"{url}/fault", json={"action": "clear"})
 
 
+class Port:
+    """The replica port the checker sees: a RouterState with the simulated workers registered,
+    leadership from the test, and the control-stream appends recorded (the checker's output)."""
+
+    def __init__(self, urls: Mapping[str, str], leader: Callable[[], bool],
+                 statuses: Mapping[str, str], names: Names) -> None:
+        self._names = names
+        self.state = RouterState()
+        self.state.apply(KV, 1, [ev.WorkerRegistered(w, url, MODEL, self.state.config.block_size,
+                                                     1000, 8192, 1.0)
+                                 for w, url in urls.items()])
+        self.state.health.update(statuses)  # what the control stream says before we lead
+        self.leader = leader
+        self.appended: list[tuple[str, ev.Event, str | None]] = []
+        self.on_append: Callable[[ev.Event], None] = lambda _: None
+
+    @property
+    def replica_id(self) -> str:
+        return "r1"
+
+    @property
+    def names(self) -> Names:
+        return self._names
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leader()
+
+    async def append(self, subject: str, event: ev.Event, msg_id: str | None) -> int:
+        self.appended.append((subject, event, msg_id))
+        self.on_append(event)
+        return len(self.appended)
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        return None
+
+    async def wait_applied(self, kind: str, seq: int, timeout: float = 10.0) -> None:
+        return None
+
+
 @dataclass
 class Harness:
     checker: CanaryChecker
-    changes: list[tuple[int, StatusChange]] = field(default_factory=list)  # (round, change)
+    # (round, change) for every WorkerHealthChanged the checker appended
+    changes: list[tuple[int, ev.WorkerHealthChanged]] = field(default_factory=list)
 
-    def of(self, worker_id: str) -> list[StatusChange]:
+    def of(self, worker_id: str) -> list[ev.WorkerHealthChanged]:
         return [c for _, c in self.changes if c.worker_id == worker_id]
 
-    def reached(self, worker_id: str, status: str) -> tuple[int, StatusChange] | None:
+    def reached(self, worker_id: str, status: str) -> tuple[int, ev.WorkerHealthChanged] | None:
         return next(((r, c) for r, c in self.changes
-                     if c.worker_id == worker_id and c.new == status), None)
+                     if c.worker_id == worker_id and c.status == status), None)
 
 
 @contextlib.asynccontextmanager
 async def running(urls: Mapping[str, str], *, timeout: float = 2.0,
                   leader: Callable[[], bool] = lambda: True,
-                  statuses: Callable[[], Mapping[str, str]] | None = None,
+                  statuses: Mapping[str, str] | None = None,
                   nc: NATS | None = None, names: Names | None = None,
                   ) -> AsyncIterator[Harness]:
     board = HealthBoard(HealthConfig(recovery_timeout=RECOVERY))
+    port = Port(urls, leader, statuses or {}, names or Names())
     async with httpx.AsyncClient() as client:
-        harness: Harness
-
-        async def emit(change: StatusChange) -> None:
-            harness.changes.append((harness.checker.rounds, change))
-
-        checker = CanaryChecker(client, board, interval=INTERVAL, timeout=timeout,
-                                model_of=lambda _: MODEL, workers=lambda: urls, emit=emit,
-                                is_leader=leader, statuses=statuses, nc=nc, names=names)
+        checker = CanaryChecker(client, board, port, interval=INTERVAL, timeout=timeout, nc=nc)
         harness = Harness(checker)
+
+        def record(event: ev.Event) -> None:
+            assert isinstance(event, ev.WorkerHealthChanged)
+            harness.changes.append((checker.rounds, event))
+
+        port.on_append = record
         await checker.start()
         try:
             yield harness
@@ -128,9 +174,9 @@ async def test_wrong_output_is_unhealthy_within_two_rounds_and_recovers_half_ope
         round_, change = await until(lambda: h.reached("w1", UNHEALTHY))  # type: ignore[misc]
         # Round r0 may have been in flight when the fault landed; round r0 + 1 must see it.
         assert round_ <= r0 + 1, (round_, r0)
-        assert [c.new for c in h.of("w1")] == [SUSPICIOUS, UNHEALTHY]
+        assert [c.status for c in h.of("w1")] == [SUSPICIOUS, UNHEALTHY]
         assert "mismatch" in change.reason
-        assert all(c.new != UNHEALTHY for _, c in h.changes if c.worker_id != "w1")
+        assert all(c.status != UNHEALTHY for _, c in h.changes if c.worker_id != "w1")
 
         await fault(urls["w1"], action="clear")
         _, healed = await until(lambda: h.reached("w1", HEALTHY))  # type: ignore[misc]
@@ -171,7 +217,7 @@ async def test_passive_reports_count_only_on_the_leader_and_new_leader_adopts_th
     nc = await nats_connect(nats_server.url)
     leading = False
     replicated = {"w2": UNHEALTHY}  # what the control stream says before this replica leads
-    async with running(urls, leader=lambda: leading, statuses=lambda: replicated,
+    async with running(urls, leader=lambda: leading, statuses=replicated,
                        nc=nc, names=names) as h:
         for _ in range(3):
             await report_passive(nc, names, "w1", "connection reset")

@@ -98,6 +98,7 @@ class Bridge:
         self.retired = False
         self.block_size: int | None = settings.block_size
         self.engine_start: float | None = None
+        self.kv_total_blocks: int | None = None  # from the settings or the engine, on register
         self.translator: Translator | None = None
         self.next_event_id = 1
         self.appended_event_id = 0  # the last event id on the stream (position headers)
