@@ -18,11 +18,13 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import httpx
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
@@ -61,9 +63,9 @@ class Leader:
         self.snapshots_taken = 0
         self.last_snapshot_at: float | None = None
         self._lock = asyncio.Lock()  # one snapshot/reset at a time on this replica
-        self._tasks: list[asyncio.Task[Any]] = []
-        self._subs: list[Any] = []
-        self._inflight: set[asyncio.Task[Any]] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subs: list[Subscription] = []
+        self._inflight: set[asyncio.Task[None]] = set()
         self.on_leader_change: Callable[[bool], Awaitable[None] | None] | None = None
         self.canary: CanaryChecker | None = None
         self._canary_client: httpx.AsyncClient | None = None
@@ -247,7 +249,7 @@ class Leader:
             return await self.reset(payload.get("reason", "admin"))
         raise ValueError(verb)
 
-    async def _answer(self, msg: Any, verb: str) -> None:
+    async def _answer(self, msg: Msg, verb: str) -> None:
         if not self.is_leader or not msg.reply:
             return  # only the leader answers; others stay silent so the request reaches it
         try:
@@ -257,13 +259,13 @@ class Leader:
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         await msg.respond(json.dumps(answer).encode())
 
-    async def _on_snapshot_request(self, msg: Any) -> None:
+    async def _on_snapshot_request(self, msg: Msg) -> None:
         self._spawn(self._answer(msg, "snapshot"))
 
-    async def _on_reset_request(self, msg: Any) -> None:
+    async def _on_reset_request(self, msg: Msg) -> None:
         self._spawn(self._answer(msg, "reset"))
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         # Answer off the subscription callback (a snapshot takes a while); keep a reference.
         task = asyncio.create_task(coro)
         self._inflight.add(task)

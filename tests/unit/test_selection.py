@@ -255,6 +255,15 @@ def test_thresholds_can_change_at_runtime() -> None:
     assert isinstance(sel.select(cands, ISL, random.Random(0)), Overloaded)
 
 
+def test_per_request_thresholds_apply_to_that_request_only() -> None:
+    sel = Selector(RoutingConfig())
+    cands = [cand("w1", prefill=500), cand("w2", prefill=600)]
+    tight = BusyThresholds(active_prefill_tokens_threshold=100)
+    assert isinstance(sel.select(cands, ISL, random.Random(0), thresholds=tight), Overloaded)
+    assert sel.config == RoutingConfig()  # nothing of the request stays on the selector
+    assert isinstance(sel.select(cands, ISL, random.Random(0)), Decision)
+
+
 def test_round_robin_cycles_in_worker_order_and_skips_busy() -> None:
     sel = Selector(RoutingConfig(mode="round-robin"))
     rng = random.Random(0)
