@@ -46,6 +46,9 @@ class NoLeader(Exception):
 
 
 class Leader:
+    """Every durable replica has one: it runs for the lease, and does the work below only while
+    it holds it (other replicas' admin requests reach the holder over core NATS)."""
+
     def __init__(self, replica: ReplicaPort, nc: NatsClient, js: JetStreamContext,
                  store: SnapshotStore, *, snapshot_threshold: int, lease_ttl: float = 5.0,
                  check_interval: float = 1.0) -> None:
