@@ -13,6 +13,7 @@ import logging
 import math
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -67,7 +68,7 @@ class ApiError(Exception):
     """
 
     def __init__(self, status: int, message: str, *, type: str | None = None,
-                 param: str | None = None, code: str | None = None,
+                 param: str | None = None, code: str | int | None = None,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
@@ -92,11 +93,24 @@ class ApiError(Exception):
 
 
 def error_response(status: int, message: str, *, type: str | None = None,
-                   param: str | None = None, code: str | None = None,
+                   param: str | None = None, code: str | int | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     """An OpenAI-shaped error response without raising."""
     return ApiError(status, message, type=type, param=param, code=code,
                     headers=headers).response()
+
+
+def upstream_error_body(message: str, status: int = 502) -> bytes:
+    """The encoded body for an engine's failure that the router passes on: type
+    ``upstream_error`` and the HTTP status repeated as ``code``."""
+    return msgspec.json.encode(ApiError(status, message, type="upstream_error",
+                                        code=status).body())
+
+
+def sse_error(message: str, status: int = 502) -> bytes:
+    """The same error as one SSE event: how a stream already under way (status 200 sent) tells
+    the client it failed."""
+    return b"data: " + upstream_error_body(message, status) + b"\n\n"
 
 
 def retry_after_header(retry_after: float) -> str:

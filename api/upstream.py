@@ -6,11 +6,11 @@ proxies, TLS or HTTP/2. What it buys over httpx is per-request cost: a pool that
 (host, port) instead of a scan over every pooled connection, one buffer per connection, and an idle
 timeout that costs one clock read per wait instead of a timer (or a task) per read.
 
-Failure is reported as one of three exceptions, which :func:`api.proxy.classify` maps to the
-migration reasons: :class:`ConnectFailed` (connect_error), :class:`StreamBroken` (stream_error) and
-:class:`IdleTimeout` (idle_timeout). A pooled connection that the engine closed while it sat idle
-is only found out when it is used; if it fails before the first response byte, the request was
-never processed, so it is sent once more on a fresh connection.
+Failure is reported as one of three exceptions, which :func:`api.forward.engine.classify` maps
+to the migration reasons: :class:`ConnectFailed` (connect_error), :class:`StreamBroken`
+(stream_error) and :class:`IdleTimeout` (idle_timeout). A pooled connection that the engine
+closed while it sat idle is only found out when it is used; if it fails before the first response
+byte, the request was never processed, so it is sent once more on a fresh connection.
 """
 
 from __future__ import annotations

@@ -12,6 +12,23 @@ STREAM_KINDS: tuple[str, ...] = (KV, ROUTER, CONTROL)
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 
+# A migrated request's later hops are routed under ``<request_id>~<n>`` (design-notes 8); the
+# decision ledger groups them back by the base id.
+HOP_SEPARATOR = "~"
+
+
+def hop_request_id(base_id: str, hop: int) -> str:
+    """The request id of hop ``hop`` (1, 2, ...) of request ``base_id``."""
+    return f"{base_id}{HOP_SEPARATOR}{hop}"
+
+
+def split_hop(request_id: str) -> tuple[str, int]:
+    """``"abc~2"`` -> ``("abc", 2)``; an id without a numeric ``~hop`` suffix is hop 0."""
+    base, sep, suffix = request_id.rpartition(HOP_SEPARATOR)
+    if sep and base and suffix.isdigit():
+        return base, int(suffix)
+    return request_id, 0
+
 
 def check_token(value: str, what: str) -> str:
     """Reject ids that would break a NATS subject (dots, wildcards, spaces)."""

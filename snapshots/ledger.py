@@ -32,25 +32,16 @@ from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from eventlog import events as ev
-from eventlog.names import ROUTER
+from eventlog.names import ROUTER, split_hop
 from snapshots.db import Tracking, decision_ledger, from_json, to_json
 
 Message = tuple[int, Sequence[ev.Event]]
 
-HOP_SEPARATOR = "~"
 _RETENTION_STEPS = 1000
 _LOOKUP_CHUNK = 500  # ids per IN (...) list: well under every backend's bound-parameter limit
 CANDIDATE_FIELDS = (
     "worker", "dp_rank", "overlap_blocks", "prefill_blocks", "decode_blocks", "cost", "busy",
 )
-
-
-def split_hop(request_id: str) -> tuple[str, int]:
-    """``"abc~2"`` -> ``("abc", 2)``; an id without a numeric ``~hop`` suffix is hop 0."""
-    base, sep, suffix = request_id.rpartition(HOP_SEPARATOR)
-    if sep and base and suffix.isdigit():
-        return base, int(suffix)
-    return request_id, 0
 
 
 class LedgerView:

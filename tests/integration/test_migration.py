@@ -23,10 +23,10 @@ import pytest
 import pytest_asyncio
 
 from api.forward import Forwarder
+from api.forward.continuation import Continuation, Hop
+from api.forward.engine import HopFailed, SseSplitter
 from api.metrics import RouterMetrics
-from api.migration import Continuation, Hop
 from api.openai_schema import parse_request
-from api.proxy import HopFailed, SseSplitter
 from api.tokenizer import ByteTokenizer
 from cluster.up import LocalCluster
 from eventlog import tokens
