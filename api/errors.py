@@ -19,6 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from eventlog.errors import JetrouterError
+
 log = logging.getLogger(__name__)
 
 # The error "type" each status gets when the caller does not name one.
@@ -59,7 +61,7 @@ def default_type(status: int) -> str:
     return "internal_error" if status >= 500 else "invalid_request_error"
 
 
-class ApiError(Exception):
+class ApiError(JetrouterError):
     """A failure to report to the HTTP client; raise it anywhere under a request handler.
 
     ``type`` defaults to the conventional type for ``status`` (400 invalid_request_error, 401

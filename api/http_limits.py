@@ -27,6 +27,8 @@ import msgspec
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from eventlog.errors import JetrouterError
+
 log = logging.getLogger("jetrouter.http")
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -34,7 +36,7 @@ DEFAULT_REQUEST_READ_TIMEOUT = 30.0
 DEFAULT_KEEP_ALIVE_TIMEOUT = 15.0
 
 
-class _BodyTooLarge(Exception):
+class _BodyTooLarge(JetrouterError):
     pass
 
 

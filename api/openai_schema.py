@@ -20,7 +20,7 @@ import msgspec
 
 from api.errors import ApiError
 from api.tokenizer import Tokenizer, encode_chat, encode_prompt
-from eventlog.model_tokenizer import ChatTemplateError
+from eventlog.model_tokenizer import ChatTemplateFailed
 from eventlog.tokens import role_error
 
 ENDPOINTS = ("completions", "chat")
@@ -326,7 +326,7 @@ def parse_request(endpoint: str, raw: bytes, tokenizer: Tokenizer, *, max_prompt
         prompt_param = "messages"
         try:
             prompt_ids = encode_chat(tokenizer, _check_messages(body), body)
-        except ChatTemplateError as exc:  # the model's template refused the conversation
+        except ChatTemplateFailed as exc:  # the model's template refused the conversation
             raise _bad(f"Invalid 'messages': {exc}", "messages") from None
     else:
         prompt_param = "prompt"

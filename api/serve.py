@@ -20,7 +20,7 @@ from api.http_limits import (
 )
 from eventlog.connect import (
     NatsConnectFatal,
-    NatsOptionsError,
+    NatsOptionsInvalid,
     add_nats_arguments,
     check_connect_sync,
     check_files,
@@ -228,14 +228,14 @@ def run(args: argparse.Namespace) -> int:
         # One connection before anything starts: a wrong password or an untrusted certificate
         # is one line and exit 2 here, not a replica that retries forever.
         check_connect_sync(config.nats_options, name=config.replica_id)
-    except (NatsOptionsError, NatsConnectFatal) as exc:
+    except (NatsOptionsInvalid, NatsConnectFatal) as exc:
         raise CliError(str(exc)) from None
     if args.model_path:
-        from eventlog.model_tokenizer import ModelFolderError, load_codec
+        from eventlog.model_tokenizer import ModelFolderUnusable, load_codec
 
         try:
             load_codec(args.model_path)  # a bad folder is one clear line, not a traceback
-        except ModelFolderError as exc:
+        except ModelFolderUnusable as exc:
             raise CliError(str(exc)) from None
     Path(args.data_dir).mkdir(parents=True, exist_ok=True)
     replica = Replica(config)

@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import cast
 
+from eventlog.errors import JetrouterError
+
 MAX_HEAD_BYTES = 64 * 1024          # a response head bigger than this is not an engine talking
 READ_HIGH_WATER = 1024 * 1024       # stop reading the socket while this much is unconsumed
 DEFAULT_MAX_IDLE_PER_HOST = 256
@@ -31,7 +33,7 @@ _SMALL_BODY = 64 * 1024             # bodies up to this go out in the same write
 _LENGTH, _CHUNKED, _UNTIL_CLOSE = 0, 1, 2
 
 
-class UpstreamError(Exception):
+class UpstreamError(JetrouterError):
     """Any failure talking to an engine; ``reason`` is the migration reason it stands for."""
 
     reason = "stream_error"
@@ -55,7 +57,7 @@ class IdleTimeout(UpstreamError):
     reason = "idle_timeout"
 
 
-class _Stale(Exception):
+class _Stale(JetrouterError):
     """Internal: the connection ended before the first response byte (see module docstring)."""
 
 

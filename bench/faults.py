@@ -49,6 +49,7 @@ import httpx
 
 from bench.report import percentile
 from eventlog import tokens
+from eventlog.errors import JetrouterError
 from workers.generation import expected_tokens
 
 MODEL = "jetrouter-sim"
@@ -100,7 +101,7 @@ class Sample:
     worker: str | None = None
 
 
-class _Retry(Exception):
+class _Retry(JetrouterError):
     """The replica took no part in the request: send it to the next one."""
 
 

@@ -35,8 +35,9 @@ import httpx
 
 from eventlog import server as nats_server
 from eventlog.connect import NatsOptions, add_nats_arguments, options_from_args
+from eventlog.errors import JetrouterError
 from eventlog.names import Names
-from eventlog.pki import PkiError
+from eventlog.pki import CertificateNotMade
 
 log = logging.getLogger("jetrouter.up")
 
@@ -49,7 +50,7 @@ WORKER_PORT_OFFSET = 100
 DEFAULT_MODEL = "jetrouter-sim"
 
 
-class ClusterStartError(Exception):
+class ClusterStartError(JetrouterError):
     """The cluster did not become ready; the message names the children and their log tails."""
 
 
@@ -555,11 +556,11 @@ def check_model_path(path: str | None) -> None:
     if not path:
         return
     from api.cli import CliError
-    from eventlog.model_tokenizer import ModelFolderError, load_codec
+    from eventlog.model_tokenizer import ModelFolderUnusable, load_codec
 
     try:
         load_codec(path)
-    except ModelFolderError as exc:
+    except ModelFolderUnusable as exc:
         raise CliError(str(exc)) from None
 
 
@@ -656,7 +657,7 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(_serve_until_signalled(cluster))
     except nats_server.NatsServerNotFound as exc:
         raise CliError(str(exc)) from None
-    except PkiError as exc:
+    except CertificateNotMade as exc:
         raise CliError(f"--secure: {exc}") from None
     except ClusterStartError as exc:
         print(f"jetrouter up: error: {exc}", file=sys.stderr)

@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from eventlog.errors import JetrouterError
+
 # Bounds every decoded event must respect. Anything else on a stream is malformed: counted and
 # skipped by every replica alike, never applied (design-notes: "absurd events"). They keep each
 # value inside what the state can hold — sizes below 2**53 so that sums of them stay exact and
@@ -197,7 +199,7 @@ Event = KvEvent | RouterEvent | ControlEvent
 Batch = list[Event]
 
 
-class MalformedMessage(ValueError):
+class MalformedMessage(JetrouterError, ValueError):
     """A stream message that is not a valid batch of events (garbage bytes or wrong schema)."""
 
 

@@ -21,6 +21,7 @@ from api.upstream import (
     UpstreamPool,
     UpstreamResponse,
 )
+from eventlog.errors import JetrouterError
 
 
 class HopFailure(StrEnum):
@@ -36,7 +37,7 @@ class HopFailure(StrEnum):
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
-class HopFailed(Exception):
+class HopFailed(JetrouterError):
     """One engine failed this hop, for ``reason``."""
 
     def __init__(self, reason: HopFailure, detail: str) -> None:

@@ -26,6 +26,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 
 from eventlog import events as ev
+from eventlog.errors import JetrouterError
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
 from eventlog.streams import stream_bounds
 from snapshots.lease import LeaderLease
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("jetrouter.durability")
 
 
-class NoLeader(Exception):
+class NoLeader(JetrouterError):
     """No replica holds the lease (or it did not answer) — try again shortly."""
 
 

@@ -25,6 +25,7 @@ from tenacity import AsyncRetrying, retry_if_not_exception_type, stop_after_dela
 from eventlog import events as ev
 from eventlog.appender import Appender, AppendFailed
 from eventlog.connect import NatsConnectFatal, NatsOptions, connect
+from eventlog.errors import JetrouterError
 from eventlog.hashing import prompt_hashes
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
 from eventlog.reader import StartPurged, StreamReader
@@ -49,11 +50,11 @@ log = logging.getLogger("jetrouter.replica")
 HEALTH_WEIGHT = {"healthy": 1.0, "suspicious": 0.5}
 
 
-class _Rewind(Exception):
+class _Rewind(JetrouterError):
     """Raised inside a follower when a StateReset moved positions: restart the followers."""
 
 
-class RoutingError(Exception):
+class RoutingError(JetrouterError):
     """Base of the request-level failures the HTTP layer maps to statuses."""
 
 
