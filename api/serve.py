@@ -26,11 +26,9 @@ from eventlog.connect import (
     check_files,
     options_from_args,
 )
-from replicas.core.selection import BusyThresholds, RoutingConfig
+from replicas.core.selection import MODES, BusyThresholds, RoutingConfig
 from replicas.core.state import StateConfig
 from replicas.runtime.replica import Replica, ReplicaConfig
-
-MODES = ("kv", "round-robin", "random", "least-loaded")
 
 
 def _number(kind: type, *, above: float | None = None, at_least: float | None = None,

@@ -33,11 +33,22 @@ import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import overload
 
 from replicas.core.load import WorkerKey
 
-MODES = ("kv", "round-robin", "random", "least-loaded")
+
+class RoutingMode(StrEnum):
+    """How a replica picks among eligible workers (``--router-mode``)."""
+
+    KV = "kv"                       # the cost model: KV overlap against load
+    ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
+    LEAST_LOADED = "least-loaded"   # ignores overlap entirely
+
+
+MODES: tuple[str, ...] = tuple(RoutingMode)
 
 # Health weights at or below zero would divide by zero; such a worker just looks very expensive.
 _MIN_WEIGHT = 1e-6
@@ -60,7 +71,7 @@ class BusyThresholds:
 
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
-    mode: str = "kv"  # "kv" | "round-robin" | "random" | "least-loaded"
+    mode: str = RoutingMode.KV  # a RoutingMode
     kv_overlap_score_weight: float = 1.0
     temperature: float = 0.0
     block_size: int = 16
@@ -351,7 +362,7 @@ class Selector:
         if not best:
             return Overloaded("all workers busy", costs)
 
-        if mode == "kv":
+        if mode == RoutingMode.KV:
             if collect and len(eligible) > 1:
                 # Sample in worker order so the draw does not depend on candidate order.
                 eligible.sort(key=lambda e: cands[e[0]].worker)
@@ -359,9 +370,9 @@ class Selector:
                 pick = eligible[k][0]
             else:
                 pick = best[0] if len(best) == 1 else _random_of(best, cands, rng)
-        elif mode == "round-robin":
+        elif mode == RoutingMode.ROUND_ROBIN:
             pick = self._round_robin([i for i, _ in eligible], cands)
-        elif mode == "random":
+        elif mode == RoutingMode.RANDOM:
             pick = _random_of([i for i, _ in eligible], cands, rng)
         else:  # least-loaded: ignores overlap entirely
             pick = self._least_loaded([i for i, _ in eligible], cands, rng)

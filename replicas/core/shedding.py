@@ -28,7 +28,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from replicas.core.health import HEALTHY, ROUTING_WEIGHT, UNHEALTHY
+from replicas.core.health import ROUTING_WEIGHT, HealthStatus
 from replicas.core.state import RouterState
 
 TIERS = ("premium", "standard", "best_effort")  # highest priority first
@@ -84,7 +84,7 @@ def model_units(state: RouterState, model: str) -> list[UnitLoad]:
     for w in state.workers.values():
         if w.model != model and model not in w.loras:  # a LoRA adapter runs on its base's engine
             continue
-        status = state.health.get(w.worker_id, HEALTHY)
+        status = state.health.get(w.worker_id, HealthStatus.HEALTHY)
         for rank in range(w.dp_size):
             key = (w.worker_id, rank)
             out.append(UnitLoad(status, w.kv_total_blocks, state.load.active_decode_blocks(key),
@@ -93,7 +93,8 @@ def model_units(state: RouterState, model: str) -> list[UnitLoad]:
     # they register again: without them a dead engine would stop counting once retired.
     for w in state.lost_workers.values():
         if (w.model == model or model in w.loras) and w.worker_id not in state.workers:
-            out.extend(UnitLoad(UNHEALTHY, w.kv_total_blocks, 0, 0) for _ in range(w.dp_size))
+            out.extend(UnitLoad(HealthStatus.UNHEALTHY, w.kv_total_blocks, 0, 0)
+                       for _ in range(w.dp_size))
     return out
 
 

@@ -31,7 +31,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from eventlog.names import Names
-from replicas.core.health import HEALTHY, HealthBoard, ReferenceAnswers, StatusChange
+from replicas.core.health import HealthBoard, HealthStatus, ReferenceAnswers, StatusChange
 
 log = logging.getLogger("jetrouter.canary")
 
@@ -47,15 +47,11 @@ Emit = Callable[[StatusChange], Awaitable[None]]
 OnCheck = Callable[[str, float, str], None]
 
 
-def health_report_subject(names: Names) -> str:
-    return f"{names.namespace}.health.report"
-
-
 async def report_passive(nc: NatsClient, names: Names, worker_id: str, reason: str) -> None:
     """Tell the leader a real request to ``worker_id`` failed (fire and forget; best effort)."""
     body = json.dumps({"worker_id": worker_id, "reason": reason}).encode()
     try:
-        await nc.publish(health_report_subject(names), body)
+        await nc.publish(names.health_report_subject, body)
     except Exception:  # a health hint must never fail the request path
         log.debug("could not publish a passive health report for %s", worker_id, exc_info=True)
 
@@ -125,7 +121,7 @@ class CanaryChecker:
 
     async def start(self) -> None:
         if self.nc is not None:
-            self._sub = await self.nc.subscribe(health_report_subject(self.names),
+            self._sub = await self.nc.subscribe(self.names.health_report_subject,
                                                 cb=self._on_report)
         self._task = asyncio.create_task(self._loop(), name="canary-checker")
 
@@ -158,7 +154,7 @@ class CanaryChecker:
             current = self.statuses() if self.statuses is not None else {}
             ids = set(self.workers())
             self.board.adopt(current, ids, self.clock())
-            self._published = {w: current.get(w, HEALTHY) for w in ids}
+            self._published = {w: current.get(w, HealthStatus.HEALTHY) for w in ids}
         self._leading = leading
         return leading
 
@@ -192,7 +188,7 @@ class CanaryChecker:
         out: list[StatusChange] = []
         for worker_id in self.board.workers():
             now_status = self.board.status(worker_id)
-            was = self._published.get(worker_id, HEALTHY)
+            was = self._published.get(worker_id, HealthStatus.HEALTHY)
             if now_status != was:
                 reason = self.board.worker(worker_id).last_reason
                 await self._publish(StatusChange(worker_id, was, now_status, reason,
@@ -203,7 +199,8 @@ class CanaryChecker:
         by_model: dict[str, dict[str, str]] = {}
         for worker_id, a in attempts.items():
             w = self.board.worker(worker_id)
-            if a.ok and w.status == HEALTHY and self.references.pinned(worker_id) is None:
+            if (a.ok and w.status == HealthStatus.HEALTHY
+                    and self.references.pinned(worker_id) is None):
                 by_model.setdefault(self.model_of(worker_id), {})[worker_id] = a.text
         for model, answers in by_model.items():
             self.references.settle(model, answers)

@@ -103,7 +103,7 @@ class Durability:
         await self.lease.run(self._leader_changed)
 
     def _subject(self, verb: str) -> str:
-        return f"{self.names.namespace}.admin.{verb}"
+        return self.names.admin_subject(verb)
 
     async def _leader_changed(self, leader: bool) -> None:
         log.warning("replica %s %s the leader lease", self.replica.replica_id,
