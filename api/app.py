@@ -8,12 +8,12 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from api.admin import admin_router, require_admin
@@ -65,8 +65,15 @@ def _json_response(obj: object, status: int = 200, headers: dict[str, str] | Non
                     headers=headers)
 
 
+# Builds more routes for the app from the replica and its config (see create_app).
+RouterFactory = Callable[[Replica, AppConfig], APIRouter]
+
+
 def create_app(replica: Replica, config: AppConfig | None = None,
-               metrics: RouterMetrics | None = None) -> FastAPI:
+               metrics: RouterMetrics | None = None,
+               extra_routers: Sequence[RouterFactory] = ()) -> FastAPI:
+    """The router replica's HTTP app. ``extra_routers`` are included after the admin API: the
+    way a test adds a debug route without the product shipping it."""
     cfg = config or AppConfig()
     metrics = metrics or RouterMetrics()
     tokenizer: Tokenizer = load_model_tokenizer(cfg.model_path, cfg.tokenizer)
@@ -293,6 +300,8 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         metrics.decision_log_ok.set(0 if replica.decision_log.failing(time.monotonic()) else 1)
 
     app.include_router(admin_router(replica, cfg))
+    for make_router in extra_routers:
+        app.include_router(make_router(replica, cfg))
 
     return app
 

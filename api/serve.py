@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -29,6 +29,9 @@ from eventlog.connect import (
 from replicas.core.selection import MODES, BusyThresholds, RoutingConfig
 from replicas.core.state import StateConfig
 from replicas.runtime.replica import Replica, ReplicaConfig
+
+if TYPE_CHECKING:  # api.app is imported when serving starts, not at CLI start-up
+    from api.app import RouterFactory
 
 
 def _number(kind: type, *, above: float | None = None, at_least: float | None = None,
@@ -213,7 +216,8 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, *, extra_routers: Sequence[RouterFactory] = ()) -> int:
+    """Serve until SIGTERM. ``extra_routers`` add routes to the app (tests add debug ones)."""
     from api.app import AppConfig, create_app
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -246,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
                                         max_body_bytes=args.max_body_bytes,
                                         busy_threshold_requires_admin=(
                                             args.busy_threshold_requires_admin),
-                                        ready_wait=args.ready_wait))
+                                        ready_wait=args.ready_wait),
+                     extra_routers=extra_routers)
     config_ = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                              access_log=False,
                              http=guarded_http_protocol(args.request_read_timeout),  # type: ignore[arg-type]

@@ -34,27 +34,20 @@ _LENGTH, _CHUNKED, _UNTIL_CLOSE = 0, 1, 2
 
 
 class UpstreamError(JetrouterError):
-    """Any failure talking to an engine; ``reason`` is the migration reason it stands for."""
-
-    reason = "stream_error"
+    """Any failure talking to an engine (:func:`api.forward.engine.classify` names its
+    migration reason)."""
 
 
 class ConnectFailed(UpstreamError):
     """No connection: refused, unreachable, or not established within the connect timeout."""
 
-    reason = "connect_error"
-
 
 class StreamBroken(UpstreamError):
     """The connection broke, or the engine spoke something that is not HTTP/1.1."""
 
-    reason = "stream_error"
-
 
 class IdleTimeout(UpstreamError):
     """No byte from the engine for the idle timeout."""
-
-    reason = "idle_timeout"
 
 
 class _Stale(JetrouterError):

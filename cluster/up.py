@@ -151,7 +151,10 @@ class LocalCluster:
         secure: bool = False,
         nats_options: NatsOptions | None = None,
         model_path: Path | str | None = None,
+        router_module: str = "api.cli",
     ) -> None:
+        # router_module: what `python -m` runs as `<module> serve ...` for each replica (a test
+        # passes one that adds debug routes; the product never ships them).
         # workers=0: engines come from elsewhere (real engines behind `jetrouter bridge`).
         if replicas < 1 or workers < 0:
             raise ValueError("a cluster needs at least one replica and no negative workers")
@@ -164,6 +167,7 @@ class LocalCluster:
         self.base_port = base_port
         self.data_dir = Path(data_dir).resolve()
         self.router_args = list(router_args)
+        self.router_module = router_module
         self.worker_args = list(worker_args)
         self.nats_url = nats_url or ""
         self.restart = restart
@@ -359,7 +363,7 @@ class LocalCluster:
         if child.kind == "replica":
             replica_dir = self.data_dir / child.name
             replica_dir.mkdir(exist_ok=True)
-            child.argv = [sys.executable, "-m", "api.cli", "serve", *common,
+            child.argv = [sys.executable, "-m", self.router_module, "serve", *common,
                           "--replica-id", child.name, "--nats-url", self.nats_url,
                           "--namespace", self.namespace, "--data-dir", str(replica_dir),
                           f"--admin-token={self.admin_token}", *self.router_args]

@@ -47,12 +47,10 @@ class Forwarder:
     of the circuit breakers); if it returns an awaitable, that runs as a background task.
 
     The Forwarder owns its connections to the engines (``self.pool``, an
-    :class:`api.upstream.UpstreamPool`); ``client`` is accepted for compatibility with callers
-    that still pass an httpx client factory, and ignored. :meth:`aclose` closes idle connections.
+    :class:`api.upstream.UpstreamPool`); :meth:`aclose` closes the idle ones.
     """
 
-    def __init__(self, replica: Replica, metrics: RouterMetrics,
-                 client: Callable[[], object] | None = None, *,
+    def __init__(self, replica: Replica, metrics: RouterMetrics, *,
                  tokenizer: Tokenizer | None = None,
                  stream_idle_timeout: float | None = None,
                  migration_limit: int | None = None,

@@ -388,10 +388,9 @@ async def test_forwarder_settings_come_from_the_environment_and_hooks_may_be_asy
     async def hook(worker_id: str, reason: str) -> None:
         seen.append((worker_id, reason))
 
-    fw = Forwarder(None, RouterMetrics(), lambda: None,  # type: ignore[arg-type]
-                   on_worker_failure=hook)
+    fw = Forwarder(None, RouterMetrics(), on_worker_failure=hook)  # type: ignore[arg-type]
     assert (fw.stream_idle_timeout, fw.migration_limit) == (1.5, 5)
-    assert Forwarder(None, RouterMetrics(), lambda: None,  # type: ignore[arg-type]
+    assert Forwarder(None, RouterMetrics(),  # type: ignore[arg-type]
                      migration_limit=0).migration_limit == 0
     fw.report_failure("w9", "idle_timeout")
     await asyncio.wait_for(asyncio.gather(*fw._reports), 5)
