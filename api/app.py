@@ -194,7 +194,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                 for m in replica.models()]
         return _json_response({"object": "list", "data": data}, headers=base_headers())
 
-    # --- busy thresholds (seed 000/001) -------------------------------------------------------
+    # --- busy thresholds (design.md §6, Dynamo's /busy_threshold API) -----------------------------
 
     def threshold_doc(model: str) -> dict[str, object]:
         t = replica.state.thresholds.get(model)

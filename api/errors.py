@@ -45,7 +45,8 @@ SERVICE_UNAVAILABLE_MESSAGE = (
     "Service temporarily unavailable: All workers are busy, please retry later"
 )
 
-# Exactly the seed's 503 body (docs: "Client Retry Strategy"). Do not reshape it.
+# Exactly the 503 body of Dynamo's request-rejection docs ("Client Retry Strategy"); clients
+# match on it. Do not reshape it.
 SERVICE_UNAVAILABLE_BODY: dict[str, Any] = {
     "message": SERVICE_UNAVAILABLE_MESSAGE,
     "type": "service_unavailable",
@@ -66,7 +67,7 @@ class ApiError(JetrouterError):
 
     ``type`` defaults to the conventional type for ``status`` (400 invalid_request_error, 401
     authentication_error, 403 permission_error, 404 not_found_error, 503 service_unavailable...).
-    A 503 of type ``service_unavailable`` renders in the seed's flat shape (see module doc).
+    A 503 of type ``service_unavailable`` renders in Dynamo's flat shape (see module doc).
     """
 
     def __init__(self, status: int, message: str, *, type: str | None = None,
@@ -121,7 +122,7 @@ def retry_after_header(retry_after: float) -> str:
 
 
 def overloaded_response(retry_after: float | None = None) -> JSONResponse:
-    """503 "all workers are busy" with the seed's exact body, and Retry-After when given."""
+    """503 "all workers are busy" with Dynamo's exact body, and Retry-After when given."""
     headers = None if retry_after is None else {"Retry-After": retry_after_header(retry_after)}
     return JSONResponse(dict(SERVICE_UNAVAILABLE_BODY), status_code=503, headers=headers)
 

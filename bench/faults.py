@@ -1,4 +1,4 @@
-"""`jetrouter bench faults`: what a client sees while engines and replicas fail (issue 6).
+"""`jetrouter bench faults`: what a client sees while engines and replicas fail.
 
 A fresh local cluster (default 2 replicas, 4 simulated engines) takes steady open-loop load:
 Poisson arrivals of streaming completions, token-id prompts that share a few system prefixes,

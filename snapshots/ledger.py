@@ -2,8 +2,9 @@
 
 A row is born from ``RequestRouted`` (with every candidate's cost terms), then filled in by
 ``PrefillCompleted`` / ``RequestFinished``; ``ReplicaLost`` marks the lost replica's still-open
-rows. A migrated request (issue 6) is re-routed as ``<request_id>~<hop>``: each hop is its own
-row carrying ``base_id`` and ``hop``, and a lookup by the base id returns all of them.
+rows. A request migrated off a failed engine (``api/forward/``) is re-routed as
+``<request_id>~<hop>``: each hop is its own row carrying ``base_id`` and ``hop``, and a lookup
+by the base id returns all of them.
 
 Throughput (~1,000 decisions/s, three events each) rules out a statement per event, so a group of
 stream messages is first *folded* in memory, in stream order, into rows to insert and column

@@ -1,4 +1,4 @@
-"""Divergence detection between replicas, from their heartbeats (issue 5 item 2).
+"""Divergence detection between replicas, from their heartbeats.
 
 Pure: no I/O, no clock. Two replicas that have applied exactly the same messages of all three
 streams must hold the same state (design.md §5), so their ``state`` digests must be equal. Live

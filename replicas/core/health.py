@@ -1,6 +1,6 @@
 """Worker health: a circuit breaker per worker and the HEALTHY → SUSPICIOUS → UNHEALTHY machine.
 
-Pure (seed 002, "Canary Health Check System" and "Circuit Breaker Pattern"): no clock, no I/O.
+Pure (the canary checks and circuit breaker of Dynamo's fault-tolerance guide): no clock, no I/O.
 Every method takes ``now`` (float seconds since the epoch); the adapter
 (``replicas/runtime/canary.py``) feeds it canary results and passive signals and turns the
 returned :class:`StatusChange` into ``WorkerHealthChanged`` events. Nothing here is applied to
@@ -17,9 +17,9 @@ Transitions, per the seed:
   half-open and exactly one trial canary goes through: success → closed → HEALTHY, failure → open
   again for another ``recovery_timeout``.
 
-One deliberate difference from the seed: a *slow* but correct canary (latency above
+One deliberate difference from that guide: a *slow* but correct canary (latency above
 ``slow_factor`` * the worker's EWMA baseline) makes the worker SUSPICIOUS without counting as a
-breaker failure. The seed's own failure table answers a thermal throttle with "weight reduction",
+breaker failure. Its own failure table answers a thermal throttle with "weight reduction",
 not removal: a slow engine still serves right tokens, and halving its weight is the right lever.
 """
 
@@ -49,7 +49,7 @@ class BreakerState(StrEnum):
     HALF_OPEN = "half_open"
 
 
-# The seed's gauge: 0=healthy, 1=suspicious, 2=unhealthy, 3=draining, 4=dead. The last two belong
+# Dynamo's gauge: 0=healthy, 1=suspicious, 2=unhealthy, 3=draining, 4=dead. The last two belong
 # to worker lifecycle (graceful shutdown, retirement), not to this machine, but share the scale.
 STATUS_GAUGE: dict[str, int] = {HealthStatus.HEALTHY: 0, HealthStatus.SUSPICIOUS: 1,
                                  HealthStatus.UNHEALTHY: 2, "draining": 3, "dead": 4}

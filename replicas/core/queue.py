@@ -1,4 +1,4 @@
-"""Router-side request queue (seeds 001/004: --router-queue-threshold, --router-queue-policy).
+"""Router-side request queue (Dynamo's --router-queue-threshold and --router-queue-policy).
 
 While every worker is over ``queue_threshold * max_num_batched_tokens`` active prefill tokens, new
 requests wait here instead of being routed, so the decision is made later on fresher load. The

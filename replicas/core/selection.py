@@ -2,7 +2,7 @@
 
 Pure: no clock, no I/O; randomness only from the ``random.Random`` passed to ``select``.
 
-Cost of a candidate (Dynamo's router guide, seed 001):
+Cost of a candidate (Dynamo's router guide, design.md §6):
 
     prefill_blocks = (active_prefill_tokens + max(isl - overlap_blocks * block_size, 0))
                      / block_size
@@ -18,8 +18,8 @@ cache-rich worker that is momentarily prefilling; the split makes ``w`` mean wha
 virtual-time ``bench.routesim`` agrees): ``w=8, q=1`` keeps 96% of the ideal global cache's
 hit rate at light load and 80% at saturation, against 81% and 58% for Dynamo's form at ``w=1``.
 
-Busy filtering (seed 000) applies in every mode, and a worker is excluded only when ALL its dp ranks
-are busy: one loaded rank must not take a whole multi-rank engine out of rotation.
+Busy filtering (design.md §6) applies in every mode, and a worker is excluded only when ALL its
+dp ranks are busy: one loaded rank must not take a whole multi-rank engine out of rotation.
 
 ``select`` is on every request's path, so its loop is written for speed: one pass computes costs,
 busy flags and the running minimum, and the per-candidate ``CostTerms`` for the decision ledger
@@ -228,7 +228,7 @@ class Overloaded:
 
 
 def is_rank_busy(c: Candidate, t: BusyThresholds) -> bool:
-    """One (worker, dp_rank) over any configured threshold (seed 000)."""
+    """One (worker, dp_rank) over any configured busy threshold (design.md §6)."""
     tb = t.active_decode_blocks_threshold
     if tb is not None and c.kv_total_blocks > 0 and c.active_decode_blocks / c.kv_total_blocks > tb:
         return True
@@ -346,7 +346,7 @@ class Selector:
 
         excluded: frozenset[str] = frozenset()
         if busy_ranks:
-            # A busy rank stays eligible while another rank of its worker is free (seed 000).
+            # A busy rank stays eligible while another rank of its worker is free (module doc).
             excluded = frozenset(cands[i].worker[0] for i, _ in busy_ranks) - not_busy
             for i, cost in busy_ranks:
                 c = cands[i]

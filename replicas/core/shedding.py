@@ -1,19 +1,20 @@
-"""Graceful degradation and priority shedding (seed 002, "Graceful Degradation"). Pure.
+"""Graceful degradation and priority shedding (the levels of Dynamo's fault-tolerance guide).
+Pure.
 
-The degradation level comes from the ratio of healthy capacity to current demand, with the seed's
+The degradation level comes from the ratio of healthy capacity to current demand, with the guide's
 cut points: ratio >= 1 → 0 (normal), >= 0.75 → 1, >= 0.5 → 2, >= 0.25 → 3, else 4.
 
-A router has one lever the seed's levels share: admission. The engine-side measures (level 1's
+A router has one lever the guide's levels share: admission. The engine-side measures (level 1's
 smaller batches, level 3's relaxed latency SLOs) are not ours to apply, so the router maps the
 levels to shedding the lowest tiers first:
 
     level 0, 1: nothing shed (level 1 is a warning: capacity is tight)
-    level 2:    best_effort shed (the seed's "shed low-priority traffic")
+    level 2:    best_effort shed (the guide's "shed low-priority traffic")
     level 3:    best_effort and standard shed (the router's stand-in for "relax SLOs")
-    level 4:    every new request refused, in-flight ones drain (the seed's emergency level)
+    level 4:    every new request refused, in-flight ones drain (the guide's emergency level)
 
 Degradation answers *lost* capacity. While every worker is healthy, overload is what the busy
-thresholds of seed 000 handle (503 once all workers are busy), so the level is capped at 1 then;
+thresholds of design.md §6 handle (503 once all workers are busy), so the level is capped at 1 then;
 only a fleet that lost weight (unhealthy or suspicious workers) sheds by tier.
 
 Capacity and demand are in KV blocks: a unit (one worker dp rank) offers ``kv_total_blocks`` *
@@ -36,7 +37,7 @@ MAX_LEVEL = 4
 # Level at and above which each tier is shed.
 SHED_FROM_LEVEL = {"best_effort": 2, "standard": 3, "premium": 4}
 # Suggested Retry-After (seconds) per level: longer the deeper the degradation; 30 s at the
-# emergency level is the seed's value (one canary interval, the soonest a recovery is seen).
+# emergency level is the guide's value (one canary interval, the soonest a recovery is seen).
 RETRY_AFTER = {0: 1, 1: 1, 2: 5, 3: 15, 4: 30}
 _RATIO_FLOORS = (1.0, 0.75, 0.5, 0.25)  # ratio >= _RATIO_FLOORS[i] → level i
 
@@ -99,7 +100,7 @@ def model_units(state: RouterState, model: str) -> list[UnitLoad]:
 
 
 def degradation_level(capacity: float, demand: float, healthy_fraction: float) -> int:
-    """The seed's level 0..4 from healthy capacity vs demand (see the module docstring)."""
+    """The guide's level 0..4 from healthy capacity vs demand (see the module docstring)."""
     if healthy_fraction <= 0.0 or capacity <= 0.0:
         return MAX_LEVEL  # nothing healthy is left to serve a new request
     if demand <= 0.0:
@@ -107,7 +108,7 @@ def degradation_level(capacity: float, demand: float, healthy_fraction: float) -
     ratio = capacity / demand
     level = next((i for i, floor in enumerate(_RATIO_FLOORS) if ratio >= floor), MAX_LEVEL)
     if healthy_fraction >= 1.0:
-        level = min(level, 1)  # a full fleet's overload is the busy-threshold path (seed 000)
+        level = min(level, 1)  # a full fleet's overload is the busy-threshold path (503s)
     return level
 
 

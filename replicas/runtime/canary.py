@@ -1,4 +1,4 @@
-"""Canary health checks and passive health reports (seed 002): the adapter around ``health.py``.
+"""Canary health checks and passive health reports: the adapter around ``health.py``.
 
 Only the leader checks. Every ``interval`` it sends each worker the same deterministic completion
 (token-id prompt, temperature 0, ``max_tokens`` 8, non-streaming) and judges the answer against

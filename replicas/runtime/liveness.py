@@ -1,4 +1,4 @@
-"""Replica and worker liveness (issue 5 item 1, design.md §7): heartbeats and the leader's
+"""Replica and worker liveness (design.md §7): heartbeats and the leader's
 ``ReplicaLost`` / ``WorkerRetired`` declarations.
 
 An adapter (NATS, HTTP, clocks), kept apart from the pure state machine:

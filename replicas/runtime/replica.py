@@ -734,7 +734,7 @@ class Replica:
         await self.wait_applied(CONTROL, seq)
 
     async def peers_view(self) -> list[dict[str, object]]:
-        """What /admin/replicas shows: every live replica's heartbeat (liveness, issue 5)."""
+        """What /admin/replicas shows: every live replica's heartbeat (see liveness.py)."""
         if self.liveness is None:
             return [self._self_view()]
         return await self.liveness.view()

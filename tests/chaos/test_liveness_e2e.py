@@ -1,4 +1,4 @@
-"""Liveness end to end with real processes (issue 5 tests): replicas and workers started by
+"""Liveness end to end with real processes (design.md §7): replicas and workers started by
 `LocalCluster(restart=False)`, killed or stopped with signals, observed over their HTTP admin API.
 
 One cluster serves the module; the tests run in file order, least destructive first: the

@@ -1,4 +1,4 @@
-"""Request migration end to end (issue 6 item 1): 1 router replica + 3 simulated engines as real
+"""Request migration end to end (``api/forward/``): 1 router replica + 3 simulated engines as real
 processes; faults injected with the engines' ``/fault``; clients are the official openai client
 and httpx over real sockets.
 

@@ -1,4 +1,5 @@
-"""Circuit breaker and worker health state machine (seed 002), driven with explicit times."""
+"""Circuit breaker and worker health state machine (Dynamo's fault-tolerance guide), driven with
+explicit times."""
 
 from __future__ import annotations
 
