@@ -26,6 +26,7 @@ from api.shed import Shedder
 from api.tokenizer import Tokenizer, load_model_tokenizer
 from eventlog.appender import AppendFailed
 from replicas.core.health import STATUS_GAUGE
+from replicas.core.shedding import PriorityTier
 from replicas.runtime.canary import report_passive
 from replicas.runtime.replica import (
     AllWorkersBusy,
@@ -38,7 +39,7 @@ from replicas.runtime.replica import (
 
 log = logging.getLogger("jetrouter.api")
 
-PRIORITY_LEVEL = {"premium": 2, "standard": 1, "best_effort": 0}
+PRIORITY_LEVEL = {PriorityTier.PREMIUM: 2, PriorityTier.STANDARD: 1, PriorityTier.BEST_EFFORT: 0}
 _json = msgspec.json.Encoder()
 
 

@@ -22,10 +22,11 @@ from api.errors import ApiError
 from api.tokenizer import Tokenizer, encode_chat, encode_prompt
 from eventlog.model_tokenizer import ChatTemplateFailed
 from eventlog.tokens import role_error
+from replicas.core.shedding import TIERS, PriorityTier
 
 ENDPOINTS = ("completions", "chat")
-PRIORITIES = ("premium", "standard", "best_effort")
-DEFAULT_PRIORITY = "standard"
+PRIORITIES = TIERS
+DEFAULT_PRIORITY = PriorityTier.STANDARD
 DEFAULT_EXPECTED_OSL = 128
 MAX_TOKEN_ID = 2**31
 

@@ -26,6 +26,7 @@ from eventlog.connect import (
     check_files,
     options_from_args,
 )
+from replicas.core.queue import POLICIES
 from replicas.core.selection import MODES, BusyThresholds, RoutingConfig
 from replicas.core.state import StateConfig
 from replicas.runtime.replica import Replica, ReplicaConfig
@@ -118,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--router-queue-threshold", type=float, default=None,
                    help="hold requests while every worker is over this fraction of "
                         "max_num_batched_tokens (must be > 0)")
-    r.add_argument("--router-queue-policy", default="fcfs", choices=("fcfs", "lcfs", "wspt"))
+    r.add_argument("--router-queue-policy", default="fcfs", choices=POLICIES)
     r.add_argument("--request-max-age", type=_non_negative, default=600.0,
                    help="in-flight requests older than this (event time) stop counting as load")
     r.add_argument("--seed", type=int, default=None, help="seed of the routing random source")

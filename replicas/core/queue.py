@@ -18,9 +18,19 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterable
+from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
 
-POLICIES = ("fcfs", "lcfs", "wspt")
+
+class QueuePolicy(StrEnum):
+    """Which waiting request leaves first (``--router-queue-policy``)."""
+
+    FCFS = "fcfs"   # first come, first served
+    LCFS = "lcfs"   # last come, first served
+    WSPT = "wspt"   # weighted shortest processing time: fewest uncached tokens per priority
+
+
+POLICIES: tuple[str, ...] = tuple(QueuePolicy)
 
 T = TypeVar("T")
 
@@ -36,11 +46,11 @@ class _LoadView(Protocol):
 
 def queue_key(policy: str, arrival: float, priority_jump: float, uncached_isl_tokens: int) -> float:
     """Priority of a queued request under ``policy``; higher leaves first."""
-    if policy == "fcfs":
+    if policy == QueuePolicy.FCFS:
         return priority_jump - arrival
-    if policy == "lcfs":
+    if policy == QueuePolicy.LCFS:
         return priority_jump + arrival
-    if policy == "wspt":
+    if policy == QueuePolicy.WSPT:
         return (1.0 + priority_jump) / max(uncached_isl_tokens, 1)
     raise ValueError(f"unknown queue policy {policy!r}; expected one of {POLICIES}")
 
@@ -48,7 +58,7 @@ def queue_key(policy: str, arrival: float, priority_jump: float, uncached_isl_to
 class RequestQueue(Generic[T]):
     """Priority queue of waiting requests (``remove`` matches by identity, then equality)."""
 
-    def __init__(self, policy: str = "fcfs") -> None:
+    def __init__(self, policy: str = QueuePolicy.FCFS) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown queue policy {policy!r}; expected one of {POLICIES}")
         self.policy = policy

@@ -28,14 +28,24 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 
 from replicas.core.health import ROUTING_WEIGHT, HealthStatus
 from replicas.core.state import RouterState
 
-TIERS = ("premium", "standard", "best_effort")  # highest priority first
+
+class PriorityTier(StrEnum):
+    """A request's priority tier (``nvext.agent_hints.priority``), highest first."""
+
+    PREMIUM = "premium"
+    STANDARD = "standard"
+    BEST_EFFORT = "best_effort"
+
+
+TIERS: tuple[str, ...] = tuple(PriorityTier)  # highest priority first
 MAX_LEVEL = 4
 # Level at and above which each tier is shed.
-SHED_FROM_LEVEL = {"best_effort": 2, "standard": 3, "premium": 4}
+SHED_FROM_LEVEL = {PriorityTier.BEST_EFFORT: 2, PriorityTier.STANDARD: 3, PriorityTier.PREMIUM: 4}
 # Suggested Retry-After (seconds) per level: longer the deeper the degradation; 30 s at the
 # emergency level is the guide's value (one canary interval, the soonest a recovery is seen).
 RETRY_AFTER = {0: 1, 1: 1, 2: 5, 3: 15, 4: 30}

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 
 import httpx
 from nats.aio.client import Client as NatsClient
@@ -42,8 +43,18 @@ CANARY_PROMPT: tuple[int, ...] = tuple(100 + (i * 7919) % 1000 for i in range(24
 CANARY_MAX_TOKENS = 8
 
 Emit = Callable[[StatusChange], Awaitable[None]]
-# Observer for the health-check-duration metric: (worker_id, seconds, outcome) where outcome is
-# "ok", "slow", "mismatch" or "error".
+
+
+class CanaryVerdict(StrEnum):
+    """How one canary went: the ``outcome`` label of the health-check-duration metric."""
+
+    OK = "ok"
+    SLOW = "slow"          # right tokens, latency above slow_factor x the worker's baseline
+    MISMATCH = "mismatch"  # an answer, but not the reference tokens
+    ERROR = "error"        # no answer (connection, status, timeout, malformed body)
+
+
+# Observer for the health-check-duration metric: (worker_id, seconds, verdict).
 OnCheck = Callable[[str, float, str], None]
 
 
@@ -222,9 +233,9 @@ class CanaryChecker:
         match = a.ok and (expected is None or a.text == expected)
         if self.on_check is not None:
             slow = match and self.board.worker(worker_id).is_slow(a.latency)
-            outcome = "error" if not a.ok else "mismatch" if not match else \
-                "slow" if slow else "ok"
-            self.on_check(worker_id, a.latency, outcome)
+            verdict = CanaryVerdict.ERROR if not a.ok else CanaryVerdict.MISMATCH if not match \
+                else CanaryVerdict.SLOW if slow else CanaryVerdict.OK
+            self.on_check(worker_id, a.latency, verdict)
         change = self.board.on_canary(worker_id, a.ok, a.latency, match, self.clock(), a.reason)
         if change is not None:
             await self._publish(change, emitted)

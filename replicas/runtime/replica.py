@@ -31,7 +31,7 @@ from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
 from eventlog.reader import StartPurged, StreamReader
 from eventlog.streams import ensure_streams, stream_bounds
 from replicas.core.index import WorkerKey
-from replicas.core.queue import RequestQueue, should_queue
+from replicas.core.queue import QueuePolicy, RequestQueue, should_queue
 from replicas.core.selection import (
     BusyThresholds,
     Candidate,
@@ -117,7 +117,7 @@ class ReplicaConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     default_thresholds: BusyThresholds = field(default_factory=BusyThresholds)
     queue_threshold: float | None = None
-    queue_policy: str = "fcfs"
+    queue_policy: str = QueuePolicy.FCFS
     queue_timeout: float = 30.0
     ready_lag: int = 0
     seed: int | None = None
