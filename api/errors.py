@@ -103,11 +103,17 @@ def error_response(status: int, message: str, *, type: str | None = None,
                     headers=headers).response()
 
 
+def encoded_error_body(status: int, message: str, *, type: str | None = None,
+                       code: str | int | None = None) -> bytes:
+    """The body of :meth:`ApiError.body`, encoded: for code below the app (the HTTP protocol
+    guards) and for errors that travel inside a stream."""
+    return msgspec.json.encode(ApiError(status, message, type=type, code=code).body())
+
+
 def upstream_error_body(message: str, status: int = 502) -> bytes:
     """The encoded body for an engine's failure that the router passes on: type
     ``upstream_error`` and the HTTP status repeated as ``code``."""
-    return msgspec.json.encode(ApiError(status, message, type="upstream_error",
-                                        code=status).body())
+    return encoded_error_body(status, message, type="upstream_error", code=status)
 
 
 def sse_error(message: str, status: int = 502) -> bytes:

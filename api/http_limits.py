@@ -23,10 +23,10 @@ import asyncio
 import logging
 from typing import Any
 
-import msgspec
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.errors import encoded_error_body
 from eventlog.errors import JetrouterError
 
 log = logging.getLogger("jetrouter.http")
@@ -41,8 +41,7 @@ class _BodyTooLarge(JetrouterError):
 
 
 def _error_body(status: int, message: str, code: str) -> bytes:
-    return msgspec.json.encode({"error": {"message": message, "type": "invalid_request_error",
-                                          "param": None, "code": code}})
+    return encoded_error_body(status, message, type="invalid_request_error", code=code)
 
 
 def too_large_message(max_bytes: int) -> str:
