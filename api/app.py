@@ -20,7 +20,7 @@ from api.admin import admin_router, require_admin
 from api.errors import ApiError, error_response, install_error_handlers, overloaded_response
 from api.forward import Forwarder, replica_headers
 from api.http_limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
-from api.metrics import RouterMetrics
+from api.metrics import Rejection, RouterMetrics
 from api.openai_schema import decode_json, parse_request
 from api.shed import Shedder
 from api.tokenizer import Tokenizer, load_model_tokenizer
@@ -139,7 +139,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         request_id = f"{replica.replica_id}-{uuid.uuid4().hex[:20]}"
         shed = shedder.check(parsed.model, parsed.priority)
         if shed is not None:
-            metrics.rejections.labels(reason="shed").inc()
+            metrics.rejections.labels(reason=Rejection.SHED).inc()
             metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
             resp = overloaded_response(retry_after=shed)
             resp.headers.update(base_headers())
@@ -154,11 +154,11 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         except UnknownModel as exc:
             raise ApiError(404, str(exc), param="model", code="model_not_found") from None
         except NoWorkers as exc:
-            metrics.rejections.labels(reason="no_workers").inc()
+            metrics.rejections.labels(reason=Rejection.NO_WORKERS).inc()
             return error_response(503, str(exc), type="service_unavailable",
                                   headers=base_headers())
         except DecisionNotRecorded as exc:
-            metrics.rejections.labels(reason="decision_not_recorded").inc()
+            metrics.rejections.labels(reason=Rejection.DECISION_NOT_RECORDED).inc()
             metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
             return error_response(
                 503, f"{exc}; this request was not served, retry it (on another replica if "
@@ -166,7 +166,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                 headers={**replica_headers(replica.replica_id, None, request_id),
                          "retry-after": "1"})
         except AllWorkersBusy:
-            metrics.rejections.labels(reason="busy").inc()
+            metrics.rejections.labels(reason=Rejection.BUSY).inc()
             metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
             resp = overloaded_response()
             resp.headers.update(base_headers())

@@ -31,6 +31,9 @@ class QueuePolicy(StrEnum):
 
 
 POLICIES: tuple[str, ...] = tuple(QueuePolicy)
+# Plain-name copies for queue_key (per queued request): an enum member read off its class is a
+# descriptor call on Python 3.11.
+_FCFS, _LCFS, _WSPT = QueuePolicy.FCFS, QueuePolicy.LCFS, QueuePolicy.WSPT
 
 T = TypeVar("T")
 
@@ -46,11 +49,11 @@ class _LoadView(Protocol):
 
 def queue_key(policy: str, arrival: float, priority_jump: float, uncached_isl_tokens: int) -> float:
     """Priority of a queued request under ``policy``; higher leaves first."""
-    if policy == QueuePolicy.FCFS:
+    if policy == _FCFS:
         return priority_jump - arrival
-    if policy == QueuePolicy.LCFS:
+    if policy == _LCFS:
         return priority_jump + arrival
-    if policy == QueuePolicy.WSPT:
+    if policy == _WSPT:
         return (1.0 + priority_jump) / max(uncached_isl_tokens, 1)
     raise ValueError(f"unknown queue policy {policy!r}; expected one of {POLICIES}")
 

@@ -665,7 +665,7 @@ class Replica:
                         request_id, why)
         if self.on_decision_refused is not None:
             self.on_decision_refused(reason)
-        self._spawn(self._append(ROUTER, ev.RequestFinished(request_id, "not_routed", 0,
+        self._spawn(self._append(ROUTER, ev.RequestFinished(request_id, ev.Outcome.NOT_ROUTED, 0,
                                                             time.time()),
                                  f"{request_id}.finished"))
 
