@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import os
 import time
 from typing import Any
 
@@ -181,18 +180,5 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
             raise ApiError(404, f"no routing decision recorded for request {request_id!r}",
                            param="request_id")
         return _json_response(row)
-
-    if os.environ.get("JETROUTER_TEST_HOOKS") == "1":
-        # Test-only: corrupt this replica's state without an event, to prove divergence is seen.
-        @router.post("/admin/debug/inject-divergence")
-        async def inject(request: Request) -> Response:
-            check_admin(request)
-            from replicas.core.divergence import inject_divergence
-
-            raw = await request.body()
-            body = decode_json(raw) if raw else {}
-            part = body.get("part", "index") if isinstance(body, dict) else "index"
-            return _json_response({"injected": inject_divergence(
-                replica.state, part, replica_id=replica.replica_id)})
 
     return router

@@ -13,6 +13,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from eventlog.errors import JetrouterError
+
 # verb -> (module, help). Modules are imported lazily so `jetrouter worker` never loads FastAPI
 # routing code it does not need, and a broken verb cannot break the others.
 VERBS: dict[str, tuple[str, str]] = {
@@ -29,7 +31,7 @@ VERBS: dict[str, tuple[str, str]] = {
 }
 
 
-class CliError(Exception):
+class CliError(JetrouterError):
     """A user-facing error: printed as one line, exit status 2."""
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -20,17 +20,19 @@ from api.http_limits import (
 )
 from eventlog.connect import (
     NatsConnectFatal,
-    NatsOptionsError,
+    NatsOptionsInvalid,
     add_nats_arguments,
     check_connect_sync,
     check_files,
     options_from_args,
 )
-from replicas.core.selection import BusyThresholds, RoutingConfig
+from replicas.core.queue import POLICIES
+from replicas.core.selection import MODES, BusyThresholds, RoutingConfig
 from replicas.core.state import StateConfig
 from replicas.runtime.replica import Replica, ReplicaConfig
 
-MODES = ("kv", "round-robin", "random", "least-loaded")
+if TYPE_CHECKING:  # api.app is imported when serving starts, not at CLI start-up
+    from api.app import RouterFactory
 
 
 def _number(kind: type, *, above: float | None = None, at_least: float | None = None,
@@ -117,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--router-queue-threshold", type=float, default=None,
                    help="hold requests while every worker is over this fraction of "
                         "max_num_batched_tokens (must be > 0)")
-    r.add_argument("--router-queue-policy", default="fcfs", choices=("fcfs", "lcfs", "wspt"))
+    r.add_argument("--router-queue-policy", default="fcfs", choices=POLICIES)
     r.add_argument("--request-max-age", type=_non_negative, default=600.0,
                    help="in-flight requests older than this (event time) stop counting as load")
     r.add_argument("--seed", type=int, default=None, help="seed of the routing random source")
@@ -215,7 +217,8 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, *, extra_routers: Sequence[RouterFactory] = ()) -> int:
+    """Serve until SIGTERM. ``extra_routers`` add routes to the app (tests add debug ones)."""
     from api.app import AppConfig, create_app
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -228,14 +231,14 @@ def run(args: argparse.Namespace) -> int:
         # One connection before anything starts: a wrong password or an untrusted certificate
         # is one line and exit 2 here, not a replica that retries forever.
         check_connect_sync(config.nats_options, name=config.replica_id)
-    except (NatsOptionsError, NatsConnectFatal) as exc:
+    except (NatsOptionsInvalid, NatsConnectFatal) as exc:
         raise CliError(str(exc)) from None
     if args.model_path:
-        from eventlog.model_tokenizer import ModelFolderError, load_codec
+        from eventlog.model_tokenizer import ModelFolderUnusable, load_codec
 
         try:
             load_codec(args.model_path)  # a bad folder is one clear line, not a traceback
-        except ModelFolderError as exc:
+        except ModelFolderUnusable as exc:
             raise CliError(str(exc)) from None
     Path(args.data_dir).mkdir(parents=True, exist_ok=True)
     replica = Replica(config)
@@ -248,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
                                         max_body_bytes=args.max_body_bytes,
                                         busy_threshold_requires_admin=(
                                             args.busy_threshold_requires_admin),
-                                        ready_wait=args.ready_wait))
+                                        ready_wait=args.ready_wait),
+                     extra_routers=extra_routers)
     config_ = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                              access_log=False,
                              http=guarded_http_protocol(args.request_read_timeout),  # type: ignore[arg-type]

@@ -35,8 +35,9 @@ import httpx
 
 from eventlog import server as nats_server
 from eventlog.connect import NatsOptions, add_nats_arguments, options_from_args
+from eventlog.errors import JetrouterError
 from eventlog.names import Names
-from eventlog.pki import PkiError
+from eventlog.pki import CertificateNotMade
 
 log = logging.getLogger("jetrouter.up")
 
@@ -49,7 +50,7 @@ WORKER_PORT_OFFSET = 100
 DEFAULT_MODEL = "jetrouter-sim"
 
 
-class ClusterStartError(Exception):
+class ClusterStartError(JetrouterError):
     """The cluster did not become ready; the message names the children and their log tails."""
 
 
@@ -150,7 +151,10 @@ class LocalCluster:
         secure: bool = False,
         nats_options: NatsOptions | None = None,
         model_path: Path | str | None = None,
+        router_module: str = "api.cli",
     ) -> None:
+        # router_module: what `python -m` runs as `<module> serve ...` for each replica (a test
+        # passes one that adds debug routes; the product never ships them).
         # workers=0: engines come from elsewhere (real engines behind `jetrouter bridge`).
         if replicas < 1 or workers < 0:
             raise ValueError("a cluster needs at least one replica and no negative workers")
@@ -163,6 +167,7 @@ class LocalCluster:
         self.base_port = base_port
         self.data_dir = Path(data_dir).resolve()
         self.router_args = list(router_args)
+        self.router_module = router_module
         self.worker_args = list(worker_args)
         self.nats_url = nats_url or ""
         self.restart = restart
@@ -358,7 +363,7 @@ class LocalCluster:
         if child.kind == "replica":
             replica_dir = self.data_dir / child.name
             replica_dir.mkdir(exist_ok=True)
-            child.argv = [sys.executable, "-m", "api.cli", "serve", *common,
+            child.argv = [sys.executable, "-m", self.router_module, "serve", *common,
                           "--replica-id", child.name, "--nats-url", self.nats_url,
                           "--namespace", self.namespace, "--data-dir", str(replica_dir),
                           f"--admin-token={self.admin_token}", *self.router_args]
@@ -555,11 +560,11 @@ def check_model_path(path: str | None) -> None:
     if not path:
         return
     from api.cli import CliError
-    from eventlog.model_tokenizer import ModelFolderError, load_codec
+    from eventlog.model_tokenizer import ModelFolderUnusable, load_codec
 
     try:
         load_codec(path)
-    except ModelFolderError as exc:
+    except ModelFolderUnusable as exc:
         raise CliError(str(exc)) from None
 
 
@@ -656,7 +661,7 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(_serve_until_signalled(cluster))
     except nats_server.NatsServerNotFound as exc:
         raise CliError(str(exc)) from None
-    except PkiError as exc:
+    except CertificateNotMade as exc:
         raise CliError(f"--secure: {exc}") from None
     except ClusterStartError as exc:
         print(f"jetrouter up: error: {exc}", file=sys.stderr)

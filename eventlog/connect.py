@@ -33,6 +33,8 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
+from eventlog.errors import JetrouterError
+
 log = logging.getLogger("jetrouter.nats")
 
 
@@ -52,11 +54,11 @@ PASSWORD_ENV = "JETROUTER_NATS_PASSWORD"
 TOKEN_ENV = "JETROUTER_NATS_TOKEN"
 
 
-class NatsOptionsError(ValueError):
+class NatsOptionsInvalid(JetrouterError, ValueError):
     """The options cannot work (a missing file, a key without its certificate, ...)."""
 
 
-class NatsConnectFatal(RuntimeError):
+class NatsConnectFatal(JetrouterError, RuntimeError):
     """Connecting cannot succeed by retrying: authentication or TLS verification failed."""
 
 
@@ -88,13 +90,13 @@ class NatsOptions:
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
-            raise NatsOptionsError("--nats-tls-cert and --nats-tls-key go together")
+            raise NatsOptionsInvalid("--nats-tls-cert and --nats-tls-key go together")
         if self.password and self.password_file:
-            raise NatsOptionsError("give --nats-password or --nats-password-file, not both")
+            raise NatsOptionsInvalid("give --nats-password or --nats-password-file, not both")
         if self.token and self.token_file:
-            raise NatsOptionsError("give --nats-token or --nats-token-file, not both")
+            raise NatsOptionsInvalid("give --nats-token or --nats-token-file, not both")
         if (self.password or self.password_file) and not self.user:
-            raise NatsOptionsError("--nats-password needs --nats-user")
+            raise NatsOptionsInvalid("--nats-password needs --nats-user")
 
     def with_servers(self, url: str | list[str] | tuple[str, ...]) -> NatsOptions:
         return replace(self, servers=split_servers(url))
@@ -222,7 +224,7 @@ def check_files(options: NatsOptions) -> None:
                        ("--nats-tls-ca", options.tls_ca), ("--nats-tls-cert", options.tls_cert),
                        ("--nats-tls-key", options.tls_key)):
         if path and not os.access(path, os.R_OK):
-            raise NatsOptionsError(f"{flag} {path}: no such readable file")
+            raise NatsOptionsInvalid(f"{flag} {path}: no such readable file")
 
 
 # --- connecting ------------------------------------------------------------------------------
@@ -362,7 +364,7 @@ def check_connect_sync(options: NatsOptions, *, name: str, timeout: float = 5.0)
 __all__ = [
     "NatsConnectFatal",
     "NatsOptions",
-    "NatsOptionsError",
+    "NatsOptionsInvalid",
     "add_nats_arguments",
     "check_connect",
     "check_connect_sync",

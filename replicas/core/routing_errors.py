@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from eventlog.errors import JetrouterError
 
-class RoutingError(Exception):
+
+class RoutingError(JetrouterError):
     """Base of the request-level failures the HTTP layer maps to statuses."""
 
 

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 
 import httpx
 from nats.aio.client import Client as NatsClient
@@ -31,7 +32,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from eventlog.names import Names
-from replicas.core.health import HEALTHY, HealthBoard, ReferenceAnswers, StatusChange
+from replicas.core.health import HealthBoard, HealthStatus, ReferenceAnswers, StatusChange
 from replicas.runtime.port import ReplicaPort
 
 log = logging.getLogger("jetrouter.canary")
@@ -42,20 +43,24 @@ log = logging.getLogger("jetrouter.canary")
 CANARY_PROMPT: tuple[int, ...] = tuple(100 + (i * 7919) % 1000 for i in range(24))
 CANARY_MAX_TOKENS = 8
 
-# Observer for the health-check-duration metric: (worker_id, seconds, outcome) where outcome is
-# "ok", "slow", "mismatch" or "error".
+class CanaryVerdict(StrEnum):
+    """How one canary went: the ``outcome`` label of the health-check-duration metric."""
+
+    OK = "ok"
+    SLOW = "slow"          # right tokens, latency above slow_factor x the worker's baseline
+    MISMATCH = "mismatch"  # an answer, but not the reference tokens
+    ERROR = "error"        # no answer (connection, status, timeout, malformed body)
+
+
+# Observer for the health-check-duration metric: (worker_id, seconds, verdict).
 OnCheck = Callable[[str, float, str], None]
-
-
-def health_report_subject(names: Names) -> str:
-    return f"{names.namespace}.health.report"
 
 
 async def report_passive(nc: NatsClient, names: Names, worker_id: str, reason: str) -> None:
     """Tell the leader a real request to ``worker_id`` failed (fire and forget; best effort)."""
     body = json.dumps({"worker_id": worker_id, "reason": reason}).encode()
     try:
-        await nc.publish(health_report_subject(names), body)
+        await nc.publish(names.health_report_subject, body)
     except Exception:  # a health hint must never fail the request path
         log.debug("could not publish a passive health report for %s", worker_id, exc_info=True)
 
@@ -117,7 +122,7 @@ class CanaryChecker:
 
     async def start(self) -> None:
         if self.nc is not None:
-            self._sub = await self.nc.subscribe(health_report_subject(self.names),
+            self._sub = await self.nc.subscribe(self.names.health_report_subject,
                                                 cb=self._on_report)
         self._task = asyncio.create_task(self._loop(), name="canary-checker")
 
@@ -150,7 +155,7 @@ class CanaryChecker:
             current = self.replica.state.health
             ids = set(self.workers())
             self.board.adopt(current, ids, self.clock())
-            self._published = {w: current.get(w, HEALTHY) for w in ids}
+            self._published = {w: current.get(w, HealthStatus.HEALTHY) for w in ids}
         self._leading = leading
         return leading
 
@@ -199,7 +204,7 @@ class CanaryChecker:
         out: list[StatusChange] = []
         for worker_id in self.board.workers():
             now_status = self.board.status(worker_id)
-            was = self._published.get(worker_id, HEALTHY)
+            was = self._published.get(worker_id, HealthStatus.HEALTHY)
             if now_status != was:
                 reason = self.board.worker(worker_id).last_reason
                 await self._publish(StatusChange(worker_id, was, now_status, reason,
@@ -210,7 +215,8 @@ class CanaryChecker:
         by_model: dict[str, dict[str, str]] = {}
         for worker_id, a in attempts.items():
             w = self.board.worker(worker_id)
-            if a.ok and w.status == HEALTHY and self.references.pinned(worker_id) is None:
+            if (a.ok and w.status == HealthStatus.HEALTHY
+                    and self.references.pinned(worker_id) is None):
                 by_model.setdefault(self.model_of(worker_id), {})[worker_id] = a.text
         for model, answers in by_model.items():
             self.references.settle(model, answers)
@@ -232,9 +238,9 @@ class CanaryChecker:
         match = a.ok and (expected is None or a.text == expected)
         if self.on_check is not None:
             slow = match and self.board.worker(worker_id).is_slow(a.latency)
-            outcome = "error" if not a.ok else "mismatch" if not match else \
-                "slow" if slow else "ok"
-            self.on_check(worker_id, a.latency, outcome)
+            verdict = CanaryVerdict.ERROR if not a.ok else CanaryVerdict.MISMATCH if not match \
+                else CanaryVerdict.SLOW if slow else CanaryVerdict.OK
+            self.on_check(worker_id, a.latency, verdict)
         change = self.board.on_canary(worker_id, a.ok, a.latency, match, self.clock(), a.reason)
         if change is not None:
             await self._publish(change, emitted)

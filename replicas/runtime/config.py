@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eventlog.connect import NatsOptions
+from replicas.core.queue import QueuePolicy
 from replicas.core.selection import BusyThresholds, RoutingConfig
 from replicas.core.state import StateConfig
 
@@ -18,7 +19,7 @@ class ReplicaConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     default_thresholds: BusyThresholds = field(default_factory=BusyThresholds)
     queue_threshold: float | None = None
-    queue_policy: str = "fcfs"
+    queue_policy: str = QueuePolicy.FCFS
     queue_timeout: float = 30.0
     ready_lag: int = 0
     seed: int | None = None

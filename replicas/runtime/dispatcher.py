@@ -235,7 +235,7 @@ class Dispatcher:
         if self.on_decision_refused is not None:
             self.on_decision_refused(reason)
         self._background.spawn(self._append(
-            ev.RequestFinished(request_id, "not_routed", 0, time.time()),
+            ev.RequestFinished(request_id, ev.Outcome.NOT_ROUTED, 0, time.time()),
             f"{request_id}.finished"))
 
     def prefill_completed(self, request_id: str) -> None:

@@ -17,6 +17,7 @@ from typing import Protocol
 from nats.js import JetStreamContext
 
 from eventlog import events as ev
+from eventlog.errors import JetrouterError
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
 from eventlog.reader import StartPurged, StreamReader
 from eventlog.streams import stream_bounds
@@ -36,7 +37,7 @@ class StreamListener(Protocol):
         ...
 
 
-class _Rewind(Exception):
+class _Rewind(JetrouterError):
     """Raised inside a follower when a StateReset moved positions: restart the followers."""
 
 

@@ -30,6 +30,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 
 from eventlog import events as ev
+from eventlog.errors import JetrouterError
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
 from eventlog.streams import stream_bounds
 from replicas.core.health import HealthBoard, HealthConfig
@@ -41,7 +42,7 @@ from snapshots.store import SnapshotStore
 log = logging.getLogger("jetrouter.durability")
 
 
-class NoLeader(Exception):
+class NoLeader(JetrouterError):
     """No replica holds the lease (or it did not answer) — try again shortly."""
 
 
@@ -127,7 +128,7 @@ class Leader:
         await self.lease.run(self._leader_changed)
 
     def _subject(self, verb: str) -> str:
-        return f"{self.names.namespace}.admin.{verb}"
+        return self.names.admin_subject(verb)
 
     async def _leader_changed(self, leader: bool) -> None:
         log.warning("replica %s %s the leader lease", self.replica.replica_id,

@@ -163,7 +163,7 @@ class Liveness:
 
     async def start(self) -> None:
         self._kv = await self._bucket()
-        self._sub = await self.nc.subscribe(f"{self.names.namespace}.load.*", cb=self._on_gauge)
+        self._sub = await self.nc.subscribe(self.names.load_subject(), cb=self._on_gauge)
         self._hb_sub = await self.nc.subscribe(heartbeat_subject(self.names),
                                                cb=self._on_heartbeat)
         self._http = httpx.AsyncClient(timeout=self.health_timeout)

@@ -52,7 +52,7 @@ def cand(
 
 
 def seed_example() -> list[Candidate]:
-    """Router guide (seed 001): cached 2/5/8 blocks, prefill 8/5/2 blocks, decode 10/5/9 blocks."""
+    """Dynamo's router guide example: cached 2/5/8 blocks, prefill 8/5/2, decode 10/5/9 blocks."""
     return [
         cand("w1", overlap=2, decode=2, new=8),  # prefill (160-32)/16 = 8, decode 2+8 = 10
         cand("w2", overlap=5, decode=0, new=5),  # prefill 5, decode 5

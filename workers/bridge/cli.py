@@ -22,7 +22,7 @@ from eventlog.connect import (
     options_from_args,
 )
 from eventlog.names import check_token
-from workers.bridge.bridge import Bridge, BridgeSettings, ConfigError
+from workers.bridge.bridge import Bridge, BridgeConfigInvalid, BridgeSettings
 
 
 def _positive_int(raw: str) -> int:
@@ -111,7 +111,7 @@ async def _main(settings: BridgeSettings) -> int:
         loop.add_signal_handler(sig, bridge.stop)
     try:
         await bridge.run()
-    except ConfigError as exc:
+    except BridgeConfigInvalid as exc:
         print(f"jetrouter bridge: error: {exc}", file=sys.stderr)
         with contextlib.suppress(Exception):
             await bridge.close()
