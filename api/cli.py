@@ -81,7 +81,7 @@ def build_parser(verbs: Sequence[str] | None = None) -> argparse.ArgumentParser:
                 for child in action.choices.values():
                     apply_env_defaults(child)
         apply_env_defaults(p)
-        p.set_defaults(_module=module_name)
+        p.set_defaults(_module=module_name, _parser=p)
     return parser
 
 
@@ -94,7 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:  # a bad JETROUTER_* value, found while building the parser
         print(f"jetrouter {verb}: error: {exc}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported by the verb's parser, so the line names the verb
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     module = importlib.import_module(args._module)
     try:
         return int(module.run(args) or 0)
