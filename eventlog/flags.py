@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import os
 import shlex
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
@@ -84,6 +83,10 @@ class Option:
     metavar: str | None = None
     hidden: bool = False
     env: bool = True
+
+    def __post_init__(self) -> None:
+        if self.type is bool and self.default is None:
+            object.__setattr__(self, "default", False)  # a switch is off unless given
 
     @property
     def flag(self) -> str:
@@ -268,9 +271,3 @@ def unset(option: Option, help: str | None = None) -> Option:
     is given: the child keeps its default otherwise)."""
     return dataclasses.replace(option, default=None, required=False,
                                help=option.help if help is None else help)
-
-
-def fail(verb: str, message: str) -> NoReturn:
-    """Report a user error the house way, for code that runs outside ``api/cli.py``."""
-    print(f"jetrouter {verb}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
