@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser([verb] if verb in VERBS else None)
     except CliError as exc:  # a bad JETROUTER_* value, found while building the parser
-        print(f"jetrouter {verb}: error: {exc}", file=sys.stderr)
+        print(f"jetrouter{' ' + verb if verb in VERBS else ''}: error: {exc}", file=sys.stderr)
         return 2
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # reported by the verb's parser, so the line names the verb
