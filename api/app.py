@@ -17,9 +17,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from api.admin import admin_router, require_admin
+from api.config import option
 from api.errors import ApiError, error_response, install_error_handlers, overloaded_response
 from api.forward import Forwarder, replica_headers
-from api.http_limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from api.http_limits import BodySizeLimit
 from api.metrics import Rejection, RouterMetrics
 from api.openai_schema import decode_json, parse_request
 from api.shed import Shedder
@@ -45,19 +46,21 @@ _json = msgspec.json.Encoder()
 
 @dataclass(frozen=True, slots=True)
 class AppConfig:
-    max_prompt_tokens: int = 131072
+    """What the HTTP layer needs of `serve`'s options; the defaults are the options' own."""
+
+    max_prompt_tokens: int = option("max-prompt-tokens").default
     admin_token: str | None = None
     tokenizer: str | None = None
     model_path: str | None = None  # a model folder; wins over `tokenizer`
     reset_on_start: bool = False
-    stream_idle_timeout: float = 30.0
-    migration_limit: int = 3
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    stream_idle_timeout: float = option("stream-idle-timeout").default
+    migration_limit: int = option("migration-limit").default
+    max_body_bytes: int = option("max-body-bytes").default
     # Dynamo leaves POST /busy_threshold open; True requires the admin bearer token for it.
     busy_threshold_requires_admin: bool = False
     # A request that reaches a replica still catching up waits this long for readiness instead
     # of failing: a load balancer's health check lags the replica's start by up to one interval.
-    ready_wait: float = 5.0
+    ready_wait: float = option("ready-wait").default
 
 
 def _json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None

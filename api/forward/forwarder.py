@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import os
 from collections.abc import Callable
 
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from api.config import option
 from api.forward.run import PREDICTED_HEADER, Run, RunContext, replica_headers
 from api.metrics import RouterMetrics
 from api.openai_schema import ParsedRequest
@@ -21,28 +21,15 @@ from replicas.runtime.replica import Replica, Routed
 
 log = logging.getLogger("jetrouter.forward")
 
-DEFAULT_STREAM_IDLE_TIMEOUT = 30.0
-DEFAULT_MIGRATION_LIMIT = 3
 # (worker_id, reason) -> None or an awaitable (e.g. replicas.runtime.canary.report_passive(...)).
 WorkerFailureHook = Callable[[str, str], object]
-
-
-def _env_number(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        log.warning("ignoring %s=%r: not a number", name, raw)
-        return default
 
 
 class Forwarder:
     """Proxies routed requests; one instance per app.
 
-    ``stream_idle_timeout`` / ``migration_limit`` default to the environment variables
-    ``JETROUTER_STREAM_IDLE_TIMEOUT`` / ``JETROUTER_MIGRATION_LIMIT``, then to 30 s / 3.
+    ``stream_idle_timeout`` / ``migration_limit`` default to `serve`'s options of those names
+    (their ``JETROUTER_*`` variables, else their defaults; api/config.py).
     ``on_worker_failure(worker_id, reason)`` is called for every failed hop (the passive signal
     of the circuit breakers); if it returns an awaitable, that runs as a background task.
 
@@ -60,10 +47,10 @@ class Forwarder:
         self.replica = replica
         self.metrics = metrics
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
-        idle = stream_idle_timeout if stream_idle_timeout is not None else _env_number(
-            "JETROUTER_STREAM_IDLE_TIMEOUT", DEFAULT_STREAM_IDLE_TIMEOUT)
-        limit = migration_limit if migration_limit is not None else int(_env_number(
-            "JETROUTER_MIGRATION_LIMIT", DEFAULT_MIGRATION_LIMIT))
+        idle = (stream_idle_timeout if stream_idle_timeout is not None
+                else option("stream-idle-timeout").value())
+        limit = (migration_limit if migration_limit is not None
+                 else option("migration-limit").value())
         if idle <= 0:
             raise ValueError("stream_idle_timeout must be > 0")
         if limit < 0:

@@ -34,7 +34,7 @@ import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import overload
+from typing import Any, overload
 
 from replicas.core.load import WorkerKey
 
@@ -72,15 +72,22 @@ class BusyThresholds:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoutingConfig:
+    # No defaults for the weights: the router's are `jetrouter serve`'s options (api/config.py),
+    # the one place they are declared; :meth:`dynamo` names Dynamo's formula explicitly.
+    kv_overlap_score_weight: float
+    # None: the queued prefill is scaled by the overlap weight too (Dynamo); else its own weight.
+    prefill_queue_weight: float | None
     mode: str = RoutingMode.KV  # a RoutingMode
-    kv_overlap_score_weight: float = 1.0
     temperature: float = 0.0
     block_size: int = 16
     thresholds: BusyThresholds = field(default_factory=BusyThresholds)
-    # None: the queued prefill is scaled by the overlap weight too (Dynamo); else its own weight.
-    prefill_queue_weight: float | None = None
+
+    @classmethod
+    def dynamo(cls, **overrides: Any) -> RoutingConfig:
+        """Dynamo's cost formula: overlap weight 1, queued prefill scaled by it as well."""
+        return cls(**{"kv_overlap_score_weight": 1.0, "prefill_queue_weight": None, **overrides})
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -16,7 +16,7 @@ class ReplicaConfig:
     nats_url: str
     namespace: str = "jr"
     state: StateConfig = field(default_factory=StateConfig)
-    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig.dynamo)
     default_thresholds: BusyThresholds = field(default_factory=BusyThresholds)
     queue_threshold: float | None = None
     queue_policy: str = QueuePolicy.FCFS
