@@ -19,6 +19,7 @@ from typing import NoReturn, Self
 
 from eventlog.appender import MSG_ID_HEADER, AppendFailed
 from eventlog.binding import foreign_party
+from eventlog.errors import JetrouterError
 from eventlog.events import Event, MalformedMessage, decode_batch, encode_batch
 from eventlog.log import StoredMessage
 from eventlog.names import STREAM_KINDS, Names
@@ -31,11 +32,15 @@ log = logging.getLogger(__name__)
 _YIELD_EVERY = 256
 
 
-class NoStreamForSubject(LookupError):
+class NoSuchStream(JetrouterError, LookupError):
+    """A stream name the log does not hold (``ensure_streams`` creates them)."""
+
+
+class NoStreamForSubject(JetrouterError, LookupError):
     """An append to a subject no stream captures (JetStream answers "no responders")."""
 
 
-class StreamFull(RuntimeError):
+class StreamFull(JetrouterError, RuntimeError):
     """An append over the stream's ``max_bytes``: refused, as JetStream's "discard new" does."""
 
 
@@ -103,7 +108,7 @@ class MemoryLog:
         try:
             return self._streams[name]
         except KeyError:
-            raise LookupError(f"no stream named {name}") from None
+            raise NoSuchStream(f"no stream named {name}") from None
 
     def _stream_for(self, subject: str) -> _Stream | None:
         for stream in self._streams.values():
