@@ -26,7 +26,7 @@ from workers.openai_shapes import BadRequest
 from workers.openai_shapes import parse_request as worker_parse
 from workers.tinymodel import BOS, EOT, write_tokenizer_folder
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CHAT = [{"role": "system", "content": "You are a careful router."},
         {"role": "user", "content": "which worker holds the cache for this prompt?"}]
 

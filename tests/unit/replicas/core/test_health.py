@@ -21,7 +21,7 @@ from replicas.core.health import (
 )
 from tests.unit.test_core_purity import FORBIDDEN_MODULES, imported_roots
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 @pytest.mark.parametrize("path", ["replicas/core/health.py", "replicas/core/shedding.py"])

@@ -27,7 +27,7 @@ from workers.bridge.translate import CacheMirror, Translator
 
 # ../shared beside the repo root; JETROUTER_SHARED_DIR points elsewhere (e.g. from a git worktree).
 SHARED = Path(os.environ.get("JETROUTER_SHARED_DIR")
-              or Path(__file__).resolve().parents[2] / ".." / "shared") / "engines" / "vllm-0.32"
+              or Path(__file__).resolve().parents[4] / ".." / "shared") / "engines" / "vllm-0.32"
 BS = 32
 
 

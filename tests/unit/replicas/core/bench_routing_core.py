@@ -1,6 +1,6 @@
 """Micro-benchmark of the routing hot path (prints figures; asserts nothing about time).
 
-    .venv/bin/python -m tests.unit.bench_routing_core [--json]
+    .venv/bin/python -m tests.unit.replicas.core.bench_routing_core [--json]
 
 Measures ``Selector.select`` over 64 candidates (kv mode, temperature 0, with and without busy
 thresholds), the deferred cost-table build the decision ledger pays later, and

@@ -23,7 +23,7 @@ from replicas.core.state import RouterState
 from tests.divergence_hook import inject_divergence
 from tests.unit.test_core_purity import FORBIDDEN_MODULES, imported_roots
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def hb(rid: str, state: RouterState, *, leader: bool = False) -> Heartbeat:

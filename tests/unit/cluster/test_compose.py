@@ -28,7 +28,7 @@ from cluster.checkconfig import (
 
 pytest.importorskip("yaml")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
