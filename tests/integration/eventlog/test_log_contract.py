@@ -21,6 +21,8 @@ from eventlog.names import CONTROL, KV, Names
 from eventlog.reader import StartPurged
 from eventlog.server import NatsServer
 
+pytestmark = pytest.mark.timeout(60)
+
 NAMES = Names("ct")
 KV_STREAM = NAMES.stream(KV)
 CONTROL_STREAM = NAMES.stream(CONTROL)

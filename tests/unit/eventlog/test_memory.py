@@ -9,6 +9,8 @@ from eventlog.events import BlocksStored
 from eventlog.memory import MemoryLog, subject_matches
 from eventlog.names import KV, Names
 
+pytestmark = pytest.mark.timeout(60)
+
 NAMES = Names("jr")
 
 
