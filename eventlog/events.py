@@ -25,6 +25,8 @@ Ts = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
 Priority = Annotated[int, msgspec.Meta(ge=-(2**31), lt=2**31)]
+Role = Literal["prefill", "decode", "both"]
+Phase = Literal["", "prefill", "decode"]
 
 BlockPair = tuple[Hash, Hash]
 """(block_hash, tokens_hash): the engine's opaque id and jetrouter's hash of the block's tokens."""
@@ -53,6 +55,10 @@ class WorkerRegistered(_Event, frozen=True, tag=True):
     # LoRA adapters the engine serves besides ``model`` (requests naming one route here, and
     # their blocks hash under the adapter's salt: eventlog.hashing.adapter_salt).
     loras: list[str] = []
+    # What the engine does in disaggregated serving: "prefill" engines compute prompts and hand
+    # their KV blocks over, "decode" engines receive them and generate, "both" does everything
+    # (the only kind before disaggregation; older events decode as it).
+    role: Role = "both"
 
 
 class WorkerRetired(_Event, frozen=True, tag=True):
@@ -108,6 +114,12 @@ class RequestRouted(_Event, frozen=True, tag=True):
     # Tokens per block the decision was made with (0: not recorded, older messages), so the
     # predicted reuse in tokens is overlap_blocks * block_size wherever the event is read.
     block_size: Annotated[int, msgspec.Meta(ge=0, le=2**16)] = 0
+    # Disaggregated serving: "prefill" is the decision that picked the engine computing the
+    # prompt, "decode" the one that picked the engine receiving its KV blocks; "" is an ordinary
+    # (aggregated) decision. ``kv_reuse`` False (--no-router-assume-kv-reuse) makes a decode
+    # decision's blocks count as this request's own, never shared with another request's.
+    phase: Phase = ""
+    kv_reuse: bool = True
 
 
 class PrefillCompleted(_Event, frozen=True, tag=True):

@@ -29,6 +29,7 @@ from eventlog.hashing import prompt_hashes
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
 from eventlog.reader import StartPurged, StreamReader
 from eventlog.streams import ensure_streams, stream_bounds
+from replicas.core import disagg
 from replicas.core.index import WorkerKey
 from replicas.core.queue import RequestQueue, should_queue
 from replicas.core.selection import (
@@ -138,6 +139,8 @@ class ReplicaConfig:
     stream_max_bytes: int | None = None  # per stream; None leaves the streams' limit as it is
     # Credentials and TLS (eventlog/connect.py); its servers are ignored: nats_url names them.
     nats: NatsOptions = field(default_factory=NatsOptions)
+    # Decode engines reuse transferred blocks they already hold (--no-router-assume-kv-reuse).
+    assume_kv_reuse: bool = True
 
     @property
     def nats_options(self) -> NatsOptions:
@@ -154,6 +157,9 @@ class RouteRequest:
     overlap_weight: float | None = None
     latency_sensitivity: float = 0.0
     exclude: frozenset[str] = frozenset()  # worker ids not to use (e.g. one that just failed)
+    # Disaggregated serving (replicas/core/disagg.py): "prefill" / "decode" decision, or ""
+    # for an aggregated one (never sent to a prefill-only engine of a disaggregated model).
+    phase: str = ""
 
 
 @dataclass(slots=True)
@@ -549,15 +555,34 @@ class Replica:
     def thresholds_for(self, model: str) -> BusyThresholds:
         return self.state.thresholds_for(model) or self.config.default_thresholds
 
+    def is_disaggregated(self, model: str) -> bool:
+        """The model has prefill engines: its requests get a prefill and a decode decision."""
+        return disagg.is_disaggregated([w.role for w in self.state.workers.values()
+                                        if w.model == model or model in w.loras])
+
     def candidates(self, model: str, seq_hashes: Sequence[int],
-                   exclude: frozenset[str] = frozenset()) -> list[Candidate]:
+                   exclude: frozenset[str] = frozenset(), phase: str = "") -> list[Candidate]:
+        out = self._candidates(model, seq_hashes, exclude, phase)
+        if phase == disagg.PREFILL:
+            return [disagg.prefill_candidate(c) for c in out]
+        if phase == disagg.DECODE:
+            reuse = self.config.assume_kv_reuse
+            return [disagg.decode_candidate(c, len(seq_hashes), reuse) for c in out]
+        return out
+
+    def _candidates(self, model: str, seq_hashes: Sequence[int], exclude: frozenset[str],
+                    phase: str) -> list[Candidate]:
         state = self.state
+        # Aggregated requests of a model served disaggregated go to decode engines only.
+        split = phase != "" or self.is_disaggregated(model)
         scores = state.index.find_matches(seq_hashes)
         out: list[Candidate] = []
         n = len(seq_hashes)
         load = state.load
         for w in state.workers.values():
             if (w.model != model and model not in w.loras) or w.worker_id in exclude:
+                continue
+            if split and not disagg.serves(w.role, phase):
                 continue
             weight = HEALTH_WEIGHT.get(state.health.get(w.worker_id, "healthy"), 0.0)
             if weight <= 0.0:
@@ -596,7 +621,7 @@ class Replica:
         seq_hashes = prompt_hashes(req.token_ids, self.config.state.block_size,
                                    adapter=self._adapter(req.model))
         t1 = time.perf_counter()
-        cands = self.candidates(req.model, seq_hashes, req.exclude)
+        cands = self.candidates(req.model, seq_hashes, req.exclude, req.phase)
         t2 = time.perf_counter()
         thresholds = self.thresholds_for(req.model)
         self.selector.config = _with_thresholds(self.selector.config, thresholds)
@@ -680,10 +705,18 @@ class Replica:
             dp_rank=dp_rank, isl_tokens=len(req.token_ids), block_seq_hashes=list(seq_hashes),
             overlap_blocks=result.overlap_blocks, expected_osl=req.expected_osl,
             priority=req.priority, ts=time.time(), candidates=result.costs.rows(),
-            model=req.model, block_size=self.config.state.block_size)
+            model=req.model, block_size=self.config.state.block_size,
+            phase=req.phase,  # type: ignore[arg-type]  # one of disagg.PHASES
+            kv_reuse=self.config.assume_kv_reuse)
         prefill = max(len(req.token_ids) - result.overlap_blocks * info.block_size, 0)
         new_blocks = len(seq_hashes) - self.state.load.active_prefix_len(result.worker,
                                                                          seq_hashes)
+        if req.phase == disagg.PREFILL:
+            new_blocks = 0  # the state charges a prefill engine no decode blocks
+        elif req.phase == disagg.DECODE:
+            prefill = 0  # nor a decode engine prefill tokens (see RouterState._request_routed)
+            if not self.config.assume_kv_reuse:
+                new_blocks = len(seq_hashes)
         self._add_overlay(req.request_id, _Pending(result.worker, prefill, new_blocks))
         return Routed(req.request_id, worker_id, info.url, dp_rank, len(req.token_ids),
                       result.overlap_blocks, len(seq_hashes), result, event, timings)
