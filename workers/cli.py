@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats-url", default="",
                    help="NATS server for KV events and load gauges; empty = no events")
     p.add_argument("--namespace", default="jr", help="stream/subject namespace (default jr)")
+    p.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
+                   help="disaggregated serving: a prefill engine computes prompts and hands "
+                        "their KV blocks over (POST /v1/prefill), a decode engine receives them "
+                        "and generates; both does everything (default both)")
     g = p.add_argument_group("engine model")
     g.add_argument("--num-gpu-blocks", type=int, default=_DEFAULTS.num_gpu_blocks,
                    help=f"KV cache blocks (default {_DEFAULTS.num_gpu_blocks})")
@@ -59,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {_DEFAULTS.decode_ms_per_seq})")
     g.add_argument("--speedup-ratio", type=float, default=_DEFAULTS.speedup_ratio,
                    help="divide every simulated time by this (default 1.0)")
+    g.add_argument("--transfer-ms-per-block", type=float,
+                   default=_DEFAULTS.transfer_ms_per_block,
+                   help=f"cost of receiving one KV block from a prefill engine (disaggregated "
+                        f"serving; default {_DEFAULTS.transfer_ms_per_block})")
     g.add_argument("--dp-size", type=int, default=1,
                    help="data-parallel ranks, each an independent engine (default 1)")
     g.add_argument("--default-max-tokens", type=int, default=256,
@@ -81,6 +89,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         decode_ms_base=args.decode_ms_base,
         decode_ms_per_seq=args.decode_ms_per_seq,
         speedup_ratio=args.speedup_ratio,
+        transfer_ms_per_block=args.transfer_ms_per_block,
     )
     return WorkerSettings(
         worker_id=args.worker_id or f"w-{uuid.uuid4().hex[:8]}",
@@ -95,6 +104,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         default_max_tokens=args.default_max_tokens,
         shutdown_timeout=args.shutdown_timeout,
         model_path=args.model_path or None,
+        role=args.role,
         nats=options_from_args(args, check=False),  # files are checked by run()
     )
 
