@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from api.admin import admin_router, require_admin
+from api.disagg import PrefillRouter
 from api.errors import ApiError, error_response, install_error_handlers, overloaded_response
 from api.forward import Forwarder, replica_headers
 from api.http_limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
@@ -114,6 +115,10 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                           migration_limit=cfg.migration_limit,
                           on_worker_failure=lambda w, r: report_passive(replica.nc, replica.names,
                                                                         w, r))
+    prefill_router = PrefillRouter(
+        replica, forwarder.pool,
+        on_outcome=lambda outcome: metrics.disaggregated.labels(outcome=outcome).inc(),
+        on_worker_failure=forwarder.report_failure)
 
     # --- OpenAI-compatible ---------------------------------------------------------------
 
@@ -141,8 +146,12 @@ def create_app(replica: Replica, config: AppConfig | None = None,
             expected_osl=parsed.expected_osl, priority=PRIORITY_LEVEL[parsed.priority],
             overlap_weight=parsed.overlap_weight,
             latency_sensitivity=parsed.latency_sensitivity)
+        transfer = None
         try:
-            routed = await replica.route(route_req)
+            if replica.is_disaggregated(parsed.model):
+                routed, transfer = await prefill_router.route(route_req)
+            else:
+                routed = await replica.route(route_req)
         except UnknownModel as exc:
             raise ApiError(404, str(exc), param="model", code="model_not_found") from None
         except NoWorkers as exc:
@@ -168,7 +177,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         metrics.input_tokens.observe(routed.isl_tokens)
         if routed.total_blocks:
             metrics.kv_hit_rate.observe(routed.overlap_blocks / routed.total_blocks)
-        return await forwarder.forward(endpoint, parsed, raw, routed)
+        return await forwarder.forward(endpoint, parsed, raw, routed, transfer)
 
     async def completions(request: Request) -> Response:
         return await handle("completions", request)

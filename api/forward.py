@@ -18,11 +18,14 @@ import inspect
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import Any
 
 import msgspec
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from api.disagg import with_transfer
 from api.errors import error_response
 from api.metrics import RouterMetrics
 from api.migration import Continuation, Hop, HopPlan
@@ -121,8 +124,10 @@ class Forwarder:
             log.exception("on_worker_failure hook failed")
 
     async def forward(self, endpoint: str, parsed: ParsedRequest, raw: bytes,
-                      routed: Routed) -> Response:
-        run = _Run(self, endpoint, parsed, raw, routed)
+                      routed: Routed, transfer: dict[str, Any] | None = None) -> Response:
+        """``transfer``: the KV transfer handle of a disaggregated request's prefill hop, passed
+        to the decode engine with the first hop (api/disagg.py)."""
+        run = _Run(self, endpoint, parsed, raw, routed, transfer)
         early = await run.open_first()
         headers = replica_headers(self.replica.replica_id, run.first_worker, routed.request_id)
         # The reuse this replica predicted on the engine it picked (compare with the usage's
@@ -156,7 +161,7 @@ class _Run:
     """One client request through all its hops."""
 
     def __init__(self, fw: Forwarder, endpoint: str, parsed: ParsedRequest, raw: bytes,
-                 routed: Routed) -> None:
+                 routed: Routed, transfer: dict[str, Any] | None = None) -> None:
         self.fw = fw
         self.endpoint = endpoint
         self.parsed = parsed
@@ -164,6 +169,8 @@ class _Run:
         self.cont = Continuation(parsed, raw, fw.tokenizer.encode,
                                  chat_default_max_tokens=fw.chat_default_max_tokens)
         self.plan: HopPlan = self.cont.plan()
+        if transfer is not None:  # only the first hop: a migration prefills on its engine
+            self.plan = replace(self.plan, body=with_transfer(self.plan.body, transfer))
         self.hop: Hop = self.cont.start_hop(routed, self.plan)
         self.ex = Exchange()
         self.resp: UpstreamResponse | None = None

@@ -108,6 +108,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--kv-cache-block-size", type=_positive_int, default=16)
     r.add_argument("--no-router-kv-events", dest="router_kv_events", action="store_false",
                    help="approximate mode: predict caches from routing decisions (TTL + pruning)")
+    r.add_argument("--no-router-assume-kv-reuse", dest="router_assume_kv_reuse",
+                   action="store_false",
+                   help="disaggregated serving: decode engines do not reuse transferred blocks "
+                        "they already hold, so a decode decision counts no overlap and every "
+                        "block of a request as its own (pure load balancing)")
     r.add_argument("--router-ttl-secs", type=_non_negative, default=120.0)
     r.add_argument("--router-max-tree-size", type=_positive_int, default=2**20)
     r.add_argument("--router-prune-target-ratio", type=_fraction, default=0.8)
@@ -211,6 +216,7 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
         canary_recovery_timeout=args.canary_recovery_timeout,
         decision_append_timeout=args.decision_append_timeout,
         stream_max_bytes=args.stream_max_bytes,
+        assume_kv_reuse=args.router_assume_kv_reuse,
         nats=options_from_args(args, check=False),  # files are checked by run()
     )
 

@@ -45,12 +45,28 @@ CANDIDATE_FIELDS = (
 )
 
 
+PREFILL_HOP = -1  # ``<id>~prefill``: the prefill decision of a disaggregated request
+
+
 def split_hop(request_id: str) -> tuple[str, int]:
-    """``"abc~2"`` -> ``("abc", 2)``; an id without a numeric ``~hop`` suffix is hop 0."""
+    """``"abc~2"`` -> ``("abc", 2)``, ``"abc~prefill"`` -> ``("abc", -1)``; an id without such
+    a suffix is hop 0."""
     base, sep, suffix = request_id.rpartition(HOP_SEPARATOR)
     if sep and base and suffix.isdigit():
         return base, int(suffix)
+    if sep and base and suffix == "prefill":
+        return base, PREFILL_HOP
     return request_id, 0
+
+
+def _phases(rows: list[dict[str, Any]]) -> None:
+    """Name each hop's part: ``prefill`` (hop -1), ``decode`` (the first hop after a prefill
+    hop that handed its blocks over), else ``aggregated`` (no prefill hop, a prefill hop that
+    failed, or a migration hop: those prefill on their own engine)."""
+    handed_over = any(r["hop"] == PREFILL_HOP and r["outcome"] == "ok" for r in rows)
+    for r in rows:
+        r["phase"] = ("prefill" if r["hop"] == PREFILL_HOP
+                      else "decode" if r["hop"] == 0 and handed_over else "aggregated")
 
 
 class LedgerView:
@@ -134,6 +150,7 @@ class LedgerView:
             main = rows[0]  # hop 0 aged out or never seen: the base id still finds the hops
         if main is None:
             return None
+        _phases(rows)
         return {**main, "hops": rows}
 
     async def count(self, conn: AsyncConnection) -> int:

@@ -36,6 +36,10 @@ PREFILL = "prefill"
 DECODE = "decode"
 
 _MASK64 = (1 << 64) - 1
+# Weight of the blocks a decode engine must receive, in the decode decision's cost (in place of
+# the overlap score weight, which prices prefill: a transferred block costs far less than a
+# computed one, and counts once more as a block held while decoding).
+DECODE_TRANSFER_WEIGHT = 1.0
 
 
 def serves(role: str, phase: str) -> bool:

@@ -625,8 +625,10 @@ class Replica:
         t2 = time.perf_counter()
         thresholds = self.thresholds_for(req.model)
         self.selector.config = _with_thresholds(self.selector.config, thresholds)
+        weight = disagg.DECODE_TRANSFER_WEIGHT if req.phase == disagg.DECODE \
+            else req.overlap_weight
         result = self.selector.select(cands, len(req.token_ids), self.rng,
-                                      overlap_weight=req.overlap_weight)
+                                      overlap_weight=weight)
         t3 = time.perf_counter()
         return result, seq_hashes, {"hashing": t1 - t0, "matching": t2 - t1,
                                     "selection": t3 - t2, "total": t3 - t0}
