@@ -47,6 +47,7 @@ STABLE_AFTER = 30.0  # a child up this long has its backoff reset
 REPLICA_PORT_OFFSET = 0
 WORKER_PORT_OFFSET = 100
 DEFAULT_MODEL = "jetrouter-sim"
+_ROLE_PREFIX = {"both": "w", "prefill": "p", "decode": "d"}
 
 
 class ClusterStartError(Exception):
@@ -150,16 +151,22 @@ class LocalCluster:
         secure: bool = False,
         nats_options: NatsOptions | None = None,
         model_path: Path | str | None = None,
+        prefill_workers: int = 0,
+        decode_workers: int = 0,
     ) -> None:
         # workers=0: engines come from elsewhere (real engines behind `jetrouter bridge`).
-        if replicas < 1 or workers < 0:
+        # prefill_workers / decode_workers: disaggregated serving, engines p0.. and d0.. with
+        # those roles, besides the `workers` ones (w0.., role both).
+        if replicas < 1 or min(workers, prefill_workers, decode_workers) < 0:
             raise ValueError("a cluster needs at least one replica and no negative workers")
         # One model folder for both sides: the router hashes exactly the ids the engines cache.
         model_args = ["--model-path", str(Path(model_path).resolve())] if model_path else []
         router_args = [*model_args, *router_args]
         worker_args = [*model_args, *worker_args]
         self.replicas = replicas
-        self.workers = workers
+        self.roles = (["both"] * workers + ["prefill"] * prefill_workers
+                      + ["decode"] * decode_workers)
+        self.workers = len(self.roles)
         self.base_port = base_port
         self.data_dir = Path(data_dir).resolve()
         self.router_args = list(router_args)
@@ -180,6 +187,7 @@ class LocalCluster:
         self.nats_options = nats_options or NatsOptions()  # for an existing NATS (--nats-url)
         self.secure_setup: Any = None  # cluster.secure.SecureSetup once started with secure=True
         self.children: dict[str, Child] = {}
+        self._roles: dict[str, str] = {}  # worker name -> role, for prefill/decode engines
         self._nats: Any = None  # eventlog.server.NatsServer | NatsCluster when embedded
         self._supervisors: dict[str, asyncio.Task[None]] = {}
         self._stopping = asyncio.Event()
@@ -334,10 +342,14 @@ class LocalCluster:
             name = f"r{i}"
             self.children[name] = Child(name, "replica", [], f"http://127.0.0.1:{port}",
                                         "/ready", logs / f"{name}.log")
-        for i, port in enumerate(worker_ports):
-            name = f"w{i}"
+        counts: dict[str, int] = {}
+        for role, port in zip(self.roles, worker_ports, strict=True):
+            n = counts[role] = counts.get(role, -1) + 1
+            name = f"{_ROLE_PREFIX[role]}{n}"
             self.children[name] = Child(name, "worker", [], f"http://127.0.0.1:{port}",
                                         "/health", logs / f"{name}.log")
+            if role != "both":
+                self._roles[name] = role
 
     def child_nats_options(self, name: str) -> NatsOptions:
         """How child ``name`` (or ``admin``, for tools) connects: its own identity when secure,
@@ -363,9 +375,11 @@ class LocalCluster:
                           "--namespace", self.namespace, "--data-dir", str(replica_dir),
                           f"--admin-token={self.admin_token}", *self.router_args]
         else:
+            role = self._roles.get(child.name)
             child.argv = [sys.executable, "-m", "api.cli", "worker", *common,
                           "--worker-id", child.name, "--nats-url", self.nats_url,
-                          "--namespace", self.namespace, *self.worker_args]
+                          "--namespace", self.namespace, *self.worker_args,
+                          *(["--role", role] if role else [])]
 
     async def _start_nats(self) -> None:
         store = self.data_dir / "nats"
@@ -511,8 +525,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "children with --router-arg=--flag=value / --worker-arg=--flag=value (repeatable).\n"
         "Every flag can also be set as JETROUTER_<FLAG>, e.g. JETROUTER_REPLICAS=3.")
     p.add_argument("--replicas", type=int, default=2, help="router replicas (default 2)")
-    p.add_argument("--workers", type=int, default=4,
-                   help="simulated workers (default 4; 0: real engines only, via bridges)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="simulated workers (default 4, or 0 with --prefill-workers/"
+                        "--decode-workers; 0: real engines only, via bridges)")
+    p.add_argument("--prefill-workers", type=int, default=0,
+                   help="disaggregated serving: simulated prefill engines p0.. (--role prefill)")
+    p.add_argument("--decode-workers", type=int, default=0,
+                   help="disaggregated serving: simulated decode engines d0.. (--role decode)")
     p.add_argument("--base-port", type=int, default=8000,
                    help="first replica port (default 8000); 0 = free ports")
     p.add_argument("--data-dir", type=Path, default=Path(".jetrouter"),
@@ -577,6 +596,12 @@ def forwarded_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     if args.speedup_ratio is not None:
         worker += ["--speedup-ratio", str(args.speedup_ratio)]
     return router + list(args.router_arg), worker + list(args.worker_arg)
+
+
+def _plain_workers(args: argparse.Namespace) -> int:
+    if args.workers is not None:
+        return int(args.workers)
+    return 0 if args.prefill_workers or args.decode_workers else 4
 
 
 def banner(cluster: LocalCluster) -> str:
@@ -646,7 +671,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     cluster = LocalCluster(
-        replicas=args.replicas, workers=args.workers, base_port=args.base_port or None,
+        replicas=args.replicas, workers=_plain_workers(args),
+        prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+        base_port=args.base_port or None,
         data_dir=args.data_dir, router_args=router_args, worker_args=worker_args,
         nats_url=args.nats_url, restart=not args.no_restart, namespace=args.namespace,
         nats_cluster=args.nats_cluster, admin_token=args.admin_token,
