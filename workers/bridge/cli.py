@@ -75,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="URL routers send requests to (default: --engine-url)")
     p.add_argument("--model", default=None,
                    help="served model name (default: the base model in /v1/models)")
+    p.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
+                   help="disaggregated serving role registered for the engine (default both); "
+                        "a prefill engine must serve POST /v1/prefill (see README), else "
+                        "routers fall back to aggregated serving on decode engines")
     p.add_argument("--health-interval", type=_positive_float, default=2.0,
                    help="seconds between /health checks (default 2)")
     p.add_argument("--unhealthy-after", type=_positive_float, default=10.0,
@@ -98,7 +102,7 @@ def settings_from_args(args: argparse.Namespace) -> BridgeSettings:
         kv_topic=args.kv_topic, worker_id=args.worker_id, nats_url=args.nats_url,
         namespace=args.namespace, block_size=args.block_size,
         kv_total_blocks=args.kv_total_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
-        advertise_url=args.advertise_url, model=args.model,
+        advertise_url=args.advertise_url, model=args.model, role=args.role,
         health_interval=args.health_interval, unhealthy_after=args.unhealthy_after,
         load_interval=args.load_interval, replay_timeout=args.replay_timeout,
         nats=options_from_args(args, check=False))  # files are checked by run()
