@@ -611,6 +611,9 @@ def banner(cluster: LocalCluster) -> str:
         "jetrouter cluster is up",
         f"  routers : {' '.join(cluster.router_urls)}",
         f"  workers : {' '.join(cluster.worker_urls)}",
+        *([f"  roles   : disaggregated serving, "
+           f"{', '.join(f'{n} {r}' for n, r in sorted(cluster._roles.items()))}"]
+          if cluster._roles else []),
         f"  nats    : {cluster.nats_url}  (namespace {cluster.namespace})",
         *([f"  secured : TLS CA {cluster.secure_setup.ca_file}; users' password files in "
            f"{cluster.secure_setup.directory / 'users'} (admin: admin.password); server "
