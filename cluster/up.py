@@ -673,15 +673,10 @@ def run(args: argparse.Namespace) -> int:
         nats_options = options_from_args(args, url="")
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    cluster = LocalCluster(
-        replicas=args.replicas, workers=_plain_workers(args),
-        prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-        base_port=args.base_port or None,
-        data_dir=args.data_dir, router_args=router_args, worker_args=worker_args,
-        nats_url=args.nats_url, restart=not args.no_restart, namespace=args.namespace,
-        nats_cluster=args.nats_cluster, admin_token=args.admin_token,
-        ready_timeout=args.ready_timeout, model_path=args.model_path, secure=args.secure,
-        nats_options=nats_options)
+    try:
+        cluster = _cluster_from_args(args, router_args, worker_args, nats_options)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     try:
         asyncio.run(_serve_until_signalled(cluster))
     except nats_server.NatsServerNotFound as exc:
@@ -692,3 +687,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"jetrouter up: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _cluster_from_args(args: argparse.Namespace, router_args: list[str], worker_args: list[str],
+                       nats_options: NatsOptions) -> LocalCluster:
+    return LocalCluster(
+        replicas=args.replicas, workers=_plain_workers(args),
+        prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+        base_port=args.base_port or None,
+        data_dir=args.data_dir, router_args=router_args, worker_args=worker_args,
+        nats_url=args.nats_url, restart=not args.no_restart, namespace=args.namespace,
+        nats_cluster=args.nats_cluster, admin_token=args.admin_token,
+        ready_timeout=args.ready_timeout, model_path=args.model_path, secure=args.secure,
+        nats_options=nats_options)
