@@ -46,12 +46,13 @@ from bench.trace import (
     select,
 )
 from eventlog.hashing import prompt_hashes, tokens_hashes
+from eventlog.names import prefill_request_id
 from replicas.core import disagg
 from replicas.core.load import ActiveLoad
 from replicas.core.selection import Candidate, Decision, RoutingConfig, Selector
 from workers.scheduler import EngineConfig, EngineCore, SimRequest
 
-PREFILL_SUFFIX = "~prefill"
+PREFILL_SUFFIX = prefill_request_id("")  # what a prefill hop's id ends with
 
 
 @dataclass(slots=True)

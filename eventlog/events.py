@@ -7,9 +7,12 @@ of tagged events, so a worker's cache changes that happened together are applied
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Literal
 
 import msgspec
+
+from eventlog.errors import JetrouterError
 
 # Bounds every decoded event must respect. Anything else on a stream is malformed: counted and
 # skipped by every replica alike, never applied (design-notes: "absurd events"). They keep each
@@ -25,8 +28,6 @@ Ts = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
 Priority = Annotated[int, msgspec.Meta(ge=-(2**31), lt=2**31)]
-Role = Literal["prefill", "decode", "both"]
-Phase = Literal["", "prefill", "decode"]
 
 BlockPair = tuple[Hash, Hash]
 """(block_hash, tokens_hash): the engine's opaque id and jetrouter's hash of the block's tokens."""
@@ -34,6 +35,35 @@ BlockPair = tuple[Hash, Hash]
 CandidateRow = tuple[str, int, int, float, float, float, bool]
 """(worker_id, dp_rank, overlap_blocks, prefill_blocks, decode_blocks, cost, busy): one
 candidate's cost terms in a routing decision, kept for the decision ledger."""
+
+
+class Outcome(StrEnum):
+    """How a request (or one hop of it) ended: ``RequestFinished.outcome``. The field stays a
+    plain string on the wire, so an outcome a newer producer adds is carried, not malformed."""
+
+    OK = "ok"
+    ERROR = "error"
+    CANCELLED = "cancelled"
+    MIGRATED = "migrated"      # a hop moved to another engine; the request goes on
+    EXPIRED = "expired"
+    NOT_ROUTED = "not_routed"  # the decision's append failed; closed in case it landed later
+
+
+class Role(StrEnum):
+    """What an engine does in disaggregated serving: ``WorkerRegistered.role``. See
+    replicas/core/disagg.py."""
+
+    PREFILL = "prefill"  # computes prompts and hands their KV blocks over
+    DECODE = "decode"    # receives KV blocks and generates
+    BOTH = "both"        # everything (the only kind before disaggregation)
+
+
+class Phase(StrEnum):
+    """Which of a request's routing decisions a ``RequestRouted`` is."""
+
+    AGGREGATED = ""      # an ordinary decision: one engine prefills and decodes
+    PREFILL = "prefill"  # the engine computing the prompt of a disaggregated request
+    DECODE = "decode"    # the engine receiving its KV blocks and generating
 
 
 class _Event(msgspec.Struct, frozen=True, tag=True, array_like=False, omit_defaults=False):
@@ -58,7 +88,7 @@ class WorkerRegistered(_Event, frozen=True, tag=True):
     # What the engine does in disaggregated serving: "prefill" engines compute prompts and hand
     # their KV blocks over, "decode" engines receive them and generate, "both" does everything
     # (the only kind before disaggregation; older events decode as it).
-    role: Role = "both"
+    role: str = Role.BOTH  # a Role
 
 
 class WorkerRetired(_Event, frozen=True, tag=True):
@@ -118,7 +148,7 @@ class RequestRouted(_Event, frozen=True, tag=True):
     # prompt, "decode" the one that picked the engine receiving its KV blocks; "" is an ordinary
     # (aggregated) decision. ``kv_reuse`` False (--no-router-assume-kv-reuse) makes a decode
     # decision's blocks count as this request's own, never shared with another request's.
-    phase: Phase = ""
+    phase: str = Phase.AGGREGATED  # a Phase
     kv_reuse: bool = True
 
 
@@ -129,7 +159,7 @@ class PrefillCompleted(_Event, frozen=True, tag=True):
 
 class RequestFinished(_Event, frozen=True, tag=True):
     request_id: Id
-    outcome: str  # "ok" | "error" | "cancelled" | "migrated" | "expired"
+    outcome: str  # an Outcome
     output_tokens: Count
     ts: Ts
     # Prompt tokens the engine reports it served from its prefix cache
@@ -196,7 +226,7 @@ Event = KvEvent | RouterEvent | ControlEvent
 Batch = list[Event]
 
 
-class MalformedMessage(ValueError):
+class MalformedMessage(JetrouterError, ValueError):
     """A stream message that is not a valid batch of events (garbage bytes or wrong schema)."""
 
 

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from eventlog.connect import NatsOptions
-from eventlog.events import WorkerRegistered
+from eventlog.events import Role, WorkerRegistered
 from eventlog.model_tokenizer import load_codec
 from eventlog.names import Names, check_token
 from eventlog.tokens import decode
@@ -109,7 +109,7 @@ class WorkerRuntime:
         self.publisher.register(WorkerRegistered(
             s.worker_id, self.url, s.model, s.engine.block_size, s.engine.num_gpu_blocks,
             s.engine.max_num_batched_tokens, time.time(), dp_size=s.dp_size,
-            role=s.role))  # type: ignore[arg-type]  # checked by the CLI
+            role=Role(s.role)))
 
     def begin_shutdown(self) -> None:
         if not self.draining:

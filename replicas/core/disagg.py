@@ -27,13 +27,19 @@ from dataclasses import replace
 
 import xxhash
 
+from eventlog.events import Phase, Role
 from replicas.core.selection import Candidate
 
-ROLES = ("prefill", "decode", "both")
-PHASES = ("", "prefill", "decode")
-AGGREGATED = ""
-PREFILL = "prefill"
-DECODE = "decode"
+__all__ = ["AGGREGATED", "DECODE", "DECODE_TRANSFER_WEIGHT", "PHASES", "PREFILL", "ROLES", "Phase",
+           "Role", "decode_candidate", "is_disaggregated", "prefill_candidate", "serves",
+           "unique_block_hashes"]
+
+ROLES = tuple(Role)
+PHASES = tuple(Phase)
+# Module globals, not Role.X / Phase.X on the hot path: a member read off its class is a
+# descriptor call on Python 3.11.
+AGGREGATED, PREFILL, DECODE = Phase.AGGREGATED, Phase.PREFILL, Phase.DECODE
+_ROLE_PREFILL, _ROLE_DECODE, _ROLE_BOTH = Role.PREFILL, Role.DECODE, Role.BOTH
 
 _MASK64 = (1 << 64) - 1
 # Weight of the blocks a decode engine must receive, in the decode decision's cost (in place of
@@ -44,16 +50,16 @@ DECODE_TRANSFER_WEIGHT = 1.0
 
 def serves(role: str, phase: str) -> bool:
     """Whether an engine of ``role`` takes decisions of ``phase`` ("" = aggregated)."""
-    if role == "both":
+    if role == _ROLE_BOTH:
         return True
     if phase == PREFILL:
-        return role == "prefill"
-    return role == "decode"  # decode decisions and aggregated serving both generate
+        return role == _ROLE_PREFILL
+    return role == _ROLE_DECODE  # decode decisions and aggregated serving both generate
 
 
 def is_disaggregated(roles: Sequence[str]) -> bool:
     """A model is served disaggregated when at least one of its engines is a prefill engine."""
-    return "prefill" in roles
+    return _ROLE_PREFILL in roles
 
 
 def prefill_candidate(c: Candidate) -> Candidate:

@@ -163,7 +163,8 @@ class RouterState:
         restarted = e.worker_id in self.workers
         self.lost_workers.pop(e.worker_id, None)
         info = WorkerInfo(e.worker_id, e.url, e.model, e.block_size, e.kv_total_blocks,
-                          e.max_num_batched_tokens, e.dp_size, e.ts, list(e.loras), e.role)
+                          e.max_num_batched_tokens, e.dp_size, e.ts, list(e.loras),
+                          str(e.role))  # the digest reprs it: a plain string either way
         if e.block_size != self.config.block_size:
             self.workers.pop(e.worker_id, None)
             self.health.pop(e.worker_id, None)

@@ -27,7 +27,7 @@ def cand(worker: str, *, overlap: int = 0, prefill: int = 0, decode: int = 0,
 
 
 def pick(cands: list[Candidate], isl: int = 8 * BS) -> str:
-    result = Selector(RoutingConfig(block_size=BS)).select(cands, isl, random.Random(0))
+    result = Selector(RoutingConfig.dynamo(block_size=BS)).select(cands, isl, random.Random(0))
     assert isinstance(result, Decision)
     return result.worker[0]
 

@@ -31,8 +31,8 @@ def replica(*, reuse: bool = True) -> Replica:
 
 
 def route(r: Replica, phase: str, rid: str = "a") -> ev.RequestRouted:
-    return r._prepare(RouteRequest(request_id=rid, model="m", token_ids=PROMPT,
-                                   phase=phase)).event
+    return r.dispatcher._prepare(RouteRequest(request_id=rid, model="m", token_ids=PROMPT,
+                                              phase=ev.Phase(phase))).event
 
 
 def test_each_phase_sees_only_its_engines() -> None:

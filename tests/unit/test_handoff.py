@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import msgspec
 
-from api.disagg import prefill_id, with_transfer
+from api.forward.continuation import with_transfer
 from eventlog.hashing import tokens_hashes
-from snapshots.ledger import PREFILL_HOP, split_hop
+from eventlog.names import PREFILL_HOP, prefill_request_id, split_hop
 from workers.handoff import transferred_tokens
 
 BS = 16
@@ -38,5 +38,5 @@ def test_handle_rides_in_the_jetrouter_extension() -> None:
 
 
 def test_prefill_hop_groups_under_its_request() -> None:
-    assert split_hop(prefill_id("abc")) == ("abc", PREFILL_HOP)
+    assert split_hop(prefill_request_id("abc")) == ("abc", PREFILL_HOP)
     assert split_hop("abc~2") == ("abc", 2) and split_hop("a~prefillx") == ("a~prefillx", 0)

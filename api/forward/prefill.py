@@ -1,5 +1,9 @@
 """Disaggregated serving on the request path: the prefill hop and the KV hand-off.
 
+The prefill hop is the one hop whose lifecycle on the router stream is not in
+:mod:`api.forward.run`: it streams nothing to the client, so it is routed, run and ended here,
+before the request's run starts on the decode engine.
+
 For a model with prefill engines (``Replica.is_disaggregated``) a request gets two routing
 decisions, both ``RequestRouted`` events on the router stream (replicas/core/disagg.py):
 
@@ -20,12 +24,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import replace
+from enum import StrEnum
 from typing import Any
 
 import msgspec
 
-from api.proxy import classify
+from api.forward.continuation import TRANSFER_KEY
+from api.forward.engine import HopFailure, classify
 from api.upstream import UpstreamError, UpstreamPool
+from eventlog.errors import JetrouterError
+from eventlog.events import Outcome
+from eventlog.names import prefill_request_id
 from replicas.core import disagg
 from replicas.runtime.replica import (
     DecisionNotRecorded,
@@ -37,38 +46,41 @@ from replicas.runtime.replica import (
 
 log = logging.getLogger("jetrouter.disagg")
 
-PREFILL_SUFFIX = "~prefill"
 PREFILL_PATH = "/v1/prefill"
-TRANSFER_KEY = "kv_transfer"
 
 
-class PrefillFailed(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
+class DisaggOutcome(StrEnum):
+    """How a request of a model with prefill engines was served: the ``outcome`` label of
+    ``jetrouter_disaggregated_requests_total``."""
+
+    DISAGGREGATED = "disaggregated"
+    NO_PREFILL_ENGINE = "no_prefill_engine"  # none registered, healthy and free: aggregated
+    PREFILL_FAILED = "prefill_failed"        # the prefill hop failed: aggregated
+
+
+class PrefillProblem(StrEnum):
+    """Ways a prefill hop fails besides the transport ones (:class:`HopFailure`)."""
+
+    BAD_REQUEST = "bad_request"  # a 4xx: the engine judged the request, not a health signal
+    BAD_ANSWER = "bad_answer"    # a 200 without a usable transfer handle
+
+
+class PrefillFailed(JetrouterError):
+    """The prefill hop failed for ``reason``; the request is served aggregated."""
+
+    def __init__(self, reason: HopFailure | PrefillProblem, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
-
-
-def prefill_id(request_id: str) -> str:
-    return request_id + PREFILL_SUFFIX
-
-
-def with_transfer(body: bytes, transfer: dict[str, Any]) -> bytes:
-    """The forwarded JSON body with the transfer handle in its ``jetrouter`` extension."""
-    obj = msgspec.json.decode(body)
-    ext = obj.get("jetrouter")
-    obj["jetrouter"] = {**(ext if isinstance(ext, dict) else {}), TRANSFER_KEY: transfer}
-    return msgspec.json.encode(obj)
 
 
 class PrefillRouter:
     """Runs the prefill hop of disaggregated requests for one replica.
 
-    ``on_outcome(outcome)`` counts each request: ``disaggregated``, or the reason it fell back
-    (``no_prefill_engine``, ``prefill_failed``). ``on_worker_failure(worker_id, reason)`` is the
-    Forwarder's passive health signal."""
+    ``on_outcome(outcome)`` counts each request (a :class:`DisaggOutcome`).
+    ``on_worker_failure(worker_id, reason)`` is the Forwarder's passive health signal."""
 
     def __init__(self, replica: Replica, pool: UpstreamPool, *,
-                 on_outcome: Callable[[str], None] | None = None,
+                 on_outcome: Callable[[DisaggOutcome], None] | None = None,
                  on_worker_failure: Callable[[str, str], None] | None = None) -> None:
         self.replica = replica
         self.pool = pool
@@ -78,10 +90,10 @@ class PrefillRouter:
     async def route(self, req: RouteRequest) -> tuple[Routed, dict[str, Any] | None]:
         """(the decode decision, the transfer handle) or (an aggregated decision, None)."""
         transfer: dict[str, Any] | None = None
-        outcome = "no_prefill_engine"
+        outcome = DisaggOutcome.NO_PREFILL_ENGINE
         try:
-            pre = await self.replica.route(replace(req, request_id=prefill_id(req.request_id),
-                                                   phase=disagg.PREFILL))
+            pre = await self.replica.route(replace(
+                req, request_id=prefill_request_id(req.request_id), phase=disagg.PREFILL))
         except DecisionNotRecorded:
             raise  # the router stream does not take decisions: the decode one would fail too
         except RoutingError as exc:
@@ -90,7 +102,8 @@ class PrefillRouter:
             pre = None
         if pre is not None:
             transfer = await self._prefill(pre, req)
-            outcome = "disaggregated" if transfer is not None else "prefill_failed"
+            outcome = (DisaggOutcome.DISAGGREGATED if transfer is not None
+                       else DisaggOutcome.PREFILL_FAILED)
         if self.on_outcome is not None:
             self.on_outcome(outcome)
         phase = disagg.DECODE if transfer is not None else disagg.AGGREGATED
@@ -98,24 +111,25 @@ class PrefillRouter:
 
     async def _prefill(self, pre: Routed, req: RouteRequest) -> dict[str, Any] | None:
         """Run the prefill hop; its handle, or None (hop ended as ``error``) when it failed."""
-        outcome, cached = "cancelled", -1
+        outcome, cached = Outcome.CANCELLED, -1
         try:
             answer = await self._call(pre, req)
             transfer = answer.get(TRANSFER_KEY)
             if not isinstance(transfer, dict):
-                raise PrefillFailed("bad_answer", "the prefill answer has no kv_transfer")
+                raise PrefillFailed(PrefillProblem.BAD_ANSWER,
+                                    "the prefill answer has no kv_transfer")
             usage = answer.get("usage")
             details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
             value = details.get("cached_tokens") if isinstance(details, dict) else None
             cached = value if isinstance(value, int) and value >= 0 else -1
             self.replica.prefill_completed(pre.request_id)
-            outcome = "ok"
+            outcome = Outcome.OK
             return transfer
         except PrefillFailed as exc:
-            outcome = "error"
+            outcome = Outcome.ERROR
             log.warning("request %s: prefill on %s failed (%s); serving it aggregated",
                         req.request_id, pre.worker_id, exc)
-            if self.on_worker_failure is not None and exc.reason != "bad_request":
+            if self.on_worker_failure is not None and exc.reason != PrefillProblem.BAD_REQUEST:
                 self.on_worker_failure(pre.worker_id, exc.reason)
             return None
         finally:
@@ -135,12 +149,15 @@ class PrefillRouter:
         except (UpstreamError, OSError) as exc:
             raise PrefillFailed(classify(exc), f"{type(exc).__name__}: {exc}") from None
         if resp.status_code != 200:
-            reason = "bad_request" if 400 <= resp.status_code < 500 else "upstream_5xx"
+            reason: HopFailure | PrefillProblem = (
+                PrefillProblem.BAD_REQUEST if 400 <= resp.status_code < 500
+                else HopFailure.UPSTREAM_5XX)
             raise PrefillFailed(reason, f"HTTP {resp.status_code} {raw[:200]!r}")
         try:
             answer = msgspec.json.decode(raw)
         except msgspec.DecodeError as exc:
-            raise PrefillFailed("bad_answer", f"not JSON: {exc}") from None
+            raise PrefillFailed(PrefillProblem.BAD_ANSWER, f"not JSON: {exc}") from None
         if not isinstance(answer, dict):
-            raise PrefillFailed("bad_answer", "the prefill answer is not an object")
+            raise PrefillFailed(PrefillProblem.BAD_ANSWER,
+                                "the prefill answer is not an object")
         return answer
