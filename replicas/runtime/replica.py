@@ -34,7 +34,7 @@ from eventlog.connect import NatsConnectFatal, connect
 from eventlog.jetstream_log import JetStreamLog
 from eventlog.log import EventLog
 from eventlog.names import CONTROL, KV, ROUTER, Names
-from replicas.core.candidates import served_models
+from replicas.core.candidates import is_disaggregated, served_models
 from replicas.core.health import HealthBoard
 from replicas.core.routing_errors import AllWorkersBusy, NoWorkers, RoutingError, UnknownModel
 from replicas.core.selection import BusyThresholds
@@ -351,6 +351,10 @@ class Replica:
 
     def thresholds_for(self, model: str) -> BusyThresholds:
         return self.dispatcher.thresholds_for(model)
+
+    def is_disaggregated(self, model: str) -> bool:
+        """The model has prefill engines: its requests get a prefill and a decode decision."""
+        return is_disaggregated(self.state, model)
 
     def pending_decisions(self) -> int:
         """Decisions in the optimistic overlay: routed here, not yet applied from the stream."""
