@@ -23,7 +23,7 @@ import msgspec
 from eventlog.names import STREAM_KINDS
 
 STATE = "state"
-PARTS: tuple[str, ...] = ("index", "load", "config")
+PARTS: tuple[str, ...] = ("index", "load", "config", "sessions")
 INJECTED = "__injected__"  # worker/request id used by inject_divergence; never a real id
 
 

@@ -28,6 +28,7 @@ from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS
 from replicas.core.index import PrefixIndex
 from replicas.core.load import ActiveLoad
 from replicas.core.selection import BusyThresholds
+from replicas.core.sessions import SessionTable
 
 _MASK = (1 << 64) - 1
 # 2: columnar index and load (replicas/core/index.py, replicas/core/load.py); 1 is still read, so a
@@ -82,6 +83,7 @@ class RouterState:
                                  max_tree_size=c.max_tree_size,
                                  prune_target_ratio=c.prune_target_ratio)
         self.load = ActiveLoad()
+        self.sessions = SessionTable()  # sticky session pins (router stream)
         self.positions: dict[str, int] = {k: 0 for k in STREAM_KINDS}
         self.epoch = 0
         self.now = 0.0
@@ -154,6 +156,9 @@ class RouterState:
             self._ended.pop(request_id, None)
         if self.config.approximate:
             self.index.expire(self.now)
+        if len(self.sessions):
+            for _ in self.sessions.expire(self.now):
+                self.stats.bump(ROUTER, "SessionExpired", "ok")
 
     # KV stream
 
@@ -285,6 +290,12 @@ class RouterState:
         self._end(freed)
         return "ok" if freed else "nothing_owned"
 
+    def _session_pinned(self, e: ev.SessionPinned) -> str:
+        return self.sessions.pin(e.session_id, (e.worker_id, e.dp_rank), e.model, e.ttl, e.ts)
+
+    def _session_released(self, e: ev.SessionReleased) -> str:
+        return "ok" if self.sessions.release(e.session_id) else "unknown_session"
+
     # Control stream
 
     def _busy_thresholds_set(self, e: ev.BusyThresholdsSet) -> str:
@@ -323,6 +334,7 @@ class RouterState:
                                  max_tree_size=c.max_tree_size,
                                  prune_target_ratio=c.prune_target_ratio)
         self.load = ActiveLoad()
+        self.sessions.clear()
         self._expiry.clear()
         self._routed_ts.clear()
         self._ended.clear()
@@ -359,7 +371,7 @@ class RouterState:
             sorted((w.worker_id, w.block_size) for w in self.refused_workers.values()),
         )
         parts = {"index": self.index.digest & _MASK, "load": self.load.digest & _MASK,
-                 "config": config}
+                 "config": config, "sessions": self.sessions.digest & _MASK}
         parts["state"] = sum(parts.values()) & _MASK
         return parts
 
@@ -394,6 +406,7 @@ class RouterState:
             "out_of_sync": sorted(self.out_of_sync),
             "index": None,  # filled in by the returned function
             "load": self.load.to_plain(),
+            "sessions": self.sessions.to_plain(),
             # Only live entries: finished requests linger in the heap until they age out.
             "expiry": sorted(x for x in self._expiry if self.load.request(x[1]) is not None),
             "ended": dict(self._ended),
@@ -425,6 +438,7 @@ class RouterState:
         state.out_of_sync = set(doc["out_of_sync"])
         state.index = PrefixIndex.from_plain(doc["index"])
         state.load = ActiveLoad.from_plain(doc["load"])
+        state.sessions = SessionTable.from_plain(doc.get("sessions", []))  # absent in older blobs
         state._expiry = [tuple(x) for x in doc["expiry"]]  # type: ignore[misc]
         heapq.heapify(state._expiry)
         state._routed_ts = {rid: ts for ts, rid in state._expiry}
@@ -449,6 +463,8 @@ _HANDLERS = {
     ev.PrefillCompleted: RouterState._prefill_completed,
     ev.RequestFinished: RouterState._request_finished,
     ev.ReplicaLost: RouterState._replica_lost,
+    ev.SessionPinned: RouterState._session_pinned,
+    ev.SessionReleased: RouterState._session_released,
     ev.BusyThresholdsSet: RouterState._busy_thresholds_set,
     ev.SnapshotThresholdSet: RouterState._snapshot_threshold_set,
     ev.SnapshotTaken: RouterState._snapshot_taken,
