@@ -21,7 +21,9 @@ from api.errors import ApiError, error_response, install_error_handlers, overloa
 from api.forward import Forwarder, replica_headers
 from api.http_limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from api.metrics import RouterMetrics
-from api.openai_schema import decode_json, parse_request
+from api.nvext_response import NvextFields, add_to_response
+from api.openai_schema import MAX_SESSION_ID, ParsedRequest, decode_json, parse_request
+from api.session_control import EngineSessions
 from api.shed import Shedder
 from api.tokenizer import Tokenizer, load_model_tokenizer
 from eventlog.appender import AppendFailed
@@ -35,9 +37,11 @@ from replicas.runtime.replica import (
     RouteRequest,
     UnknownModel,
 )
+from replicas.runtime.sticky import DEFAULT_SESSION_TTL, SessionRequest
 
 log = logging.getLogger("jetrouter.api")
 
+SESSION_HEADER = "x-dynamo-session-id"
 PRIORITY_LEVEL = {"premium": 2, "standard": 1, "best_effort": 0}
 _json = msgspec.json.Encoder()
 
@@ -57,6 +61,9 @@ class AppConfig:
     # A request that reaches a replica still catching up waits this long for readiness instead
     # of failing: a load balancer's health check lags the replica's start by up to one interval.
     ready_wait: float = 5.0
+    # TTL of sessions named only by the X-Dynamo-Session-ID header (nvext.session_control
+    # carries its own timeout; this is also its default).
+    session_ttl: float = DEFAULT_SESSION_TTL
 
 
 def _json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None
@@ -114,10 +121,27 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                           migration_limit=cfg.migration_limit,
                           on_worker_failure=lambda w, r: report_passive(replica.nc, replica.names,
                                                                         w, r))
+    engine_sessions = EngineSessions(forwarder.pool)
+    app.state.engine_sessions = engine_sessions
 
     # --- OpenAI-compatible ---------------------------------------------------------------
 
+    def session_of(parsed: ParsedRequest, request: Request) -> SessionRequest | None:
+        if parsed.session_control is not None:
+            sid, action, timeout = parsed.session_control
+            return SessionRequest(sid, action, timeout if timeout is not None
+                                  else cfg.session_ttl)
+        header = request.headers.get(SESSION_HEADER)
+        if header is None:
+            return None
+        header = header.strip()
+        if not header or len(header) > MAX_SESSION_ID:
+            raise ApiError(400, f"Invalid '{SESSION_HEADER}' header: expected 1 to "
+                           f"{MAX_SESSION_ID} characters.", param=SESSION_HEADER)
+        return SessionRequest(header, "bind", cfg.session_ttl)
+
     async def handle(endpoint: str, request: Request) -> Response:
+        received, started = time.time(), time.perf_counter()
         raw = await request.body()
         if not replica.ready and not replica.draining and cfg.ready_wait > 0:
             await _await_ready(replica, cfg.ready_wait)
@@ -140,7 +164,9 @@ def create_app(replica: Replica, config: AppConfig | None = None,
             request_id=request_id, model=parsed.model, token_ids=parsed.prompt_ids,
             expected_osl=parsed.expected_osl, priority=PRIORITY_LEVEL[parsed.priority],
             overlap_weight=parsed.overlap_weight,
-            latency_sensitivity=parsed.latency_sensitivity)
+            latency_sensitivity=parsed.latency_sensitivity,
+            session=session_of(parsed, request))
+        routing_started = time.perf_counter()
         try:
             routed = await replica.route(route_req)
         except UnknownModel as exc:
@@ -168,7 +194,18 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         metrics.input_tokens.observe(routed.isl_tokens)
         if routed.total_blocks:
             metrics.kv_hit_rate.observe(routed.overlap_blocks / routed.total_blocks)
-        return await forwarder.forward(endpoint, parsed, raw, routed)
+        routing_s = time.perf_counter() - routing_started
+        session = route_req.session
+        if session is not None and routed.sticky in ("open", "repin"):
+            await engine_sessions.open(routed.worker_url, session.session_id)
+        resp = await forwarder.forward(endpoint, parsed, raw, routed)
+        if session is not None and session.action == "close":
+            engine_sessions.close_after(resp, routed.worker_url, session.session_id)
+        if parsed.extra_fields:
+            resp = await add_to_response(resp, NvextFields(
+                parsed.extra_fields, routed, replica.replica_id, replica.config.state.block_size,
+                received, started, routing_s))
+        return resp
 
     async def completions(request: Request) -> Response:
         return await handle("completions", request)

@@ -63,8 +63,9 @@ _fraction = _number(float, at_least=0, at_most=1)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    # --http-host / --http-port: Dynamo's frontend names (python -m dynamo.frontend ...).
+    g.add_argument("--host", "--http-host", dest="host", default="127.0.0.1")
+    g.add_argument("--port", "--http-port", dest="port", type=int, default=8000)
     g.add_argument("--replica-id", default=None, help="stable id (default: random r-xxxxxx)")
     g.add_argument("--nats-url", default="nats://127.0.0.1:4222",
                    help="NATS server URL, or a comma-separated list for a cluster")
@@ -108,6 +109,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--kv-cache-block-size", type=_positive_int, default=16)
     r.add_argument("--no-router-kv-events", dest="router_kv_events", action="store_false",
                    help="approximate mode: predict caches from routing decisions (TTL + pruning)")
+    r.add_argument("--router-kv-events", dest="router_kv_events", action="store_true",
+                   default=True, help="use the engines' KV events (the default)")
+    r.add_argument("--no-router-track-active-blocks", dest="router_track_active_blocks",
+                   action="store_false",
+                   help="charge engines no decode blocks for in-flight requests (engines that "
+                        "only prefill)")
+    r.add_argument("--router-track-active-blocks", dest="router_track_active_blocks",
+                   action="store_true", default=True, help=argparse.SUPPRESS)
+    r.add_argument("--router-track-prefill-tokens", dest="router_track_prefill_tokens",
+                   action="store_true", default=True,
+                   help="charge engines the prompt tokens still being prefilled (the default)")
+    r.add_argument("--no-router-track-prefill-tokens", dest="router_track_prefill_tokens",
+                   action="store_false",
+                   help="leave queued prompt tokens out of the cost and the prefill busy "
+                        "thresholds (decode-only paths)")
+    r.add_argument("--no-router-assume-kv-reuse", dest="router_assume_kv_reuse",
+                   action="store_false",
+                   help="charge every in-flight request all its blocks, even those another "
+                        "request on the same engine already holds")
+    r.add_argument("--router-assume-kv-reuse", dest="router_assume_kv_reuse",
+                   action="store_true", default=True, help=argparse.SUPPRESS)
+    r.add_argument("--session-ttl-secs", type=_positive_float, default=300.0,
+                   help="sliding TTL (event time) of sticky sessions named only by the "
+                        "X-Dynamo-Session-ID header, and the default of "
+                        "nvext.session_control.timeout")
+    # Dynamo flags whose behaviour is always on here (the README's flag table says why).
+    r.add_argument("--router-replica-sync", action="store_true", help=argparse.SUPPRESS)
+    r.add_argument("--router-durable-kv-events", action="store_true", help=argparse.SUPPRESS)
     r.add_argument("--router-ttl-secs", type=_non_negative, default=120.0)
     r.add_argument("--router-max-tree-size", type=_positive_int, default=2**20)
     r.add_argument("--router-prune-target-ratio", type=_fraction, default=0.8)
@@ -190,7 +219,10 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
                               kv_overlap_score_weight=args.router_kv_overlap_score_weight,
                               temperature=args.router_temperature,
                               block_size=args.kv_cache_block_size,
-                              prefill_queue_weight=args.router_prefill_queue_weight),
+                              prefill_queue_weight=args.router_prefill_queue_weight,
+                              track_active_blocks=args.router_track_active_blocks,
+                              track_prefill_tokens=args.router_track_prefill_tokens,
+                              assume_kv_reuse=args.router_assume_kv_reuse),
         default_thresholds=BusyThresholds(args.active_decode_blocks_threshold,
                                           args.active_prefill_tokens_threshold,
                                           args.active_prefill_tokens_threshold_frac),
@@ -248,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
                                         max_body_bytes=args.max_body_bytes,
                                         busy_threshold_requires_admin=(
                                             args.busy_threshold_requires_admin),
-                                        ready_wait=args.ready_wait))
+                                        ready_wait=args.ready_wait,
+                                        session_ttl=args.session_ttl_secs))
     config_ = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                              access_log=False,
                              http=guarded_http_protocol(args.request_read_timeout),  # type: ignore[arg-type]

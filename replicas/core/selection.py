@@ -67,6 +67,14 @@ class RoutingConfig:
     thresholds: BusyThresholds = field(default_factory=BusyThresholds)
     # None: the queued prefill is scaled by the overlap weight too (Dynamo); else its own weight.
     prefill_queue_weight: float | None = None
+    # Which in-flight load the candidates are charged with (Dynamo's block-tracking switches).
+    # They change what a decision sees, never the replicated load itself, so replicas configured
+    # differently still hold the same state.
+    track_active_blocks: bool = True   # off: decode blocks count 0 (prefill-only engines)
+    track_prefill_tokens: bool = True  # off: queued prefill tokens count 0 (decode-only paths)
+    # On: blocks other active requests on the engine hold are charged once (the engine shares
+    # them); off: every request is charged all its blocks.
+    assume_kv_reuse: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

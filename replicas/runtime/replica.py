@@ -40,6 +40,7 @@ from replicas.core.selection import (
     Selector,
 )
 from replicas.core.state import RouterState, StateConfig
+from replicas.runtime.sticky import SessionRequest, StickyOverlay, session_events, sticky_target
 
 if TYPE_CHECKING:
     from replicas.runtime.durability import Durability
@@ -154,6 +155,7 @@ class RouteRequest:
     overlap_weight: float | None = None
     latency_sensitivity: float = 0.0
     exclude: frozenset[str] = frozenset()  # worker ids not to use (e.g. one that just failed)
+    session: SessionRequest | None = None  # nvext.session_control / X-Dynamo-Session-ID
 
 
 @dataclass(slots=True)
@@ -168,6 +170,9 @@ class Routed:
     decision: Decision
     event: ev.RequestRouted
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
+    # SessionPinned / SessionReleased appended in the decision's own message.
+    session_events: list[ev.Event] = field(default_factory=list)
+    sticky: str | None = None  # "pinned" (went to its session's engine), "open", "repin"
 
 
 @dataclass(slots=True)
@@ -211,6 +216,7 @@ class Replica:
         self._pending: dict[str, _Pending] = {}
         self._overlay_prefill: dict[WorkerKey, int] = {}
         self._overlay_decode: dict[WorkerKey, int] = {}
+        self.sticky = StickyOverlay()  # pins routed here and not yet applied from the stream
         self._queue: RequestQueue = RequestQueue(config.queue_policy)
         self._load_changed = asyncio.Event()
         self._dispatcher: asyncio.Task[None] | None = None
@@ -474,6 +480,7 @@ class Replica:
                 self.state.positions[KV], self.state.positions[ROUTER]) != before[1:]:
             # A StateReset moved the other streams' positions to its cut: re-read from there.
             self._pending.clear()
+            self.sticky.clear()
             self._overlay_prefill.clear()
             self._overlay_decode.clear()
             raise _Rewind()
@@ -556,6 +563,9 @@ class Replica:
         out: list[Candidate] = []
         n = len(seq_hashes)
         load = state.load
+        routing = self.config.routing
+        track_decode, track_prefill = routing.track_active_blocks, routing.track_prefill_tokens
+        reuse = routing.assume_kv_reuse
         for w in state.workers.values():
             if (w.model != model and model not in w.loras) or w.worker_id in exclude:
                 continue
@@ -564,16 +574,23 @@ class Replica:
                 continue
             for rank in range(w.dp_size):
                 key = (w.worker_id, rank)
-                active_prefix = load.active_prefix_len(key, seq_hashes) if n else 0
+                if not track_decode:
+                    decode, new_blocks = 0, 0
+                else:
+                    decode = load.active_decode_blocks(key) + self._overlay_decode.get(key, 0)
+                    # Assuming KV reuse, blocks other active requests on this engine already
+                    # hold are not charged again (the engine shares them).
+                    shared = load.active_prefix_len(key, seq_hashes) if n and reuse else 0
+                    new_blocks = n - shared
+                prefill = (load.active_prefill_tokens(key) + self._overlay_prefill.get(key, 0)
+                           if track_prefill else 0)
                 out.append(Candidate(
                     worker=key,
                     overlap_blocks=scores.scores.get(key, 0),
                     tree_size=scores.tree_sizes.get(key, 0),
-                    active_prefill_tokens=load.active_prefill_tokens(key)
-                    + self._overlay_prefill.get(key, 0),
-                    active_decode_blocks=load.active_decode_blocks(key)
-                    + self._overlay_decode.get(key, 0),
-                    new_request_blocks=n - active_prefix,
+                    active_prefill_tokens=prefill,
+                    active_decode_blocks=decode,
+                    new_request_blocks=new_blocks,
                     kv_total_blocks=w.kv_total_blocks,
                     max_num_batched_tokens=w.max_num_batched_tokens,
                     weight=weight,
@@ -581,7 +598,7 @@ class Replica:
         return out
 
     def _decide(
-        self, req: RouteRequest
+        self, req: RouteRequest, only: WorkerKey | None = None
     ) -> tuple[Decision | Overloaded, list[int], dict[str, float]]:
         if not self.state.workers:
             refused = sorted(self.state.refused_workers)
@@ -597,11 +614,17 @@ class Replica:
                                    adapter=self._adapter(req.model))
         t1 = time.perf_counter()
         cands = self.candidates(req.model, seq_hashes, req.exclude)
+        if only is not None:
+            cands = [c for c in cands if c.worker == only]
         t2 = time.perf_counter()
         thresholds = self.thresholds_for(req.model)
         self.selector.config = _with_thresholds(self.selector.config, thresholds)
         result = self.selector.select(cands, len(req.token_ids), self.rng,
                                       overlap_weight=req.overlap_weight)
+        if only is not None and isinstance(result, Overloaded) and cands:
+            # A session stays on its engine even when that engine is over a busy threshold:
+            # its cache holds the conversation, and the pin bypasses scoring (as in Dynamo).
+            result = Decision(only, cands[0].overlap_blocks, result.costs)
         t3 = time.perf_counter()
         return result, seq_hashes, {"hashing": t1 - t0, "matching": t2 - t1,
                                     "selection": t3 - t2, "total": t3 - t0}
@@ -623,10 +646,13 @@ class Replica:
                     self._reconcile(req.request_id)
                 raise AllWorkersBusy("waited too long in the router queue") from None
         else:
+            if req.session is not None:
+                await self._catch_up_router()
             routed = self._prepare(req)
         try:
             await asyncio.wait_for(
-                self._append(ROUTER, routed.event, f"{req.request_id}.routed"),
+                self._append(ROUTER, [routed.event, *routed.session_events],
+                             f"{req.request_id}.routed"),
                 self.config.decision_append_timeout)
         except (AppendFailed, TimeoutError) as exc:
             self._reconcile(req.request_id)  # the overlay must not keep what the log refused
@@ -670,23 +696,33 @@ class Replica:
 
     def _prepare(self, req: RouteRequest) -> Routed:
         """Synchronous part of routing: select and add the decision to the overlay."""
-        result, seq_hashes, timings = self._decide(req)
+        target, sticky = (sticky_target(self.state, self.sticky, req.session.session_id,
+                                        req.model, req.exclude, HEALTH_WEIGHT)
+                          if req.session is not None else (None, None))
+        result, seq_hashes, timings = self._decide(req, only=target)
         if isinstance(result, Overloaded):
             raise AllWorkersBusy(result.reason)
         worker_id, dp_rank = result.worker
         info = self.state.workers[worker_id]
+        now = time.time()
         event = ev.RequestRouted(
             request_id=req.request_id, replica_id=self.replica_id, worker_id=worker_id,
             dp_rank=dp_rank, isl_tokens=len(req.token_ids), block_seq_hashes=list(seq_hashes),
             overlap_blocks=result.overlap_blocks, expected_osl=req.expected_osl,
-            priority=req.priority, ts=time.time(), candidates=result.costs.rows(),
+            priority=req.priority, ts=now, candidates=result.costs.rows(),
             model=req.model, block_size=self.config.state.block_size)
+        extra: list[ev.Event] = []
+        if req.session is not None:
+            extra = session_events(req.session, req.request_id, result.worker, req.model,
+                                   sticky, now)
+            self.sticky.routed(req.request_id, req.session, result.worker)
         prefill = max(len(req.token_ids) - result.overlap_blocks * info.block_size, 0)
         new_blocks = len(seq_hashes) - self.state.load.active_prefix_len(result.worker,
                                                                          seq_hashes)
         self._add_overlay(req.request_id, _Pending(result.worker, prefill, new_blocks))
         return Routed(req.request_id, worker_id, info.url, dp_rank, len(req.token_ids),
-                      result.overlap_blocks, len(seq_hashes), result, event, timings)
+                      result.overlap_blocks, len(seq_hashes), result, event, timings, extra,
+                      sticky)
 
     def _must_queue(self, req: RouteRequest) -> bool:
         threshold = self.config.queue_threshold
@@ -751,8 +787,21 @@ class Replica:
                              control_kind: str = "config") -> int:
         return await self._append(CONTROL, event, msg_id, control_kind=control_kind)
 
-    async def _append(self, kind: str, event: ev.Event, msg_id: str | None, *,
-                      control_kind: str = "config") -> int:
+    async def _catch_up_router(self, timeout: float = 2.0) -> None:
+        """Apply the router stream up to its current end before a session's turn is routed, so
+        a pin another replica appended for the previous turn (acknowledged before that turn's
+        answer reached the client) is seen here. One stream-info round trip; on failure or
+        timeout the turn is routed with what this replica has."""
+        assert self.js is not None
+        try:
+            _, last = await asyncio.wait_for(
+                stream_bounds(self.js, self.names.stream(ROUTER)), timeout)
+            await self.wait_applied(ROUTER, last, timeout)
+        except Exception as exc:  # a slow or unreachable server must not fail the request
+            log.info("session routing without a catch-up read: %s", _describe(exc))
+
+    async def _append(self, kind: str, event: ev.Event | Sequence[ev.Event], msg_id: str | None,
+                      *, control_kind: str = "config") -> int:
         assert self.appender is not None
         if kind == ROUTER:
             subject = self.names.router_subject(self.replica_id)
@@ -761,7 +810,8 @@ class Replica:
         else:
             raise ValueError("replicas append only to the router and control streams")
         mid = msg_id or f"{self.replica_id}.{time.time_ns()}.{self.rng.getrandbits(32)}"
-        return await self.appender.append(subject, [event], mid)
+        batch = list(event) if isinstance(event, list | tuple) else [event]
+        return await self.appender.append(subject, batch, mid)
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
@@ -779,6 +829,7 @@ class Replica:
         self._overlay_decode[p.worker] = self._overlay_decode.get(p.worker, 0) + p.new_blocks
 
     def _reconcile(self, request_id: str) -> None:
+        self.sticky.settled(request_id)
         p = self._pending.pop(request_id, None)
         if p is None:
             return
