@@ -539,6 +539,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-block-size", type=int, default=None,
                    help="replicas and workers: tokens per KV block (must match)")
     g.add_argument("--num-gpu-blocks", type=int, default=None, help="workers: KV cache blocks")
+    g.add_argument("--served-model-name", "--model-name", dest="served_model_name", default=None,
+                   help=f"workers: the model name they serve (default {DEFAULT_MODEL})")
     g.add_argument("--speedup-ratio", type=float, default=None,
                    help="workers: divide simulated step times by this")
     g.add_argument("--router-arg", action="append", default=[], metavar="ARG",
@@ -576,16 +578,34 @@ def forwarded_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         worker += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
     if args.speedup_ratio is not None:
         worker += ["--speedup-ratio", str(args.speedup_ratio)]
+    if args.served_model_name is not None:
+        worker += ["--model", args.served_model_name]
     return router + list(args.router_arg), worker + list(args.worker_arg)
+
+
+def served_model(worker_args: Sequence[str]) -> str:
+    """The model name the workers serve: the last --model / --served-model-name among their
+    arguments (how --served-model-name and --worker-arg=--model=... both reach them)."""
+    name = DEFAULT_MODEL
+    args = list(worker_args)
+    for i, arg in enumerate(args):
+        for flag in ("--model", "--served-model-name"):
+            if arg == flag and i + 1 < len(args):
+                name = args[i + 1]
+            elif arg.startswith(flag + "="):
+                name = arg.split("=", 1)[1]
+    return name
 
 
 def banner(cluster: LocalCluster) -> str:
     url = cluster.router_urls[0]
+    model = served_model(cluster.worker_args)
     token = cluster.admin_token_path
     lines = [
         "jetrouter cluster is up",
         f"  routers : {' '.join(cluster.router_urls)}",
         f"  workers : {' '.join(cluster.worker_urls)}",
+        f"  model   : {model}",
         f"  nats    : {cluster.nats_url}  (namespace {cluster.namespace})",
         *([f"  secured : TLS CA {cluster.secure_setup.ca_file}; users' password files in "
            f"{cluster.secure_setup.directory / 'users'} (admin: admin.password); server "
@@ -594,10 +614,10 @@ def banner(cluster: LocalCluster) -> str:
         f"  logs    : {cluster.data_dir / 'logs'}",
         "try:",
         f"  curl -s {url}/v1/completions -H 'content-type: application/json' \\",
-        f"    -d '{{\"model\": \"{DEFAULT_MODEL}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+        f"    -d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
         f"  curl -s -H \"Authorization: Bearer $(cat {token})\" {url}/admin/state",
         f"  OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY=unused python -c \"import openai; "
-        f"print(openai.OpenAI().completions.create(model='{DEFAULT_MODEL}', prompt='Hi', "
+        f"print(openai.OpenAI().completions.create(model='{model}', prompt='Hi', "
         "max_tokens=8).choices[0].text)\"",
         "Ctrl-C stops everything.",
     ]

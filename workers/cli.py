@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="listen port; 0 picks a free one")
     p.add_argument("--advertise-url", default=None,
                    help="URL routers should use (default http://HOST:PORT)")
-    p.add_argument("--model", default="jetrouter-sim", help="served model name")
+    p.add_argument("--model", "--served-model-name", dest="model", default="jetrouter-sim",
+                   help="served model name")
     p.add_argument("--model-path", default=None,
                    help="HuggingFace model folder (tokenizer.json, tokenizer_config.json): "
                         "tokenize prompts and chat like the router given the same folder "
@@ -38,9 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="NATS server for KV events and load gauges; empty = no events")
     p.add_argument("--namespace", default="jr", help="stream/subject namespace (default jr)")
     g = p.add_argument_group("engine model")
-    g.add_argument("--num-gpu-blocks", type=int, default=_DEFAULTS.num_gpu_blocks,
+    # --num-gpu-blocks-override / --block-size: the names Dynamo's mocker engine uses.
+    g.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", dest="num_gpu_blocks",
+                   type=int, default=_DEFAULTS.num_gpu_blocks,
                    help=f"KV cache blocks (default {_DEFAULTS.num_gpu_blocks})")
-    g.add_argument("--kv-cache-block-size", type=int, default=_DEFAULTS.block_size,
+    g.add_argument("--kv-cache-block-size", "--block-size", dest="kv_cache_block_size",
+                   type=int, default=_DEFAULTS.block_size,
                    help=f"tokens per KV block; must match the router (default "
                         f"{_DEFAULTS.block_size})")
     g.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs,
