@@ -67,8 +67,10 @@ class RouterMetrics:
             "(engine: usage.prompt_tokens_details.cached_tokens)",
             buckets=_ERROR_BUCKETS, registry=reg)
         self.overhead = Histogram(f"{p}_router_overhead_seconds",
-                                  "Router decision time by stage (hashing, matching, selection, "
-                                  "total)", ["stage"], buckets=_OVERHEAD_BUCKETS, registry=reg)
+                                  "Router decision time by stage: hashing, matching, selection, "
+                                  "total (the three together), record (JetStream's "
+                                  "acknowledgement of the decision)", ["stage"],
+                                  buckets=_OVERHEAD_BUCKETS, registry=reg)
         self.worker_active_decode_blocks = Gauge(
             f"{p}_worker_active_decode_blocks",
             "KV blocks held by requests decoding on each worker, as this replica sees it",

@@ -106,7 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--router-prefill-queue-weight", type=_non_negative, default=1.0,
                    help="weight of a worker's already-queued prefill blocks (Dynamo's formula "
                         "uses the overlap weight here too; docs/design-notes.md)")
-    r.add_argument("--kv-cache-block-size", type=_positive_int, default=16)
+    r.add_argument("--kv-cache-block-size", "--router-block-size", dest="kv_cache_block_size",
+                   type=_positive_int, default=16)
     r.add_argument("--no-router-kv-events", dest="router_kv_events", action="store_false",
                    help="approximate mode: predict caches from routing decisions (TTL + pruning)")
     r.add_argument("--router-kv-events", dest="router_kv_events", action="store_true",
@@ -137,6 +138,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # Dynamo flags whose behaviour is always on here (the README's flag table says why).
     r.add_argument("--router-replica-sync", action="store_true", help=argparse.SUPPRESS)
     r.add_argument("--router-durable-kv-events", action="store_true", help=argparse.SUPPRESS)
+    r.add_argument("--router-event-threads", type=_positive_int, default=None,
+                   help=argparse.SUPPRESS)  # one event loop applies events here
     r.add_argument("--router-ttl-secs", type=_non_negative, default=120.0)
     r.add_argument("--router-max-tree-size", type=_positive_int, default=2**20)
     r.add_argument("--router-prune-target-ratio", type=_fraction, default=0.8)

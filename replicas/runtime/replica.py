@@ -173,6 +173,7 @@ class Routed:
     # SessionPinned / SessionReleased appended in the decision's own message.
     session_events: list[ev.Event] = field(default_factory=list)
     sticky: str | None = None  # "pinned" (went to its session's engine), "open", "repin"
+    session: SessionRequest | None = None  # the request's session, for its migrated hops
 
 
 @dataclass(slots=True)
@@ -649,6 +650,7 @@ class Replica:
             if req.session is not None:
                 await self._catch_up_router()
             routed = self._prepare(req)
+        recording = time.perf_counter()
         try:
             await asyncio.wait_for(
                 self._append(ROUTER, [routed.event, *routed.session_events],
@@ -661,6 +663,8 @@ class Replica:
         except BaseException:
             self._reconcile(req.request_id)
             raise
+        # Time for JetStream to acknowledge the decision (not part of "total", the decision).
+        routed.timings["record"] = time.perf_counter() - recording
         if self.decision_log.last_failure_at is not None:
             log.warning("replica %s records routing decisions again (after %d refused)",
                         self.replica_id, self.decision_log.failures)
@@ -722,7 +726,7 @@ class Replica:
         self._add_overlay(req.request_id, _Pending(result.worker, prefill, new_blocks))
         return Routed(req.request_id, worker_id, info.url, dp_rank, len(req.token_ids),
                       result.overlap_blocks, len(seq_hashes), result, event, timings, extra,
-                      sticky)
+                      sticky, req.session)
 
     def _must_queue(self, req: RouteRequest) -> bool:
         threshold = self.config.queue_threshold
