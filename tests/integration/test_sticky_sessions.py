@@ -271,12 +271,18 @@ async def test_a_session_survives_a_replica_sigkill(cluster: LocalCluster) -> No
         home = r.headers["x-jetrouter-worker"]
         lure = list(range(12000, 12000 + 16 * 30))
         await cache_on(h, cluster, lure, avoid=home)
+        # A snapshot taken now holds the pin: the restarted replica restores it from there.
+        await until(lambda: sessions(h, cluster, urls[1]), lambda s: "survivor" in s)
+        snap = await h.post(urls[1] + "/admin/snapshot", headers=admin(cluster))
+        assert snap.status_code == 200, snap.text
         pid = cluster.kill("r0", signal.SIGKILL)
         await until(lambda: cluster.processes.get("r0"), lambda p: p not in (None, pid),
                     timeout=60, what="r0 to be restarted")
         await cluster.wait_ready(["r0"], timeout=90)
-        pins = await sessions(h, cluster, urls[0])  # restored from snapshot + replay
+        pins = await sessions(h, cluster, urls[0])  # restored from the snapshot + replay
         assert pins["survivor"]["worker_id"] == home
+        state = (await h.get(urls[0] + "/admin/state", headers=admin(cluster))).json()
+        assert state["restores"] >= 1
         for i in range(3):
             r = await h.post(urls[i % 2] + "/v1/completions",
                              json=turn([*lure, 3, i], "survivor"))
