@@ -181,6 +181,7 @@ class _Pending:
     worker: WorkerKey
     prefill_tokens: int
     new_blocks: int
+    all_blocks: int = 0  # the request's blocks, shared or not
 
 
 class Replica:
@@ -217,6 +218,7 @@ class Replica:
         self._pending: dict[str, _Pending] = {}
         self._overlay_prefill: dict[WorkerKey, int] = {}
         self._overlay_decode: dict[WorkerKey, int] = {}
+        self._overlay_unshared: dict[WorkerKey, int] = {}  # all blocks, for no KV reuse
         self.sticky = StickyOverlay()  # pins routed here and not yet applied from the stream
         self._queue: RequestQueue = RequestQueue(config.queue_policy)
         self._load_changed = asyncio.Event()
@@ -484,6 +486,7 @@ class Replica:
             self.sticky.clear()
             self._overlay_prefill.clear()
             self._overlay_decode.clear()
+            self._overlay_unshared.clear()
             raise _Rewind()
 
     def _log_refusals(self) -> None:
@@ -577,12 +580,15 @@ class Replica:
                 key = (w.worker_id, rank)
                 if not track_decode:
                     decode, new_blocks = 0, 0
-                else:
+                elif reuse:
+                    # Blocks other active requests on this engine already hold are charged
+                    # once: the engine shares them.
                     decode = load.active_decode_blocks(key) + self._overlay_decode.get(key, 0)
-                    # Assuming KV reuse, blocks other active requests on this engine already
-                    # hold are not charged again (the engine shares them).
-                    shared = load.active_prefix_len(key, seq_hashes) if n and reuse else 0
-                    new_blocks = n - shared
+                    new_blocks = n - (load.active_prefix_len(key, seq_hashes) if n else 0)
+                else:
+                    decode = (load.active_blocks_unshared(key)
+                              + self._overlay_unshared.get(key, 0))
+                    new_blocks = n
                 prefill = (load.active_prefill_tokens(key) + self._overlay_prefill.get(key, 0)
                            if track_prefill else 0)
                 out.append(Candidate(
@@ -723,7 +729,8 @@ class Replica:
         prefill = max(len(req.token_ids) - result.overlap_blocks * info.block_size, 0)
         new_blocks = len(seq_hashes) - self.state.load.active_prefix_len(result.worker,
                                                                          seq_hashes)
-        self._add_overlay(req.request_id, _Pending(result.worker, prefill, new_blocks))
+        self._add_overlay(req.request_id, _Pending(result.worker, prefill, new_blocks,
+                                                   len(seq_hashes)))
         return Routed(req.request_id, worker_id, info.url, dp_rank, len(req.token_ids),
                       result.overlap_blocks, len(seq_hashes), result, event, timings, extra,
                       sticky, req.session)
@@ -831,6 +838,7 @@ class Replica:
         self._pending[request_id] = p
         self._overlay_prefill[p.worker] = self._overlay_prefill.get(p.worker, 0) + p.prefill_tokens
         self._overlay_decode[p.worker] = self._overlay_decode.get(p.worker, 0) + p.new_blocks
+        self._overlay_unshared[p.worker] = self._overlay_unshared.get(p.worker, 0) + p.all_blocks
 
     def _reconcile(self, request_id: str) -> None:
         self.sticky.settled(request_id)
@@ -839,6 +847,7 @@ class Replica:
             return
         self._overlay_prefill[p.worker] -= p.prefill_tokens
         self._overlay_decode[p.worker] -= p.new_blocks
+        self._overlay_unshared[p.worker] -= p.all_blocks
 
     async def _dispatch_queue(self) -> None:
         """Release queued requests in policy order while some worker has capacity. The decision

@@ -123,3 +123,12 @@ def test_block_tracking_switches_change_what_candidates_are_charged() -> None:
     assert loads["no_active"] == (4 * BS, 0, 0)
     assert loads["no_prefill"] == (0, 4, 0)
     assert loads["no_reuse"] == (4 * BS, 4, 4)  # charged again: no reuse assumed
+    # Two requests holding the same blocks: shared, they count once; unshared, twice.
+    twice = ev.RequestRouted("y", "r9", "w0", 0, len(tokens), prompt_hashes(tokens, BS), 0, 8,
+                             0, 2.0)
+    for flags, decode in (({}, 4), ({"assume_kv_reuse": False}, 8)):
+        r = replica(**flags)
+        r.state.apply(ROUTER, 1, [in_flight, twice])
+        assert candidate(r, "w0", tokens).active_decode_blocks == decode  # type: ignore[attr-defined]
+        copy = type(r.state).decode(r.state.encode())
+        assert copy.load.active_blocks_unshared(("w0", 0)) == 8
