@@ -118,13 +118,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "only prefill)")
     r.add_argument("--router-track-active-blocks", dest="router_track_active_blocks",
                    action="store_true", default=True, help=argparse.SUPPRESS)
-    r.add_argument("--router-track-prefill-tokens", dest="router_track_prefill_tokens",
-                   action="store_true", default=True,
-                   help="charge engines the prompt tokens still being prefilled (the default)")
+    # The "--no-" form first: argparse takes a shared dest's default from the first action, and
+    # JETROUTER_NO_ROUTER_TRACK_PREFILL_TOKENS=1 sets that one (api/cli.py).
     r.add_argument("--no-router-track-prefill-tokens", dest="router_track_prefill_tokens",
                    action="store_false",
                    help="leave queued prompt tokens out of the cost and the prefill busy "
                         "thresholds (decode-only paths)")
+    r.add_argument("--router-track-prefill-tokens", dest="router_track_prefill_tokens",
+                   action="store_true", default=True,
+                   help="charge engines the prompt tokens still being prefilled (the default)")
     r.add_argument("--no-router-assume-kv-reuse", dest="router_assume_kv_reuse",
                    action="store_false",
                    help="charge every in-flight request all its blocks, even those another "
