@@ -196,10 +196,11 @@ def create_app(replica: Replica, config: AppConfig | None = None,
             metrics.kv_hit_rate.observe(routed.overlap_blocks / routed.total_blocks)
         routing_s = time.perf_counter() - routing_started
         session = route_req.session
-        if session is not None and routed.sticky in ("open", "repin"):
+        closing = session is not None and session.action == "close"
+        if session is not None and not closing and routed.sticky in ("open", "repin"):
             await engine_sessions.open(routed.worker_url, session.session_id)
         resp = await forwarder.forward(endpoint, parsed, raw, routed)
-        if session is not None and session.action == "close":
+        if closing and routed.sticky == "pinned":  # the engine it was opened on
             engine_sessions.close_after(resp, routed.worker_url, session.session_id)
         if parsed.extra_fields:
             resp = await add_to_response(resp, NvextFields(

@@ -4,9 +4,9 @@ When a sticky session is first pinned to an engine (its first turn, or a re-pin 
 went away), the router asks that engine to open the session; after the session's last turn it
 asks it to close it. The calls follow SGLang's endpoints: ``POST /open_session`` with
 ``{"session_id", "capacity_of_str_len"}`` and ``POST /close_session`` with ``{"session_id"}``.
-An engine that answers 404 or 405 does not support sessions: it is remembered and not asked
-again (the pin still works, it only lives in the router). A failed call never fails the turn:
-routing does not depend on the engine's session state.
+An engine that answers 404 or 405 to an open does not support sessions: it is remembered and
+not asked again (the pin still works, it only lives in the router). A failed call never fails
+the turn: routing does not depend on the engine's session state.
 """
 
 from __future__ import annotations
@@ -77,10 +77,12 @@ class EngineSessions:
                 await resp.aread()
             finally:
                 resp.close()
-            if resp.status_code in (404, 405):
+            if resp.status_code in (404, 405) and path == OPEN_PATH:
                 self.unsupported.add(base)
                 outcome = "unsupported"
                 log.info("engine %s has no %s: sessions live in the router only", base, path)
+            elif resp.status_code == 404:  # closing a session the engine no longer has
+                outcome = "unknown_session"
             elif resp.status_code < 300:
                 outcome = "ok"
             else:
