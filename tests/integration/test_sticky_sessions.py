@@ -256,6 +256,9 @@ async def test_a_session_moves_when_its_engine_is_retired(cluster: LocalCluster,
                             lambda s: s["mv"]["worker_id"] == moved)
             r = await h.post(urls[0] + "/v1/completions", json=turn([7, 7, 7], "mv"))
             assert r.headers["x-jetrouter-worker"] == moved
+            engine = (await workers(h, cluster, urls[0]))[moved]["url"]
+            opened = (await h.get(engine + "/sessions")).json()["sessions"]
+            assert opened["mv"]["turns"] == 2  # re-opened on the new engine, then one more turn
     finally:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGKILL)
