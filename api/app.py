@@ -196,6 +196,8 @@ def create_app(replica: Replica, config: AppConfig | None = None,
             metrics.kv_hit_rate.observe(routed.overlap_blocks / routed.total_blocks)
         routing_s = time.perf_counter() - routing_started
         session = route_req.session
+        if routed.sticky is not None:
+            metrics.session_routes.labels(how=routed.sticky).inc()
         closing = session is not None and session.action == "close"
         if session is not None and not closing and routed.sticky in ("open", "repin"):
             await engine_sessions.open(routed.worker_url, session.session_id)
@@ -328,6 +330,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                     and durability.is_leader:
                 metrics.breaker_state.labels(worker=w).set(replica.health_board.breaker_gauge(w))
         metrics.inflight.set(len(state.load))
+        metrics.sticky_sessions.set(len(state.sessions))
         metrics.decision_log_ok.set(0 if replica.decision_log.failing(time.monotonic()) else 1)
 
     app.include_router(admin_router(replica, cfg))

@@ -126,6 +126,14 @@ class RouterMetrics:
         self.degradation_level = Gauge(f"{p}_degradation_level",
                                        "Graceful degradation level (0 normal .. 4 critical)",
                                        registry=reg)
+        self.sticky_sessions = Gauge(f"{p}_sticky_sessions",
+                                     "Sticky sessions pinned to an engine (replicated state)",
+                                     registry=reg)
+        self.session_routes = Counter(
+            f"{p}_session_routes",
+            "Session turns routed here: pinned (to its engine), open (first turn or after its "
+            "pin lapsed), repin (its engine was retired, unhealthy or failed)", ["how"],
+            registry=reg)
         self._load_workers: set[str] = set()
 
     def set_worker_load(self, loads: Mapping[str, tuple[int, int]]) -> None:

@@ -99,6 +99,9 @@ async def test_a_session_stays_on_its_engine_across_replicas_and_closes(
             found = await until(lambda url=url: sessions(h, cluster, url),
                                 lambda s: s.get("chat-1", {}).get("requests") == 5)
             assert found["chat-1"]["worker_id"] == home
+        metrics = (await h.get(urls[0] + "/metrics")).text
+        assert 'jetrouter_session_routes_total{how="pinned"}' in metrics
+        assert "jetrouter_sticky_sessions " in metrics
         engine = (await workers(h, cluster, urls[0]))[home]["url"]
         opened = (await h.get(engine + "/sessions")).json()["sessions"]
         assert opened["chat-1"]["turns"] == 5  # the router opened it there: SGLang's call
