@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 from fastapi.responses import Response
 
-from api.proxy import DONE_EVENT, sse_data
+from api.forward.engine import DONE_EVENT, sse_data
 from replicas.runtime.replica import Routed
 
 

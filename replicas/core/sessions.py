@@ -11,7 +11,7 @@ Whether a pinned engine may still be used (registered, not unhealthy) is not dec
 engine's lifecycle lives on other streams, and letting a KV-stream event delete a router-stream
 pin would make the result depend on how a replica interleaves the streams. The router asks
 :meth:`SessionTable.get` and judges the engine itself; an unusable engine is re-pinned by the
-next request's ``SessionPinned`` (see replicas/runtime/replica.py).
+next request's ``SessionPinned`` (replicas/core/sticky.py).
 
 Pure: no I/O, no clock, no randomness.
 """

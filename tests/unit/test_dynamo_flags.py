@@ -52,9 +52,9 @@ def test_switches_from_the_environment(monkeypatch: object) -> None:
     from api.cli import build_parser
 
     for name in ("JETROUTER_NO_ROUTER_TRACK_PREFILL_TOKENS", "JETROUTER_NO_ROUTER_ASSUME_KV_REUSE",
-                 "JETROUTER_NO_ROUTER_TRACK_ACTIVE_BLOCKS", "JETROUTER_HTTP_PORT"):
+                 "JETROUTER_NO_ROUTER_TRACK_ACTIVE_BLOCKS", "JETROUTER_PORT"):
         monkeypatch.setenv(name, "1" if "PORT" not in name else "8765")  # type: ignore[attr-defined]
     args = build_parser(["serve"]).parse_args(["serve"])
     r = serve.build_config(args).routing
     assert (r.track_active_blocks, r.track_prefill_tokens, r.assume_kv_reuse) == (False,) * 3
-    assert args.port == 8765
+    assert args.port == 8765  # an alias (--http-port) shares its option's variable

@@ -1,24 +1,25 @@
 """The routing side of sticky sessions and of Dynamo's block-tracking switches, on a replica's
-state fed with events directly (no NATS: ``_prepare`` is the synchronous part of routing)."""
+state fed with events directly (no NATS: the dispatcher's ``_prepare`` is the synchronous part
+of routing)."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import pytest
 
 from eventlog import events as ev
 from eventlog.hashing import prompt_hashes
 from eventlog.names import CONTROL, KV, ROUTER
-from replicas.core.selection import RoutingConfig
+from replicas.core.routing_errors import AllWorkersBusy
+from replicas.core.selection import BusyThresholds, RoutingConfig
+from replicas.core.sticky import SessionRequest
 from replicas.runtime.replica import Replica, ReplicaConfig, RouteRequest
-from replicas.runtime.sticky import SessionRequest
 
 BS = 16
 
 
-def replica(**routing: object) -> Replica:
-    r = Replica(ReplicaConfig("r0", "nats://unused", routing=RoutingConfig(**routing)))
+def replica(thresholds: BusyThresholds | None = None, **routing: object) -> Replica:
+    r = Replica(ReplicaConfig("r0", "nats://unused", routing=RoutingConfig.dynamo(**routing),
+                              default_thresholds=thresholds or BusyThresholds()))
     kv = [ev.WorkerRegistered(w, f"http://{w}", "m", BS, 1000, 8192, 1.0) for w in ("w0", "w1")]
     r.state.apply(KV, 1, kv)
     return r
@@ -38,30 +39,31 @@ def request(rid: str, tokens: list[int], session: SessionRequest | None = None,
 def land(r: Replica, routed: object, seq: int) -> None:
     """The decision's message comes back from the stream."""
     r.state.apply(ROUTER, seq, [routed.event, *routed.session_events])  # type: ignore[attr-defined]
-    r._reconcile(routed.request_id)  # type: ignore[attr-defined]
+    r.dispatcher.settle(routed.request_id)  # type: ignore[attr-defined]
 
 
 def test_a_pinned_session_ignores_a_better_cache_elsewhere() -> None:
     r = replica()
-    first = r._prepare(request("a", list(range(64)), SessionRequest("s", "open")))
+    first = r.dispatcher._prepare(request("a", list(range(64)), SessionRequest("s", "open")))
     assert first.sticky == "open"
     home = first.worker_id
     other = "w1" if home == "w0" else "w0"
     lure = list(range(1000, 1000 + 10 * BS))
     cache(r, other, lure, 2)
     # Before the pin is back from the stream the overlay already holds it.
-    second = r._prepare(request("b", lure, SessionRequest("s")))
+    second = r.dispatcher._prepare(request("b", lure, SessionRequest("s")))
     assert second.worker_id == home and second.sticky == "pinned"
     land(r, first, 1)
     land(r, second, 2)
     assert r.state.sessions.get("s").requests == 2  # type: ignore[union-attr]
-    assert r._prepare(request("c", lure)).worker_id == other  # no session: the cache wins
+    # No session: the cache wins.
+    assert r.dispatcher._prepare(request("c", lure)).worker_id == other
 
 
 @pytest.mark.parametrize("how", ["retired", "unhealthy", "excluded"])
 def test_an_unusable_engine_releases_the_pin(how: str) -> None:
     r = replica()
-    first = r._prepare(request("a", list(range(64)), SessionRequest("s", "open")))
+    first = r.dispatcher._prepare(request("a", list(range(64)), SessionRequest("s", "open")))
     land(r, first, 1)
     home = first.worker_id
     exclude: frozenset[str] = frozenset()
@@ -71,7 +73,7 @@ def test_an_unusable_engine_releases_the_pin(how: str) -> None:
         r.state.apply(CONTROL, 1, [ev.WorkerHealthChanged(home, "unhealthy", "test", 3.0)])
     else:
         exclude = frozenset({home})
-    moved = r._prepare(request("b", list(range(64)), SessionRequest("s"), exclude))
+    moved = r.dispatcher._prepare(request("b", list(range(64)), SessionRequest("s"), exclude))
     assert moved.worker_id != home and moved.sticky == "repin"
     pin = moved.session_events[0]
     assert isinstance(pin, ev.SessionPinned) and pin.reason == "repin"
@@ -81,27 +83,31 @@ def test_an_unusable_engine_releases_the_pin(how: str) -> None:
 
 def test_close_releases_and_the_next_turn_opens_afresh() -> None:
     r = replica()
-    first = r._prepare(request("a", [1, 2, 3], SessionRequest("s", "open")))
+    first = r.dispatcher._prepare(request("a", [1, 2, 3], SessionRequest("s", "open")))
     land(r, first, 1)
-    last = r._prepare(request("b", [4, 5, 6], SessionRequest("s", "close")))
+    last = r.dispatcher._prepare(request("b", [4, 5, 6], SessionRequest("s", "close")))
     assert last.worker_id == first.worker_id
     assert isinstance(last.session_events[0], ev.SessionReleased)
     land(r, last, 2)
     assert r.state.sessions.get("s") is None
-    assert r._prepare(request("c", [7], SessionRequest("s"))).sticky == "open"
+    assert r.dispatcher._prepare(request("c", [7], SessionRequest("s"))).sticky == "open"
 
 
 def test_a_busy_pinned_engine_still_takes_its_session() -> None:
-    r = replica(thresholds=replace(RoutingConfig().thresholds, active_prefill_tokens_threshold=1))
-    first = r._prepare(request("a", list(range(200)), SessionRequest("s", "open")))
+    r = replica(BusyThresholds(active_prefill_tokens_threshold=1))
+    first = r.dispatcher._prepare(request("a", list(range(200)), SessionRequest("s", "open")))
     land(r, first, 1)  # 200 prefill tokens in flight on the engine: over the threshold
-    again = r._prepare(request("b", list(range(300, 400)), SessionRequest("s")))
+    with pytest.raises(AllWorkersBusy):  # without its session the engine is busy: refused
+        r.dispatcher._prepare(request("x", list(range(300, 400)),
+                                      exclude=frozenset({"w1" if first.worker_id == "w0"
+                                                         else "w0"})))
+    again = r.dispatcher._prepare(request("b", list(range(300, 400)), SessionRequest("s")))
     assert again.worker_id == first.worker_id
 
 
 def candidate(r: Replica, worker: str, tokens: list[int]) -> object:
     hashes = prompt_hashes(tokens, BS)
-    return next(c for c in r.candidates("m", hashes) if c.worker == (worker, 0))
+    return next(c for c in r.dispatcher.candidates("m", hashes) if c.worker == (worker, 0))
 
 
 def test_block_tracking_switches_change_what_candidates_are_charged() -> None:

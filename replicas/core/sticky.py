@@ -6,8 +6,10 @@ the model, not unhealthy, not excluded after a failure); otherwise it is routed 
 any request and the session is re-pinned to the new engine (``reason="repin"``), so a retired or
 unhealthy engine releases its sessions and the client still gets an answer.
 
-``StickyOverlay`` is to pins what the load overlay is to load: a pin this replica routed and
-appended, seen by its own next turn before it comes back from the stream.
+``StickyOverlay`` is to pins what the load overlay (replicas/core/overlay.py) is to load: a pin
+this replica routed and appended, seen by its own next turn before it comes back from the stream.
+
+Pure: no clock (times arrive as arguments), no I/O.
 """
 
 from __future__ import annotations
