@@ -178,8 +178,12 @@ def create_app(replica: Replica, config: AppConfig | None = None,
             latency_sensitivity=parsed.latency_sensitivity,
             session=session_of(parsed, request))
         routing_started = time.perf_counter()
+        transfer = None
         try:
-            routed = await replica.route(route_req)
+            if replica.is_disaggregated(parsed.model):
+                routed, transfer = await forwarder.prefill.route(route_req)
+            else:
+                routed = await replica.route(route_req)
         except UnknownModel as exc:
             raise ApiError(404, str(exc), param="model", code="model_not_found") from None
         except NoWorkers as exc:
@@ -212,7 +216,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         closing = session is not None and session.action == "close"
         if session is not None and not closing and routed.sticky in ("open", "repin"):
             await engine_sessions.open(routed.worker_url, session.session_id)
-        resp = await forwarder.forward(endpoint, parsed, raw, routed)
+        resp = await forwarder.forward(endpoint, parsed, raw, routed, transfer)
         if closing and routed.sticky == "pinned":  # the engine it was opened on
             engine_sessions.close_after(resp, routed.worker_url, session.session_id)
         if parsed.extra_fields:

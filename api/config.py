@@ -78,8 +78,9 @@ ROUTING = Group(
            help="leave queued prompt tokens out of the cost and the prefill busy thresholds "
                 "(decode-only paths)"),
     Option("no-router-assume-kv-reuse", bool, True, dest="router_assume_kv_reuse",
-           help="count in-flight blocks per request (a block two requests hold counts twice) "
-                "and charge a new request all its blocks"),
+           help="engines do not reuse blocks they already hold: every block of a request is "
+                "its own (not shared with other in-flight requests), and in disaggregated "
+                "serving a decode decision counts no overlap (pure load balancing)"),
     Option("session-ttl-secs", float, 300.0,
            "sliding TTL (event time) of sticky sessions named only by the X-Dynamo-Session-ID "
            "header, and the default of nvext.session_control.timeout", above=0),
@@ -186,8 +187,7 @@ def routing_config(values: argparse.Namespace) -> RoutingConfig:
                          block_size=values.kv_cache_block_size,
                          prefill_queue_weight=values.router_prefill_queue_weight,
                          track_active_blocks=values.router_track_active_blocks,
-                         track_prefill_tokens=values.router_track_prefill_tokens,
-                         assume_kv_reuse=values.router_assume_kv_reuse)
+                         track_prefill_tokens=values.router_track_prefill_tokens)
 
 
 def busy_thresholds(values: argparse.Namespace) -> BusyThresholds:

@@ -4,7 +4,9 @@ One row per (worker, data-parallel rank) that serves the requested model (a base
 LoRA adapter the worker registered), is not excluded by the caller and is not unhealthy. Each row
 carries the rank's cache overlap, its active load from the state plus this replica's optimistic
 overlay, and a health weight (a suspicious worker costs double). Refused workers (a bad block
-size in their registration) are never in ``state.workers``, so never candidates. Pure.
+size in their registration) are never in ``state.workers``, so never candidates. For a model
+served disaggregated, only the engines whose role takes the decision's phase are candidates, each
+seen as that decision sees it (replicas/core/disagg.py). Pure.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from eventlog.hashing import prompt_hashes
+from replicas.core import disagg
 from replicas.core.overlay import Overlay
 from replicas.core.routing_errors import NoWorkers, UnknownModel
 from replicas.core.selection import Candidate
@@ -49,6 +52,12 @@ def check_routable(state: RouterState, model: str) -> None:
         raise UnknownModel(model, served_models(state))
 
 
+def is_disaggregated(state: RouterState, model: str) -> bool:
+    """The model has prefill engines: its requests get a prefill and a decode decision."""
+    return disagg.is_disaggregated([w.role for w in state.workers.values()
+                                    if w.model == model or model in w.loras])
+
+
 def request_hashes(state: RouterState, model: str, token_ids: Sequence[int],
                    block_size: int) -> list[int]:
     """The prompt's block sequence hashes, salted when ``model`` is a LoRA adapter."""
@@ -57,11 +66,37 @@ def request_hashes(state: RouterState, model: str, token_ids: Sequence[int],
 
 def build_candidates(state: RouterState, model: str, seq_hashes: Sequence[int], *,
                      exclude: frozenset[str] = frozenset(),
-                     overlay: Overlay = _NO_OVERLAY,
-                     track_active_blocks: bool = True, track_prefill_tokens: bool = True,
-                     assume_kv_reuse: bool = True) -> list[Candidate]:
-    """The candidates for one request. The three switches (Dynamo's block-tracking flags,
-    ``RoutingConfig``) change what the candidates are charged with, never the state."""
+                     overlay: Overlay = _NO_OVERLAY, phase: disagg.Phase = disagg.AGGREGATED,
+                     assume_kv_reuse: bool = True, track_active_blocks: bool = True,
+                     track_prefill_tokens: bool = True) -> list[Candidate]:
+    """``phase``: the decision these candidates are for (aggregated, or one of a disaggregated
+    request's two). ``assume_kv_reuse``: engines reuse blocks they already hold — a decode
+    engine the transferred blocks (disagg.py), any engine the blocks other in-flight requests on
+    it hold; off, a request is charged all its blocks (and the state counts each such request's
+    blocks as its own). ``track_active_blocks`` / ``track_prefill_tokens`` (Dynamo's switches)
+    leave decode blocks / queued prefill tokens out of every candidate: they change what a
+    decision sees, never the state."""
+    out = _candidates(state, model, seq_hashes, exclude, overlay, phase, assume_kv_reuse)
+    if phase == disagg.PREFILL:
+        out = [disagg.prefill_candidate(c) for c in out]
+    elif phase == disagg.DECODE:
+        n = len(seq_hashes)
+        out = [disagg.decode_candidate(c, n, assume_kv_reuse) for c in out]
+    if not track_active_blocks or not track_prefill_tokens:
+        for c in out:  # Candidate is mutable: building 64 new ones per decision costs more
+            if not track_active_blocks:
+                c.active_decode_blocks = c.new_request_blocks = 0
+            if not track_prefill_tokens:
+                c.active_prefill_tokens = 0
+    return out
+
+
+def _candidates(state: RouterState, model: str, seq_hashes: Sequence[int],
+                exclude: frozenset[str], overlay: Overlay, phase: str,
+                assume_kv_reuse: bool) -> list[Candidate]:
+    # Aggregated requests of a model served disaggregated go to decode engines only.
+    split = phase != disagg.AGGREGATED or is_disaggregated(state, model)
+    own_blocks = not assume_kv_reuse and phase == disagg.AGGREGATED
     scores = state.index.find_matches(seq_hashes)
     out: list[Candidate] = []
     n = len(seq_hashes)
@@ -69,30 +104,24 @@ def build_candidates(state: RouterState, model: str, seq_hashes: Sequence[int], 
     for w in state.workers.values():
         if (w.model != model and model not in w.loras) or w.worker_id in exclude:
             continue
+        if split and not disagg.serves(w.role, phase):
+            continue
         weight = HEALTH_WEIGHT.get(state.health.get(w.worker_id, "healthy"), 0.0)
         if weight <= 0.0:
             continue
         for rank in range(w.dp_size):
             key = (w.worker_id, rank)
-            if not track_active_blocks:
-                decode, new_blocks = 0, 0
-            elif assume_kv_reuse:
-                # Blocks other active requests on this rank already hold are charged once:
-                # the engine shares them.
-                decode = load.active_decode_blocks(key) + overlay.decode_blocks(key)
-                new_blocks = n - (load.active_prefix_len(key, seq_hashes) if n else 0)
-            else:
-                decode = load.active_blocks_unshared(key) + overlay.unshared_blocks(key)
-                new_blocks = n
-            prefill = (load.active_prefill_tokens(key) + overlay.prefill_tokens(key)
-                       if track_prefill_tokens else 0)
+            # Blocks other active requests on this rank already hold are charged once (the
+            # engine shares them), unless no reuse is assumed.
+            active_prefix = load.active_prefix_len(key, seq_hashes) if n and not own_blocks else 0
             out.append(Candidate(
                 worker=key,
                 overlap_blocks=scores.scores.get(key, 0),
                 tree_size=scores.tree_sizes.get(key, 0),
-                active_prefill_tokens=prefill,
-                active_decode_blocks=decode,
-                new_request_blocks=new_blocks,
+                active_prefill_tokens=load.active_prefill_tokens(key)
+                + overlay.prefill_tokens(key),
+                active_decode_blocks=load.active_decode_blocks(key) + overlay.decode_blocks(key),
+                new_request_blocks=n - active_prefix,
                 kv_total_blocks=w.kv_total_blocks,
                 max_num_batched_tokens=w.max_num_batched_tokens,
                 weight=weight,

@@ -48,11 +48,10 @@ class ActiveRequest:
 class _WorkerLoad:
     """Aggregates for one (worker_id, dp_rank)."""
 
-    __slots__ = ("blocks", "held_blocks", "prefill_tokens", "requests")
+    __slots__ = ("blocks", "prefill_tokens", "requests")
 
     def __init__(self) -> None:
         self.prefill_tokens = 0
-        self.held_blocks = 0  # sum over requests of their blocks, shared ones counted each time
         self.blocks: dict[int, int] = {}  # seq hash -> number of active requests holding it
         self.requests: set[str] = set()
 
@@ -119,7 +118,6 @@ class ActiveLoad:
         load.prefill_tokens += req.prefill_tokens
         load.requests.add(request_id)
         blocks = load.blocks
-        load.held_blocks += len(req.block_seq_hashes)
         for h in req.block_seq_hashes:
             blocks[h] = blocks.get(h, 0) + 1
         self._by_replica.setdefault(replica_id, set()).add(request_id)
@@ -148,7 +146,6 @@ class ActiveLoad:
             load.prefill_tokens -= req.prefill_tokens
         load.requests.discard(request_id)
         blocks = load.blocks
-        load.held_blocks -= len(req.block_seq_hashes)
         for h in req.block_seq_hashes:
             left = blocks[h] - 1
             if left:
@@ -184,12 +181,6 @@ class ActiveLoad:
         """Distinct blocks held by active requests on ``worker``."""
         load = self._workers.get(worker)
         return len(load.blocks) if load is not None else 0
-
-    def active_blocks_unshared(self, worker: WorkerKey) -> int:
-        """Blocks held by active requests on ``worker`` with no sharing assumed: a block two
-        requests hold counts twice (``--no-router-assume-kv-reuse``)."""
-        load = self._workers.get(worker)
-        return load.held_blocks if load is not None else 0
 
     def active_prefix_len(self, worker: WorkerKey, seq_hashes: Sequence[int]) -> int:
         """How many leading ``seq_hashes`` are already held by active requests on ``worker``.
@@ -285,7 +276,6 @@ class ActiveLoad:
                 wl = load._workers[worker] = _WorkerLoad()
                 per_worker[worker] = []
             wl.prefill_tokens += req.prefill_tokens
-            wl.held_blocks += len(column)
             wl.requests.add(rid)
             per_worker[worker].append(column)
             load._by_replica.setdefault(replica, set()).add(rid)

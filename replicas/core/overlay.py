@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from replicas.core import disagg
 from replicas.core.index import WorkerKey
 from replicas.core.load import ActiveLoad
 
@@ -23,17 +24,26 @@ class PendingDecision:
     worker: WorkerKey
     prefill_tokens: int
     new_blocks: int
-    all_blocks: int = 0  # the prompt's blocks, shared or not (--no-router-assume-kv-reuse)
 
 
 def pending_decision(load: ActiveLoad, worker: WorkerKey, *, isl_tokens: int,
                      overlap_blocks: int, block_size: int,
-                     seq_hashes: Sequence[int]) -> PendingDecision:
+                     seq_hashes: Sequence[int], phase: disagg.Phase = disagg.AGGREGATED,
+                     kv_reuse: bool = True) -> PendingDecision:
     """The load a decision for ``worker`` adds: the prompt tokens its cache does not hold, and
-    the prompt blocks no request already running on that rank shares."""
+    the prompt blocks no request already running on that rank shares. As the state will count
+    it (RouterState applying ``RequestRouted``): a prefill decision adds no decode blocks, a
+    decode decision no prefill tokens, and without KV reuse (decode or aggregated) all its
+    blocks are its own."""
     prefill = max(isl_tokens - overlap_blocks * block_size, 0)
     new_blocks = len(seq_hashes) - load.active_prefix_len(worker, seq_hashes)
-    return PendingDecision(worker, prefill, new_blocks, len(seq_hashes))
+    if phase == disagg.PREFILL:
+        new_blocks = 0
+    elif phase == disagg.DECODE:
+        prefill = 0
+    if not kv_reuse and phase != disagg.PREFILL:
+        new_blocks = len(seq_hashes)
+    return PendingDecision(worker, prefill, new_blocks)
 
 
 class Overlay:
@@ -43,7 +53,6 @@ class Overlay:
         self._pending: dict[str, PendingDecision] = {}
         self._prefill: dict[WorkerKey, int] = {}
         self._decode: dict[WorkerKey, int] = {}
-        self._unshared: dict[WorkerKey, int] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -56,7 +65,6 @@ class Overlay:
         self._pending[request_id] = p
         self._prefill[p.worker] = self._prefill.get(p.worker, 0) + p.prefill_tokens
         self._decode[p.worker] = self._decode.get(p.worker, 0) + p.new_blocks
-        self._unshared[p.worker] = self._unshared.get(p.worker, 0) + p.all_blocks
 
     def reconcile(self, request_id: str) -> None:
         """The decision is in the state now (or never will be): stop counting it here."""
@@ -65,24 +73,17 @@ class Overlay:
             return
         self._prefill[p.worker] -= p.prefill_tokens
         self._decode[p.worker] -= p.new_blocks
-        self._unshared[p.worker] -= p.all_blocks
-        if not self._prefill[p.worker] and not self._decode[p.worker] \
-                and not self._unshared[p.worker]:
-            del self._prefill[p.worker], self._decode[p.worker], self._unshared[p.worker]
+        if not self._prefill[p.worker] and not self._decode[p.worker]:
+            del self._prefill[p.worker], self._decode[p.worker]
 
     def clear(self) -> None:
         """A reset re-reads the streams from its cut: nothing pending survives it."""
         self._pending.clear()
         self._prefill.clear()
         self._decode.clear()
-        self._unshared.clear()
 
     def prefill_tokens(self, worker: WorkerKey) -> int:
         return self._prefill.get(worker, 0)
 
     def decode_blocks(self, worker: WorkerKey) -> int:
         return self._decode.get(worker, 0)
-
-    def unshared_blocks(self, worker: WorkerKey) -> int:
-        """Every pending decision's blocks on ``worker``, shared ones counted each time."""
-        return self._unshared.get(worker, 0)

@@ -88,9 +88,8 @@ class RoutingConfig:
     # differently still hold the same state.
     track_active_blocks: bool = True   # off: decode blocks count 0 (prefill-only engines)
     track_prefill_tokens: bool = True  # off: queued prefill tokens count 0 (decode-only paths)
-    # On: blocks other active requests on the engine hold are charged once (the engine shares
-    # them); off: in-flight blocks count per request and a new one is charged all its blocks.
-    assume_kv_reuse: bool = True
+    # (--no-router-assume-kv-reuse is ReplicaConfig.assume_kv_reuse: it reaches the state too,
+    # through each decision's RequestRouted.kv_reuse.)
 
     @classmethod
     def dynamo(cls, **overrides: Any) -> RoutingConfig:

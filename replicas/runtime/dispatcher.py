@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from eventlog import events as ev
 from eventlog.appender import AppendFailed
 from eventlog.names import ROUTER
+from replicas.core import disagg
 from replicas.core.candidates import (
     HEALTH_WEIGHT,
     build_candidates,
@@ -87,7 +88,12 @@ class RouteRequest:
     overlap_weight: float | None = None
     latency_sensitivity: float = 0.0
     exclude: frozenset[str] = frozenset()  # worker ids not to use (e.g. one that just failed)
-    session: SessionRequest | None = None  # nvext.session_control / X-Dynamo-Session-ID
+    # Disaggregated serving (replicas/core/disagg.py): the prefill or decode decision, or an
+    # aggregated one (never sent to a prefill-only engine of a disaggregated model).
+    phase: disagg.Phase = disagg.AGGREGATED
+    # nvext.session_control / X-Dynamo-Session-ID; a prefill decision ignores it (the session
+    # is pinned to the engine that decodes, which holds the conversation's blocks).
+    session: SessionRequest | None = None
 
 
 @dataclass(slots=True)
@@ -155,13 +161,14 @@ class Dispatcher:
         self.sticky.clear()
 
     def candidates(self, model: str, seq_hashes: Sequence[int],
-                   exclude: frozenset[str] = frozenset()) -> list[Candidate]:
+                   exclude: frozenset[str] = frozenset(),
+                   phase: disagg.Phase = disagg.AGGREGATED) -> list[Candidate]:
         routing = self.config.routing
         return build_candidates(self.port.state, model, seq_hashes, exclude=exclude,
-                                overlay=self.overlay,
+                                overlay=self.overlay, phase=phase,
+                                assume_kv_reuse=self.config.assume_kv_reuse,
                                 track_active_blocks=routing.track_active_blocks,
-                                track_prefill_tokens=routing.track_prefill_tokens,
-                                assume_kv_reuse=routing.assume_kv_reuse)
+                                track_prefill_tokens=routing.track_prefill_tokens)
 
     def decide(
         self, req: RouteRequest, only: WorkerKey | None = None
@@ -172,12 +179,14 @@ class Dispatcher:
         seq_hashes = request_hashes(state, req.model, req.token_ids,
                                     self.config.state.block_size)
         t1 = time.perf_counter()
-        cands = self.candidates(req.model, seq_hashes, req.exclude)
+        cands = self.candidates(req.model, seq_hashes, req.exclude, req.phase)
         if only is not None:
             cands = [c for c in cands if c.worker == only]
         t2 = time.perf_counter()
+        weight = disagg.DECODE_TRANSFER_WEIGHT if req.phase == disagg.DECODE \
+            else req.overlap_weight
         result = self.selector.select(cands, len(req.token_ids), self.rng,
-                                      overlap_weight=req.overlap_weight,
+                                      overlap_weight=weight,
                                       thresholds=self.thresholds_for(req.model))
         if only is not None and isinstance(result, Overloaded) and cands:
             # A session stays on its engine even when that engine is over a busy threshold:
@@ -190,9 +199,10 @@ class Dispatcher:
     def _prepare(self, req: RouteRequest) -> Routed:
         """Synchronous part of routing: select and add the decision to the overlay."""
         state = self.port.state
-        target, sticky = (sticky_target(state, self.sticky, req.session.session_id, req.model,
+        session = req.session if req.phase != disagg.PREFILL else None
+        target, sticky = (sticky_target(state, self.sticky, session.session_id, req.model,
                                         req.exclude, HEALTH_WEIGHT)
-                          if req.session is not None else (None, None))
+                          if session is not None else (None, None))
         result, seq_hashes, timings = self.decide(req, only=target)
         if isinstance(result, Overloaded):
             raise AllWorkersBusy(result.reason)
@@ -204,19 +214,20 @@ class Dispatcher:
             dp_rank=dp_rank, isl_tokens=len(req.token_ids), block_seq_hashes=list(seq_hashes),
             overlap_blocks=result.overlap_blocks, expected_osl=req.expected_osl,
             priority=req.priority, ts=now, candidates=result.costs.rows(),
-            model=req.model, block_size=self.config.state.block_size)
+            model=req.model, block_size=self.config.state.block_size,
+            phase=req.phase, kv_reuse=self.config.assume_kv_reuse)
         extra: list[ev.Event] = []
-        if req.session is not None:
-            extra = session_events(req.session, req.request_id, result.worker, req.model,
-                                   sticky, now)
-            self.sticky.routed(req.request_id, req.session, result.worker)
+        if session is not None:
+            extra = session_events(session, req.request_id, result.worker, req.model, sticky,
+                                   now)
+            self.sticky.routed(req.request_id, session, result.worker)
         self.overlay.add(req.request_id, pending_decision(
             state.load, result.worker, isl_tokens=len(req.token_ids),
             overlap_blocks=result.overlap_blocks, block_size=info.block_size,
-            seq_hashes=seq_hashes))
+            seq_hashes=seq_hashes, phase=req.phase, kv_reuse=self.config.assume_kv_reuse))
         return Routed(req.request_id, worker_id, info.url, dp_rank, len(req.token_ids),
                       result.overlap_blocks, len(seq_hashes), result, event, timings, extra,
-                      sticky, req.session)
+                      sticky, session)
 
     # --- routing ---------------------------------------------------------------------------
 

@@ -26,10 +26,10 @@ def test_frontend_flags() -> None:
     config = serve.build_config(args)
     assert config.state.block_size == 32 and config.routing.block_size == 32
     r = config.routing
-    assert (r.track_active_blocks, r.track_prefill_tokens, r.assume_kv_reuse) == (False,) * 3
+    assert (r.track_active_blocks, r.track_prefill_tokens, config.assume_kv_reuse) == (False,) * 3
     default = serve.build_config(parse(serve.add_arguments, ["--router-track-prefill-tokens"]))
     d = default.routing
-    assert (d.track_active_blocks, d.track_prefill_tokens, d.assume_kv_reuse) == (True,) * 3
+    assert (d.track_active_blocks, d.track_prefill_tokens, default.assume_kv_reuse) == (True,) * 3
 
 
 def test_mocker_flags() -> None:
@@ -55,6 +55,7 @@ def test_switches_from_the_environment(monkeypatch: object) -> None:
                  "JETROUTER_NO_ROUTER_TRACK_ACTIVE_BLOCKS", "JETROUTER_PORT"):
         monkeypatch.setenv(name, "1" if "PORT" not in name else "8765")  # type: ignore[attr-defined]
     args = build_parser(["serve"]).parse_args(["serve"])
-    r = serve.build_config(args).routing
-    assert (r.track_active_blocks, r.track_prefill_tokens, r.assume_kv_reuse) == (False,) * 3
+    config = serve.build_config(args)
+    r = config.routing
+    assert (r.track_active_blocks, r.track_prefill_tokens, config.assume_kv_reuse) == (False,) * 3
     assert args.port == 8765  # an alias (--http-port) shares its option's variable

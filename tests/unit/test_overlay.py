@@ -37,7 +37,7 @@ def test_pending_decision_counts_uncached_tokens_and_blocks_not_shared_by_runnin
     s.apply(ROUTER, 1, [ev.RequestRouted("r", "x", "w", 0, 32, [11, 12], 0, 8, 0, 1.0)])
     p = pending_decision(s.load, ("w", 0), isl_tokens=64, overlap_blocks=1, block_size=16,
                          seq_hashes=[11, 12, 13, 14])
-    assert p == PendingDecision(("w", 0), prefill_tokens=48, new_blocks=2, all_blocks=4)
+    assert p == PendingDecision(("w", 0), prefill_tokens=48, new_blocks=2)
     p = pending_decision(s.load, ("w", 1), isl_tokens=10, overlap_blocks=4, block_size=16,
                          seq_hashes=[11])
-    assert p == PendingDecision(("w", 1), prefill_tokens=0, new_blocks=1, all_blocks=1)
+    assert p == PendingDecision(("w", 1), prefill_tokens=0, new_blocks=1)

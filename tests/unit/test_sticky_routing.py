@@ -4,6 +4,8 @@ of routing)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from eventlog import events as ev
@@ -116,8 +118,7 @@ def test_block_tracking_switches_change_what_candidates_are_charged() -> None:
                                  8, 0, 2.0)
     loads = {}
     for name, flags in {"default": {}, "no_active": {"track_active_blocks": False},
-                        "no_prefill": {"track_prefill_tokens": False},
-                        "no_reuse": {"assume_kv_reuse": False}}.items():
+                        "no_prefill": {"track_prefill_tokens": False}}.items():
         r = replica(**flags)
         r.state.apply(ROUTER, 1, [in_flight])
         c = candidate(r, "w0", tokens)
@@ -125,16 +126,26 @@ def test_block_tracking_switches_change_what_candidates_are_charged() -> None:
                        c.new_request_blocks)  # type: ignore[attr-defined]
         # The replicated load itself never depends on the switches.
         assert r.state.load.active_decode_blocks(("w0", 0)) == 4
+        assert r.state.load.active_prefill_tokens(("w0", 0)) == 4 * BS
     assert loads["default"] == (4 * BS, 4, 0)  # the same 4 blocks are already held: shared
     assert loads["no_active"] == (4 * BS, 0, 0)
     assert loads["no_prefill"] == (0, 4, 0)
-    assert loads["no_reuse"] == (4 * BS, 4, 4)  # charged again: no reuse assumed
-    # Two requests holding the same blocks: shared, they count once; unshared, twice.
-    twice = ev.RequestRouted("y", "r9", "w0", 0, len(tokens), prompt_hashes(tokens, BS), 0, 8,
-                             0, 2.0)
-    for flags, decode in (({}, 4), ({"assume_kv_reuse": False}, 8)):
-        r = replica(**flags)
-        r.state.apply(ROUTER, 1, [in_flight, twice])
-        assert candidate(r, "w0", tokens).active_decode_blocks == decode  # type: ignore[attr-defined]
-        copy = type(r.state).decode(r.state.encode())
-        assert copy.load.active_blocks_unshared(("w0", 0)) == 8
+
+
+def test_without_kv_reuse_every_request_holds_its_own_blocks() -> None:
+    tokens = list(range(4 * BS))
+    shared = {}
+    for reuse in (True, False):
+        r = replica()
+        r.config = replace(r.config, assume_kv_reuse=reuse)
+        r.dispatcher.config = r.config
+        first = r.dispatcher._prepare(request("a", tokens))
+        assert first.event.kv_reuse is reuse  # the decision says so: every replica counts alike
+        land(r, first, 1)
+        again = candidate(r, first.worker_id, tokens)  # the same prompt once more
+        assert again.new_request_blocks == (0 if reuse else 4)  # type: ignore[attr-defined]
+        second = r.dispatcher._prepare(request("b", tokens, exclude=frozenset(
+            {"w1" if first.worker_id == "w0" else "w0"})))
+        land(r, second, 2)
+        shared[reuse] = r.state.load.active_decode_blocks((first.worker_id, 0))
+    assert shared == {True: 4, False: 8}  # two requests, the same prompt: once, or twice
