@@ -75,6 +75,7 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
             "event_time": state.now,
             "workers": len(state.workers),
             "active_requests": len(state.load),
+            "sessions": len(state.sessions),
             "malformed_messages": replica.malformed_counts(),
             # Decisions routed here and not yet seen back from the stream (optimistic overlay).
             "pending_decisions": replica.pending_decisions(),
@@ -169,6 +170,21 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
     async def admin_replicas(request: Request) -> Response:
         check_admin(request)
         return _json_response({"replicas": await replica.peers_view()})
+
+    @router.get("/admin/sessions")
+    async def admin_sessions(request: Request) -> Response:
+        """Sticky sessions: which engine each is pinned to and when its TTL (event time) ends.
+        ``engine_usable`` false: the engine is gone or unhealthy, its next turn re-pins."""
+        check_admin(request)
+        state = replica.state
+        rows = []
+        for pin in sorted(state.sessions, key=lambda p: p.session_id):
+            row = pin.view(state.now)
+            info = state.workers.get(pin.worker[0])
+            row["engine_usable"] = info is not None and state.health.get(
+                pin.worker[0], "healthy") != "unhealthy"
+            rows.append(row)
+        return _json_response({"event_time": state.now, "sessions": rows})
 
     @router.get("/admin/requests/{request_id}")
     async def admin_request(request_id: str, request: Request) -> Response:

@@ -22,12 +22,15 @@ from api.errors import ApiError, error_response, install_error_handlers, overloa
 from api.forward import Forwarder, replica_headers
 from api.http_limits import BodySizeLimit
 from api.metrics import Rejection, RouterMetrics
-from api.openai_schema import decode_json, parse_request
+from api.nvext_response import NvextFields, add_to_response
+from api.openai_schema import MAX_SESSION_ID, ParsedRequest, decode_json, parse_request
+from api.session_control import EngineSessions
 from api.shed import Shedder
 from api.tokenizer import Tokenizer, load_model_tokenizer
 from eventlog.appender import AppendFailed
 from replicas.core.health import STATUS_GAUGE
 from replicas.core.shedding import PriorityTier
+from replicas.core.sticky import SessionRequest
 from replicas.runtime.canary import report_passive
 from replicas.runtime.replica import (
     AllWorkersBusy,
@@ -40,6 +43,7 @@ from replicas.runtime.replica import (
 
 log = logging.getLogger("jetrouter.api")
 
+SESSION_HEADER = "x-dynamo-session-id"
 PRIORITY_LEVEL = {PriorityTier.PREMIUM: 2, PriorityTier.STANDARD: 1, PriorityTier.BEST_EFFORT: 0}
 _json = msgspec.json.Encoder()
 
@@ -61,6 +65,9 @@ class AppConfig:
     # A request that reaches a replica still catching up waits this long for readiness instead
     # of failing: a load balancer's health check lags the replica's start by up to one interval.
     ready_wait: float = option("ready-wait").default
+    # TTL of sessions named only by the X-Dynamo-Session-ID header (nvext.session_control
+    # carries its own timeout; this is also its default).
+    session_ttl_secs: float = option("session-ttl-secs").default
 
 
 def _json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None
@@ -125,10 +132,27 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                           migration_limit=cfg.migration_limit,
                           on_worker_failure=lambda w, r: report_passive(replica.nc, replica.names,
                                                                         w, r))
+    engine_sessions = EngineSessions(forwarder.pool)
+    app.state.engine_sessions = engine_sessions
 
     # --- OpenAI-compatible ---------------------------------------------------------------
 
+    def session_of(parsed: ParsedRequest, request: Request) -> SessionRequest | None:
+        if parsed.session_control is not None:
+            sid, action, timeout = parsed.session_control
+            return SessionRequest(sid, action, timeout if timeout is not None
+                                  else cfg.session_ttl_secs)
+        header = request.headers.get(SESSION_HEADER)
+        if header is None:
+            return None
+        header = header.strip()
+        if not header or len(header) > MAX_SESSION_ID:
+            raise ApiError(400, f"Invalid '{SESSION_HEADER}' header: expected 1 to "
+                           f"{MAX_SESSION_ID} characters.", param=SESSION_HEADER)
+        return SessionRequest(header, "bind", cfg.session_ttl_secs)
+
     async def handle(endpoint: str, request: Request) -> Response:
+        received, started = time.time(), time.perf_counter()
         raw = await request.body()
         if not replica.ready and not replica.draining and cfg.ready_wait > 0:
             await _await_ready(replica, cfg.ready_wait)
@@ -151,7 +175,9 @@ def create_app(replica: Replica, config: AppConfig | None = None,
             request_id=request_id, model=parsed.model, token_ids=parsed.prompt_ids,
             expected_osl=parsed.expected_osl, priority=PRIORITY_LEVEL[parsed.priority],
             overlap_weight=parsed.overlap_weight,
-            latency_sensitivity=parsed.latency_sensitivity)
+            latency_sensitivity=parsed.latency_sensitivity,
+            session=session_of(parsed, request))
+        routing_started = time.perf_counter()
         transfer = None
         try:
             if replica.is_disaggregated(parsed.model):
@@ -183,7 +209,21 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         metrics.input_tokens.observe(routed.isl_tokens)
         if routed.total_blocks:
             metrics.kv_hit_rate.observe(routed.overlap_blocks / routed.total_blocks)
-        return await forwarder.forward(endpoint, parsed, raw, routed, transfer)
+        routing_s = time.perf_counter() - routing_started
+        session = route_req.session
+        if routed.sticky is not None:
+            metrics.session_routes.labels(how=routed.sticky).inc()
+        closing = session is not None and session.action == "close"
+        if session is not None and not closing and routed.sticky in ("open", "repin"):
+            await engine_sessions.open(routed.worker_url, session.session_id)
+        resp = await forwarder.forward(endpoint, parsed, raw, routed, transfer)
+        if closing and routed.sticky == "pinned":  # the engine it was opened on
+            engine_sessions.close_after(resp, routed.worker_url, session.session_id)
+        if parsed.extra_fields:
+            resp = await add_to_response(resp, NvextFields(
+                parsed.extra_fields, routed, replica.replica_id, replica.config.state.block_size,
+                received, started, routing_s))
+        return resp
 
     async def completions(request: Request) -> Response:
         return await handle("completions", request)
@@ -305,6 +345,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                     and durability.is_leader:
                 metrics.breaker_state.labels(worker=w).set(replica.health_board.breaker_gauge(w))
         metrics.inflight.set(len(state.load))
+        metrics.sticky_sessions.set(len(state.sessions))
         metrics.decision_log_ok.set(0 if replica.decision_log.failing(time.monotonic()) else 1)
 
     app.include_router(admin_router(replica, cfg))

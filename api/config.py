@@ -26,8 +26,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 SERVER = Group(
     "server",
-    Option("host", default="127.0.0.1", help="listen address"),
-    Option("port", int, 8000, "listen port"),
+    # --http-host / --http-port: Dynamo's frontend names (python -m dynamo.frontend ...).
+    Option("host", default="127.0.0.1", help="listen address", aliases=("--http-host",)),
+    Option("port", int, 8000, "listen port", aliases=("--http-port",)),
     Option("replica-id", help="stable id (default: random r-xxxxxx)"),
     Option("nats-url", default="nats://127.0.0.1:4222",
            help="NATS server URL, or a comma-separated list for a cluster"),
@@ -67,13 +68,22 @@ ROUTING = Group(
            "weight of a worker's already-queued prefill blocks (Dynamo's formula uses the "
            "overlap weight here too; docs/design-notes.md)", at_least=0),
     Option("kv-cache-block-size", int, 16, "tokens per KV block (must match the engines)",
-           above=0),
+           above=0, aliases=("--router-block-size",)),
     Option("no-router-kv-events", bool, True, dest="router_kv_events",
            help="approximate mode: predict caches from routing decisions (TTL + pruning)"),
+    Option("no-router-track-active-blocks", bool, True, dest="router_track_active_blocks",
+           help="charge engines no decode blocks for in-flight requests (engines that only "
+                "prefill)"),
+    Option("no-router-track-prefill-tokens", bool, True, dest="router_track_prefill_tokens",
+           help="leave queued prompt tokens out of the cost and the prefill busy thresholds "
+                "(decode-only paths)"),
     Option("no-router-assume-kv-reuse", bool, True, dest="router_assume_kv_reuse",
-           help="disaggregated serving: decode engines do not reuse transferred blocks they "
-                "already hold, so a decode decision counts no overlap and every block of a "
-                "request as its own (pure load balancing)"),
+           help="engines do not reuse blocks they already hold: every block of a request is "
+                "its own (not shared with other in-flight requests), and in disaggregated "
+                "serving a decode decision counts no overlap (pure load balancing)"),
+    Option("session-ttl-secs", float, 300.0,
+           "sliding TTL (event time) of sticky sessions named only by the X-Dynamo-Session-ID "
+           "header, and the default of nvext.session_control.timeout", above=0),
     Option("router-ttl-secs", float, 120.0, at_least=0),
     Option("router-max-tree-size", int, 2**20, above=0),
     Option("router-prune-target-ratio", float, 0.8, at_least=0, at_most=1),
@@ -87,6 +97,26 @@ ROUTING = Group(
     Option("request-max-age", float, 600.0,
            "in-flight requests older than this (event time) stop counting as load", at_least=0),
     Option("seed", int, help="seed of the routing random source"),
+)
+
+# Dynamo flags that name what is always so here, accepted so a Dynamo command line starts
+# unchanged (README, "Coming from Dynamo", says why each is always on or ignored).
+DYNAMO_ALWAYS = Group(
+    "accepted for Dynamo command lines (always so here)",
+    Option("router-kv-events", bool, dest="dynamo_router_kv_events",
+           help="the default: use the engines' KV events"),
+    Option("router-track-active-blocks", bool, dest="dynamo_router_track_active_blocks",
+           help="the default"),
+    Option("router-track-prefill-tokens", bool, dest="dynamo_router_track_prefill_tokens",
+           help="the default"),
+    Option("router-assume-kv-reuse", bool, dest="dynamo_router_assume_kv_reuse",
+           help="the default"),
+    Option("router-replica-sync", bool,
+           help="always on: replicas share every decision through the router stream"),
+    Option("router-durable-kv-events", bool,
+           help="always on: KV events and decisions are on JetStream"),
+    Option("router-event-threads", int,
+           help="ignored: one event loop applies events in stream order", above=0),
 )
 
 DURABILITY = Group(
@@ -135,7 +165,7 @@ WORKER_FAULTS = Group(
            "seconds an open circuit breaker waits before its half-open trial", at_least=0),
 )
 
-SERVE = (SERVER, ROUTING, DURABILITY, LIVENESS, WORKER_FAULTS, NATS_SECURITY)
+SERVE = (SERVER, ROUTING, DURABILITY, LIVENESS, WORKER_FAULTS, NATS_SECURITY, DYNAMO_ALWAYS)
 """Every option of `jetrouter serve`, in the order `--help` shows them."""
 
 
@@ -155,7 +185,9 @@ def routing_config(values: argparse.Namespace) -> RoutingConfig:
                          kv_overlap_score_weight=values.router_kv_overlap_score_weight,
                          temperature=values.router_temperature,
                          block_size=values.kv_cache_block_size,
-                         prefill_queue_weight=values.router_prefill_queue_weight)
+                         prefill_queue_weight=values.router_prefill_queue_weight,
+                         track_active_blocks=values.router_track_active_blocks,
+                         track_prefill_tokens=values.router_track_prefill_tokens)
 
 
 def busy_thresholds(values: argparse.Namespace) -> BusyThresholds:

@@ -78,8 +78,10 @@ class RouterMetrics:
             "(engine: usage.prompt_tokens_details.cached_tokens)",
             buckets=_ERROR_BUCKETS, registry=reg)
         self.overhead = Histogram(f"{p}_router_overhead_seconds",
-                                  "Router decision time by stage (hashing, matching, selection, "
-                                  "total)", ["stage"], buckets=_OVERHEAD_BUCKETS, registry=reg)
+                                  "Router decision time by stage: hashing, matching, selection, "
+                                  "total (the three together), record (JetStream's "
+                                  "acknowledgement of the decision)", ["stage"],
+                                  buckets=_OVERHEAD_BUCKETS, registry=reg)
         self.worker_active_decode_blocks = Gauge(
             f"{p}_worker_active_decode_blocks",
             "KV blocks held by requests decoding on each worker, as this replica sees it",
@@ -140,6 +142,14 @@ class RouterMetrics:
         self.degradation_level = Gauge(f"{p}_degradation_level",
                                        "Graceful degradation level (0 normal .. 4 critical)",
                                        registry=reg)
+        self.sticky_sessions = Gauge(f"{p}_sticky_sessions",
+                                     "Sticky sessions pinned to an engine (replicated state)",
+                                     registry=reg)
+        self.session_routes = Counter(
+            f"{p}_session_routes",
+            "Session turns routed here: pinned (to its engine), open (first turn or after its "
+            "pin lapsed), repin (its engine was retired, unhealthy or failed)", ["how"],
+            registry=reg)
         self._load_workers: set[str] = set()
 
     def set_worker_load(self, loads: Mapping[str, tuple[int, int]]) -> None:

@@ -29,6 +29,10 @@ PRIORITIES = TIERS
 DEFAULT_PRIORITY = PriorityTier.STANDARD
 DEFAULT_EXPECTED_OSL = 128
 MAX_TOKEN_ID = 2**31
+SESSION_ACTIONS = ("open", "bind", "close")
+MAX_SESSION_ID = 512
+# nvext response fields a client can ask for (others are ignored, as unknown hints are).
+EXTRA_FIELDS = ("worker_id", "timing")
 
 # Token-id lists are validated by msgspec in C: checking 100k ids in a Python loop costs ms.
 _TokenIds = list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_TOKEN_ID)]]
@@ -50,6 +54,9 @@ class ParsedRequest:
     expected_osl: int             # nvext.agent_hints.osl, else max_tokens, else 128
     latency_sensitivity: float    # nvext.agent_hints.latency_sensitivity (queue priority jump)
     body: dict[str, Any]          # the JSON body as received (to forward upstream)
+    # nvext.session_control as (session_id, action, timeout seconds or None for the default)
+    session_control: tuple[str, str, float | None] | None = None
+    extra_fields: tuple[str, ...] = ()  # nvext.extra_fields this router answers: see EXTRA_FIELDS
 
 
 def decode_json(raw: bytes) -> Any:
@@ -255,6 +262,43 @@ def _agent_hints(body: dict[str, Any]) -> dict[str, Any]:
     return hints
 
 
+def _nvext(body: dict[str, Any]) -> dict[str, Any]:
+    nvext = body.get("nvext")
+    return nvext if isinstance(nvext, dict) else {}  # a non-object was refused by _agent_hints
+
+
+def _session_control(nvext: dict[str, Any]) -> tuple[str, str, float | None] | None:
+    sc = nvext.get("session_control")
+    if sc is None:
+        return None
+    param = "nvext.session_control"
+    if not isinstance(sc, dict):
+        raise _wrong_type(param, "an object", sc)
+    sid = sc.get("session_id")
+    if not isinstance(sid, str) or not sid or len(sid) > MAX_SESSION_ID:
+        raise _bad(f"Invalid '{param}.session_id': expected a non-empty string of at most "
+                   f"{MAX_SESSION_ID} characters.", f"{param}.session_id")
+    action = sc.get("action", "bind")
+    if action not in SESSION_ACTIONS:
+        raise _bad(f"Invalid '{param}.action': expected one of {', '.join(SESSION_ACTIONS)}.",
+                   f"{param}.action")
+    timeout = sc.get("timeout")
+    if timeout is not None and (not _is_number(timeout) or not math.isfinite(timeout)
+                                or not 0 < timeout <= 1e9):
+        raise _bad(f"Invalid '{param}.timeout': expected seconds, a number in (0, 1e9].",
+                   f"{param}.timeout")
+    return sid, action, float(timeout) if timeout is not None else None
+
+
+def _extra_fields(nvext: dict[str, Any]) -> tuple[str, ...]:
+    fields = nvext.get("extra_fields")
+    if fields is None:
+        return ()
+    if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+        raise _wrong_type("nvext.extra_fields", "an array of strings", fields)
+    return tuple(f for f in EXTRA_FIELDS if f in fields)
+
+
 def _finite_number(hints: dict[str, Any], key: str, *, minimum: float | None) -> float | None:
     value = hints.get(key)
     if value is None:
@@ -321,6 +365,9 @@ def parse_request(endpoint: str, raw: bytes, tokenizer: Tokenizer, *, max_prompt
     overlap_weight = _finite_number(hints, "kv_overlap_score_weight", minimum=0.0)
     latency = _finite_number(hints, "latency_sensitivity", minimum=None)
     expected_osl = _expected_osl(hints, max_tokens)
+    nvext = _nvext(body)
+    session_control = _session_control(nvext)
+    extra_fields = _extra_fields(nvext)
 
     # Tokenize last: it is the expensive step, so cheap rejections come first.
     if endpoint == "chat":
@@ -344,4 +391,5 @@ def parse_request(endpoint: str, raw: bytes, tokenizer: Tokenizer, *, max_prompt
         max_tokens=max_tokens, include_usage=include_usage, priority=priority,
         overlap_weight=overlap_weight, expected_osl=expected_osl,
         latency_sensitivity=latency if latency is not None else 0.0, body=body,
+        session_control=session_control, extra_fields=extra_fields,
     )

@@ -228,17 +228,23 @@ async def closed_loop(url: str, path: str, body: Callable[[int], bytes], concurr
     return result
 
 
-def prompt_body(model: str, prompt_chars: int, max_tokens: int, stream: bool
-                ) -> Callable[[int], bytes]:
+def prompt_body(model: str, prompt_chars: int, max_tokens: int, stream: bool,
+                sessions: int = 0) -> Callable[[int], bytes]:
     """Distinct text prompts (the byte tokenizer: one token per byte) so every request hashes
-    and matches a fresh prompt, sharing a prefix like requests of one deployment do."""
+    and matches a fresh prompt, sharing a prefix like requests of one deployment do. With
+    ``sessions`` > 0 request n is a turn of sticky session ``n % sessions`` (an engine without
+    that session open ignores ``nvext``, so the direct target is unchanged)."""
     shared = "You are a helpful assistant. " * (prompt_chars // 58 + 1)
     shared = shared[: prompt_chars // 2]
 
     def body(n: int) -> bytes:
         tail = (f" request {n}: " + "lorem ipsum " * prompt_chars)[: prompt_chars - len(shared)]
-        return json.dumps({"model": model, "prompt": shared + tail, "max_tokens": max_tokens,
-                           "stream": stream, "temperature": 0}).encode()
+        doc: dict[str, Any] = {"model": model, "prompt": shared + tail,
+                               "max_tokens": max_tokens, "stream": stream, "temperature": 0}
+        if sessions:
+            doc["nvext"] = {"session_control": {"session_id": f"bench-{n % sessions}",
+                                                "action": "bind"}}
+        return json.dumps(doc).encode()
 
     return body
 
@@ -259,6 +265,7 @@ class OverheadOptions:
     router_args: Sequence[str] = ()
     worker_args: Sequence[str] = ()
     warmup: int = 200
+    sessions: int = 0                    # >0: TTFT requests are turns of this many sessions
 
 
 async def _wait_for_model(url: str, timeout: float = 30.0) -> str:
@@ -285,7 +292,8 @@ async def measure(router_url: str, worker_url: str, pids: dict[str, int],
     """Both measurements against running servers; the report as a dict."""
     model = await _wait_for_model(router_url)
     targets = {"router": router_url, "direct": worker_url}
-    stream_body = prompt_body(model, opts.prompt_chars, opts.max_tokens, stream=True)
+    stream_body = prompt_body(model, opts.prompt_chars, opts.max_tokens, stream=True,
+                              sessions=opts.sessions)
     one_token = prompt_body(model, opts.prompt_chars, 1, stream=False)
     path = "/v1/completions"
     offset = [0]
@@ -373,7 +381,8 @@ def _describe(opts: OverheadOptions) -> dict[str, Any]:
             "throughput_concurrency": opts.throughput_concurrency,
             "prompt_chars": opts.prompt_chars, "ttft_max_tokens": opts.max_tokens,
             "worker_speedup_ratio": opts.worker_speedup_ratio,
-            "router_args": list(opts.router_args), "worker_args": list(opts.worker_args)}
+            "router_args": list(opts.router_args), "worker_args": list(opts.worker_args),
+            "sessions": opts.sessions}
 
 
 async def run_overhead(opts: OverheadOptions, data_dir: Path | None = None,
@@ -407,7 +416,9 @@ def format_report(r: dict[str, Any]) -> str:
              "one replica + one simulated worker (--speedup-ratio "
              f"{r['options']['worker_speedup_ratio']:g}); load generator shares the cores", "",
              "TTFT, streaming /v1/completions "
-             f"({r['options']['prompt_chars']}-token prompts, closed loop)",
+             f"({r['options']['prompt_chars']}-token prompts, closed loop"
+             + (f", turns of {r['options']['sessions']} sticky sessions"
+                if r["options"].get("sessions") else "") + ")",
              f"{'conc':>5} {'target':<7} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}  cpu cores"]
     for row in r["ttft"]:
         for name in ("direct", "router"):
@@ -459,6 +470,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra raw argument for the replica (repeatable)")
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra raw argument for the worker (repeatable)")
+    p.add_argument("--sessions", type=int, default=0,
+                   help="TTFT requests are turns of this many sticky sessions "
+                        "(nvext.session_control): the cost of a pin and its catch-up read")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="cluster data/logs here (default: a temporary dir)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
@@ -470,7 +484,7 @@ def options_from_args(args: argparse.Namespace) -> OverheadOptions:
     except ValueError:
         levels = ()
     if not levels or min(levels) < 1 or args.ttft_requests < 1 or args.rounds < 1 \
-            or args.duration <= 0 or args.throughput_concurrency < 1:
+            or args.duration <= 0 or args.throughput_concurrency < 1 or args.sessions < 0:
         raise ValueError("concurrency levels, --ttft-requests, --rounds, --duration and "
                          "--throughput-concurrency must be positive")
     return OverheadOptions(concurrency=levels, ttft_requests=args.ttft_requests,
@@ -478,7 +492,8 @@ def options_from_args(args: argparse.Namespace) -> OverheadOptions:
                            throughput_concurrency=args.throughput_concurrency,
                            prompt_chars=args.prompt_chars, max_tokens=args.max_tokens,
                            worker_speedup_ratio=args.worker_speedup_ratio,
-                           router_args=tuple(args.router_arg), worker_args=tuple(args.worker_arg))
+                           router_args=tuple(args.router_arg), worker_args=tuple(args.worker_arg),
+                           sessions=args.sessions)
 
 
 def _run_loop(main: Awaitable[dict[str, Any]]) -> dict[str, Any]:

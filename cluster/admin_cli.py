@@ -322,6 +322,9 @@ show_workers = show_list("workers", ("worker_id", "url", "model", "health", "dp_
                                      "kv_total_blocks", "cached_blocks", "active_prefill_tokens",
                                      "active_decode_blocks", "out_of_sync", "status", "reason"),
                          "no workers registered")
+show_sessions = show_list("sessions", ("session_id", "worker_id", "dp_rank", "model", "ttl_s",
+                                       "expires_in_s", "requests", "engine_usable"),
+                          "no sticky sessions")
 
 
 def candidate_rows(decision: dict[str, Any]) -> list[dict[str, Any]]:
@@ -404,6 +407,7 @@ ROUTES: dict[str, tuple[str, str, Show]] = {
     "threshold": ("GET", THRESHOLD_PATH, show_threshold),
     "replicas": ("GET", "/admin/replicas", show_replicas),
     "workers": ("GET", "/admin/workers", show_workers),
+    "sessions": ("GET", "/admin/sessions", show_sessions),
 }
 
 
@@ -432,6 +436,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="messages appended between snapshots")
     sub.add_parser("replicas", help="every replica's positions, digests, leader, divergence")
     sub.add_parser("workers", help="the registered engines and their load")
+    sub.add_parser("sessions", help="sticky sessions: the engine each is pinned to, its TTL")
     q = sub.add_parser("request", help="one routing decision with every candidate's costs")
     q.add_argument("request_id", metavar="REQUEST_ID")
     # `--json` is also accepted after the verb (`jetrouter admin state --json`).

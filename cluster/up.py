@@ -553,7 +553,8 @@ UP = Group(
 
 # `serve` / `worker` options `up` takes itself and hands to the children that have them; left
 # out, each child keeps its own default. Forwarding another one is one more name here.
-FORWARDED = ("router-mode", "kv-cache-block-size", "num-gpu-blocks", "speedup-ratio")
+FORWARDED = ("router-mode", "kv-cache-block-size", "num-gpu-blocks", "speedup-ratio",
+             "model")  # the engines' served model name (also --served-model-name)
 
 
 def _names(groups: tuple[Group, ...]) -> set[str]:
@@ -617,6 +618,20 @@ def forwarded_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
             forward_argv(args, TO_WORKERS) + list(args.worker_arg))
 
 
+def served_model(worker_args: Sequence[str]) -> str:
+    """The model name the workers serve: the last --model / --served-model-name among their
+    arguments (how --served-model-name and --worker-arg=--model=... both reach them)."""
+    name = DEFAULT_MODEL
+    args = list(worker_args)
+    for i, arg in enumerate(args):
+        for flag in ("--model", "--served-model-name"):
+            if arg == flag and i + 1 < len(args):
+                name = args[i + 1]
+            elif arg.startswith(flag + "="):
+                name = arg.split("=", 1)[1]
+    return name
+
+
 def _plain_workers(args: argparse.Namespace) -> int:
     if args.workers is not None:
         return int(args.workers)
@@ -625,11 +640,13 @@ def _plain_workers(args: argparse.Namespace) -> int:
 
 def banner(cluster: LocalCluster) -> str:
     url = cluster.router_urls[0]
+    model = served_model(cluster.worker_args)
     token = cluster.admin_token_path
     lines = [
         "jetrouter cluster is up",
         f"  routers : {' '.join(cluster.router_urls)}",
         f"  workers : {' '.join(cluster.worker_urls)}",
+        f"  model   : {model}",
         *([f"  roles   : disaggregated serving, "
            f"{', '.join(f'{n} {r}' for n, r in sorted(cluster._roles.items()))}"]
           if cluster._roles else []),
@@ -641,10 +658,10 @@ def banner(cluster: LocalCluster) -> str:
         f"  logs    : {cluster.data_dir / 'logs'}",
         "try:",
         f"  curl -s {url}/v1/completions -H 'content-type: application/json' \\",
-        f"    -d '{{\"model\": \"{DEFAULT_MODEL}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+        f"    -d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
         f"  curl -s -H \"Authorization: Bearer $(cat {token})\" {url}/admin/state",
         f"  OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY=unused python -c \"import openai; "
-        f"print(openai.OpenAI().completions.create(model='{DEFAULT_MODEL}', prompt='Hi', "
+        f"print(openai.OpenAI().completions.create(model='{model}', prompt='Hi', "
         "max_tokens=8).choices[0].text)\"",
         "Ctrl-C stops everything.",
     ]

@@ -172,6 +172,28 @@ class ReplicaLost(_Event, frozen=True, tag=True):
     ts: Ts
 
 
+class SessionPinned(_Event, frozen=True, tag=True):
+    """A sticky session is (still) on this engine: appended in the same message as the decision
+    of each of its turns, so the pin and the decision land together or not at all. ``ttl`` is a
+    sliding window in event time from ``ts`` (replicas/core/sessions.py)."""
+
+    session_id: Id
+    worker_id: Id
+    dp_rank: Rank
+    model: str
+    ttl: Annotated[float, msgspec.Meta(gt=0.0, le=1e9)]
+    ts: Ts
+    request_id: str = ""  # the decision this pin came with
+    # "open" | "bind" (a client's turn), "repin" (the pinned engine was retired or unhealthy)
+    reason: str = "bind"
+
+
+class SessionReleased(_Event, frozen=True, tag=True):
+    session_id: Id
+    reason: str  # "closed" (the client's last turn) | "engine_gone"
+    ts: Ts
+
+
 # --- Control stream: jr.control.<kind> --------------------------------------------------------
 
 
@@ -217,7 +239,10 @@ class WorkerHealthChanged(_Event, frozen=True, tag=True):
 
 
 KvEvent = WorkerRegistered | WorkerRetired | BlocksStored | BlocksRemoved | AllBlocksCleared
-RouterEvent = RequestRouted | PrefillCompleted | RequestFinished | ReplicaLost
+RouterEvent = (
+    RequestRouted | PrefillCompleted | RequestFinished | ReplicaLost | SessionPinned
+    | SessionReleased
+)
 ControlEvent = (
     BusyThresholdsSet | SnapshotThresholdSet | SnapshotTaken | StateReset | WorkerHealthChanged
 )

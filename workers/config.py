@@ -22,7 +22,8 @@ PROCESS = Group(
     Option("host", default="127.0.0.1", help="listen address"),
     Option("port", int, 8000, "listen port; 0 picks a free one"),
     Option("advertise-url", help="URL routers should use (default http://HOST:PORT)"),
-    Option("model", default="jetrouter-sim", help="served model name"),
+    Option("model", default="jetrouter-sim", help="served model name",
+           aliases=("--served-model-name",)),
     Option("role", default=Role.BOTH, choices=ROLES,
            help="disaggregated serving: a prefill engine computes prompts and hands their KV "
                 "blocks over (POST /v1/prefill), a decode engine receives them and generates; "
@@ -40,9 +41,11 @@ PROCESS = Group(
 
 ENGINE_MODEL = Group(
     "engine model",
-    Option("num-gpu-blocks", int, _ENGINE.num_gpu_blocks, "KV cache blocks"),
+    # --num-gpu-blocks-override / --block-size: the names Dynamo's mocker engine uses.
+    Option("num-gpu-blocks", int, _ENGINE.num_gpu_blocks, "KV cache blocks",
+           aliases=("--num-gpu-blocks-override",)),
     Option("kv-cache-block-size", int, _ENGINE.block_size,
-           "tokens per KV block; must match the router"),
+           "tokens per KV block; must match the router", aliases=("--block-size",)),
     Option("max-num-seqs", int, _ENGINE.max_num_seqs, "max running requests"),
     Option("max-num-batched-tokens", int, _ENGINE.max_num_batched_tokens,
            "token budget per step, chunked prefill"),

@@ -90,6 +90,8 @@ class WorkerRuntime:
         self.metrics = WorkerMetrics(self.engines, settings.worker_id)
         self.url: str | None = None
         self.draining = False
+        # SGLang-style streaming sessions the router opened here: id -> {opened_ts, turns}.
+        self.sessions: dict[str, dict[str, float]] = {}
 
     def _dump(self) -> list[tuple[int, list[Any]]]:
         return [(engine.dp_rank, list(engine.dump())) for engine in self.engines]
@@ -146,6 +148,23 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+def _session_id(raw: bytes) -> str | None:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    sid = body.get("session_id") if isinstance(body, dict) else None
+    return sid if isinstance(sid, str) and sid else None
+
+
+def _count_session_turn(runtime: WorkerRuntime, body: dict[str, Any]) -> None:
+    nvext = body.get("nvext")
+    control = nvext.get("session_control") if isinstance(nvext, dict) else None
+    sid = control.get("session_id") if isinstance(control, dict) else None
+    if isinstance(sid, str) and sid in runtime.sessions:
+        runtime.sessions[sid]["turns"] += 1
+
+
 def create_app(runtime: WorkerRuntime) -> FastAPI:
     settings = runtime.settings
 
@@ -179,6 +198,7 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
         if parsed.model is not None and parsed.model != settings.model:
             return _error(404, f"The model `{parsed.model}` does not exist.", "NotFoundError",
                           "model")
+        _count_session_turn(runtime, body)
         ext = body.get("jetrouter") if isinstance(body.get("jetrouter"), dict) else {}
         rank = ext.get("dp_rank")
         engine = runtime.pick_engine(rank if isinstance(rank, int) else None)
@@ -231,6 +251,29 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(runtime.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    # SGLang's session endpoints (its --enable-streaming-session): the router opens a session on
+    # the engine it pins the session to and closes it after the last turn.
+    @app.post("/open_session")
+    async def open_session(request: Request) -> Response:
+        sid = _session_id(await request.body())
+        if sid is None:
+            return _error(400, "session_id must be a non-empty string", param="session_id")
+        runtime.sessions.setdefault(sid, {"opened_ts": time.time(), "turns": 0})
+        return JSONResponse(sid)
+
+    @app.post("/close_session")
+    async def close_session(request: Request) -> Response:
+        sid = _session_id(await request.body())
+        if sid is None:
+            return _error(400, "session_id must be a non-empty string", param="session_id")
+        if runtime.sessions.pop(sid, None) is None:
+            return _error(404, f"session {sid!r} is not open here", param="session_id")
+        return JSONResponse({"closed": sid})
+
+    @app.get("/sessions")
+    async def sessions() -> Response:
+        return JSONResponse({"worker_id": settings.worker_id, "sessions": runtime.sessions})
 
     @app.post("/fault")
     async def fault(request: Request) -> Response:

@@ -179,7 +179,8 @@ class Run:
                 expected_osl=plan.expected_osl, priority=self.base.event.priority,
                 overlap_weight=self.parsed.overlap_weight,
                 latency_sensitivity=self.parsed.latency_sensitivity,
-                exclude=frozenset(self.failed)))
+                exclude=frozenset(self.failed),
+                session=self.base.session))  # a session moves with its turn: re-pinned
         except Exception as exc:  # RoutingError, or the decision could not be appended
             if not isinstance(exc, RoutingError):
                 log.exception("request %s: re-routing failed", self.base.request_id)

@@ -67,22 +67,36 @@ def request_hashes(state: RouterState, model: str, token_ids: Sequence[int],
 def build_candidates(state: RouterState, model: str, seq_hashes: Sequence[int], *,
                      exclude: frozenset[str] = frozenset(),
                      overlay: Overlay = _NO_OVERLAY, phase: disagg.Phase = disagg.AGGREGATED,
-                     assume_kv_reuse: bool = True) -> list[Candidate]:
+                     assume_kv_reuse: bool = True, track_active_blocks: bool = True,
+                     track_prefill_tokens: bool = True) -> list[Candidate]:
     """``phase``: the decision these candidates are for (aggregated, or one of a disaggregated
-    request's two); ``assume_kv_reuse``: decode engines reuse transferred blocks they hold."""
-    out = _candidates(state, model, seq_hashes, exclude, overlay, phase)
+    request's two). ``assume_kv_reuse``: engines reuse blocks they already hold — a decode
+    engine the transferred blocks (disagg.py), any engine the blocks other in-flight requests on
+    it hold; off, a request is charged all its blocks (and the state counts each such request's
+    blocks as its own). ``track_active_blocks`` / ``track_prefill_tokens`` (Dynamo's switches)
+    leave decode blocks / queued prefill tokens out of every candidate: they change what a
+    decision sees, never the state."""
+    out = _candidates(state, model, seq_hashes, exclude, overlay, phase, assume_kv_reuse)
     if phase == disagg.PREFILL:
-        return [disagg.prefill_candidate(c) for c in out]
-    if phase == disagg.DECODE:
+        out = [disagg.prefill_candidate(c) for c in out]
+    elif phase == disagg.DECODE:
         n = len(seq_hashes)
-        return [disagg.decode_candidate(c, n, assume_kv_reuse) for c in out]
+        out = [disagg.decode_candidate(c, n, assume_kv_reuse) for c in out]
+    if not track_active_blocks or not track_prefill_tokens:
+        for c in out:  # Candidate is mutable: building 64 new ones per decision costs more
+            if not track_active_blocks:
+                c.active_decode_blocks = c.new_request_blocks = 0
+            if not track_prefill_tokens:
+                c.active_prefill_tokens = 0
     return out
 
 
 def _candidates(state: RouterState, model: str, seq_hashes: Sequence[int],
-                exclude: frozenset[str], overlay: Overlay, phase: str) -> list[Candidate]:
+                exclude: frozenset[str], overlay: Overlay, phase: str,
+                assume_kv_reuse: bool) -> list[Candidate]:
     # Aggregated requests of a model served disaggregated go to decode engines only.
     split = phase != disagg.AGGREGATED or is_disaggregated(state, model)
+    own_blocks = not assume_kv_reuse and phase == disagg.AGGREGATED
     scores = state.index.find_matches(seq_hashes)
     out: list[Candidate] = []
     n = len(seq_hashes)
@@ -97,7 +111,9 @@ def _candidates(state: RouterState, model: str, seq_hashes: Sequence[int],
             continue
         for rank in range(w.dp_size):
             key = (w.worker_id, rank)
-            active_prefix = load.active_prefix_len(key, seq_hashes) if n else 0
+            # Blocks other active requests on this rank already hold are charged once (the
+            # engine shares them), unless no reuse is assumed.
+            active_prefix = load.active_prefix_len(key, seq_hashes) if n and not own_blocks else 0
             out.append(Candidate(
                 worker=key,
                 overlap_blocks=scores.scores.get(key, 0),

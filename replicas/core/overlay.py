@@ -33,15 +33,16 @@ def pending_decision(load: ActiveLoad, worker: WorkerKey, *, isl_tokens: int,
     """The load a decision for ``worker`` adds: the prompt tokens its cache does not hold, and
     the prompt blocks no request already running on that rank shares. As the state will count
     it (RouterState applying ``RequestRouted``): a prefill decision adds no decode blocks, a
-    decode decision no prefill tokens, and without KV reuse all its blocks are its own."""
+    decode decision no prefill tokens, and without KV reuse (decode or aggregated) all its
+    blocks are its own."""
     prefill = max(isl_tokens - overlap_blocks * block_size, 0)
     new_blocks = len(seq_hashes) - load.active_prefix_len(worker, seq_hashes)
     if phase == disagg.PREFILL:
         new_blocks = 0
     elif phase == disagg.DECODE:
         prefill = 0
-        if not kv_reuse:
-            new_blocks = len(seq_hashes)
+    if not kv_reuse and phase != disagg.PREFILL:
+        new_blocks = len(seq_hashes)
     return PendingDecision(worker, prefill, new_blocks)
 
 

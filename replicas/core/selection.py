@@ -83,6 +83,13 @@ class RoutingConfig:
     temperature: float = 0.0
     block_size: int = 16
     thresholds: BusyThresholds = field(default_factory=BusyThresholds)
+    # Which in-flight load the candidates are charged with (Dynamo's block-tracking switches).
+    # They change what a decision sees, never the replicated load itself, so replicas configured
+    # differently still hold the same state.
+    track_active_blocks: bool = True   # off: decode blocks count 0 (prefill-only engines)
+    track_prefill_tokens: bool = True  # off: queued prefill tokens count 0 (decode-only paths)
+    # (--no-router-assume-kv-reuse is ReplicaConfig.assume_kv_reuse: it reaches the state too,
+    # through each decision's RequestRouted.kv_reuse.)
 
     @classmethod
     def dynamo(cls, **overrides: Any) -> RoutingConfig:

@@ -29,6 +29,7 @@ from replicas.core import disagg
 from replicas.core.index import PrefixIndex
 from replicas.core.load import ActiveLoad
 from replicas.core.selection import BusyThresholds
+from replicas.core.sessions import SessionTable
 
 _MASK = (1 << 64) - 1
 # 2: columnar index and load (replicas/core/index.py, replicas/core/load.py); 1 is still read, so a
@@ -84,6 +85,7 @@ class RouterState:
                                  max_tree_size=c.max_tree_size,
                                  prune_target_ratio=c.prune_target_ratio)
         self.load = ActiveLoad()
+        self.sessions = SessionTable()  # sticky session pins (router stream)
         self.positions: dict[str, int] = {k: 0 for k in STREAM_KINDS}
         self.epoch = 0
         self.now = 0.0
@@ -156,6 +158,9 @@ class RouterState:
             self._ended.pop(request_id, None)
         if self.config.approximate:
             self.index.expire(self.now)
+        if len(self.sessions):
+            for _ in self.sessions.expire(self.now):
+                self.stats.bump(ROUTER, "SessionExpired", "ok")
 
     # KV stream
 
@@ -264,9 +269,12 @@ class RouterState:
         blocks: Sequence[int] = e.block_seq_hashes
         if e.phase == disagg.PREFILL:
             blocks = ()  # active-block tracking is off for prefill engines
-        elif e.phase == disagg.DECODE:
-            prefill = 0  # the prompt's KV arrives by transfer; the engine computes none of it
+        else:
+            if e.phase == disagg.DECODE:
+                prefill = 0  # the prompt's KV arrives by transfer; the engine computes none
             if not e.kv_reuse:
+                # --no-router-assume-kv-reuse: this request's blocks are its own (decode or
+                # aggregated), shared with no other request on the engine.
                 blocks = disagg.unique_block_hashes(e.request_id, len(blocks))
         added = self.load.add(e.request_id, e.replica_id, (e.worker_id, e.dp_rank), prefill,
                               blocks, e.ts)
@@ -294,6 +302,12 @@ class RouterState:
         freed = self.load.replica_lost(e.replica_id)
         self._end(freed)
         return "ok" if freed else "nothing_owned"
+
+    def _session_pinned(self, e: ev.SessionPinned) -> str:
+        return self.sessions.pin(e.session_id, (e.worker_id, e.dp_rank), e.model, e.ttl, e.ts)
+
+    def _session_released(self, e: ev.SessionReleased) -> str:
+        return "ok" if self.sessions.release(e.session_id) else "unknown_session"
 
     # Control stream
 
@@ -333,6 +347,7 @@ class RouterState:
                                  max_tree_size=c.max_tree_size,
                                  prune_target_ratio=c.prune_target_ratio)
         self.load = ActiveLoad()
+        self.sessions.clear()
         self._expiry.clear()
         self._routed_ts.clear()
         self._ended.clear()
@@ -370,7 +385,7 @@ class RouterState:
             sorted((w.worker_id, w.block_size) for w in self.refused_workers.values()),
         )
         parts = {"index": self.index.digest & _MASK, "load": self.load.digest & _MASK,
-                 "config": config}
+                 "config": config, "sessions": self.sessions.digest & _MASK}
         parts["state"] = sum(parts.values()) & _MASK
         return parts
 
@@ -405,6 +420,7 @@ class RouterState:
             "out_of_sync": sorted(self.out_of_sync),
             "index": None,  # filled in by the returned function
             "load": self.load.to_plain(),
+            "sessions": self.sessions.to_plain(),
             # Only live entries: finished requests linger in the heap until they age out.
             "expiry": sorted(x for x in self._expiry if self.load.request(x[1]) is not None),
             "ended": dict(self._ended),
@@ -436,6 +452,7 @@ class RouterState:
         state.out_of_sync = set(doc["out_of_sync"])
         state.index = PrefixIndex.from_plain(doc["index"])
         state.load = ActiveLoad.from_plain(doc["load"])
+        state.sessions = SessionTable.from_plain(doc.get("sessions", []))  # absent in older blobs
         state._expiry = [tuple(x) for x in doc["expiry"]]  # type: ignore[misc]
         heapq.heapify(state._expiry)
         state._routed_ts = {rid: ts for ts, rid in state._expiry}
@@ -460,6 +477,8 @@ _HANDLERS = {
     ev.PrefillCompleted: RouterState._prefill_completed,
     ev.RequestFinished: RouterState._request_finished,
     ev.ReplicaLost: RouterState._replica_lost,
+    ev.SessionPinned: RouterState._session_pinned,
+    ev.SessionReleased: RouterState._session_released,
     ev.BusyThresholdsSet: RouterState._busy_thresholds_set,
     ev.SnapshotThresholdSet: RouterState._snapshot_threshold_set,
     ev.SnapshotTaken: RouterState._snapshot_taken,

@@ -20,17 +20,21 @@ from dataclasses import dataclass, field
 
 from eventlog import events as ev
 from eventlog.appender import AppendFailed
+from eventlog.names import ROUTER
 from replicas.core import disagg
 from replicas.core.candidates import (
+    HEALTH_WEIGHT,
     build_candidates,
     check_routable,
     request_hashes,
     served_models,
 )
+from replicas.core.index import WorkerKey
 from replicas.core.overlay import Overlay, pending_decision
 from replicas.core.queue import RequestQueue, should_queue
 from replicas.core.routing_errors import AllWorkersBusy, RoutingError
-from replicas.core.selection import BusyThresholds, Decision, Overloaded, Selector
+from replicas.core.selection import BusyThresholds, Candidate, Decision, Overloaded, Selector
+from replicas.core.sticky import SessionRequest, StickyOverlay, session_events, sticky_target
 from replicas.runtime.background import Background
 from replicas.runtime.config import ReplicaConfig
 from replicas.runtime.port import ReplicaPort
@@ -87,6 +91,9 @@ class RouteRequest:
     # Disaggregated serving (replicas/core/disagg.py): the prefill or decode decision, or an
     # aggregated one (never sent to a prefill-only engine of a disaggregated model).
     phase: disagg.Phase = disagg.AGGREGATED
+    # nvext.session_control / X-Dynamo-Session-ID; a prefill decision ignores it (the session
+    # is pinned to the engine that decodes, which holds the conversation's blocks).
+    session: SessionRequest | None = None
 
 
 @dataclass(slots=True)
@@ -101,6 +108,10 @@ class Routed:
     decision: Decision
     event: ev.RequestRouted
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
+    # SessionPinned / SessionReleased appended in the decision's own message.
+    session_events: list[ev.Event] = field(default_factory=list)
+    sticky: str | None = None  # "pinned" (went to its session's engine), "open", "repin"
+    session: SessionRequest | None = None  # the request's session, for its migrated hops
 
 
 _Queued = tuple[RouteRequest, "asyncio.Future[Routed]"]
@@ -114,6 +125,7 @@ class Dispatcher:
         self.rng = rng
         self.selector = Selector(config.routing)
         self.overlay = Overlay()
+        self.sticky = StickyOverlay()  # pins routed here and not yet applied from the stream
         self.decision_log = DecisionLogHealth()
         # Set when the load may have dropped (a router or control event applied): the queue
         # dispatcher re-judges then.
@@ -138,8 +150,28 @@ class Dispatcher:
     def thresholds_for(self, model: str) -> BusyThresholds:
         return self.port.state.thresholds_for(model) or self.config.default_thresholds
 
+    def settle(self, request_id: str) -> None:
+        """The decision is in the state now (or never will be): stop counting it here."""
+        self.overlay.reconcile(request_id)
+        self.sticky.settled(request_id)
+
+    def forget_pending(self) -> None:
+        """A reset re-reads the streams from its cut: nothing pending survives it."""
+        self.overlay.clear()
+        self.sticky.clear()
+
+    def candidates(self, model: str, seq_hashes: Sequence[int],
+                   exclude: frozenset[str] = frozenset(),
+                   phase: disagg.Phase = disagg.AGGREGATED) -> list[Candidate]:
+        routing = self.config.routing
+        return build_candidates(self.port.state, model, seq_hashes, exclude=exclude,
+                                overlay=self.overlay, phase=phase,
+                                assume_kv_reuse=self.config.assume_kv_reuse,
+                                track_active_blocks=routing.track_active_blocks,
+                                track_prefill_tokens=routing.track_prefill_tokens)
+
     def decide(
-        self, req: RouteRequest
+        self, req: RouteRequest, only: WorkerKey | None = None
     ) -> tuple[Decision | Overloaded, list[int], dict[str, float]]:
         state = self.port.state
         check_routable(state, req.model)
@@ -147,40 +179,55 @@ class Dispatcher:
         seq_hashes = request_hashes(state, req.model, req.token_ids,
                                     self.config.state.block_size)
         t1 = time.perf_counter()
-        reuse = self.config.assume_kv_reuse
-        cands = build_candidates(state, req.model, seq_hashes, exclude=req.exclude,
-                                 overlay=self.overlay, phase=req.phase, assume_kv_reuse=reuse)
+        cands = self.candidates(req.model, seq_hashes, req.exclude, req.phase)
+        if only is not None:
+            cands = [c for c in cands if c.worker == only]
         t2 = time.perf_counter()
         weight = disagg.DECODE_TRANSFER_WEIGHT if req.phase == disagg.DECODE \
             else req.overlap_weight
         result = self.selector.select(cands, len(req.token_ids), self.rng,
                                       overlap_weight=weight,
                                       thresholds=self.thresholds_for(req.model))
+        if only is not None and isinstance(result, Overloaded) and cands:
+            # A session stays on its engine even when that engine is over a busy threshold:
+            # its cache holds the conversation, and the pin bypasses scoring (as in Dynamo).
+            result = Decision(only, cands[0].overlap_blocks, result.costs)
         t3 = time.perf_counter()
         return result, seq_hashes, {"hashing": t1 - t0, "matching": t2 - t1,
                                     "selection": t3 - t2, "total": t3 - t0}
 
     def _prepare(self, req: RouteRequest) -> Routed:
         """Synchronous part of routing: select and add the decision to the overlay."""
-        result, seq_hashes, timings = self.decide(req)
+        state = self.port.state
+        session = req.session if req.phase != disagg.PREFILL else None
+        target, sticky = (sticky_target(state, self.sticky, session.session_id, req.model,
+                                        req.exclude, HEALTH_WEIGHT)
+                          if session is not None else (None, None))
+        result, seq_hashes, timings = self.decide(req, only=target)
         if isinstance(result, Overloaded):
             raise AllWorkersBusy(result.reason)
-        state = self.port.state
         worker_id, dp_rank = result.worker
         info = state.workers[worker_id]
+        now = time.time()
         event = ev.RequestRouted(
             request_id=req.request_id, replica_id=self.port.replica_id, worker_id=worker_id,
             dp_rank=dp_rank, isl_tokens=len(req.token_ids), block_seq_hashes=list(seq_hashes),
             overlap_blocks=result.overlap_blocks, expected_osl=req.expected_osl,
-            priority=req.priority, ts=time.time(), candidates=result.costs.rows(),
+            priority=req.priority, ts=now, candidates=result.costs.rows(),
             model=req.model, block_size=self.config.state.block_size,
             phase=req.phase, kv_reuse=self.config.assume_kv_reuse)
+        extra: list[ev.Event] = []
+        if session is not None:
+            extra = session_events(session, req.request_id, result.worker, req.model, sticky,
+                                   now)
+            self.sticky.routed(req.request_id, session, result.worker)
         self.overlay.add(req.request_id, pending_decision(
             state.load, result.worker, isl_tokens=len(req.token_ids),
             overlap_blocks=result.overlap_blocks, block_size=info.block_size,
             seq_hashes=seq_hashes, phase=req.phase, kv_reuse=self.config.assume_kv_reuse))
         return Routed(req.request_id, worker_id, info.url, dp_rank, len(req.token_ids),
-                      result.overlap_blocks, len(seq_hashes), result, event, timings)
+                      result.overlap_blocks, len(seq_hashes), result, event, timings, extra,
+                      sticky, session)
 
     # --- routing ---------------------------------------------------------------------------
 
@@ -198,21 +245,27 @@ class Dispatcher:
                 with contextlib.suppress(ValueError):
                     self._queue.remove((req, fut))
                 if fut.done() and not fut.cancelled() and fut.exception() is None:
-                    self.overlay.reconcile(req.request_id)
+                    self.settle(req.request_id)
                 raise AllWorkersBusy("waited too long in the router queue") from None
         else:
+            if req.session is not None:
+                await self._catch_up_router()
             routed = self._prepare(req)
+        recording = time.perf_counter()
         try:
             await asyncio.wait_for(
-                self._append(routed.event, f"{req.request_id}.routed"),
+                self._append([routed.event, *routed.session_events] if routed.session_events
+                             else routed.event, f"{req.request_id}.routed"),
                 self.config.decision_append_timeout)
         except (AppendFailed, TimeoutError) as exc:
-            self.overlay.reconcile(req.request_id)  # the overlay must not keep what the log refused
+            self.settle(req.request_id)  # the overlay must not keep what the log refused
             self._decision_refused(req.request_id, exc)
             raise DecisionNotRecorded(req.request_id, exc) from exc
         except BaseException:
-            self.overlay.reconcile(req.request_id)
+            self.settle(req.request_id)
             raise
+        # Time for JetStream to acknowledge the decision (not part of "total", the decision).
+        routed.timings["record"] = time.perf_counter() - recording
         if self.decision_log.last_failure_at is not None:
             log.warning("replica %s records routing decisions again (after %d refused)",
                         self.port.replica_id, self.decision_log.failures)
@@ -252,14 +305,25 @@ class Dispatcher:
 
     def finished(self, request_id: str, outcome: str, output_tokens: int,
                  cached_tokens: int = -1) -> None:
-        self.overlay.reconcile(request_id)
+        self.settle(request_id)
         self._background.spawn(self._append(
             ev.RequestFinished(request_id, outcome, output_tokens, time.time(), cached_tokens),
             f"{request_id}.finished"))
 
-    async def _append(self, event: ev.Event, msg_id: str) -> int:
+    async def _append(self, event: ev.Event | list[ev.Event], msg_id: str) -> int:
         port = self.port
         return await port.append(port.names.router_subject(port.replica_id), event, msg_id)
+
+    async def _catch_up_router(self, timeout: float = 2.0) -> None:
+        """Apply the router stream up to its current end before a session's turn is routed, so
+        a pin another replica appended for the previous turn (acknowledged before that turn's
+        answer reached the client) is seen here. One stream-info round trip; on failure or
+        timeout the turn is routed with what this replica has."""
+        try:
+            last = await asyncio.wait_for(self.port.stream_end(ROUTER), timeout)
+            await self.port.wait_applied(ROUTER, last, timeout)
+        except Exception as exc:  # a slow or unreachable server must not fail the request
+            log.info("session routing without a catch-up read: %s", describe(exc))
 
     # --- the router queue --------------------------------------------------------------------
 
@@ -268,7 +332,7 @@ class Dispatcher:
         assert threshold is not None
         if len(self._queue):
             return True  # keep arrival order: nobody overtakes the queue
-        cands = build_candidates(self.port.state, req.model, (), overlay=self.overlay)
+        cands = self.candidates(req.model, ())
         return bool(cands) and should_queue(cands, threshold)
 
     async def _dispatch_queue(self) -> None:
@@ -283,8 +347,7 @@ class Dispatcher:
                 continue
             while len(self._queue):
                 state = self.port.state
-                cands = [c for m in served_models(state) for c in
-                         build_candidates(state, m, (), overlay=self.overlay)]
+                cands = [c for m in served_models(state) for c in self.candidates(m, ())]
                 if cands and should_queue(cands, threshold):
                     break
                 item = self._queue.pop()

@@ -35,9 +35,15 @@ class ReplicaPort(Protocol):
         """Holds the leader lease (never without durability)."""
         ...
 
-    async def append(self, subject: str, event: ev.Event, msg_id: str | None) -> int:
-        """Append one event to a stream subject; the stream's sequence number. ``msg_id`` None:
-        a fresh one (no deduplication against earlier appends)."""
+    async def append(self, subject: str, event: ev.Event | list[ev.Event],
+                     msg_id: str | None) -> int:
+        """Append one event (or several, as one message: they apply together) to a stream
+        subject; the stream's sequence number. ``msg_id`` None: a fresh one (no deduplication
+        against earlier appends)."""
+        ...
+
+    async def stream_end(self, kind: str) -> int:
+        """The last sequence of stream ``kind`` now (one round trip to the server)."""
         ...
 
     async def wait_ready(self, timeout: float | None = None) -> None: ...

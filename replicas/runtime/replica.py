@@ -117,10 +117,16 @@ class Replica:
     def is_leader(self) -> bool:
         return self.leader is not None and self.leader.is_leader
 
-    async def append(self, subject: str, event: ev.Event, msg_id: str | None) -> int:
+    async def append(self, subject: str, event: ev.Event | list[ev.Event],
+                     msg_id: str | None) -> int:
         assert self.log is not None
         mid = msg_id or f"{self.replica_id}.{time.time_ns()}.{self.rng.getrandbits(32)}"
-        return await self.log.append(subject, [event], mid)
+        return await self.log.append(subject, event if isinstance(event, list) else [event], mid)
+
+    async def stream_end(self, kind: str) -> int:
+        assert self.log is not None
+        _, last = await self.log.bounds(self.names.stream(kind))
+        return last
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         await asyncio.wait_for(self._ready_event.wait(), timeout)
@@ -251,7 +257,7 @@ class Replica:
         if kind == ROUTER:
             for e in batch:
                 if isinstance(e, ev.RequestRouted):
-                    self.dispatcher.overlay.reconcile(e.request_id)
+                    self.dispatcher.settle(e.request_id)
             self.dispatcher.load_changed.set()
         elif kind == KV:
             if state.out_of_sync:
@@ -265,7 +271,7 @@ class Replica:
             self._check_ready()
 
     def stream_rewound(self) -> None:
-        self.dispatcher.overlay.clear()
+        self.dispatcher.forget_pending()
 
     def _log_refusals(self) -> None:
         """One clear line when a worker becomes refused (a bad block size in its registration)."""

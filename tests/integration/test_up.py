@@ -144,7 +144,8 @@ def test_up_command_exits_0_on_sigterm_and_leaves_nothing(tmp_path: Path) -> Non
     with out_path.open("w") as out_f, err_path.open("w") as err_f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "api.cli", "up", "--replicas", "1", "--workers", "1",
-             "--base-port", "0", "--data-dir", str(data_dir), "--namespace", "upcli"],
+             "--base-port", "0", "--data-dir", str(data_dir), "--namespace", "upcli",
+             "--served-model-name", "demo-model"],
             cwd=REPO, stdout=out_f, stderr=err_f)
     try:
         def banner_printed() -> bool:
@@ -157,6 +158,8 @@ def test_up_command_exits_0_on_sigterm_and_leaves_nothing(tmp_path: Path) -> Non
         for url in ([r["url"] + "/ready" for r in doc["replicas"]]
                     + [w["url"] + "/health" for w in doc["workers"]]):
             assert httpx.get(url, timeout=5.0).status_code == 200, url
+        models = httpx.get(doc["replicas"][0]["url"] + "/v1/models", timeout=5.0).json()
+        assert [m["id"] for m in models["data"]] == ["demo-model"]
         pids = [c["pid"] for c in doc["replicas"] + doc["workers"]]
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
@@ -167,6 +170,7 @@ def test_up_command_exits_0_on_sigterm_and_leaves_nothing(tmp_path: Path) -> Non
     assert proc.returncode == 0, err_path.read_text()
     out = out_path.read_text()
     assert "jetrouter cluster is up" in out and doc["replicas"][0]["url"] in out
+    assert "model   : demo-model" in out and "model='demo-model'" in out
     for pid in pids:
         assert not pid_alive(pid), f"child {pid} still running after SIGTERM"
     assert not tcp_open(doc["nats_url"])

@@ -57,7 +57,7 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 BAD = [
     # (argv, environment, what the one line must say)
-    (["serve", "--port", "eighty"], {}, "argument --port: not a valid int: 'eighty'"),
+    (["serve", "--port", "eighty"], {}, "argument --port/--http-port: not a valid int: 'eighty'"),
     (["serve", "--router-mode", "sticky"], {}, "--router-mode"),
     (["serve", "--router-queue-threshold", "0"], {}, "must be positive, got 0"),
     (["serve", "--router-prune-target-ratio", "1.5"], {}, "must be >= 0 and <= 1, got 1.5"),

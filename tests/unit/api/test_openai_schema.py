@@ -329,3 +329,30 @@ def test_nesting_deeper_than_the_decoder_allows_is_a_400(raw: bytes) -> None:
     with pytest.raises(ApiError) as caught:
         parse("completions", raw)
     assert caught.value.status == 400
+
+
+def test_session_control_and_extra_fields() -> None:
+    sc = {"session_id": "abc", "action": "open", "timeout": 30}
+    parsed = parse("chat", chat(nvext={"session_control": sc,
+                                       "extra_fields": ["timing", "unknown", "worker_id"]}))
+    assert parsed.session_control == ("abc", "open", 30.0)
+    assert parsed.extra_fields == ("worker_id", "timing")
+    bare = parse("chat", chat(nvext={"session_control": {"session_id": "abc"}}))
+    assert bare.session_control == ("abc", "bind", None)
+    assert parse("chat", chat()).session_control is None
+
+
+@pytest.mark.parametrize(("nvext", "param"), [
+    ({"session_control": "abc"}, "nvext.session_control"),
+    ({"session_control": {"action": "open"}}, "nvext.session_control.session_id"),
+    ({"session_control": {"session_id": "x" * 513}}, "nvext.session_control.session_id"),
+    ({"session_control": {"session_id": "a", "action": "pause"}},
+     "nvext.session_control.action"),
+    ({"session_control": {"session_id": "a", "timeout": 0}}, "nvext.session_control.timeout"),
+    ({"session_control": {"session_id": "a", "timeout": "1"}}, "nvext.session_control.timeout"),
+    ({"extra_fields": "timing"}, "nvext.extra_fields"),
+])
+def test_bad_session_control_and_extra_fields(nvext: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as exc:
+        parse("completions", comp(nvext=nvext))
+    assert exc.value.status == 400 and exc.value.param == param
