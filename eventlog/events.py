@@ -123,10 +123,26 @@ class RequestRouted(_Event, frozen=True, tag=True):
     # Tokens per block the decision was made with (0: not recorded, older messages), so the
     # predicted reuse in tokens is overlap_blocks * block_size wherever the event is read.
     block_size: Annotated[int, msgspec.Meta(ge=0, le=2**16)] = 0
+    # Output blocks tracked for this request (--router-track-output-blocks of the replica that
+    # routed it), weighted by progress toward ``osl_hint`` (nvext.agent_hints.osl; 0: none given,
+    # full weight). Progress arrives as ``OutputProgress``.
+    track_output_blocks: bool = False
+    osl_hint: Count = 0
+    # How its prefill load decays (--router-prefill-load-model): "none" or "linear"; any other
+    # value (a model a newer replica knows) counts as "none".
+    prefill_load_model: Annotated[str, msgspec.Meta(max_length=32)] = "none"
 
 
 class PrefillCompleted(_Event, frozen=True, tag=True):
     request_id: Id
+    ts: Ts
+
+
+class OutputProgress(_Event, frozen=True, tag=True):
+    """A tracked request's generation crossed a block boundary: ``output_tokens`` so far."""
+
+    request_id: Id
+    output_tokens: Count
     ts: Ts
 
 
@@ -190,7 +206,7 @@ class WorkerHealthChanged(_Event, frozen=True, tag=True):
 
 
 KvEvent = WorkerRegistered | WorkerRetired | BlocksStored | BlocksRemoved | AllBlocksCleared
-RouterEvent = RequestRouted | PrefillCompleted | RequestFinished | ReplicaLost
+RouterEvent = RequestRouted | PrefillCompleted | OutputProgress | RequestFinished | ReplicaLost
 ControlEvent = (
     BusyThresholdsSet | SnapshotThresholdSet | SnapshotTaken | StateReset | WorkerHealthChanged
 )

@@ -26,7 +26,8 @@ import xxhash
 from eventlog import events as ev
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS
 from replicas.core.index import PrefixIndex
-from replicas.core.load import ActiveLoad
+from replicas.core.load import ActiveLoad, OutputTracking
+from replicas.core.prefill_model import PrefillLoadModel
 from replicas.core.selection import BusyThresholds
 
 _MASK = (1 << 64) - 1
@@ -257,9 +258,13 @@ class RouterState:
     def _request_routed(self, e: ev.RequestRouted) -> str:
         if e.request_id in self._ended:
             return "duplicate_request"
-        prefill = max(e.isl_tokens - e.overlap_blocks * self._block_size(e.worker_id), 0)
+        block_size = self._block_size(e.worker_id)
+        prefill = max(e.isl_tokens - e.overlap_blocks * block_size, 0)
+        output = OutputTracking(e.isl_tokens, e.block_size or block_size, e.osl_hint) \
+            if e.track_output_blocks else None
         added = self.load.add(e.request_id, e.replica_id, (e.worker_id, e.dp_rank), prefill,
-                              e.block_seq_hashes, e.ts)
+                              e.block_seq_hashes, e.ts, output=output,
+                              modeled=e.prefill_load_model == PrefillLoadModel.LINEAR)
         if not added:
             return "duplicate_request"
         heapq.heappush(self._expiry, (e.ts, e.request_id))
@@ -269,7 +274,12 @@ class RouterState:
         return "ok"
 
     def _prefill_completed(self, e: ev.PrefillCompleted) -> str:
-        return "ok" if self.load.prefill_completed(e.request_id) else "unknown_request"
+        return "ok" if self.load.prefill_completed(e.request_id, e.ts) else "unknown_request"
+
+    def _output_progress(self, e: ev.OutputProgress) -> str:
+        if self.load.output_progress(e.request_id, e.output_tokens):
+            return "ok"
+        return "unknown_request" if e.request_id not in self.load else "ignored"
 
     def _request_finished(self, e: ev.RequestFinished) -> str:
         if not self.load.finish(e.request_id):
@@ -447,6 +457,7 @@ _HANDLERS = {
     ev.AllBlocksCleared: RouterState._all_blocks_cleared,
     ev.RequestRouted: RouterState._request_routed,
     ev.PrefillCompleted: RouterState._prefill_completed,
+    ev.OutputProgress: RouterState._output_progress,
     ev.RequestFinished: RouterState._request_finished,
     ev.ReplicaLost: RouterState._replica_lost,
     ev.BusyThresholdsSet: RouterState._busy_thresholds_set,
