@@ -50,6 +50,7 @@ class ParsedRequest:
     expected_osl: int             # nvext.agent_hints.osl, else max_tokens, else 128
     latency_sensitivity: float    # nvext.agent_hints.latency_sensitivity (queue priority jump)
     body: dict[str, Any]          # the JSON body as received (to forward upstream)
+    osl_hint: int = 0             # nvext.agent_hints.osl as given (0: none; output-block weight)
 
 
 def decode_json(raw: bytes) -> Any:
@@ -344,4 +345,5 @@ def parse_request(endpoint: str, raw: bytes, tokenizer: Tokenizer, *, max_prompt
         max_tokens=max_tokens, include_usage=include_usage, priority=priority,
         overlap_weight=overlap_weight, expected_osl=expected_osl,
         latency_sensitivity=latency if latency is not None else 0.0, body=body,
+        osl_hint=expected_osl if hints.get("osl") is not None else 0,
     )
