@@ -39,7 +39,8 @@ from bench.trace import (
     select,
 )
 from eventlog.hashing import prompt_hashes, tokens_hashes
-from replicas.core.load import ActiveLoad
+from replicas.core.load import ActiveLoad, OutputTracking, output_blocks
+from replicas.core.prefill_model import PREFILL_LOAD_MODELS, PrefillLoadModel
 from replicas.core.selection import Candidate, Decision, RoutingConfig, Selector
 from workers.scheduler import EngineConfig, EngineCore, SimRequest
 
@@ -55,6 +56,8 @@ class SimOptions:
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_gpu_blocks=2000))
     seed: int = 0
     prefill_queue_weight: float | None = None  # RoutingConfig.prefill_queue_weight
+    prefill_load_model: str = "none"     # --router-prefill-load-model
+    track_output_blocks: bool = False    # --router-track-output-blocks (osl: the trace's)
 
 
 @dataclass(slots=True)
@@ -136,7 +139,7 @@ def simulate(records: Sequence[TraceRecord], opts: SimOptions) -> SimResult:
                 overlap = len(core.cache.match_prefix(local))
                 cands.append(Candidate(
                     worker=key, overlap_blocks=overlap, tree_size=core.cache.stats().cached,
-                    active_prefill_tokens=load.active_prefill_tokens(key),
+                    active_prefill_tokens=load.active_prefill_tokens(key, t),
                     active_decode_blocks=load.active_decode_blocks(key),
                     new_request_blocks=len(seq) - load.active_prefix_len(key, seq),
                     kv_total_blocks=opts.engine.num_gpu_blocks,
@@ -150,12 +153,15 @@ def simulate(records: Sequence[TraceRecord], opts: SimOptions) -> SimResult:
             assert isinstance(decision, Decision)
             w = keys.index(decision.worker)
             prefill = max(len(prompt) - decision.overlap_blocks * bs, 0)
-            load.add(rid, "sim", decision.worker, prefill, seq, t)
-            res.routed_overlap_tokens += min(decision.overlap_blocks * bs, len(prompt))
-            res.best_overlap_tokens += min(max(c.overlap_blocks for c in cands) * bs, len(prompt))
             max_tokens = max(1, rec.output_length)
             if opts.max_output_tokens:
                 max_tokens = min(max_tokens, opts.max_output_tokens)
+            track = OutputTracking(len(prompt), bs, max_tokens) \
+                if opts.track_output_blocks else None
+            load.add(rid, "sim", decision.worker, prefill, seq, t, output=track,
+                     modeled=opts.prefill_load_model == PrefillLoadModel.LINEAR)
+            res.routed_overlap_tokens += min(decision.overlap_blocks * bs, len(prompt))
+            res.best_overlap_tokens += min(max(c.overlap_blocks for c in cands) * bs, len(prompt))
             fleet.cores[w].add(rid, prompt, max_tokens)
             arrival[rid] = t
             res.worker_of.append(w)
@@ -169,6 +175,10 @@ def simulate(records: Sequence[TraceRecord], opts: SimOptions) -> SimResult:
             for req, _token in out.emitted:
                 if len(req.output) == 1:
                     _first_token(req, t, arrival, load, res)
+                if opts.track_output_blocks and output_blocks(
+                        req.prompt_len, len(req.output), bs) > output_blocks(
+                        req.prompt_len, len(req.output) - 1, bs):
+                    load.output_progress(req.request_id, len(req.output))
             for req in out.finished:
                 load.finish(req.request_id)
                 arrival.pop(req.request_id, None)
@@ -180,7 +190,7 @@ def simulate(records: Sequence[TraceRecord], opts: SimOptions) -> SimResult:
 def _first_token(req: SimRequest, t: float, arrival: dict[str, float], load: ActiveLoad,
                  res: SimResult) -> None:
     start = arrival.get(req.request_id)
-    if start is None or not load.prefill_completed(req.request_id):
+    if start is None or not load.prefill_completed(req.request_id, t):
         return
     res.ttft_s.append(t - start)
     res.prompt_tokens += req.prompt_len
@@ -214,6 +224,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine prefill cost; the trace bench shrinks a 512-token block to 32 "
                         "tokens, so 16x the default (0.8) keeps real prefill times")
     p.add_argument("--decode-ms-base", type=float, default=defaults.decode_ms_base)
+    p.add_argument("--prefill-load-models", default="none",
+                   help="comma-separated --router-prefill-load-model values to compare "
+                        "(none, linear)")
+    p.add_argument("--track-output-blocks", action="store_true",
+                   help="--router-track-output-blocks, each request's osl its output cap")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -235,14 +250,21 @@ def run(args: argparse.Namespace) -> int:
           f"{gpu_blocks} blocks; ideal hit (fleet LRU) {ideal:.1%}")
     for mode in args.modes.split(","):
         weights = [float(x) for x in args.weights.split(",")] if mode == "kv" else [1.0]
-        for wgt in weights:
+        models = args.prefill_load_models.split(",") if mode == "kv" else ["none"]
+        for wgt, model in ((w, m) for w in weights for m in models):
+            if model not in PREFILL_LOAD_MODELS:
+                raise SystemExit(f"unknown prefill load model {model!r}")
             opts = SimOptions(mode=mode, workers=args.workers, overlap_weight=wgt,
                               speedup=args.speedup, trace_block_tokens=args.trace_block_tokens,
                               max_output_tokens=args.max_output_tokens or None, engine=engine,
-                              prefill_queue_weight=args.queue_weight)
+                              prefill_queue_weight=args.queue_weight,
+                              prefill_load_model=model,
+                              track_output_blocks=args.track_output_blocks)
             s = simulate(records, opts).summary(args.workers)
             label = f"{mode} w={wgt:g}" if mode == "kv" else mode
-            print(f"{label:14} hit {s['engine_hit']:6.1%} ({s['engine_hit'] / ideal:6.1%} of "
+            if len(models) > 1:
+                label += f" {model}"
+            print(f"{label:21} hit {s['engine_hit']:6.1%} ({s['engine_hit'] / ideal:6.1%} of "
                   f"ideal; best offered {s['best_available_hit']:6.1%})  TTFT p50 "
                   f"{s['ttft_p50_ms']:7.1f} ms p90 {s['ttft_p90_ms']:7.1f} ms  busiest/mean "
                   f"{s['busiest_over_mean']:.2f}  preemptions {s['preemptions']}", flush=True)
