@@ -91,7 +91,8 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
             out.append({
                 "worker_id": w.worker_id, "url": w.url, "model": w.model,
                 "block_size": w.block_size, "kv_total_blocks": w.kv_total_blocks,
-                "dp_size": w.dp_size, "health": state.health.get(w.worker_id, "healthy"),
+                "dp_size": w.dp_size, "role": w.role,
+                "health": state.health.get(w.worker_id, "healthy"),
                 "cached_blocks": sum(state.index.tree_size(k) for k in keys),
                 # What routing judges by: prefill decayed to event time, output blocks weighted.
                 "active_prefill_tokens": round(sum(state.load.active_prefill_tokens(k, state.now)
