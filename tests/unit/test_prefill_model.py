@@ -8,9 +8,14 @@ import random
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from eventlog.names import ROUTER
 from replicas.core.load import ActiveLoad
 from replicas.core.prefill_model import KEEP, WorkerPrefill
+from replicas.core.state import RouterState, StateConfig
+from tests.eventgen import interleave, router_history
 
 W = ("w1", 0)
 
@@ -128,3 +133,27 @@ def test_snapshot_keeps_what_was_learned_and_the_decay() -> None:
         x.prefill_completed("a", ts=5.0)
     assert back.digest == load.digest
     assert back.active_prefill_tokens(W, 5.02) == load.active_prefill_tokens(W, 5.02) < 100
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32), st.integers(0, 2**32), st.integers(0, 2**32))
+def test_replicas_interleaving_two_replicas_decisions_judge_the_same_load(
+        seed: int, o1: int, o2: int) -> None:
+    """Routed with both models on (randomly per request), prefilled, progressing, finished: two
+    states fed the two replicas' decisions in different interleavings judge every worker alike,
+    and so does one restored from a snapshot."""
+    rng = random.Random(seed)
+    workers = ["w0", "w1", "w2"]
+    histories = [router_history(rng, r, workers, 60) for r in ("ra", "rb")]
+    states = []
+    for order in (o1, o2):
+        state = RouterState(StateConfig(block_size=16, request_max_age=1e9))
+        for seq, batch in enumerate(interleave(random.Random(order), histories), 1):
+            state.apply(ROUTER, seq, batch)
+        states.append(state)
+    states.append(RouterState.decode(states[0].encode(), states[0].config))
+    now = max(s.now for s in states)
+    views = {(tuple(round(s.load.active_prefill_tokens((w, 0), now), 9) for w in workers),
+              tuple(s.load.active_decode_blocks((w, 0)) for w in workers),
+              s.digests()["load"]) for s in states}
+    assert len(views) == 1
