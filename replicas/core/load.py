@@ -75,7 +75,8 @@ def output_block_milli(track: OutputTracking, output_tokens: int) -> int:
 
 @dataclass(slots=True)
 class ActiveRequest:
-    """One request in flight. Mutable only through ``ActiveLoad`` (``prefill_done``)."""
+    """One request in flight. Mutable only through ``ActiveLoad`` (``prefill_done``,
+    ``output_tokens``)."""
 
     request_id: str
     replica_id: str
@@ -283,11 +284,13 @@ class ActiveLoad:
         if now is None:
             return tokens
         wp = self._prefill.get(worker)
-        anchor = wp.anchor() if wp is not None else None
+        if wp is None:
+            return tokens
+        anchor = wp.anchor()
         if anchor is None:
             return tokens
         held = self._requests[anchor[1]].prefill_tokens
-        return tokens - held + wp.remaining(held, anchor, now)  # type: ignore[union-attr]
+        return tokens - held + wp.remaining(held, anchor, now)
 
     def active_decode_blocks(self, worker: WorkerKey) -> float:
         """Distinct prompt blocks held by active requests on ``worker``, plus their weighted
