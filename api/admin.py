@@ -95,8 +95,11 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
                 "dp_size": w.dp_size, "role": w.role,
                 "health": state.health.get(w.worker_id, "healthy"),
                 "cached_blocks": sum(state.index.tree_size(k) for k in keys),
-                "active_prefill_tokens": sum(state.load.active_prefill_tokens(k) for k in keys),
-                "active_decode_blocks": sum(state.load.active_decode_blocks(k) for k in keys),
+                # What routing judges by: prefill decayed to event time, output blocks weighted.
+                "active_prefill_tokens": round(sum(state.load.active_prefill_tokens(k, state.now)
+                                                   for k in keys), 3),
+                "active_decode_blocks": round(sum(state.load.active_decode_blocks(k)
+                                                  for k in keys), 3),
                 "out_of_sync": w.worker_id in state.out_of_sync,
                 "status": "ok", "reason": None,
             })

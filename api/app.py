@@ -173,8 +173,8 @@ def create_app(replica: Replica, config: AppConfig | None = None,
             return resp
         route_req = RouteRequest(
             request_id=request_id, model=parsed.model, token_ids=parsed.prompt_ids,
-            expected_osl=parsed.expected_osl, priority=PRIORITY_LEVEL[parsed.priority],
-            overlap_weight=parsed.overlap_weight,
+            expected_osl=parsed.expected_osl, osl_hint=parsed.osl_hint,
+            priority=PRIORITY_LEVEL[parsed.priority], overlap_weight=parsed.overlap_weight,
             latency_sensitivity=parsed.latency_sensitivity,
             session=session_of(parsed, request))
         routing_started = time.perf_counter()
@@ -313,13 +313,13 @@ def create_app(replica: Replica, config: AppConfig | None = None,
 
     def refresh_metrics() -> None:
         state = replica.state
-        loads: dict[str, tuple[int, int]] = {}
+        loads: dict[str, tuple[float, float]] = {}
         for w in state.workers.values():
             for rank in range(w.dp_size):
                 key = (w.worker_id, rank)
                 label = w.worker_id if w.dp_size == 1 else f"{w.worker_id}/{rank}"
                 loads[label] = (state.load.active_decode_blocks(key),
-                                state.load.active_prefill_tokens(key))
+                                state.load.active_prefill_tokens(key, state.now))
         metrics.set_worker_load(loads)
         for (stream, etype, status), n in state.stats.counts.items():
             seen = applied_seen.get((stream, etype, status), 0)

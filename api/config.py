@@ -18,6 +18,7 @@ from api.http_limits import (
 )
 from eventlog.connect import NAMESPACE, NATS_SECURITY
 from eventlog.flags import Group, Option, defaults, find
+from replicas.core.prefill_model import PREFILL_LOAD_MODELS
 from replicas.core.queue import POLICIES
 from replicas.core.selection import MODES, BusyThresholds, RoutingConfig
 from replicas.core.state import StateConfig
@@ -94,6 +95,14 @@ ROUTING = Group(
            help="hold requests while every worker is over this fraction of "
                 "max_num_batched_tokens", above=0),
     Option("router-queue-policy", default="fcfs", choices=POLICIES),
+    Option("router-track-output-blocks", bool,
+           help="also count placeholder decode blocks as generation crosses block boundaries, "
+                "each weighted by what is left of the request's nvext.agent_hints.osl (full "
+                "weight without one); progress is an event on the router stream"),
+    Option("router-prefill-load-model", default="none", choices=PREFILL_LOAD_MODELS,
+           help="linear: the oldest active prefill on each engine decays over its predicted "
+                "duration (uncached tokens / the engine's throughput learned from observed "
+                "prefills, event time); none: it counts whole until its first token"),
     Option("request-max-age", float, 600.0,
            "in-flight requests older than this (event time) stop counting as load", at_least=0),
     Option("seed", int, help="seed of the routing random source"),

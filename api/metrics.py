@@ -152,7 +152,7 @@ class RouterMetrics:
             registry=reg)
         self._load_workers: set[str] = set()
 
-    def set_worker_load(self, loads: Mapping[str, tuple[int, int]]) -> None:
+    def set_worker_load(self, loads: Mapping[str, tuple[float, float]]) -> None:
         """Set per-worker gauges from ``{worker: (active_decode_blocks, active_prefill_tokens)}``.
 
         Workers missing from ``loads`` lose their series, so a retired worker stops being

@@ -57,6 +57,7 @@ class ParsedRequest:
     # nvext.session_control as (session_id, action, timeout seconds or None for the default)
     session_control: tuple[str, str, float | None] | None = None
     extra_fields: tuple[str, ...] = ()  # nvext.extra_fields this router answers: see EXTRA_FIELDS
+    osl_hint: int = 0             # nvext.agent_hints.osl as given (0: none; output-block weight)
 
 
 def decode_json(raw: bytes) -> Any:
@@ -392,4 +393,5 @@ def parse_request(endpoint: str, raw: bytes, tokenizer: Tokenizer, *, max_prompt
         overlap_weight=overlap_weight, expected_osl=expected_osl,
         latency_sensitivity=latency if latency is not None else 0.0, body=body,
         session_control=session_control, extra_fields=extra_fields,
+        osl_hint=expected_osl if hints.get("osl") is not None else 0,
     )

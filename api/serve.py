@@ -50,6 +50,8 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
         default_thresholds=busy_thresholds(args),
         queue_threshold=args.router_queue_threshold,
         queue_policy=args.router_queue_policy,
+        track_output_blocks=args.router_track_output_blocks,
+        prefill_load_model=args.router_prefill_load_model,
         seed=args.seed,
         durable=args.durable,
         snapshot_threshold=args.router_snapshot_threshold,

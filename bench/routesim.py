@@ -48,7 +48,8 @@ from bench.trace import (
 from eventlog.hashing import prompt_hashes, tokens_hashes
 from eventlog.names import prefill_request_id
 from replicas.core import disagg
-from replicas.core.load import ActiveLoad
+from replicas.core.load import ActiveLoad, OutputTracking, output_blocks
+from replicas.core.prefill_model import PREFILL_LOAD_MODELS, PrefillLoadModel
 from replicas.core.selection import Candidate, Decision, RoutingConfig, Selector
 from workers.scheduler import EngineConfig, EngineCore, SimRequest
 
@@ -68,6 +69,8 @@ class SimOptions:
     prefill_queue_weight: float | None = None  # RoutingConfig.prefill_queue_weight
     prefill_workers: int = 0             # disaggregated: workers 0..P-1 prefill, the rest decode
     assume_kv_reuse: bool = True
+    prefill_load_model: str = "none"     # --router-prefill-load-model
+    track_output_blocks: bool = False    # --router-track-output-blocks (osl: the output cap)
 
 
 @dataclass(slots=True)
@@ -142,14 +145,20 @@ def simulate(records: Sequence[TraceRecord], opts: SimOptions) -> SimResult:
     # Disaggregated: the decode phase of request i waits here while its prefill hop runs.
     handoff: dict[str, tuple[list[int], list[int], int]] = {}
 
-    def candidates(workers: range, local: list[int], seq: list[int]) -> list[Candidate]:
+    modeled = opts.prefill_load_model == PrefillLoadModel.LINEAR
+
+    def tracked(prompt: list[int], max_tokens: int) -> OutputTracking | None:
+        return OutputTracking(len(prompt), bs, max_tokens) if opts.track_output_blocks else None
+
+    def candidates(workers: range, local: list[int], seq: list[int],
+                   now: float) -> list[Candidate]:
         out = []
         for w in workers:
             key, core = keys[w], fleet.cores[w]
             out.append(Candidate(
                 worker=key, overlap_blocks=len(core.cache.match_prefix(local)),
                 tree_size=core.cache.stats().cached,
-                active_prefill_tokens=load.active_prefill_tokens(key),
+                active_prefill_tokens=load.active_prefill_tokens(key, now),
                 active_decode_blocks=load.active_decode_blocks(key),
                 new_request_blocks=len(seq) - load.active_prefix_len(key, seq),
                 kv_total_blocks=opts.engine.num_gpu_blocks,
@@ -159,13 +168,15 @@ def simulate(records: Sequence[TraceRecord], opts: SimOptions) -> SimResult:
     def decode(rid: str, t: float) -> None:
         prompt, seq, max_tokens = handoff.pop(rid)
         cands = [disagg.decode_candidate(c, len(seq), opts.assume_kv_reuse)
-                 for c in candidates(range(split, opts.workers), tokens_hashes(prompt, bs), seq)]
+                 for c in candidates(range(split, opts.workers), tokens_hashes(prompt, bs), seq,
+                                     t)]
         decision = selector.select(cands, len(prompt), rng,
                                    overlap_weight=disagg.DECODE_TRANSFER_WEIGHT)
         assert isinstance(decision, Decision)
         w = keys.index(decision.worker)
         blocks = seq if opts.assume_kv_reuse else disagg.unique_block_hashes(rid, len(seq))
-        load.add(rid, "sim", decision.worker, 0, blocks, t)
+        load.add(rid, "sim", decision.worker, 0, blocks, t,
+                 output=tracked(prompt, max_tokens))
         fleet.cores[w].add(rid, prompt, max_tokens, transferred_tokens=len(prompt))
         res.worker_of.append(w)
         fleet.kick(w, t)
@@ -182,7 +193,7 @@ def simulate(records: Sequence[TraceRecord], opts: SimOptions) -> SimResult:
             prompt = builder.prompt(rec, filler_key=payload)
             local = tokens_hashes(prompt, bs)
             seq = prompt_hashes(prompt, bs)
-            cands = candidates(range(split or opts.workers), local, seq)
+            cands = candidates(range(split or opts.workers), local, seq, t)
             if split:
                 cands = [disagg.prefill_candidate(c) for c in cands]
             if opts.mode == "sticky":  # reference only: longest prefix, ties to the least loaded
@@ -201,11 +212,13 @@ def simulate(records: Sequence[TraceRecord], opts: SimOptions) -> SimResult:
                 max_tokens = min(max_tokens, opts.max_output_tokens)
             arrival[rid] = t
             if split:  # the prefill hop: one token, no active blocks; decode follows
-                load.add(rid + PREFILL_SUFFIX, "sim", decision.worker, prefill, (), t)
+                load.add(rid + PREFILL_SUFFIX, "sim", decision.worker, prefill, (), t,
+                         modeled=modeled)
                 fleet.cores[w].add(rid + PREFILL_SUFFIX, prompt, 1)
                 handoff[rid] = (prompt, seq, max_tokens)
             else:
-                load.add(rid, "sim", decision.worker, prefill, seq, t)
+                load.add(rid, "sim", decision.worker, prefill, seq, t,
+                         output=tracked(prompt, max_tokens), modeled=modeled)
                 fleet.cores[w].add(rid, prompt, max_tokens)
                 res.worker_of.append(w)
             fleet.kick(w, t)
@@ -219,12 +232,17 @@ def simulate(records: Sequence[TraceRecord], opts: SimOptions) -> SimResult:
                 rid = req.request_id
                 if rid.endswith(PREFILL_SUFFIX):
                     _hit(req, res)  # disaggregated: the prompt is computed here
+                    load.prefill_completed(rid, t)  # (the prefill engine learns its speed)
                     continue
                 if len(req.output) == 1:
                     _first_token(req, t, arrival, load, res, count_hit=not split)
                 elif rid in last_token:
                     res.itl_s.append(t - last_token[rid])
                 last_token[rid] = t
+                n, isl = len(req.output), req.prompt_len
+                if opts.track_output_blocks and \
+                        output_blocks(isl, n, bs) > output_blocks(isl, n - 1, bs):
+                    load.output_progress(rid, n)
             for req in out.finished:
                 load.finish(req.request_id)
                 last_token.pop(req.request_id, None)
@@ -240,7 +258,7 @@ def simulate(records: Sequence[TraceRecord], opts: SimOptions) -> SimResult:
 def _first_token(req: SimRequest, t: float, arrival: dict[str, float], load: ActiveLoad,
                  res: SimResult, *, count_hit: bool = True) -> None:
     start = arrival.get(req.request_id)
-    if start is None or not load.prefill_completed(req.request_id):
+    if start is None or not load.prefill_completed(req.request_id, t):
         return
     res.ttft_s.append(t - start)
     if count_hit:
@@ -285,6 +303,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-assume-kv-reuse", dest="assume_kv_reuse", action="store_false",
                    help="disaggregated runs: decode decisions count no overlap "
                         "(--no-router-assume-kv-reuse)")
+    p.add_argument("--prefill-load-models", default="none",
+                   help="comma-separated --router-prefill-load-model values to compare "
+                        "(none, linear)")
+    p.add_argument("--track-output-blocks", action="store_true",
+                   help="--router-track-output-blocks, each request's osl its output cap")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -309,17 +332,23 @@ def run(args: argparse.Namespace) -> int:
         runs.append(("kv", args.disaggregated))
     for mode, split in runs:
         weights = [float(x) for x in args.weights.split(",")] if mode == "kv" else [1.0]
-        for wgt in weights:
+        models = args.prefill_load_models.split(",") if mode == "kv" else ["none"]
+        for wgt, model in ((w, m) for w in weights for m in models):
+            if model not in PREFILL_LOAD_MODELS:
+                raise SystemExit(f"unknown prefill load model {model!r}")
             opts = SimOptions(mode=mode, workers=args.workers, overlap_weight=wgt,
                               speedup=args.speedup, trace_block_tokens=args.trace_block_tokens,
                               max_output_tokens=args.max_output_tokens or None, engine=engine,
                               prefill_queue_weight=args.queue_weight, prefill_workers=split,
-                              assume_kv_reuse=args.assume_kv_reuse)
+                              assume_kv_reuse=args.assume_kv_reuse, prefill_load_model=model,
+                              track_output_blocks=args.track_output_blocks)
             s = simulate(records, opts).summary(args.workers - split if split else args.workers)
             label = f"{mode} w={wgt:g}" if mode == "kv" else mode
             if split:
                 label = f"disagg {split}P+{args.workers - split}D w={wgt:g}"
-            print(f"{label:14} hit {s['engine_hit']:6.1%} ({s['engine_hit'] / ideal:6.1%} of "
+            if len(models) > 1:
+                label += f" {model}"
+            print(f"{label:21} hit {s['engine_hit']:6.1%} ({s['engine_hit'] / ideal:6.1%} of "
                   f"ideal; best offered {s['best_available_hit']:6.1%})  TTFT p50 "
                   f"{s['ttft_p50_ms']:7.1f} ms p90 {s['ttft_p90_ms']:7.1f} ms  ITL p50 "
                   f"{s['itl_p50_ms']:5.1f} p90 {s['itl_p90_ms']:5.1f} p99 {s['itl_p99_ms']:5.1f} ms"

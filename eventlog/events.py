@@ -150,10 +150,26 @@ class RequestRouted(_Event, frozen=True, tag=True):
     # decision's blocks count as this request's own, never shared with another request's.
     phase: str = Phase.AGGREGATED  # a Phase
     kv_reuse: bool = True
+    # Output blocks tracked for this request (--router-track-output-blocks of the replica that
+    # routed it), weighted by progress toward ``osl_hint`` (nvext.agent_hints.osl; 0: none given,
+    # full weight). Progress arrives as ``OutputProgress``.
+    track_output_blocks: bool = False
+    osl_hint: Count = 0
+    # How its prefill load decays (--router-prefill-load-model): "none" or "linear"; any other
+    # value (a model a newer replica knows) counts as "none".
+    prefill_load_model: Annotated[str, msgspec.Meta(max_length=32)] = "none"
 
 
 class PrefillCompleted(_Event, frozen=True, tag=True):
     request_id: Id
+    ts: Ts
+
+
+class OutputProgress(_Event, frozen=True, tag=True):
+    """A tracked request's generation crossed a block boundary: ``output_tokens`` so far."""
+
+    request_id: Id
+    output_tokens: Count
     ts: Ts
 
 
@@ -240,8 +256,8 @@ class WorkerHealthChanged(_Event, frozen=True, tag=True):
 
 KvEvent = WorkerRegistered | WorkerRetired | BlocksStored | BlocksRemoved | AllBlocksCleared
 RouterEvent = (
-    RequestRouted | PrefillCompleted | RequestFinished | ReplicaLost | SessionPinned
-    | SessionReleased
+    RequestRouted | PrefillCompleted | OutputProgress | RequestFinished | ReplicaLost
+    | SessionPinned | SessionReleased
 )
 ControlEvent = (
     BusyThresholdsSet | SnapshotThresholdSet | SnapshotTaken | StateReset | WorkerHealthChanged

@@ -56,9 +56,11 @@ def worker_history(rng: random.Random, worker_id: str, n_batches: int, *,
 
 def router_history(rng: random.Random, replica_id: str, workers: Sequence[str], n: int, *,
                    ts0: float = 1000.0) -> list[list[ev.Event]]:
-    """Requests routed, prefilled and finished (some never finish), plus the odd ReplicaLost."""
+    """Requests routed (some with output blocks tracked or a modeled prefill), prefilled, making
+    output progress and finished (some never finish), plus the odd ReplicaLost."""
     out: list[list[ev.Event]] = []
     open_: list[str] = []
+    generated: dict[str, int] = {}
     for i in range(n):
         ts = ts0 + i * 0.5
         roll = rng.random()
@@ -67,10 +69,17 @@ def router_history(rng: random.Random, replica_id: str, workers: Sequence[str], 
             hashes = [rng.randrange(50) for _ in range(rng.randint(0, 6))]
             out.append([ev.RequestRouted(rid, replica_id, rng.choice(list(workers)), 0,
                                          rng.randint(1, 200), hashes, rng.randint(0, 3), 64, 1,
-                                         ts)])
+                                         ts, block_size=16,
+                                         track_output_blocks=rng.random() < 0.5,
+                                         osl_hint=rng.choice((0, 40)),
+                                         prefill_load_model=rng.choice(("none", "linear")))])
             open_.append(rid)
         elif roll < 0.7:
             out.append([ev.PrefillCompleted(rng.choice(open_), ts)])
+        elif roll < 0.8:
+            rid = rng.choice(open_)
+            generated[rid] = generated.get(rid, 0) + rng.randint(1, 40)
+            out.append([ev.OutputProgress(rid, generated[rid], ts)])
         elif roll < 0.98:
             rid = open_.pop(rng.randrange(len(open_)))
             out.append([ev.RequestFinished(rid, "ok", rng.randint(1, 50), ts)])

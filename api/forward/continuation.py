@@ -60,6 +60,7 @@ class Hop:
     routed: Routed
     verbatim: bool
     tokens: int = 0                 # token-bearing chunks received from this engine
+    output_blocks: int = 0          # output block boundaries reported (OutputProgress)
     usage: dict[str, Any] | None = None
     done: bool = False              # the engine sent [DONE]
     prefilled: bool = False         # PrefillCompleted appended for this hop

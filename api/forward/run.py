@@ -34,6 +34,7 @@ from api.tokenizer import Tokenizer
 from api.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from eventlog.events import Outcome
 from eventlog.names import hop_request_id
+from replicas.core.load import output_blocks
 from replicas.runtime.replica import Replica, Routed, RouteRequest, RoutingError
 
 log = logging.getLogger("jetrouter.forward")
@@ -127,6 +128,17 @@ class Run:
             self.hop.prefilled = True
             self.ctx.replica.prefill_completed(self.hop.request_id)
 
+    def _output_progress(self) -> None:
+        """With output-block tracking, report each block boundary generation crosses."""
+        hop = self.hop
+        e = hop.routed.event
+        if not e.track_output_blocks or e.block_size < 1:
+            return
+        crossed = output_blocks(e.isl_tokens, hop.tokens, e.block_size)
+        if crossed > hop.output_blocks:
+            hop.output_blocks = crossed
+            self.ctx.replica.output_progress(hop.request_id, hop.tokens)
+
     def _end_hop(self, hop: Hop, outcome: Outcome) -> None:
         if not hop.ended:
             hop.ended = True
@@ -176,7 +188,9 @@ class Run:
             routed = await self.ctx.replica.route(RouteRequest(
                 request_id=hop_request_id(self.base.request_id, self.migrations + 1),
                 model=self.parsed.model, token_ids=plan.token_ids,
-                expected_osl=plan.expected_osl, priority=self.base.event.priority,
+                expected_osl=plan.expected_osl,
+                osl_hint=plan.expected_osl if self.parsed.osl_hint else 0,
+                priority=self.base.event.priority,
                 overlap_weight=self.parsed.overlap_weight,
                 latency_sensitivity=self.parsed.latency_sensitivity,
                 exclude=frozenset(self.failed),
@@ -250,6 +264,7 @@ class Run:
                         out, token = self.cont.on_event(self.hop, raw, payload)
                         if token:
                             self._first_token()
+                            self._output_progress()
                         if out is not None:
                             yield out
                     if not self.cont.complete:

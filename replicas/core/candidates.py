@@ -2,11 +2,12 @@
 
 One row per (worker, data-parallel rank) that serves the requested model (a base model, or a
 LoRA adapter the worker registered), is not excluded by the caller and is not unhealthy. Each row
-carries the rank's cache overlap, its active load from the state plus this replica's optimistic
-overlay, and a health weight (a suspicious worker costs double). Refused workers (a bad block
-size in their registration) are never in ``state.workers``, so never candidates. For a model
-served disaggregated, only the engines whose role takes the decision's phase are candidates, each
-seen as that decision sees it (replicas/core/disagg.py). Pure.
+carries the rank's cache overlap, its active load from the state (prefill decayed to the state's
+event time, output blocks weighted) plus this replica's optimistic overlay, and a health weight
+(a suspicious worker costs double). Refused workers (a bad block size in their registration) are
+never in ``state.workers``, so never candidates. For a model served disaggregated, only the
+engines whose role takes the decision's phase are candidates, each seen as that decision sees it
+(replicas/core/disagg.py). Pure.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def _candidates(state: RouterState, model: str, seq_hashes: Sequence[int],
     out: list[Candidate] = []
     n = len(seq_hashes)
     load = state.load
+    now = state.now
     for w in state.workers.values():
         if (w.model != model and model not in w.loras) or w.worker_id in exclude:
             continue
@@ -118,7 +120,7 @@ def _candidates(state: RouterState, model: str, seq_hashes: Sequence[int],
                 worker=key,
                 overlap_blocks=scores.scores.get(key, 0),
                 tree_size=scores.tree_sizes.get(key, 0),
-                active_prefill_tokens=load.active_prefill_tokens(key)
+                active_prefill_tokens=load.active_prefill_tokens(key, now)
                 + overlay.prefill_tokens(key),
                 active_decode_blocks=load.active_decode_blocks(key) + overlay.decode_blocks(key),
                 new_request_blocks=n - active_prefix,

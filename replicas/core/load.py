@@ -6,7 +6,15 @@ no I/O. Every routed request charges its worker with
 - ``prefill_tokens`` until ``prefill_completed`` (the first output token), and
 - its prompt's block sequence hashes as decode blocks until ``finish``. Blocks are refcounted per
   worker, so requests sharing a prefix on one worker charge the shared blocks once (the engine
-  reuses those KV blocks, it does not allocate them twice).
+  reuses those KV blocks, it does not allocate them twice);
+- with output-block tracking (``--router-track-output-blocks``), placeholder decode blocks for
+  its output: one per block boundary generation has crossed (``output_progress``), each weighted
+  by what is left of the expected output length (``nvext.agent_hints.osl``; full weight without
+  one). Weights are kept in integer thousandths of a block, so sums are exact in any order.
+
+With ``--router-prefill-load-model linear`` a request's prefill tokens also decay while it is
+the oldest modeled prefill on its worker rank (``replicas.core.prefill_model``): pass the event
+time to ``active_prefill_tokens``.
 
 Requests are owned by the router replica that routed them, so a lost replica frees exactly its own
 requests. The digest is an order-independent sum of per-request mixes, maintained incrementally, so
@@ -22,18 +30,53 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from replicas.core.prefill_model import WorkerPrefill
+
 WorkerKey = tuple[str, int]
 """(worker_id, dp_rank)."""
 
 _MASK64 = (1 << 64) - 1
-_PLAIN_VERSION = 2  # 1: hashes as int lists (still read); 2: hashes as "<u8" bytes
+# 1: hashes as int lists (still read); 2: hashes as "<u8" bytes; 3: + output tracking, the
+# prefill model per request and the learned prefill figures per worker rank.
+_PLAIN_VERSION = 3
+_READABLE = (1, 2, _PLAIN_VERSION)
 # Distinct salt so "prefill done" flips a request's contribution to an unrelated 64-bit value.
 _DONE_SALT = 0x9E3779B97F4A7C15
+MILLI = 1000  # output-block weights are counted in thousandths of a block
+
+
+@dataclass(frozen=True, slots=True)
+class OutputTracking:
+    """What a request's output blocks are judged by: its prompt length and block size (where the
+    block boundaries fall) and the client's expected output length (0: none given)."""
+
+    isl_tokens: int
+    block_size: int
+    osl_hint: int = 0
+
+
+def output_blocks(isl_tokens: int, output_tokens: int, block_size: int) -> int:
+    """Block boundaries the sequence crossed while generating ``output_tokens``."""
+    return (isl_tokens + output_tokens) // block_size - isl_tokens // block_size
+
+
+def output_block_milli(track: OutputTracking, output_tokens: int) -> int:
+    """A request's weighted output blocks, in thousandths of a block: each placeholder block
+    weighs what is left of the expected output (``1 - generated / osl``, floored at 0), so a
+    request near its end counts little future load; without an expected length, full weight."""
+    blocks = output_blocks(track.isl_tokens, output_tokens, track.block_size)
+    if blocks <= 0:
+        return 0
+    if track.osl_hint <= 0:
+        return blocks * MILLI
+    left = max(track.osl_hint - output_tokens, 0)
+    return blocks * MILLI * left // track.osl_hint
 
 
 @dataclass(slots=True)
 class ActiveRequest:
-    """One request in flight. Mutable only through ``ActiveLoad`` (``prefill_done``)."""
+    """One request in flight. Mutable only through ``ActiveLoad`` (``prefill_done``,
+    ``output_tokens``)."""
 
     request_id: str
     replica_id: str
@@ -42,16 +85,20 @@ class ActiveRequest:
     block_seq_hashes: tuple[int, ...]
     ts: float
     prefill_done: bool = False
-    base_mix: int = 0  # hash of the immutable fields; the digest mixes in ``prefill_done``
+    base_mix: int = 0  # hash of the immutable fields; the digest mixes in the mutable ones
+    output: OutputTracking | None = None  # None: output blocks not tracked
+    output_tokens: int = 0  # generated so far, as the last ``output_progress`` reported
+    modeled: bool = False  # its prefill decays (``--router-prefill-load-model linear``)
 
 
 class _WorkerLoad:
     """Aggregates for one (worker_id, dp_rank)."""
 
-    __slots__ = ("blocks", "prefill_tokens", "requests")
+    __slots__ = ("blocks", "output_milli", "prefill_tokens", "requests")
 
     def __init__(self) -> None:
         self.prefill_tokens = 0
+        self.output_milli = 0  # weighted output blocks, thousandths
         self.blocks: dict[int, int] = {}  # seq hash -> number of active requests holding it
         self.requests: set[str] = set()
 
@@ -69,10 +116,18 @@ def _request_mix(req: ActiveRequest, hash_bytes: bytes | None = None) -> int:
         hash_bytes = struct.pack(f"<{len(hashes)}Q", *(x & _MASK64 for x in hashes))
     h.update(struct.pack("<I", len(hashes)))
     h.update(hash_bytes)  # "<I" then "<nQ": the same bytes as one "<InQ" pack
+    out = req.output
+    if out is not None or req.modeled:  # absent for requests routed without either
+        h.update(struct.pack("<?qqq?", out is not None, *((out.isl_tokens, out.block_size,
+                                                          out.osl_hint) if out else (0, 0, 0)),
+                             req.modeled))
     return h.intdigest()
 
 
 def _contribution(req: ActiveRequest) -> int:
+    if req.output_tokens:
+        return xxhash.xxh3_64_intdigest(struct.pack(
+            "<QQq", req.base_mix, _DONE_SALT if req.prefill_done else 0, req.output_tokens))
     if not req.prefill_done:
         return req.base_mix
     return xxhash.xxh3_64_intdigest(struct.pack("<QQ", req.base_mix, _DONE_SALT))
@@ -86,6 +141,9 @@ class ActiveLoad:
         self._workers: dict[WorkerKey, _WorkerLoad] = {}
         self._by_replica: dict[str, set[str]] = {}
         self._digest = 0
+        # Learned prefill throughput and the decaying anchor, per worker rank; kept when the
+        # rank goes idle (what was learned stays true).
+        self._prefill: dict[WorkerKey, WorkerPrefill] = {}
 
     # --- mutations ---------------------------------------------------------------------------
 
@@ -97,11 +155,17 @@ class ActiveLoad:
         prefill_tokens: int,
         block_seq_hashes: Sequence[int],
         ts: float,
+        *,
+        output: OutputTracking | None = None,
+        modeled: bool = False,
     ) -> bool:
-        """Charge a routed request to ``worker``. False (and no change) if already active."""
+        """Charge a routed request to ``worker``. False (and no change) if already active.
+        ``output``: track its output blocks; ``modeled``: decay its prefill (linear model)."""
         if request_id in self._requests:
             return False
         worker = (worker[0], int(worker[1]))
+        if output is not None and output.block_size < 1:
+            raise ValueError("output tracking needs a block size of at least 1")
         req = ActiveRequest(
             request_id=request_id,
             replica_id=replica_id,
@@ -109,6 +173,8 @@ class ActiveLoad:
             prefill_tokens=int(prefill_tokens),
             block_seq_hashes=tuple(block_seq_hashes),
             ts=float(ts),
+            output=output,
+            modeled=modeled,
         )
         req.base_mix = _request_mix(req)
         self._requests[request_id] = req
@@ -122,18 +188,49 @@ class ActiveLoad:
             blocks[h] = blocks.get(h, 0) + 1
         self._by_replica.setdefault(replica_id, set()).add(request_id)
         self._digest = (self._digest + _contribution(req)) & _MASK64
+        if modeled and req.prefill_tokens > 0:
+            self._prefill_of(worker).start(request_id, req.ts)
         return True
 
-    def prefill_completed(self, request_id: str) -> bool:
-        """Stop counting the request's prefill tokens. False if unknown or already completed."""
+    def _prefill_of(self, worker: WorkerKey) -> WorkerPrefill:
+        wp = self._prefill.get(worker)
+        if wp is None:
+            wp = self._prefill[worker] = WorkerPrefill()
+        return wp
+
+    def prefill_completed(self, request_id: str, ts: float | None = None) -> bool:
+        """Stop counting the request's prefill tokens. False if unknown or already completed.
+        With ``ts`` (the first token's event time) the worker rank learns from it how fast it
+        prefills."""
         req = self._requests.get(request_id)
         if req is None or req.prefill_done:
             return False
-        self._digest = (self._digest - _contribution(req)) & _MASK64
-        req.prefill_done = True
-        self._digest = (self._digest + _contribution(req)) & _MASK64
+        self._set_progress(req, True, req.output_tokens)
         self._workers[req.worker].prefill_tokens -= req.prefill_tokens
+        if ts is not None and req.prefill_tokens > 0:
+            self._prefill_of(req.worker).observe(request_id, req.prefill_tokens, req.ts,
+                                                 float(ts))
+        if req.modeled and req.prefill_tokens > 0:
+            self._prefill_of(req.worker).leave(request_id)
         return True
+
+    def output_progress(self, request_id: str, output_tokens: int) -> bool:
+        """The request has generated ``output_tokens``. False (no change) if it is unknown, its
+        output is not tracked, or the count does not advance."""
+        req = self._requests.get(request_id)
+        if req is None or req.output is None or output_tokens <= req.output_tokens:
+            return False
+        load = self._workers[req.worker]
+        load.output_milli -= output_block_milli(req.output, req.output_tokens)
+        self._set_progress(req, req.prefill_done, int(output_tokens))
+        load.output_milli += output_block_milli(req.output, req.output_tokens)
+        return True
+
+    def _set_progress(self, req: ActiveRequest, prefill_done: bool, output_tokens: int) -> None:
+        self._digest = (self._digest - _contribution(req)) & _MASK64
+        req.prefill_done = prefill_done
+        req.output_tokens = output_tokens
+        self._digest = (self._digest + _contribution(req)) & _MASK64
 
     def finish(self, request_id: str) -> bool:
         """Free everything the request holds. False if it is not active."""
@@ -142,8 +239,12 @@ class ActiveLoad:
             return False
         self._digest = (self._digest - _contribution(req)) & _MASK64
         load = self._workers[req.worker]
+        if req.output is not None:
+            load.output_milli -= output_block_milli(req.output, req.output_tokens)
         if not req.prefill_done:
             load.prefill_tokens -= req.prefill_tokens
+            if req.modeled and req.prefill_tokens > 0:
+                self._prefill_of(req.worker).leave(request_id)
         load.requests.discard(request_id)
         blocks = load.blocks
         for h in req.block_seq_hashes:
@@ -173,14 +274,43 @@ class ActiveLoad:
 
     # --- queries -----------------------------------------------------------------------------
 
-    def active_prefill_tokens(self, worker: WorkerKey) -> int:
+    def active_prefill_tokens(self, worker: WorkerKey, now: float | None = None) -> float:
+        """Prompt tokens still to prefill on ``worker``. With ``now`` (event time), the oldest
+        modeled prefill counts only what its predicted duration leaves of it at ``now``."""
         load = self._workers.get(worker)
-        return load.prefill_tokens if load is not None else 0
+        if load is None:
+            return 0
+        tokens = load.prefill_tokens
+        if now is None:
+            return tokens
+        wp = self._prefill.get(worker)
+        if wp is None:
+            return tokens
+        anchor = wp.anchor()
+        if anchor is None:
+            return tokens
+        held = self._requests[anchor[1]].prefill_tokens
+        return tokens - held + wp.remaining(held, anchor, now)
 
-    def active_decode_blocks(self, worker: WorkerKey) -> int:
-        """Distinct blocks held by active requests on ``worker``."""
+    def active_decode_blocks(self, worker: WorkerKey) -> float:
+        """Distinct prompt blocks held by active requests on ``worker``, plus their weighted
+        output blocks when those are tracked (a float then)."""
         load = self._workers.get(worker)
-        return len(load.blocks) if load is not None else 0
+        if load is None:
+            return 0
+        if load.output_milli:
+            return len(load.blocks) + load.output_milli / MILLI
+        return len(load.blocks)
+
+    def active_output_blocks(self, worker: WorkerKey) -> float:
+        """The weighted output blocks alone."""
+        load = self._workers.get(worker)
+        return load.output_milli / MILLI if load is not None else 0.0
+
+    def prefill_throughput(self, worker: WorkerKey) -> float | None:
+        """Prompt tokens per second ``worker`` was seen to prefill (None: nothing learned)."""
+        wp = self._prefill.get(worker)
+        return wp.throughput() if wp is not None else None
 
     def active_prefix_len(self, worker: WorkerKey, seq_hashes: Sequence[int]) -> int:
         """How many leading ``seq_hashes`` are already held by active requests on ``worker``.
@@ -225,8 +355,14 @@ class ActiveLoad:
 
     @property
     def digest(self) -> int:
-        """Order-independent 64-bit digest of the active requests (incl. their prefill state)."""
-        return self._digest
+        """Order-independent 64-bit digest of the active requests (incl. their prefill and
+        output progress) and of the learned prefill figures per worker rank."""
+        d = self._digest
+        for (worker_id, rank), wp in self._prefill.items():
+            if wp.done:
+                d += xxhash.xxh3_64_intdigest(struct.pack("<Q", wp.digest) + worker_id.encode(),
+                                              seed=rank)
+        return d & _MASK64
 
     # --- snapshot encoding -------------------------------------------------------------------
 
@@ -245,19 +381,26 @@ class ActiveLoad:
                 np.array(r.block_seq_hashes, dtype=_U64).tobytes(),
                 r.ts,
                 r.prefill_done,
+                None if r.output is None else [r.output.isl_tokens, r.output.block_size,
+                                               r.output.osl_hint, r.output_tokens],
+                r.modeled,
             ]
             for r in sorted(self._requests.values(), key=lambda r: r.request_id)
         ]
-        return {"v": _PLAIN_VERSION, "requests": rows}
+        prefill = [[w[0], w[1], wp.plain()] for w, wp in sorted(self._prefill.items()) if wp.done]
+        return {"v": _PLAIN_VERSION, "requests": rows, "prefill": prefill}
 
     @classmethod
     def from_plain(cls, obj: object) -> ActiveLoad:
-        if not isinstance(obj, dict) or obj.get("v") not in (1, _PLAIN_VERSION):
+        if not isinstance(obj, dict) or obj.get("v") not in _READABLE:
             raise ValueError("not an ActiveLoad snapshot (unknown format or version)")
         load = cls()
+        for worker_id, rank, completions in obj.get("prefill", ()):
+            load._prefill[(str(worker_id), int(rank))] = WorkerPrefill.from_plain(completions)
         per_worker: dict[WorkerKey, list[np.ndarray]] = {}
         for row in obj["requests"]:
-            rid, replica, worker_id, rank, prefill, hashes, ts, done = row
+            rid, replica, worker_id, rank, prefill, hashes, ts, done = row[:8]
+            out, modeled = row[8:10] if len(row) >= 10 else (None, False)
             if isinstance(hashes, bytes):  # v2
                 column = np.frombuffer(hashes, dtype=_U64)
                 raw = hashes
@@ -266,7 +409,11 @@ class ActiveLoad:
                 raw = column.tobytes()
             worker = (str(worker_id), int(rank))
             req = ActiveRequest(rid, replica, worker, int(prefill), tuple(column.tolist()),
-                                float(ts))
+                                float(ts), modeled=bool(modeled))
+            if out is not None:
+                isl, block_size, osl_hint, generated = out
+                req.output = OutputTracking(int(isl), int(block_size), int(osl_hint))
+                req.output_tokens = int(generated)
             if rid in load._requests:
                 raise ValueError(f"request {rid!r} appears twice in an ActiveLoad snapshot")
             req.base_mix = _request_mix(req, raw)
@@ -277,11 +424,15 @@ class ActiveLoad:
                 per_worker[worker] = []
             wl.prefill_tokens += req.prefill_tokens
             wl.requests.add(rid)
+            if req.output is not None:
+                wl.output_milli += output_block_milli(req.output, req.output_tokens)
             per_worker[worker].append(column)
             load._by_replica.setdefault(replica, set()).add(rid)
             load._digest = (load._digest + _contribution(req)) & _MASK64
             if done:
                 load.prefill_completed(rid)
+            elif req.modeled and req.prefill_tokens > 0:
+                load._prefill_of(worker).start(rid, req.ts)
         for worker, columns in per_worker.items():  # refcounts of shared blocks, in bulk
             ids, counts = np.unique(np.concatenate(columns), return_counts=True)
             load._workers[worker].blocks = dict(zip(ids.tolist(), counts.tolist(), strict=True))

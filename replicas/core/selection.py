@@ -112,8 +112,8 @@ class Candidate:
     worker: WorkerKey
     overlap_blocks: int
     tree_size: int
-    active_prefill_tokens: int
-    active_decode_blocks: int
+    active_prefill_tokens: float  # decayed by the prefill load model: not always whole
+    active_decode_blocks: float   # weighted output blocks make it fractional
     new_request_blocks: int
     kv_total_blocks: int
     max_num_batched_tokens: int

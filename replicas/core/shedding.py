@@ -58,8 +58,8 @@ class UnitLoad:
 
     status: str                 # "healthy" | "suspicious" | "unhealthy"
     kv_total_blocks: int
-    active_decode_blocks: int
-    active_prefill_tokens: int
+    active_decode_blocks: float
+    active_prefill_tokens: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +99,7 @@ def model_units(state: RouterState, model: str) -> list[UnitLoad]:
         for rank in range(w.dp_size):
             key = (w.worker_id, rank)
             out.append(UnitLoad(status, w.kv_total_blocks, state.load.active_decode_blocks(key),
-                                state.load.active_prefill_tokens(key)))
+                                state.load.active_prefill_tokens(key, state.now)))
     # Engines retired for cause (not a graceful shutdown) are capacity the fleet has lost until
     # they register again: without them a dead engine would stop counting once retired.
     for w in state.lost_workers.values():

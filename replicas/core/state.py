@@ -27,7 +27,8 @@ from eventlog import events as ev
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS
 from replicas.core import disagg
 from replicas.core.index import PrefixIndex
-from replicas.core.load import ActiveLoad
+from replicas.core.load import ActiveLoad, OutputTracking
+from replicas.core.prefill_model import PrefillLoadModel
 from replicas.core.selection import BusyThresholds
 from replicas.core.sessions import SessionTable
 
@@ -265,10 +266,14 @@ class RouterState:
     def _request_routed(self, e: ev.RequestRouted) -> str:
         if e.request_id in self._ended:
             return "duplicate_request"
-        prefill = max(e.isl_tokens - e.overlap_blocks * self._block_size(e.worker_id), 0)
+        block_size = self._block_size(e.worker_id)
+        prefill = max(e.isl_tokens - e.overlap_blocks * block_size, 0)
         blocks: Sequence[int] = e.block_seq_hashes
+        output = OutputTracking(e.isl_tokens, e.block_size or block_size, e.osl_hint) \
+            if e.track_output_blocks else None
         if e.phase == disagg.PREFILL:
             blocks = ()  # active-block tracking is off for prefill engines
+            output = None  # and they generate no output to speak of
         else:
             if e.phase == disagg.DECODE:
                 prefill = 0  # the prompt's KV arrives by transfer; the engine computes none
@@ -277,7 +282,8 @@ class RouterState:
                 # aggregated), shared with no other request on the engine.
                 blocks = disagg.unique_block_hashes(e.request_id, len(blocks))
         added = self.load.add(e.request_id, e.replica_id, (e.worker_id, e.dp_rank), prefill,
-                              blocks, e.ts)
+                              blocks, e.ts, output=output,
+                              modeled=e.prefill_load_model == PrefillLoadModel.LINEAR)
         if not added:
             return "duplicate_request"
         heapq.heappush(self._expiry, (e.ts, e.request_id))
@@ -287,7 +293,12 @@ class RouterState:
         return "ok"
 
     def _prefill_completed(self, e: ev.PrefillCompleted) -> str:
-        return "ok" if self.load.prefill_completed(e.request_id) else "unknown_request"
+        return "ok" if self.load.prefill_completed(e.request_id, e.ts) else "unknown_request"
+
+    def _output_progress(self, e: ev.OutputProgress) -> str:
+        if self.load.output_progress(e.request_id, e.output_tokens):
+            return "ok"
+        return "unknown_request" if e.request_id not in self.load else "ignored"
 
     def _request_finished(self, e: ev.RequestFinished) -> str:
         if not self.load.finish(e.request_id):
@@ -475,6 +486,7 @@ _HANDLERS = {
     ev.AllBlocksCleared: RouterState._all_blocks_cleared,
     ev.RequestRouted: RouterState._request_routed,
     ev.PrefillCompleted: RouterState._prefill_completed,
+    ev.OutputProgress: RouterState._output_progress,
     ev.RequestFinished: RouterState._request_finished,
     ev.ReplicaLost: RouterState._replica_lost,
     ev.SessionPinned: RouterState._session_pinned,

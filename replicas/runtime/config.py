@@ -21,6 +21,10 @@ class ReplicaConfig:
     queue_threshold: float | None = None
     queue_policy: str = QueuePolicy.FCFS
     queue_timeout: float = 30.0
+    # Recorded on each decision this replica routes, so every replica accounts that request
+    # alike (replicas/core/load.py): output blocks tracked, prefill load model.
+    track_output_blocks: bool = False
+    prefill_load_model: str = "none"
     ready_lag: int = 0
     seed: int | None = None
     durable: bool = True  # snapshots, leader lease, reset (off only in narrow tests)

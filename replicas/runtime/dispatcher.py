@@ -84,6 +84,7 @@ class RouteRequest:
     model: str
     token_ids: Sequence[int]
     expected_osl: int = 128
+    osl_hint: int = 0  # nvext.agent_hints.osl as the client gave it (0: none)
     priority: int = 0
     overlap_weight: float | None = None
     latency_sensitivity: float = 0.0
@@ -133,6 +134,9 @@ class Dispatcher:
         # (reason) -> None: the HTTP layer's counter of decisions JetStream did not take.
         self.on_decision_refused: Callable[[str], None] | None = None
         self._queue: RequestQueue[_Queued] = RequestQueue(config.queue_policy)
+        # Output counts waiting to be appended as OutputProgress, per request: one append in
+        # flight per request at a time, carrying the newest count when it goes.
+        self._progress: dict[str, int] = {}
         self._background = background
         self._task: asyncio.Task[None] | None = None
 
@@ -215,7 +219,9 @@ class Dispatcher:
             overlap_blocks=result.overlap_blocks, expected_osl=req.expected_osl,
             priority=req.priority, ts=now, candidates=result.costs.rows(),
             model=req.model, block_size=self.config.state.block_size,
-            phase=req.phase, kv_reuse=self.config.assume_kv_reuse)
+            phase=req.phase, kv_reuse=self.config.assume_kv_reuse,
+            track_output_blocks=self.config.track_output_blocks, osl_hint=req.osl_hint,
+            prefill_load_model=self.config.prefill_load_model)
         extra: list[ev.Event] = []
         if session is not None:
             extra = session_events(session, req.request_id, result.worker, req.model, sticky,
@@ -303,9 +309,29 @@ class Dispatcher:
         self._background.spawn(self._append(ev.PrefillCompleted(request_id, time.time()),
                                             f"{request_id}.prefilled"))
 
+    def output_progress(self, request_id: str, output_tokens: int) -> None:
+        """A tracked request crossed an output block boundary. Appends coalesce: while one is
+        on its way, later counts wait and only the newest follows it."""
+        waiting = request_id in self._progress
+        self._progress[request_id] = output_tokens
+        if not waiting:
+            self._background.spawn(self._send_progress(request_id))
+
+    async def _send_progress(self, request_id: str) -> None:
+        sent = 0
+        try:
+            while (count := self._progress.get(request_id, sent)) > sent:
+                sent = count
+                await self._append(ev.OutputProgress(request_id, count, time.time()),
+                                   f"{request_id}.out{count}")
+        finally:
+            if self._progress.get(request_id, sent) <= sent:
+                self._progress.pop(request_id, None)
+
     def finished(self, request_id: str, outcome: str, output_tokens: int,
                  cached_tokens: int = -1) -> None:
         self.settle(request_id)
+        self._progress.pop(request_id, None)  # the finish frees the output blocks anyway
         self._background.spawn(self._append(
             ev.RequestFinished(request_id, outcome, output_tokens, time.time(), cached_tokens),
             f"{request_id}.finished"))

@@ -390,6 +390,9 @@ class Replica:
     def prefill_completed(self, request_id: str) -> None:
         self.dispatcher.prefill_completed(request_id)
 
+    def output_progress(self, request_id: str, output_tokens: int) -> None:
+        self.dispatcher.output_progress(request_id, output_tokens)
+
     def finished(self, request_id: str, outcome: str, output_tokens: int,
                  cached_tokens: int = -1) -> None:
         self.dispatcher.finished(request_id, outcome, output_tokens, cached_tokens)
