@@ -35,6 +35,7 @@ soak: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) .jetrouter build *.egg-info

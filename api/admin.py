@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from api.errors import ApiError
 from api.openai_schema import decode_json
-from replicas.runtime import Replica
+from replicas.runtime.replica import Replica
 
 _json = msgspec.json.Encoder()
 
@@ -121,7 +121,7 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
         return d.threshold if d is not None else replica.state.snapshot_threshold
 
     async def leader_call(verb: str, payload: dict[str, Any]) -> dict[str, Any]:
-        from replicas.durability import NoLeader
+        from replicas.runtime.durability import NoLeader
 
         try:
             return await durability().request(verb, payload)
@@ -187,7 +187,7 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
         @router.post("/admin/debug/inject-divergence")
         async def inject(request: Request) -> Response:
             check_admin(request)
-            from replicas.divergence import inject_divergence
+            from replicas.core.divergence import inject_divergence
 
             raw = await request.body()
             body = decode_json(raw) if raw else {}

@@ -25,9 +25,9 @@ from api.openai_schema import decode_json, parse_request
 from api.shed import Shedder
 from api.tokenizer import Tokenizer, load_model_tokenizer
 from eventlog.appender import AppendFailed
-from replicas.canary import report_passive
-from replicas.health import STATUS_GAUGE
-from replicas.runtime import (
+from replicas.core.health import STATUS_GAUGE
+from replicas.runtime.canary import report_passive
+from replicas.runtime.replica import (
     AllWorkersBusy,
     DecisionNotRecorded,
     NoWorkers,

@@ -19,12 +19,13 @@ VERBS: dict[str, tuple[str, str]] = {
     "serve": ("api.serve", "run one router replica"),
     "worker": ("workers.cli", "run one simulated inference engine"),
     "bridge": ("workers.bridge.cli", "put one real engine (vLLM, SGLang) behind jetrouter"),
-    "up": ("api.up", "run a whole local cluster (nats-server, replicas, workers)"),
-    "bench": ("api.bench.cli", "benchmarks: `bench core` (state machine) or a trace replay"),
-    "demo": ("api.demo", "start a local cluster, replay a trace slice in kv and round-robin mode"),
-    "admin": ("api.admin_cli", "admin API client"),
-    "check-config": ("api.checkconfig", "check compose.yaml and deploy/ for consistency"),
-    "chaos": ("api.chaos", "run the chaos scenarios against a local cluster"),
+    "up": ("cluster.up", "run a whole local cluster (nats-server, replicas, workers)"),
+    "bench": ("bench.cli", "benchmarks: `bench core` (state machine) or a trace replay"),
+    "demo": ("cluster.demo",
+             "start a local cluster, replay a trace slice in kv and round-robin mode"),
+    "admin": ("cluster.admin_cli", "admin API client"),
+    "check-config": ("cluster.checkconfig", "check compose.yaml and deploy/ for consistency"),
+    "chaos": ("cluster.chaos", "run the chaos scenarios against a local cluster"),
 }
 
 

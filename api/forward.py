@@ -30,14 +30,14 @@ from api.openai_schema import ParsedRequest
 from api.proxy import Exchange, HopFailed, open_upstream, sse_error, upstream_events
 from api.tokenizer import ByteTokenizer, Tokenizer
 from api.upstream import UpstreamError, UpstreamPool, UpstreamResponse
-from replicas.runtime import Replica, Routed, RouteRequest, RoutingError
+from replicas.runtime.replica import Replica, Routed, RouteRequest, RoutingError
 
 log = logging.getLogger("jetrouter.forward")
 
 PREDICTED_HEADER = "x-jetrouter-predicted-cached-tokens"
 DEFAULT_STREAM_IDLE_TIMEOUT = 30.0
 DEFAULT_MIGRATION_LIMIT = 3
-# (worker_id, reason) -> None or an awaitable (e.g. replicas.canary.report_passive(...)).
+# (worker_id, reason) -> None or an awaitable (e.g. replicas.runtime.canary.report_passive(...)).
 WorkerFailureHook = Callable[[str, str], object]
 
 

@@ -28,7 +28,7 @@ import msgspec
 
 from api.openai_schema import ParsedRequest
 from api.proxy import DONE_EVENT, HopFailed, sse_data
-from replicas.runtime import Routed
+from replicas.runtime.replica import Routed
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 COMPLETIONS_PATH = "/v1/completions"

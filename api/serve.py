@@ -26,9 +26,9 @@ from eventlog.connect import (
     check_files,
     options_from_args,
 )
-from replicas.runtime import Replica, ReplicaConfig
-from replicas.selection import BusyThresholds, RoutingConfig
-from replicas.state import StateConfig
+from replicas.core.selection import BusyThresholds, RoutingConfig
+from replicas.core.state import StateConfig
+from replicas.runtime.replica import Replica, ReplicaConfig
 
 MODES = ("kv", "round-robin", "random", "least-loaded")
 

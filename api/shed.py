@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 
 from api.metrics import RouterMetrics
-from replicas.runtime import Replica
-from replicas.shedding import Degrader, decide, fleet_pressure, model_units, retry_after
+from replicas.core.shedding import Degrader, decide, fleet_pressure, model_units, retry_after
+from replicas.runtime.replica import Replica
 
 
 class Shedder:

@@ -69,7 +69,7 @@ class BlocksStored(_Event, frozen=True, tag=True):
     blocks: list[BlockPair]
     ts: Ts
     # Storage tier the blocks went to; None = the device (GPU) tier. Only device blocks count
-    # for prefix overlap (replicas/state.py): others are carried, counted and not indexed.
+    # for prefix overlap (replicas/core/state.py): others are carried, counted and not indexed.
     medium: str | None = None
 
 

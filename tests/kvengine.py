@@ -23,7 +23,7 @@ import zmq.asyncio
 
 from eventlog.events import BlocksStored, WorkerRegistered
 from eventlog.hashing import adapter_salt, tokens_hashes
-from replicas.state import RouterState, StateConfig
+from replicas.core.state import RouterState, StateConfig
 
 END_SEQ = b"\xff" * 8
 

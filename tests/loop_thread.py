@@ -1,7 +1,7 @@
 """An asyncio loop on a background thread, for synchronous tests that drive async machinery.
 
 Hypothesis runs each example as a plain function call, so a ``@given`` test cannot await; it
-hands coroutines to this loop instead (``LoopThread.run``), where a :class:`api.up.LocalCluster`
+hands coroutines to this loop instead (``LoopThread.run``), where a :class:`cluster.up.LocalCluster`
 or a NATS connection lives for the whole module.
 """
 

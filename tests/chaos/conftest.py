@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from api.up import LocalCluster
+from cluster.up import LocalCluster
 from tests.waiting import until as _until
 
 MODEL = "jetrouter-sim"

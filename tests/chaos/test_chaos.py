@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from api.chaos import ChaosSession, chaos_cluster, format_row
-from api.chaos_scenarios import ScenarioResult, Timing
+from cluster.chaos import ChaosSession, chaos_cluster, format_row
+from cluster.chaos_scenarios import ScenarioResult, Timing
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 chaos_test = pytest.mark.asyncio(loop_scope="module")

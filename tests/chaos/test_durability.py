@@ -16,7 +16,7 @@ import nats
 import pytest
 import pytest_asyncio
 
-from api.up import LocalCluster
+from cluster.up import LocalCluster
 from eventlog.events import SnapshotTaken
 from eventlog.names import CONTROL, Names
 from eventlog.reader import StartPurged, StreamReader

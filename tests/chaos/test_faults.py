@@ -32,7 +32,7 @@ import nats
 import pytest
 import pytest_asyncio
 
-from api.up import LocalCluster
+from cluster.up import LocalCluster
 from eventlog import tokens
 from eventlog.events import RequestFinished, WorkerHealthChanged
 from eventlog.names import CONTROL, ROUTER, Names
@@ -468,7 +468,7 @@ async def tiered(f: Fleet, name: str, tier: str, how: str) -> httpx.Response:
 
 
 def test_fault_bench_counts_a_request_caught_in_flight_in_the_fault_window() -> None:
-    from api.bench.faults import Phase, Sample, format_table, split, window_stats
+    from bench.faults import Phase, Sample, format_table, split, window_stats
 
     phase = Phase("wrong", "w1", base_start=100.0, fault_start=110.0, fault_end=120.0)
     samples = [

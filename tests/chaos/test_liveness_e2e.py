@@ -19,7 +19,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from api.up import LocalCluster
+from cluster.up import LocalCluster
 from tests.chaos.conftest import MODEL, Admin, until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(120)]

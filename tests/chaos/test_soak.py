@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from api.chaos import ChaosSession, chaos_cluster
-from api.chaos_scenarios import Timing
-from api.chaos_soak import format_report, run_soak, soak_verdict
+from cluster.chaos import ChaosSession, chaos_cluster
+from cluster.chaos_scenarios import Timing
+from cluster.chaos_soak import format_report, run_soak, soak_verdict
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(400)]
 

@@ -25,7 +25,7 @@ import nats
 
 from eventlog.names import Names
 from eventlog.server import NatsServer
-from replicas.state import RouterState
+from replicas.core.state import RouterState
 from snapshots.store import SnapshotStore
 
 

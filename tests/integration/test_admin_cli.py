@@ -23,7 +23,7 @@ import pytest
 import pytest_asyncio
 
 from api import cli
-from api.up import LocalCluster
+from cluster.up import LocalCluster
 from eventlog.server import free_ports
 from tests.waiting import until
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from api import admin_cli
+from cluster import admin_cli
 
 T0 = 1_790_000_000.0  # an event time (epoch seconds)
 

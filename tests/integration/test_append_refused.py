@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 from nats.js.api import DiscardPolicy
 
-from api.up import LocalCluster
+from cluster.up import LocalCluster
 from eventlog.names import CONTROL, ROUTER, Names
 from tests.waiting import until
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from api.bench import durability
+from bench import durability
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -34,7 +34,7 @@ from eventlog.hashing import prompt_hashes
 from eventlog.names import Names
 from eventlog.server import NatsServer
 from eventlog.streams import ensure_streams
-from replicas.state import RouterState, StateConfig
+from replicas.core.state import RouterState, StateConfig
 from tests.kvengine import EngineSim
 from tests.waiting import until
 from workers.bridge.resume import H_EVENT_ID, H_GEN, H_SEQ

@@ -16,8 +16,7 @@ from nats.aio.client import Client as NATS
 
 from eventlog.names import Names
 from eventlog.server import NatsServer
-from replicas.canary import CanaryChecker, health_report_subject, report_passive
-from replicas.health import (
+from replicas.core.health import (
     CLOSED,
     HEALTHY,
     SUSPICIOUS,
@@ -26,6 +25,7 @@ from replicas.health import (
     HealthConfig,
     StatusChange,
 )
+from replicas.runtime.canary import CanaryChecker, health_report_subject, report_passive
 from workers.procs import WorkerProcess
 
 pytestmark = pytest.mark.timeout(60)

@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.up import LocalCluster
+from cluster.up import LocalCluster
 from tests.loop_thread import LoopThread
 
 MODEL = "jetrouter-sim"

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as NATS
 
-from api.up import LocalCluster
+from cluster.up import LocalCluster
 from eventlog.names import CONTROL, KV, ROUTER, Names
 from tests.fuzz_events import pack, payloads
 from tests.loop_thread import LoopThread

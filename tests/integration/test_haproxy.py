@@ -22,7 +22,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from api.up import LocalCluster
+from cluster.up import LocalCluster
 from eventlog.server import free_port
 from tests.waiting import until
 

@@ -26,9 +26,9 @@ from eventlog.names import CONTROL, KV, ROUTER, Names
 from eventlog.reader import StreamReader
 from eventlog.server import NatsServer
 from eventlog.streams import stream_bounds
-from replicas.divergence import Divergence, inject_divergence
-from replicas.liveness import Heartbeat, Liveness, liveness_subject
-from replicas.state import RouterState
+from replicas.core.divergence import Divergence, inject_divergence
+from replicas.core.state import RouterState
+from replicas.runtime.liveness import Heartbeat, Liveness, liveness_subject
 from workers.procs import WorkerProcess
 
 pytestmark = pytest.mark.timeout(60)

@@ -20,7 +20,7 @@ from nats.aio.client import Client as NATS
 from eventlog import events as ev
 from eventlog.names import Names
 from eventlog.server import NatsCluster
-from replicas.liveness import Heartbeat, Liveness
+from replicas.runtime.liveness import Heartbeat, Liveness
 from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(120)

@@ -28,7 +28,7 @@ from api.migration import Continuation, Hop
 from api.openai_schema import parse_request
 from api.proxy import HopFailed, SseSplitter
 from api.tokenizer import ByteTokenizer
-from api.up import LocalCluster
+from cluster.up import LocalCluster
 from eventlog import tokens
 from eventlog.events import RequestFinished
 from eventlog.names import ROUTER, Names

@@ -25,7 +25,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from api.up import LocalCluster
+from cluster.up import LocalCluster
 from eventlog.events import RequestRouted
 from eventlog.hashing import prompt_hashes
 from eventlog.model_tokenizer import ModelTokenizer

@@ -22,7 +22,7 @@ import nkeys
 import pytest
 import pytest_asyncio
 
-from api.up import LocalCluster
+from cluster.up import LocalCluster
 from eventlog.appender import Appender, AppendFailed
 from eventlog.connect import NatsConnectFatal, NatsOptions, connect
 from eventlog.events import BlocksStored

@@ -12,7 +12,7 @@ import pytest
 from eventlog.events import decode_batch
 from eventlog.hashing import prompt_hashes
 from eventlog.server import NatsServer
-from replicas.state import RouterState, StateConfig
+from replicas.core.state import RouterState, StateConfig
 from tests.waiting import until
 from workers.publishing import KvPublisher, Names, Removed, WorkerRegistered, stored_blocks
 

@@ -15,7 +15,7 @@ from eventlog.names import KV, ROUTER, STREAM_KINDS, Names
 from eventlog.reader import StreamReader
 from eventlog.server import NatsServer
 from eventlog.streams import ensure_streams, stream_bounds
-from replicas.state import RouterState, StateConfig
+from replicas.core.state import RouterState, StateConfig
 from tests.eventgen import interleave, router_history, worker_history
 
 NAMES = Names("jr")

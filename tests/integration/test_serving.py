@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 
 from api.errors import SERVICE_UNAVAILABLE_BODY
-from api.up import LocalCluster
+from cluster.up import LocalCluster
 from eventlog import tokens
 from eventlog.events import RequestFinished
 from eventlog.names import ROUTER, Names

@@ -18,7 +18,7 @@ from nats.js.kv import MSG_ROLLUP_SUBJECT
 
 from eventlog.names import Names
 from eventlog.server import NatsCluster
-from replicas.state import RouterState
+from replicas.core.state import RouterState
 from snapshots.store import SnapshotCorrupt, SnapshotNotFound, SnapshotStore
 from tests.eventgen import worker_history
 

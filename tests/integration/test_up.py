@@ -18,7 +18,7 @@ import pytest
 
 import eventlog.server
 from api import cli
-from api.up import LocalCluster
+from cluster.up import LocalCluster
 
 REPO = Path(__file__).resolve().parents[2]
 needs_serve = pytest.mark.skipif(not (REPO / "api" / "serve.py").exists(),

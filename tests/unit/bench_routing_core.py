@@ -15,8 +15,8 @@ import sys
 import timeit
 from collections.abc import Callable
 
-from replicas.load import ActiveLoad
-from replicas.selection import BusyThresholds, Candidate, RoutingConfig, Selector
+from replicas.core.load import ActiveLoad
+from replicas.core.selection import BusyThresholds, Candidate, RoutingConfig, Selector
 
 
 def _per_call_us(fn: Callable[[], object], number: int) -> float:

@@ -9,7 +9,7 @@ import pytest
 from eventlog import events as ev
 from eventlog.events import MalformedMessage, decode_batch
 from eventlog.names import CONTROL, KV, ROUTER
-from replicas.state import RouterState
+from replicas.core.state import RouterState
 
 
 def routed(**over: object) -> dict[str, object]:

@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from api.bench.client import FAILED, OK, REJECTED, BenchOptions, run_trace_bench
-from api.bench.trace import TraceRecord
 from api.cli import main as jetrouter_main
+from bench.client import FAILED, OK, REJECTED, BenchOptions, run_trace_bench
+from bench.trace import TraceRecord
 
 
 @dataclass

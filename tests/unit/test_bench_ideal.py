@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from api.bench.ideal import cluster_capacity_blocks, ideal_hit_rate, ideal_rates
-from api.bench.trace import TraceRecord
+from bench.ideal import cluster_capacity_blocks, ideal_hit_rate, ideal_rates
+from bench.trace import TraceRecord
 
 
 def rec(*ids: int, tail: int = 512) -> TraceRecord:

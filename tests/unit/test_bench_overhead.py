@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from api.bench.overhead import (
+from bench.overhead import (
     PhaseResult,
     RawConnection,
     closed_loop,

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from api.bench.client import FAILED, OK, REJECTED, BenchOptions, RequestRecord, RunResult
-from api.bench.ideal import ideal_rates
-from api.bench.report import (
+from bench.client import FAILED, OK, REJECTED, BenchOptions, RequestRecord, RunResult
+from bench.ideal import ideal_rates
+from bench.report import (
     format_comparison,
     format_table,
     percentile,
     summarize,
     write_json,
 )
-from api.bench.trace import TraceRecord
+from bench.trace import TraceRecord
 
 
 def test_percentile_linear_interpolation() -> None:

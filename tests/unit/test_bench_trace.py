@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from api.bench.trace import (
+from bench.trace import (
     TRACE_BLOCK_SIZE,
     GeneratorParams,
     PromptBuilder,
@@ -132,7 +132,7 @@ def test_prompt_filler_beyond_the_hash_ids_and_for_empty_ids() -> None:
 
 
 def test_text_prompts_share_prefixes_word_for_word() -> None:
-    from api.bench.trace import TEXT_ID_SPACE, words_of
+    from bench.trace import TEXT_ID_SPACE, words_of
     from workers.tinymodel import WORDS
 
     builder = PromptBuilder(8, TEXT_ID_SPACE)

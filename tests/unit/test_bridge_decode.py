@@ -14,7 +14,7 @@ import pytest
 
 from eventlog.events import AllBlocksCleared, BlocksRemoved, BlocksStored, WorkerRegistered
 from eventlog.hashing import adapter_salt, prompt_hashes, tokens_hashes
-from replicas.state import RouterState, StateConfig
+from replicas.core.state import RouterState, StateConfig
 from workers.bridge.decode import (
     BadPayload,
     EngineCleared,

@@ -1,4 +1,4 @@
-"""compose.yaml and deploy/ stay consistent (api/checkconfig.py), since CI cannot run Docker.
+"""compose.yaml and deploy/ stay consistent (cluster/checkconfig.py), since CI cannot run Docker.
 
 The real files must check clean; each mutated copy must produce the one problem it plants. Every
 mutation asserts its text is present first, so a test cannot pass by mutating nothing.
@@ -17,7 +17,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from api.checkconfig import (
+from cluster.checkconfig import (
     check_compose,
     dockerfile_instructions,
     main,
@@ -280,7 +280,7 @@ PACKAGES = ("eventlog", "replicas", "snapshots", "api", "workers")
 
 def _required_imports(path: Path) -> set[str]:
     """Top-level third-party modules a file imports, minus those guarded by `except ImportError`
-    (optional ones, like PyYAML in api/checkconfig.py)."""
+    (optional ones, like PyYAML in cluster/checkconfig.py)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     optional: set[int] = set()
     for node in ast.walk(tree):
@@ -377,7 +377,7 @@ def test_secured_override_mutation_is_reported(copy: Path, old: str, new: str,
 
 
 def test_committed_nats_config_is_the_rendered_one() -> None:
-    from api.secure import compose_config
+    from cluster.secure import compose_config
 
     assert (ROOT / "deploy" / "nats" / "jetrouter.conf").read_text() == compose_config(), \
-        "deploy/nats/jetrouter.conf drifted from api/secure.py compose_config(): re-render it"
+        "deploy/nats/jetrouter.conf drifted from cluster/secure.py compose_config(): re-render it"

@@ -10,7 +10,7 @@ import pytest
 
 from eventlog import events as ev
 from eventlog.names import CONTROL, KV, ROUTER
-from replicas.divergence import (
+from replicas.core.divergence import (
     Divergence,
     DivergenceDetector,
     Heartbeat,
@@ -20,7 +20,7 @@ from replicas.divergence import (
     inject_divergence,
     same_positions,
 )
-from replicas.state import RouterState
+from replicas.core.state import RouterState
 from tests.unit.test_core_purity import FORBIDDEN_MODULES, imported_roots
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ def fed_state() -> RouterState:
 
 
 def test_module_is_pure() -> None:
-    tree = ast.parse((ROOT / "replicas/divergence.py").read_text())
+    tree = ast.parse((ROOT / "replicas/core/divergence.py").read_text())
     assert not imported_roots(tree) & FORBIDDEN_MODULES
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from eventlog.events import MalformedMessage, decode_batch
 from eventlog.names import CONTROL, KV, ROUTER
-from replicas.state import RouterState
+from replicas.core.state import RouterState
 from tests.fuzz_events import payloads
 
 KINDS = st.sampled_from([KV, ROUTER, CONTROL])

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from eventlog.events import WorkerHealthChanged
-from replicas.health import (
+from replicas.core.health import (
     CLOSED,
     HALF_OPEN,
     HEALTHY,
@@ -27,7 +27,7 @@ from tests.unit.test_core_purity import FORBIDDEN_MODULES, imported_roots
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("path", ["replicas/health.py", "replicas/shedding.py"])
+@pytest.mark.parametrize("path", ["replicas/core/health.py", "replicas/core/shedding.py"])
 def test_health_and_shedding_are_pure(path: str) -> None:
     tree = ast.parse((ROOT / path).read_text())
     assert not imported_roots(tree) & FORBIDDEN_MODULES

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eventlog.hashing import sequence_hashes
-from replicas.index import OverlapScores, PrefixIndex, WorkerKey
+from replicas.core.index import OverlapScores, PrefixIndex, WorkerKey
 
 W0: WorkerKey = ("w0", 0)
 W1: WorkerKey = ("w1", 0)

@@ -6,7 +6,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replicas.load import ActiveLoad
+from replicas.core.load import ActiveLoad
 
 W1 = ("w1", 0)
 W1R1 = ("w1", 1)

@@ -7,10 +7,10 @@ import msgspec
 import pytest
 
 from eventlog.events import WorkerRegistered
-from replicas.runtime import Replica, ReplicaConfig, RouteRequest, UnknownModel
-from replicas.selection import Decision
-from replicas.shedding import model_units
-from replicas.state import StateConfig
+from replicas.core.selection import Decision
+from replicas.core.shedding import model_units
+from replicas.core.state import StateConfig
+from replicas.runtime.replica import Replica, ReplicaConfig, RouteRequest, UnknownModel
 from workers.bridge.decode import decode_payload
 from workers.bridge.translate import Translator
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from replicas.queue import RequestQueue, queue_key, should_queue
-from replicas.selection import Candidate
+from replicas.core.queue import RequestQueue, queue_key, should_queue
+from replicas.core.selection import Candidate
 
 
 def drain(q: RequestQueue) -> list:

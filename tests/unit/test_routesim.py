@@ -1,11 +1,11 @@
-"""api.bench.routesim: the virtual-time routing bench is deterministic and ranks policies."""
+"""bench.routesim: the virtual-time routing bench is deterministic and ranks policies."""
 
 from __future__ import annotations
 
 import argparse
 
-from api.bench import routesim
-from api.bench.trace import GeneratorParams, generate
+from bench import routesim
+from bench.trace import GeneratorParams, generate
 from workers.scheduler import EngineConfig
 
 # Small caches so that where a conversation lands decides whether its prefix is still cached.

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from replicas.selection import (
+from replicas.core.selection import (
     BusyThresholds,
     Candidate,
     CostTerms,
@@ -298,7 +298,7 @@ def test_ledger_rows_carry_the_same_terms_as_the_decision() -> None:
     """What RequestRouted.candidates records equals the cost terms the selector used."""
     import random as _random
 
-    from replicas.selection import Candidate, RoutingConfig, Selector
+    from replicas.core.selection import Candidate, RoutingConfig, Selector
 
     cands = [Candidate(("a", 0), 3, 10, 40, 7, 2, 100, 8192),
              Candidate(("b", 0), 0, 5, 0, 1, 5, 100, 8192, weight=0.5)]

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from replicas.selection import Candidate, Decision, RoutingConfig, Selector, cost_terms
+from replicas.core.selection import Candidate, Decision, RoutingConfig, Selector, cost_terms
 
 BS = 16
 ISL = 40 * BS  # a 40-block prompt

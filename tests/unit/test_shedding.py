@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from eventlog import events as ev
-from replicas.shedding import (
+from replicas.core.shedding import (
     TIERS,
     Degrader,
     Pressure,
@@ -16,7 +16,7 @@ from replicas.shedding import (
     model_units,
     retry_after,
 )
-from replicas.state import RouterState
+from replicas.core.state import RouterState
 
 
 @pytest.mark.parametrize(("capacity", "demand", "level"), [
@@ -126,7 +126,7 @@ def test_model_units_reads_the_replicated_state() -> None:
 def test_an_engine_retired_for_cause_still_counts_as_lost_capacity_until_it_returns() -> None:
     from eventlog import events as ev
     from eventlog.names import KV
-    from replicas.state import RouterState
+    from replicas.core.state import RouterState
 
     s = RouterState()
     s.apply(KV, 1, [ev.WorkerRegistered("a", "u", "m", 16, 100, 8192, 1.0),

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from eventlog import events as ev
 from eventlog.hashing import MASK64
 from eventlog.names import ROUTER
-from replicas.index import PrefixIndex, WorkerKey
-from replicas.load import ActiveLoad
-from replicas.state import RouterState, StateConfig
+from replicas.core.index import PrefixIndex, WorkerKey
+from replicas.core.load import ActiveLoad
+from replicas.core.state import RouterState, StateConfig
 
 
 def internals(index: PrefixIndex) -> tuple[object, ...]:

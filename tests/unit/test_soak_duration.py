@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from api.chaos_soak import parse_duration
+from cluster.chaos_soak import parse_duration
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("30m", 1800.0), ("90s", 90.0), ("1h", 3600.0),

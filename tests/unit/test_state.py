@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from eventlog import events as ev
 from eventlog.names import CONTROL, KV, ROUTER
-from replicas.state import RouterState, StateConfig
+from replicas.core.state import RouterState, StateConfig
 from tests.eventgen import interleave, router_history, worker_history
 
 WORKERS = ["w0", "w1", "w2"]

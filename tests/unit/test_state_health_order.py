@@ -8,7 +8,7 @@ import itertools
 
 from eventlog import events as ev
 from eventlog.names import CONTROL, KV
-from replicas.state import RouterState
+from replicas.core.state import RouterState
 
 KV_MSGS = [
     (KV, 1, [ev.WorkerRegistered("w1", "http://w1", "m", 16, 1024, 8192, 1.0)]),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from eventlog import events as ev
 from eventlog.names import KV
-from replicas.state import RouterState, StateConfig
+from replicas.core.state import RouterState, StateConfig
 
 
 def register(worker: str, block_size: int, ts: float = 1.0) -> ev.WorkerRegistered:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from api.demo_vllm import format_prediction, prediction_summary
+from cluster.demo_vllm import format_prediction, prediction_summary
 from workers.vllm.engine import VllmEngine
 
 

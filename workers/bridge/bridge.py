@@ -272,7 +272,8 @@ class Bridge:
         one JetStream round trip instead of one per engine step. The id names the seq range
         (``<worker>.<gen>.<first>-<last>``); a restarted bridge may cut ranges differently, and
         that is safe: equal seqs translate to the same events with the same ``event_id``s from
-        the same resume point, so any overlap is dropped event by event by replicas/state.py."""
+        the same resume point, so any overlap is dropped event by event by
+        replicas/core/state.py."""
         if not self.out_events:
             return
         events, first = self.out_events, self.out_first

@@ -13,13 +13,13 @@ engine batches it carries. A (re)started bridge reads the *last* message on its 
   ``event_id`` follows the header's, and the engine's replay socket is asked for every batch after
   ``seq``. A batch that was appended but whose ack was lost is re-sent with the same events and
   ``event_id``s (translation is deterministic): the stream's duplicate window drops an identical
-  message, and replicas/state.py drops events whose ``event_id`` it has already applied.
+  message, and replicas/core/state.py drops events whose ``event_id`` it has already applied.
 * otherwise (nothing yet, a retirement, another engine run) -> a new ``gen``, a fresh
   ``WorkerRegistered`` (which empties the worker's index on every replica), and a replay from
   seq 0 to learn what the engine cached before the bridge started.
 
 ``event_id`` keeps increasing across bridge restarts (it resumes from the header), so a restart is
-neither a gap nor a duplicate for replicas/state.py.
+neither a gap nor a duplicate for replicas/core/state.py.
 """
 
 from __future__ import annotations

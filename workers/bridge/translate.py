@@ -122,8 +122,8 @@ class Translator:
 @dataclass(slots=True)
 class CacheMirror:
     """What this worker's device-tier blocks look like in the router's index, from the events the
-    bridge appended (same rules as replicas/index.py: a store under an unknown parent is skipped,
-    a re-store is a no-op, a removal of an unknown block does nothing). Used to answer
+    bridge appended (same rules as replicas/core/index.py: a store under an unknown parent is
+    skipped, a re-store is a no-op, a removal of an unknown block does nothing). Used to answer
     re-announce requests with ``AllBlocksCleared`` + the blocks, without asking the engine."""
 
     # per dp rank: engine block hash -> (parent block hash or None, tokens_hash), in store order

@@ -2,7 +2,7 @@
 
 Starts a `LocalCluster` with three clustered nats-servers, three replicas and four simulated
 workers (short replica/worker timeouts so a run takes minutes), then runs each scenario of
-:mod:`api.chaos_scenarios` in turn on the same cluster: requests failed (and whether they were
+:mod:`cluster.chaos_scenarios` in turn on the same cluster: requests failed (and whether they were
 in flight at the fault), events lost, recovery time, phantom load and digest equality. Prints a
 table and, with ``--json OUT``, writes every figure.
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from api.chaos_scenarios import (
+from cluster.chaos_scenarios import (
     SCENARIOS,
     Probe,
     RouterFollower,
@@ -30,7 +30,7 @@ from api.chaos_scenarios import (
     Timing,
     run_scenario,
 )
-from api.up import LocalCluster
+from cluster.up import LocalCluster
 from eventlog.connect import connect
 
 
@@ -171,7 +171,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _duration(text: str) -> float:
-    from api.chaos_soak import parse_duration
+    from cluster.chaos_soak import parse_duration
 
     try:
         return parse_duration(text)
@@ -180,7 +180,7 @@ def _duration(text: str) -> float:
 
 
 async def run_soak_cluster(args: argparse.Namespace, t: Timing, data_dir: Path) -> int:
-    from api.chaos_soak import format_report, run_soak, soak_verdict
+    from cluster.chaos_soak import format_report, run_soak, soak_verdict
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

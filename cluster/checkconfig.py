@@ -1,4 +1,4 @@
-"""Static check of compose.yaml and the deploy/ files it mounts: ``python -m api.checkconfig``.
+"""Static check of compose.yaml and the deploy/ files it mounts: ``python -m cluster.checkconfig``.
 
 No Docker engine runs in CI, so instead of starting the stack this finds what would break it:
 every ``jetrouter <verb> ...`` command line goes through the real CLI parser (with the service's
@@ -979,7 +979,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m api.checkconfig",
+    parser = argparse.ArgumentParser(prog="python -m cluster.checkconfig",
                                      description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -52,7 +52,7 @@ from eventlog.names import CONTROL, KV, STREAM_KINDS, Names
 from eventlog.reader import StreamReader
 from eventlog.server import NatsServer, free_port
 from eventlog.streams import ensure_streams, stream_bounds
-from replicas.state import RouterState
+from replicas.core.state import RouterState
 from snapshots.store import SnapshotStore
 
 NAMESPACE = "durbench"

@@ -37,8 +37,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from api.chaos_load import LoadDriver, Sent, summarize_failures
-from api.chaos_scenarios import (
+from cluster.chaos_load import LoadDriver, Sent, summarize_failures
+from cluster.chaos_scenarios import (
     Probe,
     RouterFollower,
     Timing,

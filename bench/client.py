@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from api.bench.trace import (
+from bench.trace import (
     DEFAULT_BLOCK_TOKENS,
     DEFAULT_VOCAB_SIZE,
     TEXT_ID_SPACE,

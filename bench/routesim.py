@@ -1,19 +1,19 @@
 """Routing quality without processes: the trace replayed on simulated engines in virtual time.
 
-The trace bench (`api.bench.cli`) runs the real thing — replicas, NATS, engine processes — so its
+The trace bench (`bench.cli`) runs the real thing — replicas, NATS, engine processes — so its
 TTFT figures bend when the machine is short of CPU (every simulated step is a real sleep). This
 bench keeps exactly the parts that decide routing quality and drops the rest:
 
 - each worker is the engine's own pure scheduler (`workers.scheduler.EngineCore`: paged cache,
   prefix caching, chunked prefill, the step-time model), stepped on a virtual clock;
-- the router is the real cost model (`replicas.selection.Selector`) fed by the real in-flight
-  accounting (`replicas.load.ActiveLoad`), with each worker's overlap read from its cache at
+- the router is the real cost model (`replicas.core.selection.Selector`) fed by the real in-flight
+  accounting (`replicas.core.load.ActiveLoad`), with each worker's overlap read from its cache at
   decision time (a router whose KV events arrive instantly);
 - prompts come from the same `PromptBuilder` and output caps as the trace bench.
 
 So a gap between kv and round-robin here is the cost model's doing, not the machine's; a run of
 1,000 requests takes seconds and is deterministic. Run (``jetrouter bench routesim`` is the same):
-``python -m api.bench.routesim --max-requests 1000 --max-output-tokens 32 --weights 1,8
+``python -m bench.routesim --max-requests 1000 --max-output-tokens 32 --weights 1,8
 --queue-weight 1 --speedup 4 --prefill-ms-per-token 0.8``.
 """
 
@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from api.bench.ideal import cluster_capacity_blocks, ideal_rates
-from api.bench.report import percentile
-from api.bench.trace import (
+from bench.ideal import cluster_capacity_blocks, ideal_rates
+from bench.report import percentile
+from bench.trace import (
     DEFAULT_BLOCK_TOKENS,
     PromptBuilder,
     TraceRecord,
@@ -39,8 +39,8 @@ from api.bench.trace import (
     select,
 )
 from eventlog.hashing import prompt_hashes, tokens_hashes
-from replicas.load import ActiveLoad
-from replicas.selection import Candidate, Decision, RoutingConfig, Selector
+from replicas.core.load import ActiveLoad
+from replicas.core.selection import Candidate, Decision, RoutingConfig, Selector
 from workers.scheduler import EngineConfig, EngineCore, SimRequest
 
 

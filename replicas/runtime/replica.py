@@ -29,9 +29,9 @@ from eventlog.hashing import prompt_hashes
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
 from eventlog.reader import StartPurged, StreamReader
 from eventlog.streams import ensure_streams, stream_bounds
-from replicas.index import WorkerKey
-from replicas.queue import RequestQueue, should_queue
-from replicas.selection import (
+from replicas.core.index import WorkerKey
+from replicas.core.queue import RequestQueue, should_queue
+from replicas.core.selection import (
     BusyThresholds,
     Candidate,
     Decision,
@@ -39,10 +39,10 @@ from replicas.selection import (
     RoutingConfig,
     Selector,
 )
-from replicas.state import RouterState, StateConfig
+from replicas.core.state import RouterState, StateConfig
 
 if TYPE_CHECKING:
-    from replicas.durability import Durability
+    from replicas.runtime.durability import Durability
 
 log = logging.getLogger("jetrouter.replica")
 
@@ -200,8 +200,8 @@ class Replica:
         self.durability: Durability | None = None
         self.projections: Any = None  # snapshots.projections.Projections when enabled
         self._projector: asyncio.subprocess.Process | None = None
-        self.liveness: Any = None  # replicas.liveness.Liveness when enabled
-        self.canary: Any = None  # replicas.canary.CanaryChecker (acts only while leader)
+        self.liveness: Any = None  # replicas.runtime.liveness.Liveness when enabled
+        self.canary: Any = None  # replicas.runtime.canary.CanaryChecker (acts only while leader)
         self.health_board: Any = None
         self._canary_client: Any = None
         self.on_health_check: Callable[[str, float, str], None] | None = None
@@ -245,7 +245,7 @@ class Replica:
         self.appender = Appender(self.js, timeout=1.5, attempts=1000, backoff_max=0.25,
                                  retry_window=20.0)
         if self.config.durable:
-            from replicas.durability import Durability
+            from replicas.runtime.durability import Durability
 
             self.durability = Durability(self, self.nc, self.js, self.names,
                                          snapshot_threshold=self.config.snapshot_threshold,
@@ -286,7 +286,7 @@ class Replica:
             env={**os.environ, **nats_opts.child_env()})
 
     async def _start_liveness(self) -> None:
-        from replicas.liveness import Heartbeat, Liveness, liveness_subject
+        from replicas.runtime.liveness import Heartbeat, Liveness, liveness_subject
 
         durability = self.durability
         assert durability is not None and self.appender is not None and self.js is not None
@@ -320,8 +320,8 @@ class Replica:
     async def _start_canary(self) -> None:
         import httpx
 
-        from replicas.canary import CanaryChecker
-        from replicas.health import HealthBoard, HealthConfig, StatusChange
+        from replicas.core.health import HealthBoard, HealthConfig, StatusChange
+        from replicas.runtime.canary import CanaryChecker
 
         durability = self.durability
         assert durability is not None

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from api.bench.trace import TRACE_BLOCK_SIZE, TraceRecord
+from bench.trace import TRACE_BLOCK_SIZE, TraceRecord
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ import numpy as np
 import xxhash
 
 from eventlog.hashing import prompt_hashes, tokens_hashes
-from replicas.index import PrefixIndex, WorkerKey
+from replicas.core.index import PrefixIndex, WorkerKey
 
 BATCH_BLOCKS = 64
 VOCAB = 50_000
@@ -124,7 +124,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 def bench_decisions(index: PrefixIndex, work: Workload, args: argparse.Namespace
                     ) -> dict[str, Any]:
     try:
-        from replicas.selection import Candidate, RoutingConfig, Selector
+        from replicas.core.selection import Candidate, RoutingConfig, Selector
     except ImportError:  # selection arrives in parallel: measure without it and say so
         Candidate = RoutingConfig = Selector = None  # type: ignore[assignment,misc]
     rng = random.Random(args.seed + 1)
@@ -307,7 +307,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m api.bench.core", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.core", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

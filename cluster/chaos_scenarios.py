@@ -1,7 +1,7 @@
 """The chaos scenarios (issue 5 item 5) and the probes that judge them.
 
 Every scenario runs the same way against a running `LocalCluster` under steady load
-(:class:`~api.chaos_load.LoadDriver`): wait until traffic flows, inject the fault, measure
+(:class:`~cluster.chaos_load.LoadDriver`): wait until traffic flows, inject the fault, measure
 *recovery* (from the fault until the victim is back and every replica is ready and has applied
 router events appended after that point), keep the load going a little, stop it, then measure
 *phantom load* (time until no replica charges any worker with an active request: with no load
@@ -29,8 +29,8 @@ import httpx
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
-from api.chaos_load import LoadDriver, summarize_failures
-from api.up import LocalCluster
+from cluster.chaos_load import LoadDriver, summarize_failures
+from cluster.up import LocalCluster
 from eventlog import events as ev
 from eventlog.names import ROUTER, STREAM_KINDS, Names
 from eventlog.reader import StreamReader

@@ -47,7 +47,7 @@ from typing import Any
 
 import httpx
 
-from api.bench.report import percentile
+from bench.report import percentile
 from eventlog import tokens
 from workers.generation import expected_tokens
 
@@ -406,7 +406,7 @@ class FaultBench:
 
 
 async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from api.up import LocalCluster  # lazily: the cluster machinery is heavy
+    from cluster.up import LocalCluster  # lazily: the cluster machinery is heavy
 
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = [f for f in faults if f not in FAULTS]

@@ -25,12 +25,12 @@ import xxhash
 
 from eventlog import events as ev
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS
-from replicas.index import PrefixIndex
-from replicas.load import ActiveLoad
-from replicas.selection import BusyThresholds
+from replicas.core.index import PrefixIndex
+from replicas.core.load import ActiveLoad
+from replicas.core.selection import BusyThresholds
 
 _MASK = (1 << 64) - 1
-# 2: columnar index and load (replicas/index.py, replicas/load.py); 1 is still read, so a
+# 2: columnar index and load (replicas/core/index.py, replicas/core/load.py); 1 is still read, so a
 # replica upgraded in place restores from the snapshots its predecessors wrote.
 SNAPSHOT_FORMAT = 2
 _READABLE_FORMATS = (1, 2)

@@ -32,7 +32,7 @@ from snapshots.lease import LeaderLease
 from snapshots.store import SnapshotStore
 
 if TYPE_CHECKING:
-    from replicas.runtime import Replica
+    from replicas.runtime.replica import Replica
 
 log = logging.getLogger("jetrouter.durability")
 

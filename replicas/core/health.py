@@ -1,10 +1,11 @@
 """Worker health: a circuit breaker per worker and the HEALTHY → SUSPICIOUS → UNHEALTHY machine.
 
 Pure (seed 002, "Canary Health Check System" and "Circuit Breaker Pattern"): no clock, no I/O.
-Every method takes ``now`` (float seconds since the epoch); the adapter (``replicas/canary.py``)
-feeds it canary results and passive signals and turns the returned :class:`StatusChange` into
-``WorkerHealthChanged`` events. Nothing here is applied to routing directly: the control stream
-is the only way a status reaches the replicas, so every replica routes by the same view.
+Every method takes ``now`` (float seconds since the epoch); the adapter
+(``replicas/runtime/canary.py``) feeds it canary results and passive signals and turns the
+returned :class:`StatusChange` into ``WorkerHealthChanged`` events. Nothing here is applied to
+routing directly: the control stream is the only way a status reaches the replicas, so every
+replica routes by the same view.
 
 Transitions, per the seed:
 

@@ -172,13 +172,13 @@ class LocalCluster:
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
         # --secure: the embedded nats-server gets TLS, users and per-role permissions
-        # (api/secure.py); every child connects as its own identity.
+        # (cluster/secure.py); every child connects as its own identity.
         self.secure = secure
         if secure and nats_url:
             raise ValueError("--secure sets up the embedded nats-server; for an existing NATS "
                              "give its credentials with the --nats-* flags instead")
         self.nats_options = nats_options or NatsOptions()  # for an existing NATS (--nats-url)
-        self.secure_setup: Any = None  # api.secure.SecureSetup once started with secure=True
+        self.secure_setup: Any = None  # cluster.secure.SecureSetup once started with secure=True
         self.children: dict[str, Child] = {}
         self._nats: Any = None  # eventlog.server.NatsServer | NatsCluster when embedded
         self._supervisors: dict[str, asyncio.Task[None]] = {}
@@ -264,7 +264,7 @@ class LocalCluster:
         (self.data_dir / "logs").mkdir(exist_ok=True)
         self._plan_children()
         if self.secure:
-            from api.secure import prepare
+            from cluster.secure import prepare
 
             self.secure_setup = await asyncio.to_thread(
                 prepare, self.data_dir / "secure",

@@ -2,7 +2,7 @@
 
 Only the leader checks. Every ``interval`` it sends each worker the same deterministic completion
 (token-id prompt, temperature 0, ``max_tokens`` 8, non-streaming) and judges the answer against
-the model's reference (:class:`~replicas.health.ReferenceAnswers`, or a known expected text),
+the model's reference (:class:`~replicas.core.health.ReferenceAnswers`, or a known expected text),
 and its latency against the worker's baseline. A failed check is retried at once up to
 ``max_retries`` times (seed: 2), each attempt counting on the breaker, so a worker returning
 wrong tokens goes HEALTHY → SUSPICIOUS → UNHEALTHY within one round, while a one-off blip
@@ -31,7 +31,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from eventlog.names import Names
-from replicas.health import HEALTHY, HealthBoard, ReferenceAnswers, StatusChange
+from replicas.core.health import HEALTHY, HealthBoard, ReferenceAnswers, StatusChange
 
 log = logging.getLogger("jetrouter.canary")
 

@@ -156,7 +156,7 @@ class DivergenceDetector:
 
 
 class _InjectableState(Protocol):
-    """The parts of ``replicas.state.RouterState`` the hook touches (kept structural so this
+    """The parts of ``replicas.core.state.RouterState`` the hook touches (kept structural so this
     module does not import the state machine)."""
 
     index: object

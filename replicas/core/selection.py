@@ -15,7 +15,7 @@ request's own uncached blocks keep weight ``w`` and the worker's queued prefill 
 Dynamo's form a higher ``w`` also scales the queue, so under load it pushes requests *away* from a
 cache-rich worker that is momentarily prefilling; the split makes ``w`` mean what its name says
 (how much a cache hit is worth). Mooncake conversation trace, 8 workers (real cluster; the
-virtual-time ``api.bench.routesim`` agrees): ``w=8, q=1`` keeps 96% of the ideal global cache's
+virtual-time ``bench.routesim`` agrees): ``w=8, q=1`` keeps 96% of the ideal global cache's
 hit rate at light load and 80% at saturation, against 81% and 58% for Dynamo's form at ``w=1``.
 
 Busy filtering (seed 000) applies in every mode, and a worker is excluded only when ALL its dp ranks
@@ -35,7 +35,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
-from replicas.load import WorkerKey
+from replicas.core.load import WorkerKey
 
 MODES = ("kv", "round-robin", "random", "least-loaded")
 

@@ -10,8 +10,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from api.bench.client import FAILED, OK, REJECTED, RunResult
-from api.bench.ideal import IdealHitRate
+from bench.client import FAILED, OK, REJECTED, RunResult
+from bench.ideal import IdealHitRate
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -1,13 +1,13 @@
 """`jetrouter bench`: replay a Mooncake-format trace against routers (or `bench core`).
 
 ``jetrouter bench [trace] --url URL[,URL...]`` replays against running router replicas.
-Without ``--url`` the bench starts its own local cluster (`api.up.LocalCluster`: embedded
+Without ``--url`` the bench starts its own local cluster (`cluster.up.LocalCluster`: embedded
 nats-server, replicas, simulated workers) with ``--router-mode`` (default kv), and with
 ``--compare MODE`` a second, fresh cluster (new data dir and namespace) in that mode, then prints
 both runs side by side. ``jetrouter bench core ...`` is the state-machine benchmark
-(`api.bench.core`); ``jetrouter bench overhead ...`` measures what one replica adds in front of
-an engine (`api.bench.overhead`); ``jetrouter bench faults ...`` injects engine and replica
-faults under steady load and prints what clients saw (`api.bench.faults`).
+(`bench.core`); ``jetrouter bench overhead ...`` measures what one replica adds in front of
+an engine (`bench.overhead`); ``jetrouter bench faults ...`` injects engine and replica
+faults under steady load and prints what clients saw (`bench.faults`).
 
 `run_trace_bench`, `run_managed` and `compare` are the programmatic entry points (the demo uses
 them); `build_summaries` and `print_report` turn their results into the printed report.
@@ -26,10 +26,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from api.bench import report
-from api.bench.client import BenchOptions, RunResult, run_trace_bench
-from api.bench.ideal import cluster_capacity_blocks, ideal_rates
-from api.bench.trace import (
+from bench import report
+from bench.client import BenchOptions, RunResult, run_trace_bench
+from bench.ideal import cluster_capacity_blocks, ideal_rates
+from bench.trace import (
     DEFAULT_BLOCK_TOKENS,
     DEFAULT_VOCAB_SIZE,
     GeneratorParams,
@@ -89,7 +89,7 @@ async def run_managed(requests: Sequence[TraceRecord], options: BenchOptions, sp
                       mode: str = "kv", *, index: int = 0,
                       data_dir: Path | None = None) -> RunResult:
     """Start a fresh LocalCluster with ``--router-mode mode``, replay, stop it."""
-    from api.up import LocalCluster  # lazily: `bench --url` needs no cluster machinery
+    from cluster.up import LocalCluster  # lazily: `bench --url` needs no cluster machinery
 
     block = str(spec.kv_cache_block_size)
     router_args = ["--router-mode", mode, "--kv-cache-block-size", block, *spec.router_args]
@@ -248,9 +248,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub.required = False
     core_p = sub.add_parser("core", help="benchmark the router state machine (no network)")
     try:  # lazily: written separately, and its imports stay out of the trace replay
-        core = importlib.import_module("api.bench.core")
+        core = importlib.import_module("bench.core")
     except ModuleNotFoundError as exc:
-        if exc.name != "api.bench.core":
+        if exc.name != "bench.core":
             raise
         core_p.add_argument("core_args", nargs=argparse.REMAINDER)
         core_p.set_defaults(_core_missing=True)
@@ -258,16 +258,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         core.add_arguments(core_p)
     overhead_p = sub.add_parser("overhead", help="router overhead (TTFT vs direct) and routing "
                                 "throughput: one replica, one fast simulated worker")
-    importlib.import_module("api.bench.overhead").add_arguments(overhead_p)
+    importlib.import_module("bench.overhead").add_arguments(overhead_p)
     faults_p = sub.add_parser("faults", help="engine and replica faults under steady load: "
                               "client-visible failures and extra latency per fault")
-    importlib.import_module("api.bench.faults").add_arguments(faults_p)
+    importlib.import_module("bench.faults").add_arguments(faults_p)
     durability_p = sub.add_parser("durability", help="snapshot size, take and restore times, "
                                   "and SIGKILL-to-ready with a 1M-block state")
-    importlib.import_module("api.bench.durability").add_arguments(durability_p)
+    importlib.import_module("bench.durability").add_arguments(durability_p)
     routesim_p = sub.add_parser("routesim", help="routing quality on the trace without "
                                 "processes: engine schedulers in virtual time, the real cost model")
-    importlib.import_module("api.bench.routesim").add_arguments(routesim_p)
+    importlib.import_module("bench.routesim").add_arguments(routesim_p)
     trace_p = sub.add_parser("trace", help="replay a trace against routers (the default)")
     _add_trace_arguments(trace_p, suppress=True)
     _add_trace_arguments(p, suppress=False)
@@ -349,7 +349,7 @@ async def _run_trace(args: argparse.Namespace) -> int:
         capacity, num_workers = args.cache_blocks, None
     else:
         spec = spec_from_args(args)
-        from api.up import check_model_path
+        from cluster.up import check_model_path
 
         check_model_path(str(spec.model_path) if spec.model_path else None)
         options = options_from_args(args, args.label or args.router_mode)
@@ -357,9 +357,9 @@ async def _run_trace(args: argparse.Namespace) -> int:
         try:
             runs = await compare(records, options, spec, modes)
         except ModuleNotFoundError as exc:
-            if exc.name != "api.up":
+            if exc.name != "cluster.up":
                 raise
-            raise _cli_error("a managed cluster needs api/up.py; pass --url instead") from None
+            raise _cli_error("a managed cluster needs cluster/up.py; pass --url instead") from None
         if args.label and len(runs) == 1:
             runs[0].label = args.label
         capacity, num_workers = spec.capacity_trace_blocks(args.trace_block_tokens), spec.workers
@@ -376,14 +376,14 @@ async def _run_trace(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "bench_kind", None) == "core":
         if getattr(args, "_core_missing", False):
-            raise _cli_error("`bench core` is not available (api/bench/core.py is missing)")
-        return int(importlib.import_module("api.bench.core").run(args) or 0)
+            raise _cli_error("`bench core` is not available (bench/core.py is missing)")
+        return int(importlib.import_module("bench.core").run(args) or 0)
     if getattr(args, "bench_kind", None) == "overhead":
-        return int(importlib.import_module("api.bench.overhead").run(args) or 0)
+        return int(importlib.import_module("bench.overhead").run(args) or 0)
     if getattr(args, "bench_kind", None) == "faults":
-        return int(importlib.import_module("api.bench.faults").run(args) or 0)
+        return int(importlib.import_module("bench.faults").run(args) or 0)
     if getattr(args, "bench_kind", None) == "durability":
-        return int(importlib.import_module("api.bench.durability").run(args) or 0)
+        return int(importlib.import_module("bench.durability").run(args) or 0)
     if getattr(args, "bench_kind", None) == "routesim":
-        return int(importlib.import_module("api.bench.routesim").run(args) or 0)
+        return int(importlib.import_module("bench.routesim").run(args) or 0)
     return asyncio.run(_run_trace(args))

@@ -28,8 +28,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from replicas.health import HEALTHY, ROUTING_WEIGHT, UNHEALTHY
-from replicas.state import RouterState
+from replicas.core.health import HEALTHY, ROUTING_WEIGHT, UNHEALTHY
+from replicas.core.state import RouterState
 
 TIERS = ("premium", "standard", "best_effort")  # highest priority first
 MAX_LEVEL = 4

@@ -49,7 +49,7 @@ from nats.js.kv import KeyValue
 from eventlog import events as ev
 from eventlog.names import KV, ROUTER, Names
 from eventlog.streams import cluster_size_hint
-from replicas.divergence import (
+from replicas.core.divergence import (
     Divergence,
     DivergenceDetector,
     Heartbeat,

@@ -1,0 +1,1 @@
+"""Operator tooling: local clusters (`up`, `demo`), chaos, config checks, the admin CLI."""

@@ -1,0 +1,1 @@
+"""The pure, deterministic core: no I/O, no clock, no randomness of its own."""

@@ -1,0 +1,1 @@
+"""The replica runtime: adapters that feed the core from JetStream and serve decisions."""
