@@ -20,10 +20,11 @@ import os
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from api.errors import error_response
+from api.hotpath import LeanStreamingResponse
 from api.metrics import RouterMetrics
 from api.migration import Continuation, Hop, HopPlan
 from api.openai_schema import ParsedRequest
@@ -136,7 +137,7 @@ class Forwarder:
         return await run.collect()
 
 
-class _RunStream(StreamingResponse):
+class _RunStream(LeanStreamingResponse):
     """The SSE response of one run. If the client vanishes before the body is ever iterated, or
     while it is parked between chunks, the run is closed here at once instead of whenever the
     abandoned generator is collected: the load its hop charged must not linger."""
@@ -188,7 +189,7 @@ class _Run:
             return
         self.request_done = True
         m = self.fw.metrics
-        m.requests.labels(endpoint=self.endpoint, outcome=outcome).inc()
+        m.count_request(self.endpoint, outcome)
         if self.ex.ttft is not None:
             m.ttft.observe(self.ex.ttft)
         for gap in self.ex.itl:
