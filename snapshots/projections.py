@@ -38,7 +38,7 @@ Message = tuple[int, Sequence[ev.Event]]
 DEFAULT_LEDGER_RETENTION = 7 * 86400.0
 # How long the ledger may trail the stream to save transactions; the admin views read it, no
 # routing decision does.
-DEFAULT_BATCH_WINDOW = 0.05
+DEFAULT_BATCH_WINDOW = 0.1
 
 
 class View(Protocol):
