@@ -625,9 +625,9 @@ class Replica:
         else:
             routed = self._prepare(req)
         try:
-            await asyncio.wait_for(
-                self._append(ROUTER, routed.event, f"{req.request_id}.routed"),
-                self.config.decision_append_timeout)
+            # A timeout scope rather than wait_for: no extra task per routed request.
+            async with asyncio.timeout(self.config.decision_append_timeout):
+                await self._append(ROUTER, routed.event, f"{req.request_id}.routed")
         except (AppendFailed, TimeoutError) as exc:
             self._reconcile(req.request_id)  # the overlay must not keep what the log refused
             self._decision_refused(req.request_id, exc)
