@@ -2,7 +2,7 @@
 engine's achieved step time.
 
     python -m workers.bench [--requests 2000] [--concurrency 32] [--speedup-ratio 1000]
-    python -m workers.bench --steps [--speedup-ratio 10] [--concurrency 8] [--tokens 500]
+    python -m workers.bench --steps [--speedup-ratio 10] [--concurrency 32] [--tokens 500]
 
 Starts a worker child process (no NATS), drives it with an async httpx loop and prints the figure.
 A high speedup ratio measures the HTTP/scheduler overhead; ratio 1 shows the simulated engine's
@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from workers.engine import Engine
+from workers.engine import Engine, RequestHandle
 from workers.procs import WorkerProcess
 from workers.scheduler import EngineConfig
 
@@ -52,8 +52,8 @@ async def step_timing(speedup: float, requests: int, tokens: int) -> tuple[int, 
     try:
         handles = [engine.submit(f"r{i}", [i + 1] * 64, tokens) for i in range(requests)]
 
-        async def drain(handle: object) -> None:
-            async for _ in handle.tokens():  # type: ignore[attr-defined]
+        async def drain(handle: RequestHandle) -> None:
+            async for _ in handle.tokens():
                 pass
 
         await asyncio.gather(*(drain(h) for h in handles))
@@ -81,6 +81,9 @@ def main() -> None:
                    help="measure the engine's achieved step time instead of HTTP req/s")
     p.add_argument("--tokens", type=int, default=500, help="output tokens per request (--steps)")
     args = p.parse_args()
+    if args.requests < 1 or args.concurrency < 1 or args.tokens < 1 \
+            or (args.speedup_ratio is not None and args.speedup_ratio <= 0):
+        p.error("--requests, --concurrency, --tokens and --speedup-ratio must be positive")
     if args.steps:
         speedup = args.speedup_ratio or 10.0
         conc = min(args.concurrency, 256)
