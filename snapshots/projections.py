@@ -9,8 +9,10 @@ transaction was committing, up to ``max_messages``, and applies it all in one tr
 the tracking row. A transaction costs far more than a message (about a millisecond of CPU
 through SQLAlchemy and aiosqlite's thread, a handful of statements), so at a few hundred
 requests/s a transaction per message cost the projector more CPU than the router's own request
-handling; the window caps transactions at ``1 / batch_window`` per second per stream. When the
-streams are idle the writer waits on its queue: no timer runs.
+handling; the window caps the ledger's transactions at ``1 / batch_window`` per second. The
+window applies to the router stream only: the control stream carries a message per snapshot or
+configuration change, and ``jetrouter admin snapshots`` right after ``admin snapshot`` must list
+it. When the streams are idle the writers wait on their queues: no timer runs.
 """
 
 from __future__ import annotations
@@ -212,8 +214,8 @@ class ProjectionFeeder:
     """Follows ``kinds`` from the projections' tracked positions and applies what arrives.
 
     One reader task per stream puts messages on a bounded queue; one writer task per stream
-    takes everything queued within ``batch_window`` of the first message (up to
-    ``max_messages``) per transaction.
+    takes everything queued (up to ``max_messages``) per transaction — for the kinds in
+    ``batched_kinds``, everything queued within ``batch_window`` of the first message.
     """
 
     def __init__(
@@ -227,6 +229,7 @@ class ProjectionFeeder:
         queue_size: int = 8192,
         retry_delay: float = 0.2,
         batch_window: float = DEFAULT_BATCH_WINDOW,
+        batched_kinds: Sequence[str] = (ROUTER,),
     ) -> None:
         self._js = js
         self._names = names
@@ -236,6 +239,7 @@ class ProjectionFeeder:
         self.queue_size = queue_size
         self.retry_delay = retry_delay
         self.batch_window = batch_window
+        self.batched_kinds = frozenset(batched_kinds)
         self.stats = {kind: FeederStats() for kind in self.kinds}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -277,10 +281,11 @@ class ProjectionFeeder:
                 await reader.close()
 
     async def _write(self, kind: str, queue: asyncio.Queue[Message | _Jump]) -> None:
+        window = self.batch_window if kind in self.batched_kinds else 0.0
         while True:
             first = await queue.get()
-            if self.batch_window > 0 and queue.qsize() < self.max_messages - 1:
-                await asyncio.sleep(self.batch_window)  # let the next messages join (group commit)
+            if window > 0 and queue.qsize() < self.max_messages - 1:
+                await asyncio.sleep(window)  # let the next messages join (group commit)
             group: list[Message | _Jump] = [first]
             while len(group) < self.max_messages and not queue.empty():
                 group.append(queue.get_nowait())
