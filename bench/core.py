@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -123,14 +123,16 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def bench_decisions(index: PrefixIndex, work: Workload, args: argparse.Namespace
                     ) -> dict[str, Any]:
-    try:
-        from replicas.core.selection import Candidate, RoutingConfig, Selector
-    except ImportError:  # selection arrives in parallel: measure without it and say so
-        Candidate = RoutingConfig = Selector = None  # type: ignore[assignment,misc]
+    from api.config import routing_config, serve_defaults
+    from replicas.core.selection import Candidate, Selector
+
     rng = random.Random(args.seed + 1)
     keys = sorted({w for w, _, _ in work.batches})
     load = {k: (rng.randrange(0, 4096), rng.randrange(0, 2000)) for k in keys}
-    selector = Selector(RoutingConfig(block_size=args.block_size)) if Selector else None
+    # `serve`'s routing defaults (no environment: a benchmark's figures must not depend on it),
+    # so this times the formula the router runs.
+    routing = replace(routing_config(serve_defaults(environ={})), block_size=args.block_size)
+    selector = Selector(routing)
     bs = args.block_size
     stages: dict[str, list[int]] = {"hashing": [], "matching": [], "candidates": [],
                                     "selection": []}
@@ -147,20 +149,17 @@ def bench_decisions(index: PrefixIndex, work: Workload, args: argparse.Namespace
         scores = index.find_matches(seq)
         t2 = clock()
         n = len(seq)
-        if Candidate is not None:
-            overlap, sizes = scores.scores, scores.tree_sizes
-            cands = [
-                Candidate(k, overlap.get(k, 0), sizes.get(k, 0), load[k][0], load[k][1],
-                          n, 100_000, 8192)
-                for k in keys
-            ]
+        overlap, sizes = scores.scores, scores.tree_sizes
+        cands = [
+            Candidate(k, overlap.get(k, 0), sizes.get(k, 0), load[k][0], load[k][1],
+                      n, 100_000, 8192)
+            for k in keys
+        ]
         t3 = clock()
-        if selector is not None:
-            decision = selector.select(cands, len(tokens), rng)
+        decision = selector.select(cands, len(tokens), rng)
         t4 = clock()
         if i >= 50:
-            if selector is not None:
-                right += getattr(decision, "worker", None) == work.owners[q]
+            right += getattr(decision, "worker", None) == work.owners[q]
             for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
                 stages[name].append(dt)
             totals.append(t4 - t0)
@@ -172,7 +171,9 @@ def bench_decisions(index: PrefixIndex, work: Workload, args: argparse.Namespace
         "decision_excluding_candidates_p50_us": round(statistics.median(core) * us, 1),
         "decision_stage_p50_us": {k: round(statistics.median(v) * us, 1)
                                   for k, v in stages.items()},
-        "decision_with_selection": selector is not None,
+        "decision_with_selection": True,
+        "decision_routing_weights": [routing.kv_overlap_score_weight,
+                                     routing.prefill_queue_weight],
         "decision_picked_cached_worker": round(right / max(len(totals), 1), 3),
         "query_blocks": len(prompt_hashes(work.prompts[0], bs)),
     }

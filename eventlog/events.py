@@ -7,9 +7,12 @@ of tagged events, so a worker's cache changes that happened together are applied
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Literal
 
 import msgspec
+
+from eventlog.errors import JetrouterError
 
 # Bounds every decoded event must respect. Anything else on a stream is malformed: counted and
 # skipped by every replica alike, never applied (design-notes: "absurd events"). They keep each
@@ -34,6 +37,35 @@ CandidateRow = tuple[str, int, int, float, float, float, bool]
 candidate's cost terms in a routing decision, kept for the decision ledger."""
 
 
+class Outcome(StrEnum):
+    """How a request (or one hop of it) ended: ``RequestFinished.outcome``. The field stays a
+    plain string on the wire, so an outcome a newer producer adds is carried, not malformed."""
+
+    OK = "ok"
+    ERROR = "error"
+    CANCELLED = "cancelled"
+    MIGRATED = "migrated"      # a hop moved to another engine; the request goes on
+    EXPIRED = "expired"
+    NOT_ROUTED = "not_routed"  # the decision's append failed; closed in case it landed later
+
+
+class Role(StrEnum):
+    """What an engine does in disaggregated serving: ``WorkerRegistered.role``. See
+    replicas/core/disagg.py."""
+
+    PREFILL = "prefill"  # computes prompts and hands their KV blocks over
+    DECODE = "decode"    # receives KV blocks and generates
+    BOTH = "both"        # everything (the only kind before disaggregation)
+
+
+class Phase(StrEnum):
+    """Which of a request's routing decisions a ``RequestRouted`` is."""
+
+    AGGREGATED = ""      # an ordinary decision: one engine prefills and decodes
+    PREFILL = "prefill"  # the engine computing the prompt of a disaggregated request
+    DECODE = "decode"    # the engine receiving its KV blocks and generating
+
+
 class _Event(msgspec.Struct, frozen=True, tag=True, array_like=False, omit_defaults=False):
     pass
 
@@ -53,6 +85,10 @@ class WorkerRegistered(_Event, frozen=True, tag=True):
     # LoRA adapters the engine serves besides ``model`` (requests naming one route here, and
     # their blocks hash under the adapter's salt: eventlog.hashing.adapter_salt).
     loras: list[str] = []
+    # What the engine does in disaggregated serving: "prefill" engines compute prompts and hand
+    # their KV blocks over, "decode" engines receive them and generate, "both" does everything
+    # (the only kind before disaggregation; older events decode as it).
+    role: str = Role.BOTH  # a Role
 
 
 class WorkerRetired(_Event, frozen=True, tag=True):
@@ -108,6 +144,12 @@ class RequestRouted(_Event, frozen=True, tag=True):
     # Tokens per block the decision was made with (0: not recorded, older messages), so the
     # predicted reuse in tokens is overlap_blocks * block_size wherever the event is read.
     block_size: Annotated[int, msgspec.Meta(ge=0, le=2**16)] = 0
+    # Disaggregated serving: "prefill" is the decision that picked the engine computing the
+    # prompt, "decode" the one that picked the engine receiving its KV blocks; "" is an ordinary
+    # (aggregated) decision. ``kv_reuse`` False (--no-router-assume-kv-reuse) makes a decode
+    # decision's blocks count as this request's own, never shared with another request's.
+    phase: str = Phase.AGGREGATED  # a Phase
+    kv_reuse: bool = True
 
 
 class PrefillCompleted(_Event, frozen=True, tag=True):
@@ -117,7 +159,7 @@ class PrefillCompleted(_Event, frozen=True, tag=True):
 
 class RequestFinished(_Event, frozen=True, tag=True):
     request_id: Id
-    outcome: str  # "ok" | "error" | "cancelled" | "migrated" | "expired"
+    outcome: str  # an Outcome
     output_tokens: Count
     ts: Ts
     # Prompt tokens the engine reports it served from its prefix cache
@@ -184,7 +226,7 @@ Event = KvEvent | RouterEvent | ControlEvent
 Batch = list[Event]
 
 
-class MalformedMessage(ValueError):
+class MalformedMessage(JetrouterError, ValueError):
     """A stream message that is not a valid batch of events (garbage bytes or wrong schema)."""
 
 

@@ -15,7 +15,6 @@ two replicas that applied the same events agree on it whatever order the request
 
 from __future__ import annotations
 
-import heapq
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -86,9 +85,6 @@ class ActiveLoad:
         self._requests: dict[str, ActiveRequest] = {}
         self._workers: dict[WorkerKey, _WorkerLoad] = {}
         self._by_replica: dict[str, set[str]] = {}
-        # Min-heap of (ts, request_id) for expiry; entries of finished requests are skipped lazily
-        # and the heap is rebuilt when stale entries dominate.
-        self._expiry: list[tuple[float, str]] = []
         self._digest = 0
 
     # --- mutations ---------------------------------------------------------------------------
@@ -125,7 +121,6 @@ class ActiveLoad:
         for h in req.block_seq_hashes:
             blocks[h] = blocks.get(h, 0) + 1
         self._by_replica.setdefault(replica_id, set()).add(request_id)
-        heapq.heappush(self._expiry, (req.ts, request_id))
         self._digest = (self._digest + _contribution(req)) & _MASK64
         return True
 
@@ -164,44 +159,17 @@ class ActiveLoad:
             owned.discard(request_id)
             if not owned:
                 del self._by_replica[req.replica_id]
-        if len(self._expiry) > 2 * len(self._requests) + 64:
-            self._rebuild_expiry()
         return True
 
     def replica_lost(self, replica_id: str) -> list[str]:
         """Free exactly the requests owned by ``replica_id``; returns their ids, sorted."""
         return self._finish_all(self._by_replica.get(replica_id, ()))
 
-    def remove_worker(self, worker_id: str) -> list[str]:
-        """Free every request on any dp rank of ``worker_id``; returns their ids, sorted."""
-        ids: list[str] = []
-        for (wid, _rank), load in self._workers.items():
-            if wid == worker_id:
-                ids.extend(load.requests)
-        return self._finish_all(ids)
-
-    def expire(self, now: float, max_age: float) -> list[str]:
-        """Free requests with ``ts < now - max_age`` (event time); returns ids, oldest first."""
-        cutoff = now - max_age
-        heap = self._expiry
-        expired: list[str] = []
-        while heap and heap[0][0] < cutoff:
-            ts, request_id = heapq.heappop(heap)
-            req = self._requests.get(request_id)
-            # A stale entry (finished, or re-added later with another ts) is just dropped.
-            if req is not None and req.ts == ts and self.finish(request_id):
-                expired.append(request_id)
-        return expired
-
     def _finish_all(self, request_ids: Iterable[str]) -> list[str]:
         done = sorted(request_ids)
         for request_id in done:
             self.finish(request_id)
         return done
-
-    def _rebuild_expiry(self) -> None:
-        self._expiry = [(r.ts, r.request_id) for r in self._requests.values()]
-        heapq.heapify(self._expiry)
 
     # --- queries -----------------------------------------------------------------------------
 
@@ -311,14 +279,12 @@ class ActiveLoad:
             wl.requests.add(rid)
             per_worker[worker].append(column)
             load._by_replica.setdefault(replica, set()).add(rid)
-            load._expiry.append((req.ts, rid))
             load._digest = (load._digest + _contribution(req)) & _MASK64
             if done:
                 load.prefill_completed(rid)
         for worker, columns in per_worker.items():  # refcounts of shared blocks, in bulk
             ids, counts = np.unique(np.concatenate(columns), return_counts=True)
             load._workers[worker].blocks = dict(zip(ids.tolist(), counts.tolist(), strict=True))
-        heapq.heapify(load._expiry)
         return load
 
 

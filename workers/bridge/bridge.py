@@ -35,7 +35,8 @@ from nats.js.errors import NotFoundError
 
 from eventlog.appender import Appender, AppendFailed
 from eventlog.connect import NatsConnectFatal, NatsOptions, connect
-from eventlog.events import Event, WorkerRegistered, WorkerRetired
+from eventlog.errors import JetrouterError
+from eventlog.events import Event, Role, WorkerRegistered, WorkerRetired
 from eventlog.names import KV, Names
 from eventlog.streams import ensure_streams
 from workers.bridge.decode import BadPayload, EngineStored, decode_payload
@@ -55,7 +56,7 @@ from workers.publisher import MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, bl
 log = logging.getLogger(__name__)
 
 
-class ConfigError(ValueError):
+class BridgeConfigInvalid(JetrouterError, ValueError):
     """Settings the bridge cannot run with (reported as one line, exit 2)."""
 
 
@@ -72,6 +73,9 @@ class BridgeSettings:
     kv_total_blocks: int | None = None
     max_num_batched_tokens: int = 8192
     advertise_url: str | None = None
+    # Disaggregated serving: a prefill engine must answer POST /v1/prefill with a transfer
+    # handle (workers/handoff.py); when it does not, routers fall back to aggregated serving.
+    role: str = "both"
     model: str | None = None
     health_interval: float = 2.0
     unhealthy_after: float = 10.0
@@ -98,6 +102,7 @@ class Bridge:
         self.retired = False
         self.block_size: int | None = settings.block_size
         self.engine_start: float | None = None
+        self.kv_total_blocks: int | None = None  # from the settings or the engine, on register
         self.translator: Translator | None = None
         self.next_event_id = 1
         self.appended_event_id = 0  # the last event id on the stream (position headers)
@@ -172,7 +177,9 @@ class Bridge:
         return resume_point(msg.headers, msg.data or b"")
 
     async def start(self) -> None:
-        """Connect, learn where we are, and (if starting afresh) register. Raises ConfigError."""
+        """Connect, learn where we are, and (if starting afresh) register.
+
+        Raises BridgeConfigInvalid."""
         await self._connect_nats()
         model, loras = await self._wait_engine()
         self.model = self.s.model or model
@@ -180,14 +187,15 @@ class Bridge:
         self.engine_start = self.metrics.start_time
         engine_bs = self.metrics.block_size
         if self.block_size is not None and engine_bs is not None and engine_bs != self.block_size:
-            raise ConfigError(f"--block-size {self.block_size} differs from the engine's block "
-                              f"size {engine_bs} ({self.s.engine_url}/metrics)")
+            raise BridgeConfigInvalid(f"--block-size {self.block_size} differs from the engine's "
+                                      f"block size {engine_bs} ({self.s.engine_url}/metrics)")
         if self.block_size is None:
             self.block_size = self.metrics.block_size
         self.kv_total_blocks = self.s.kv_total_blocks or self.metrics.num_gpu_blocks
         if not self.kv_total_blocks:
-            raise ConfigError(f"{self.s.engine_url}/metrics reports no KV capacity "
-                              "(vllm:cache_config_info num_gpu_blocks): pass --kv-total-blocks")
+            raise BridgeConfigInvalid(
+                f"{self.s.engine_url}/metrics reports no KV capacity "
+                "(vllm:cache_config_info num_gpu_blocks): pass --kv-total-blocks")
         point = await self._last_message()
         same_engine = point is not None and (
             point.engine_start is None or self.engine_start is None
@@ -302,7 +310,8 @@ class Bridge:
         event = WorkerRegistered(
             self.s.worker_id, self.s.advertise_url or self.s.engine_url, self.model,
             self.block_size, self.kv_total_blocks, self.s.max_num_batched_tokens,
-            self.clock(), dp_size=dp_size, loras=list(self.loras))
+            self.clock(), dp_size=dp_size, loras=list(self.loras),
+            role=Role(self.s.role))
         self.translator = Translator(self.s.worker_id, self.block_size, self.next_event_id)
         await self._append([event], f"{self.s.worker_id}.{self.gen}.registered")
         self.registered = True
@@ -529,7 +538,7 @@ class Bridge:
             await self.close()
             return
         stopping.cancel()
-        starting.result()  # raises ConfigError
+        starting.result()  # raises BridgeConfigInvalid
         monitor = EngineMonitor(self)
         tasks = [asyncio.create_task(self._events_loop(), name="bridge-events"),
                  asyncio.create_task(monitor.health_loop(), name="bridge-health"),
