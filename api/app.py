@@ -15,11 +15,13 @@ from dataclasses import dataclass
 import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
+from starlette.types import ASGIApp
 
 from api.admin import admin_router, require_admin
 from api.config import option
 from api.errors import ApiError, error_response, install_error_handlers, overloaded_response
 from api.forward import Forwarder, replica_headers
+from api.hotpath import HotRoutes
 from api.http_limits import BodySizeLimit
 from api.metrics import Rejection, RouterMetrics
 from api.nvext_response import NvextFields, add_to_response
@@ -167,7 +169,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         shed = shedder.check(parsed.model, parsed.priority)
         if shed is not None:
             metrics.rejections.labels(reason=Rejection.SHED).inc()
-            metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
+            metrics.count_request(endpoint, "rejected")
             resp = overloaded_response(retry_after=shed)
             resp.headers.update(base_headers())
             return resp
@@ -192,7 +194,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                                   headers=base_headers())
         except DecisionNotRecorded as exc:
             metrics.rejections.labels(reason=Rejection.DECISION_NOT_RECORDED).inc()
-            metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
+            metrics.count_request(endpoint, "rejected")
             return error_response(
                 503, f"{exc}; this request was not served, retry it (on another replica if "
                 "one is available)", type="service_unavailable",
@@ -200,12 +202,11 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                          "retry-after": "1"})
         except AllWorkersBusy:
             metrics.rejections.labels(reason=Rejection.BUSY).inc()
-            metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
+            metrics.count_request(endpoint, "rejected")
             resp = overloaded_response()
             resp.headers.update(base_headers())
             return resp
-        for stage, seconds in routed.timings.items():
-            metrics.overhead.labels(stage=stage).observe(seconds)
+        metrics.observe_overhead(routed.timings)
         metrics.input_tokens.observe(routed.isl_tokens)
         if routed.total_blocks:
             metrics.kv_hit_rate.observe(routed.overlap_blocks / routed.total_blocks)
@@ -235,6 +236,14 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     # these handlers need (they read the raw body themselves). Error handlers still apply.
     app.add_route("/v1/completions", completions, methods=["POST"])
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    # ...and in front of the middleware stack, a short way to them (api/hotpath.py).
+    hot_routes = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
+    build_stack = app.build_middleware_stack
+
+    def build_with_hot_routes() -> ASGIApp:
+        return HotRoutes(build_stack(), hot_routes, app.exception_handlers, cfg.max_body_bytes)
+
+    app.build_middleware_stack = build_with_hot_routes  # type: ignore[method-assign]
 
     @app.get("/v1/models")
     async def models() -> Response:

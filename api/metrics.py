@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -151,6 +152,27 @@ class RouterMetrics:
             "pin lapsed), repin (its engine was retired, unhealthy or failed)", ["how"],
             registry=reg)
         self._load_workers: set[str] = set()
+        # Label children looked up once, not per request (a .labels() call costs a lock and a
+        # few dict operations; the request path used to make five of them per request).
+        self._request_children: dict[tuple[str, str], Any] = {}
+        self._overhead_children: dict[str, Any] = {}
+
+    def count_request(self, endpoint: str, outcome: str) -> None:
+        """``requests{endpoint, outcome} += 1`` through a cached child."""
+        child = self._request_children.get((endpoint, outcome))
+        if child is None:
+            child = self._request_children[(endpoint, outcome)] = self.requests.labels(
+                endpoint=endpoint, outcome=outcome)
+        child.inc()
+
+    def observe_overhead(self, timings: Mapping[str, float]) -> None:
+        """One ``router_overhead_seconds{stage}`` observation per stage, cached children."""
+        children = self._overhead_children
+        for stage, seconds in timings.items():
+            child = children.get(stage)
+            if child is None:
+                child = children[stage] = self.overhead.labels(stage=stage)
+            child.observe(seconds)
 
     def set_worker_load(self, loads: Mapping[str, tuple[float, float]]) -> None:
         """Set per-worker gauges from ``{worker: (active_decode_blocks, active_prefill_tokens)}``.

@@ -11,6 +11,10 @@ and measures, side by side:
 * **Routing throughput**: non-streaming requests with ``max_tokens=1`` for ``--duration`` seconds
   through the replica, and straight to the worker (the ceiling the machine allows, since the
   worker and the load generator share its cores).
+* **CPU per request**: CPU seconds (user + system, from ``/proc``) each process spent in a phase,
+  divided by the requests the phase completed — the replica process and its children (the SQL
+  projector) separately, so a child that costs more than the router at low load shows. An idle
+  phase first records what each process burns with no traffic at all (timers, polling).
 
 The load generator is a minimal HTTP/1.1 keep-alive client on raw asyncio streams (uvloop when
 installed): a request costs it a few tens of microseconds, where httpx costs several hundred. CPU
@@ -37,7 +41,8 @@ from typing import Any
 
 from eventlog.errors import JetrouterError
 
-DEFAULT_CONCURRENCY = (1, 64)
+DEFAULT_CONCURRENCY = (1, 16, 64)
+IDLE_SECONDS = 3.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -138,6 +143,22 @@ def proc_cpu_seconds(pid: int) -> float | None:
         return None
 
 
+def children_of(pid: int) -> list[int]:
+    """Direct children of a process (Linux /proc), [] if unreadable."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(x) for x in text.split()]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 class CpuMeter:
     """CPU seconds per named process across one phase."""
 
@@ -145,6 +166,7 @@ class CpuMeter:
         self.pids = pids
         self._start: dict[str, float] = {}
         self._t0 = 0.0
+        self.wall = 0.0
 
     def start(self) -> None:
         self._t0 = time.perf_counter()
@@ -152,13 +174,13 @@ class CpuMeter:
                        if (s := proc_cpu_seconds(p)) is not None}
 
     def stop(self) -> dict[str, float]:
-        """Cores used per process over the phase (1.0 = one core busy all the time)."""
-        wall = max(time.perf_counter() - self._t0, 1e-9)
+        """CPU seconds used per process over the phase (``wall`` holds the phase's length)."""
+        self.wall = max(time.perf_counter() - self._t0, 1e-9)
         out = {}
         for name, before in self._start.items():
             after = proc_cpu_seconds(self.pids[name])
             if after is not None:
-                out[name] = round((after - before) / wall, 2)
+                out[name] = after - before
         return out
 
 
@@ -171,7 +193,18 @@ class PhaseResult:
     seconds: float = 0.0
     ttft: list[float] = field(default_factory=list)
     latency: list[float] = field(default_factory=list)
-    cpu: dict[str, float] = field(default_factory=dict)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # per process, summed over rounds
+
+    def add_cpu(self, used: dict[str, float]) -> None:
+        for proc, seconds in used.items():
+            self.cpu_seconds[proc] = self.cpu_seconds.get(proc, 0.0) + seconds
+
+    def cpu_report(self) -> dict[str, dict[str, float]]:
+        """Cores busy (1.0 = one core all the time) and CPU milliseconds per completed request."""
+        return {"cores": {p: round(c / max(self.seconds, 1e-9), 2)
+                          for p, c in self.cpu_seconds.items()},
+                "ms_per_request": {p: round(1000 * c / max(self.ok, 1), 3)
+                                   for p, c in self.cpu_seconds.items()}}
 
     @property
     def rate(self) -> float:
@@ -266,6 +299,7 @@ class OverheadOptions:
     worker_args: Sequence[str] = ()
     warmup: int = 200
     sessions: int = 0                    # >0: TTFT requests are turns of this many sessions
+    idle_seconds: float = IDLE_SECONDS    # CPU with no traffic, measured once before the load
 
 
 async def _wait_for_model(url: str, timeout: float = 30.0) -> str:
@@ -306,56 +340,61 @@ async def measure(router_url: str, worker_url: str, pids: dict[str, int],
     for name, url in targets.items():  # warm both paths (connections, caches, JIT-free Python)
         await closed_loop(url, path, fresh(stream_body), 8, requests=opts.warmup, stream=True,
                           result=PhaseResult(name, 8))
+    idle: dict[str, float] = {}
+    if opts.idle_seconds > 0:
+        log(f"idle for {opts.idle_seconds:g}s")
+        meter = CpuMeter(pids)
+        meter.start()
+        await asyncio.sleep(opts.idle_seconds)  # measuring what no traffic costs
+        idle = {p: round(c / meter.wall, 4) for p, c in meter.stop().items()}
     ttft: list[dict[str, Any]] = []
     for conc in opts.concurrency:
         res = {name: PhaseResult(name, conc) for name in targets}
         per_round = max(1, opts.ttft_requests // opts.rounds)
-        meter = {name: CpuMeter(pids) for name in targets}
-        cpu_acc: dict[str, dict[str, float]] = {name: {} for name in targets}
         for r in range(opts.rounds):
             order = list(targets) if r % 2 == 0 else list(reversed(targets))
             for name in order:
                 log(f"ttft c={conc} round {r + 1}/{opts.rounds}: {name}")
-                meter[name].start()
+                meter = CpuMeter(pids)
+                meter.start()
                 await closed_loop(targets[name], path, fresh(stream_body), conc,
                                   requests=per_round, stream=True, result=res[name])
-                for proc, cores in meter[name].stop().items():
-                    cpu_acc[name][proc] = cpu_acc[name].get(proc, 0.0) + cores / opts.rounds
-        ttft.append(_ttft_row(conc, res["router"], res["direct"],
-                              {n: {p: round(c, 2) for p, c in cpu_acc[n].items()}
-                               for n in targets}))
+                res[name].add_cpu(meter.stop())
+        ttft.append(_ttft_row(conc, res["router"], res["direct"]))
     throughput: dict[str, Any] = {"concurrency": opts.throughput_concurrency,
                                   "duration_s": opts.duration}
     for name in ("direct", "router"):
         log(f"throughput: {name} for {opts.duration:.0f}s")
-        meter_ = CpuMeter(pids)
-        meter_.start()
+        meter = CpuMeter(pids)
+        meter.start()
         res_ = await closed_loop(targets[name], path, fresh(one_token),
                                  opts.throughput_concurrency, duration=opts.duration,
                                  stream=False, result=PhaseResult(name,
                                                                   opts.throughput_concurrency))
+        res_.add_cpu(meter.stop())
+        cpu = res_.cpu_report()
         throughput[name] = {"req_per_s": round(res_.rate, 1), "ok": res_.ok,
                             "errors": res_.errors,
                             "latency_p50_ms": _ms(percentile(res_.latency, 50)),
                             "latency_p99_ms": _ms(percentile(res_.latency, 99)),
-                            "cpu_cores": meter_.stop()}
-    return {"machine": machine(), "options": _describe(opts), "ttft": ttft,
-            "throughput": throughput}
+                            "cpu_cores": cpu["cores"], "cpu_ms_per_request": cpu["ms_per_request"]}
+    return {"machine": machine(), "options": _describe(opts), "idle_cpu_cores": idle,
+            "ttft": ttft, "throughput": throughput}
 
 
 def _ms(v: float | None) -> float | None:
     return None if v is None else round(v * 1000, 3)
 
 
-def _ttft_row(conc: int, router: PhaseResult, direct: PhaseResult,
-              cpu: dict[str, dict[str, float]]) -> dict[str, Any]:
+def _ttft_row(conc: int, router: PhaseResult, direct: PhaseResult) -> dict[str, Any]:
     row: dict[str, Any] = {"concurrency": conc}
     for name, res in (("router", router), ("direct", direct)):
+        cpu = res.cpu_report()
         row[name] = {"p50_ms": _ms(percentile(res.ttft, 50)),
                      "p99_ms": _ms(percentile(res.ttft, 99)),
                      "mean_ms": _ms(statistics.fmean(res.ttft) if res.ttft else None),
                      "ok": res.ok, "errors": res.errors, "req_per_s": round(res.rate, 1),
-                     "cpu_cores": cpu[name]}
+                     "cpu_cores": cpu["cores"], "cpu_ms_per_request": cpu["ms_per_request"]}
     for q in ("p50_ms", "p99_ms"):
         a, b = row["router"][q], row["direct"][q]
         row[f"overhead_{q}"] = None if a is None or b is None else round(a - b, 3)
@@ -382,7 +421,7 @@ def _describe(opts: OverheadOptions) -> dict[str, Any]:
             "prompt_chars": opts.prompt_chars, "ttft_max_tokens": opts.max_tokens,
             "worker_speedup_ratio": opts.worker_speedup_ratio,
             "router_args": list(opts.router_args), "worker_args": list(opts.worker_args),
-            "sessions": opts.sessions}
+            "sessions": opts.sessions, "idle_seconds": opts.idle_seconds}
 
 
 async def run_overhead(opts: OverheadOptions, data_dir: Path | None = None,
@@ -397,9 +436,12 @@ async def run_overhead(opts: OverheadOptions, data_dir: Path | None = None,
                            worker_args=["--speedup-ratio", str(opts.worker_speedup_ratio),
                                         *opts.worker_args])
     async with cluster:
-        pids = {name: pid for name, pid in cluster.processes.items()}
-        pids = {("replica" if n.startswith("replica") or n.startswith("router") else
-                 "worker" if n.startswith("worker") else n): p for n, p in pids.items()}
+        pids = {("replica" if c.kind == "replica" else "worker" if c.kind == "worker"
+                 else n): c.pid for n, c in cluster.children.items() if c.pid is not None}
+        if "replica" in pids:  # its children (the SQL projector), measured on their own
+            for k, child in enumerate(children_of(pids["replica"])):
+                pids["projector" if b"snapshots.projector" in _cmdline(child)
+                     else f"replica-child{k}"] = child
         nats_proc = getattr(cluster._nats, "proc", None)
         if nats_proc is not None:
             pids["nats"] = nats_proc.pid
@@ -410,33 +452,44 @@ async def run_overhead(opts: OverheadOptions, data_dir: Path | None = None,
     return result
 
 
+def _cpu_cells(s: dict[str, Any]) -> str:
+    """CPU ms per request of the router-side processes, then the cores each process used."""
+    per = s.get("cpu_ms_per_request", {})
+    head = " ".join(f"{p}={per[p]:.3f}" for p in ("replica", "projector") if p in per)
+    cores = " ".join(f"{k}={v}" for k, v in s["cpu_cores"].items())
+    return f"{head:<34} {cores}"
+
+
 def format_report(r: dict[str, Any]) -> str:
     m = r["machine"]
     lines = [f"machine: {m['cpus']} cores, {m['cpu_model']}, Python {m['python']}",
              "one replica + one simulated worker (--speedup-ratio "
-             f"{r['options']['worker_speedup_ratio']:g}); load generator shares the cores", "",
-             "TTFT, streaming /v1/completions "
-             f"({r['options']['prompt_chars']}-token prompts, closed loop"
-             + (f", turns of {r['options']['sessions']} sticky sessions"
-                if r["options"].get("sessions") else "") + ")",
-             f"{'conc':>5} {'target':<7} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}  cpu cores"]
+             f"{r['options']['worker_speedup_ratio']:g}); load generator shares the cores"]
+    if r.get("idle_cpu_cores"):
+        lines.append("idle (no traffic), cores: "
+                     + " ".join(f"{k}={v}" for k, v in r["idle_cpu_cores"].items()))
+    lines += ["", "TTFT, streaming /v1/completions "
+              f"({r['options']['prompt_chars']}-token prompts, closed loop"
+              + (f", turns of {r['options']['sessions']} sticky sessions"
+                 if r["options"].get("sessions") else "") + ")",
+              f"{'conc':>5} {'target':<7} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}  "
+              f"{'cpu ms/request':<34} cpu cores"]
     for row in r["ttft"]:
         for name in ("direct", "router"):
             s = row[name]
-            cpu = " ".join(f"{k}={v}" for k, v in s["cpu_cores"].items())
             lines.append(f"{row['concurrency']:>5} {name:<7} {s['p50_ms']:>8.3f} "
-                         f"{s['p99_ms']:>8.3f} {s['req_per_s']:>8.1f}  {cpu}")
+                         f"{s['p99_ms']:>8.3f} {s['req_per_s']:>8.1f}  {_cpu_cells(s)}")
         lines.append(f"{row['concurrency']:>5} {'added':<7} {row['overhead_p50_ms']:>8.3f} "
                      f"{row['overhead_p99_ms']:>8.3f}")
     t = r["throughput"]
     lines += ["", f"throughput, non-streaming, max_tokens=1, concurrency {t['concurrency']}, "
                   f"{t['duration_s']:g}s each",
-              f"{'target':<7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6}  cpu cores"]
+              f"{'target':<7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6}  "
+              f"{'cpu ms/request':<34} cpu cores"]
     for name in ("direct", "router"):
         s = t[name]
-        cpu = " ".join(f"{k}={v}" for k, v in s["cpu_cores"].items())
         lines.append(f"{name:<7} {s['req_per_s']:>8.1f} {s['latency_p50_ms'] or 0:>8.3f} "
-                     f"{s['latency_p99_ms'] or 0:>8.3f} {s['errors']:>6}  {cpu}")
+                     f"{s['latency_p99_ms'] or 0:>8.3f} {s['errors']:>6}  {_cpu_cells(s)}")
     return "\n".join(lines)
 
 
@@ -449,7 +502,7 @@ _D = OverheadOptions()
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print only the JSON report")
     p.add_argument("--concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)),
-                   help="TTFT concurrency levels, comma-separated (default 1,64)")
+                   help="TTFT concurrency levels, comma-separated (default 1,16,64)")
     p.add_argument("--ttft-requests", type=int, default=_D.ttft_requests,
                    help="TTFT requests per target and level (default %(default)s)")
     p.add_argument("--rounds", type=int, default=_D.rounds,

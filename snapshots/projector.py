@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from eventlog.connect import NatsOptions, add_nats_arguments, connect, options_from_args
 from eventlog.names import Names
@@ -30,31 +31,40 @@ log = logging.getLogger("jetrouter.projector")
 
 async def project(nats: NatsOptions, namespace: str, database_url: str, retention: float,
                   parent: int) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Orphaned (the replica died): the watcher thread sets `stop`, so the loop itself runs no
+    # timer while the streams are quiet.
+    threading.Thread(target=_watch_parent, args=(parent, lambda: _set_from_thread(loop, stop)),
+                     daemon=True).start()
     nc = await connect(nats, name=f"projector-{parent}",
                        max_reconnect_attempts=-1, reconnect_time_wait=0.5)
     projections = Projections(database_url, ledger_retention=retention)
     await projections.start()
     feeder = ProjectionFeeder(nc.jetstream(), Names(namespace), projections)
     await feeder.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        while not stop.is_set() and os.getppid() == parent:  # orphaned: the replica died
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.5)
+        await stop.wait()
     finally:
         await feeder.stop()  # the feeder writes into the projections: stop it first
         await projections.close()
         await nc.close()
 
 
-def _watch_parent(parent: int, grace: float = 5.0) -> None:
-    """Exit when orphaned, whatever the event loop is doing (a shutdown can hang on a NATS server
-    that died with the replica). SQLite transactions are atomic, so exiting mid-write is safe."""
+def _set_from_thread(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop already closed
+        loop.call_soon_threadsafe(event.set)
+
+
+def _watch_parent(parent: int, orphaned: Callable[[], None], grace: float = 5.0) -> None:
+    """When orphaned, ask the loop for a clean shutdown, then exit whatever the event loop is
+    doing (a shutdown can hang on a NATS server that died with the replica). SQLite
+    transactions are atomic, so exiting mid-write is safe."""
     while os.getppid() == parent:
         time.sleep(0.5)
+    orphaned()
     time.sleep(grace)  # let the loop's own clean shutdown finish first
     os._exit(0)
 
@@ -69,7 +79,6 @@ def main() -> None:
     add_nats_arguments(p)  # the replica's own identity; literal secrets come in the environment
     args = p.parse_args()
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
     asyncio.run(project(options_from_args(args), args.namespace, args.database_url,
                         args.ledger_retention, args.parent))
 

@@ -2,8 +2,29 @@
 
 A single task loops: plan and apply a step on the pure :class:`EngineCore`, hand its KV-cache
 changes to the publisher *at once* (so the event feed follows the cache's own order of changes,
-which a re-announce snapshot relies on), sleep the simulated step time (the sleep IS the
+which a re-announce snapshot relies on), wait out the simulated step time (the wait IS the
 simulation), then deliver the step's tokens to the waiting HTTP handlers.
+
+What a step costs in simulated time is the core's business (:mod:`workers.scheduler`: a decode
+step ``decode_ms_base + decode_ms_per_seq`` per decoding sequence, plus ``prefill_ms_per_token``
+per uncached prompt token, all divided by ``speedup_ratio``). This driver makes wall-clock time
+follow it, including steps shorter than the event loop's timer resolution (about a millisecond:
+``--speedup-ratio 10`` makes a decode step 0.8 ms, which sleeping it on its own would stretch to
+1.2 ms or more):
+
+* steps are scheduled by **absolute deadlines**: a step ends at its start + its duration, and the
+  next step starts at that deadline, not at "now" — a wake-up that comes late is made up by the
+  steps after it;
+* the driver **sleeps only when ahead** of the deadline by at least ``min_sleep`` (one timer
+  tick); otherwise it just yields to the event loop once, so tokens are never delivered more
+  than ``min_sleep`` before their step's deadline and no wake-up is wasted on a sub-tick sleep;
+* a busy period starts from "now" (an idle engine does not bank time), and so does a step that
+  finds the driver more than ``max_lag`` behind (a stalled process catches up at once rather
+  than racing through a burst of zero-length steps).
+
+``steps``/``busy_seconds`` count steps and their simulated time; ``wall_seconds`` the wall-clock
+time the driver spent in busy periods, so ``wall_seconds / steps`` is the achieved step time
+(``python -m workers.bench --steps`` prints both).
 """
 
 from __future__ import annotations
@@ -21,6 +42,8 @@ log = logging.getLogger(__name__)
 
 KvSink = Callable[[int, list[KvChange]], None]
 _END = -1
+MIN_SLEEP = 0.001  # the event loop's timers tick in milliseconds
+MAX_LAG = 0.1
 
 
 class RequestHandle:
@@ -80,6 +103,9 @@ class Engine:
         faults: FaultState | None = None,
         on_kv_changes: KvSink | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] | None = None,
+        min_sleep: float = MIN_SLEEP,
+        max_lag: float = MAX_LAG,
     ) -> None:
         self.config = config
         self.dp_rank = dp_rank
@@ -88,10 +114,14 @@ class Engine:
         self.faults.on_change.append(self.poke)
         self.on_kv_changes = on_kv_changes
         self._sleep = sleep
+        self._clock = clock  # None: the running loop's clock
+        self.min_sleep = min_sleep
+        self.max_lag = max_lag
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.steps = 0
         self.busy_seconds = 0.0  # simulated time spent in steps (before the slow fault)
+        self.wall_seconds = 0.0  # wall-clock time of busy periods (module doc)
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.output_tokens_total = 0
@@ -138,8 +168,12 @@ class Engine:
             self._task = None
 
     async def _run(self) -> None:
+        clock = self._clock or asyncio.get_running_loop().time
+        deadline: float | None = None  # when the previous step ends; None: idle
+        mark = 0.0  # wall time accounted into wall_seconds so far
         while True:
             if self.faults.hang or not self.core.has_work():
+                deadline = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -148,12 +182,23 @@ class Engine:
             self._publish(out.changes)
             if not out.emitted and out.duration == 0.0:
                 # Nothing could be scheduled (cannot happen for admissible requests): wait.
+                deadline = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             self.steps += 1
             self.busy_seconds += out.duration
-            await self._sleep(out.duration * self.faults.slow_factor)
+            now = clock()
+            if deadline is None:
+                deadline = mark = now  # a busy period starts now
+            elif now - deadline > self.max_lag:
+                deadline = now  # stalled: resume from now (the stall still counts as wall time)
+            deadline += out.duration * self.faults.slow_factor
+            ahead = deadline - now
+            await self._sleep(ahead if ahead >= self.min_sleep else 0.0)
+            done = clock()
+            self.wall_seconds += done - mark
+            mark = done
             for req, token in out.emitted:
                 handle: RequestHandle = req.tag
                 if handle.aborted:

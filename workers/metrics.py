@@ -30,6 +30,8 @@ class _EngineCollector(Collector):
             "generation_tokens": ("Output tokens produced", lambda e: e.output_tokens_total),
             "steps": ("Scheduler steps run", lambda e: e.steps),
             "busy_seconds": ("Simulated seconds spent in steps", lambda e: e.busy_seconds),
+            "step_wall_seconds": ("Wall-clock seconds the engine spent stepping (achieved step "
+                                  "time = this / steps)", lambda e: e.wall_seconds),
         }
         for name, (doc, read) in counters.items():
             family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)

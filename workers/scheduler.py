@@ -15,6 +15,11 @@ Step time = ``decode_ms_base + decode_ms_per_seq * decoding_seqs + prefill_ms_pe
 prefill_tokens``, divided by ``speedup_ratio``. Cached prefix tokens cost nothing: they are never
 scheduled. When a request's computed tokens reach its context length it emits one token.
 
+With the defaults: a decode step costs 8 ms + 0.05 ms per decoding request (one token each), and
+prefill 0.05 ms per uncached prompt token (20k tokens/s), chunked by ``max_num_batched_tokens``;
+a step mixing both pays the sum. ``--speedup-ratio 10`` makes a lone decode step 0.805 ms; the
+driver honours sub-millisecond steps (:mod:`workers.engine`).
+
 Disaggregated serving: a request admitted with ``transferred_tokens`` (its prompt's KV blocks
 handed over by a prefill engine) counts those tokens as computed without prefill; the step pays
 ``transfer_ms_per_block`` for each transferred block the engine did not already hold in its own

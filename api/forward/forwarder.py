@@ -9,12 +9,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from api.config import option
 from api.forward.prefill import PrefillRouter
 from api.forward.run import PREDICTED_HEADER, Run, RunContext, replica_headers
+from api.hotpath import LeanStreamingResponse
 from api.metrics import RouterMetrics
 from api.openai_schema import ParsedRequest
 from api.tokenizer import ByteTokenizer, Tokenizer
@@ -108,7 +109,7 @@ class Forwarder:
         return await run.collect()
 
 
-class RunStream(StreamingResponse):
+class RunStream(LeanStreamingResponse):
     """The SSE response of one run. If the client vanishes before the body is ever iterated, or
     while it is parked between chunks, the run is closed here at once instead of whenever the
     abandoned generator is collected: the load its hop charged must not linger."""

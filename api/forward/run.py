@@ -152,7 +152,7 @@ class Run:
             return
         self.request_done = True
         m = self.ctx.metrics
-        m.requests.labels(endpoint=self.endpoint, outcome=outcome).inc()
+        m.count_request(self.endpoint, outcome)
         if self.ex.ttft is not None:
             m.ttft.observe(self.ex.ttft)
         for gap in self.ex.itl:

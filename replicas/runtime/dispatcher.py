@@ -259,10 +259,11 @@ class Dispatcher:
             routed = self._prepare(req)
         recording = time.perf_counter()
         try:
-            await asyncio.wait_for(
-                self._append([routed.event, *routed.session_events] if routed.session_events
-                             else routed.event, f"{req.request_id}.routed"),
-                self.config.decision_append_timeout)
+            # A timeout scope rather than wait_for: no extra task per routed request.
+            async with asyncio.timeout(self.config.decision_append_timeout):
+                await self._append([routed.event, *routed.session_events]
+                                   if routed.session_events else routed.event,
+                                   f"{req.request_id}.routed")
         except (AppendFailed, TimeoutError) as exc:
             self.settle(req.request_id)  # the overlay must not keep what the log refused
             self._decision_refused(req.request_id, exc)

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 
 from bench.overhead import (
     PhaseResult,
     RawConnection,
+    children_of,
     closed_loop,
     percentile,
+    proc_cpu_seconds,
     prompt_body,
     split_url,
 )
@@ -78,3 +83,21 @@ def test_percentile_and_url_helpers() -> None:
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile(list(range(101)), 99) == 99
     assert split_url("http://127.0.0.1:8123/") == ("127.0.0.1", 8123)
+
+
+def test_cpu_per_request_and_children_from_proc() -> None:
+    res = PhaseResult("router", 1, ok=200, seconds=2.0)
+    res.add_cpu({"replica": 0.3, "projector": 0.1})
+    res.add_cpu({"replica": 0.1})
+    report = res.cpu_report()
+    assert report["ms_per_request"] == {"replica": 2.0, "projector": 0.5}
+    assert report["cores"] == {"replica": 0.2, "projector": 0.05}
+    # A real child process is found under its parent, and its CPU time is readable.
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        assert child.pid in children_of(os.getpid())
+        assert (proc_cpu_seconds(child.pid) or 0.0) >= 0.0
+    finally:
+        child.communicate(b"", timeout=30)
+    assert children_of(2**22 + 12345) == []  # no such process

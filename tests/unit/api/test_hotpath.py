@@ -1,0 +1,126 @@
+"""The inference routes' short way through the ASGI stack (api/hotpath.py), over a real socket
+with uvicorn's httptools protocol as the replica runs it: same answers as the full stack for
+success, errors, oversized bodies and other methods; a client that hangs up mid-stream cancels
+the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.types import ASGIApp
+
+from api.errors import ApiError, install_error_handlers
+from api.hotpath import HotRoutes, LeanStreamingResponse
+from api.http_limits import guarded_http_protocol
+
+pytestmark = pytest.mark.timeout(60)
+MAX_BODY = 1024
+
+
+def make_app(stream_done: asyncio.Event, stream_cancelled: asyncio.Event) -> FastAPI:
+    app = FastAPI()
+    install_error_handlers(app)
+
+    async def echo(request: Request) -> Response:
+        raw = await request.body()
+        if raw == b"api-error":
+            raise ApiError(400, "no good", param="prompt")
+        if raw == b"bug":
+            raise RuntimeError("a bug")
+        if raw == b"stream":
+            return LeanStreamingResponse(events(), media_type="text/event-stream",
+                                         headers={"x-kind": "sse"})
+        return Response(b"echo:" + raw, media_type="text/plain", headers={"x-kind": "plain"})
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            yield b"data: 1\n\n"
+            yield b"data: 2\n\n"
+            await asyncio.sleep(30)  # parked between chunks until the client hangs up
+            yield b"data: never\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            stream_cancelled.set()
+            raise
+        finally:
+            stream_done.set()
+
+    app.add_route("/v1/completions", echo, methods=["POST"])
+    build = app.build_middleware_stack
+
+    def build_with_hot_routes() -> ASGIApp:
+        return HotRoutes(build(), {"/v1/completions": echo}, app.exception_handlers, MAX_BODY)
+
+    app.build_middleware_stack = build_with_hot_routes  # type: ignore[method-assign]
+    return app
+
+
+@contextlib.asynccontextmanager
+async def serving(app: FastAPI) -> AsyncIterator[str]:
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                            http=guarded_http_protocol(10.0),  # type: ignore[arg-type]
+                            lifespan="off")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        async with asyncio.timeout(10):
+            while not server.started:
+                await asyncio.sleep(0.01)  # polling the server's own flag, with a deadline
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+async def test_hot_route_answers_like_the_full_stack() -> None:
+    app = make_app(asyncio.Event(), asyncio.Event())
+    async with serving(app) as url, httpx.AsyncClient(base_url=url) as http:
+        r = await http.post("/v1/completions", content=b"hi")
+        assert (r.status_code, r.text, r.headers["x-kind"]) == (200, "echo:hi", "plain")
+
+        r = await http.post("/v1/completions", content=b"api-error")
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "prompt"
+
+        r = await http.post("/v1/completions", content=b"bug")
+        assert r.status_code == 500
+        assert r.json()["error"]["type"] == "internal_error"
+        assert "a bug" not in r.text  # the traceback goes to the log only
+
+        r = await http.post("/v1/completions", content=b"x" * (MAX_BODY + 1))
+        assert r.status_code == 413
+        assert r.json()["error"]["code"] == "request_too_large"
+
+        # Not the hot path: another method, a trailing slash. The full stack answers.
+        r = await http.get("/v1/completions")
+        assert r.status_code == 405 and "error" in r.json()
+        r = await http.post("/v1/completions/", content=b"hi", follow_redirects=True)
+        assert r.status_code == 200 and r.text == "echo:hi"
+
+
+async def test_lean_stream_streams_and_a_hang_up_cancels_it() -> None:
+    done, cancelled = asyncio.Event(), asyncio.Event()
+    app = make_app(done, cancelled)
+    async with serving(app) as url:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 6\r\n\r\n"
+                     b"stream")
+        seen = b""
+        async with asyncio.timeout(10):
+            while b"data: 2" not in seen:
+                chunk = await reader.read(4096)
+                assert chunk, "the server closed the stream early"
+                seen += chunk
+        assert b"200 OK" in seen and b"x-kind: sse" in seen
+        assert b"text/event-stream" in seen
+        writer.close()  # hang up while the stream is parked
+        await asyncio.wait_for(done.wait(), 10)
+        assert cancelled.is_set()

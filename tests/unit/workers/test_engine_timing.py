@@ -1,0 +1,122 @@
+"""The simulated engine's driver keeps simulated time, on a virtual clock: steps shorter than a
+timer tick are honoured by absolute deadlines, late wake-ups are made up, an idle engine banks no
+time, a stall is not raced through. No real sleeping, no timed assertions."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from workers.engine import Engine
+from workers.scheduler import EngineConfig
+
+STEP = 0.0006  # every step: 6 ms / speedup 10
+CFG = EngineConfig(num_gpu_blocks=256, block_size=16, prefill_ms_per_token=0.0,
+                   decode_ms_base=6.0, decode_ms_per_seq=0.0, speedup_ratio=10.0)
+
+
+class VirtualClock:
+    """A clock that moves only when the driver sleeps: each sleep of d > 0 ends ``late``
+    seconds after it was due (a millisecond timer), a sleep of 0 just yields."""
+
+    def __init__(self, late: float) -> None:
+        self.now = 0.0
+        self.late = late
+        self.sleeps: list[float] = []
+        self.stall_next = 0.0  # extra lateness for the next positive sleep
+
+    def time(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        if seconds > 0:
+            self.now += seconds + self.late + self.stall_next
+            self.stall_next = 0.0
+        await asyncio.sleep(0)
+
+
+async def _run(engine: Engine, clock: VirtualClock, prompt_len: int, max_tokens: int
+               ) -> list[float]:
+    """Submit one request; the virtual times at which its tokens reached the consumer."""
+    handle = engine.submit(f"r{clock.now}", list(range(1, prompt_len + 1)), max_tokens)
+    seen: list[float] = []
+
+    async def consume() -> None:
+        async for _ in handle.tokens():
+            seen.append(clock.now)
+
+    await asyncio.wait_for(consume(), 10)
+    return seen
+
+
+@pytest.fixture
+def clock() -> VirtualClock:
+    return VirtualClock(late=0.0007)
+
+
+async def test_sub_millisecond_steps_keep_their_rate_despite_late_wakeups(
+        clock: VirtualClock) -> None:
+    engine = Engine(CFG, sleep=clock.sleep, clock=clock.time)
+    engine.start()
+    try:
+        times = await _run(engine, clock, prompt_len=16, max_tokens=200)
+    finally:
+        await engine.stop()
+    assert engine.steps == 200 and engine.busy_seconds == pytest.approx(200 * STEP)
+    # One timer wake-up late at most, not 200 of them (sleeping each step: 200 * 1.3 ms).
+    assert clock.now <= 200 * STEP + engine.min_sleep + clock.late + 1e-12
+    assert engine.wall_seconds == pytest.approx(clock.now)
+    # Never a sleep shorter than a timer tick, and tokens never far ahead of their step's end.
+    assert all(s == 0.0 or s >= engine.min_sleep for s in clock.sleeps)
+    assert any(s > 0 for s in clock.sleeps)
+    for k, t in enumerate(times, start=1):
+        assert t >= k * STEP - engine.min_sleep - 1e-12
+
+
+async def test_an_idle_engine_banks_no_time(clock: VirtualClock) -> None:
+    engine = Engine(CFG, sleep=clock.sleep, clock=clock.time)
+    engine.start()
+    try:
+        await _run(engine, clock, prompt_len=16, max_tokens=50)
+        clock.now += 5.0  # idle for five seconds
+        start = clock.now
+        times = await _run(engine, clock, prompt_len=16, max_tokens=50)
+    finally:
+        await engine.stop()
+    # The second request's steps are timed from its own start, not from the idle gap.
+    assert times[-1] - start >= 50 * STEP - engine.min_sleep - 1e-12
+    assert all(t - start >= k * STEP - engine.min_sleep - 1e-12
+               for k, t in enumerate(times, start=1))
+
+
+async def test_a_stall_longer_than_max_lag_resumes_from_now(clock: VirtualClock) -> None:
+    engine = Engine(CFG, sleep=clock.sleep, clock=clock.time, max_lag=0.1)
+    engine.start()
+    try:
+        clock.stall_next = 0.5  # the first real sleep wakes half a second late
+        await _run(engine, clock, prompt_len=16, max_tokens=400)
+    finally:
+        await engine.stop()
+    stalled_at = next(i for i, s in enumerate(clock.sleeps) if s > 0)
+    after = clock.sleeps[stalled_at + 1:]
+    # Not a burst of 0.5 s / 0.6 ms zero-length steps: the schedule restarts and sleeps again.
+    first_sleep = next(i for i, s in enumerate(after) if s > 0)
+    assert first_sleep <= 3
+    # The stall itself is counted as wall time (achieved step time shows it).
+    assert engine.wall_seconds == pytest.approx(clock.now)
+    assert engine.wall_seconds >= 0.5
+
+
+async def test_the_slow_fault_stretches_the_schedule(clock: VirtualClock) -> None:
+    engine = Engine(CFG, sleep=clock.sleep, clock=clock.time)
+    engine.faults.slow_factor = 4.0
+    engine.start()
+    try:
+        await _run(engine, clock, prompt_len=16, max_tokens=100)
+    finally:
+        await engine.stop()
+    assert engine.busy_seconds == pytest.approx(100 * STEP)  # simulated time, before the fault
+    assert clock.now >= 100 * STEP * 4 - engine.min_sleep
+    assert clock.now <= 100 * STEP * 4 + engine.min_sleep + clock.late + 1e-12
