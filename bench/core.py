@@ -6,9 +6,14 @@ Three figures, each printed (never asserted):
   a fresh ``PrefixIndex`` until it holds ``--blocks`` blocks over ``--workers`` workers.
 * ``decision_p50_us`` / ``decision_p99_us`` - one routing decision on that index, timed per call
   with ``perf_counter_ns``: hash a ``--prompt-tokens`` prompt, ``find_matches``, build one
-  ``Candidate`` per worker, ``Selector.select``. Each query is a new turn of a conversation one
-  worker has cached most of (``--hit-fraction``); every other worker holds the shared system
-  prompt the conversation starts with, so several workers match at different depths.
+  ``Candidate`` per worker, ``Selector.select`` with the CLI's routing defaults
+  (``jetrouter serve``'s ``--router-kv-overlap-score-weight`` / ``--router-prefill-queue-weight``,
+  overridable here with the same flags, e.g. ``1 1`` for Dynamo's formula). Each query is a
+  new turn of a conversation one worker has cached most of (``--hit-fraction``); every other
+  worker holds the shared system prompt the conversation starts with, so several workers match
+  at different depths.
+* ``replication_us_per_request`` / ``replication_router_events_per_s`` - what applying another
+  replica's routed requests costs (`bench.replication`).
 * ``replay_block_events_per_s`` - a real ``nats-server``: ``--replay-batches`` BlocksStored
   batches are published (not timed), then a ``StreamReader`` from sequence 1 decodes them and
   applies each into a fresh index; the clock runs from creating the reader to the last batch.
@@ -33,8 +38,11 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from bench.replication import add_arguments as add_replication_arguments
+from bench.replication import bench_replication
 from eventlog.hashing import prompt_hashes, tokens_hashes
 from replicas.core.index import PrefixIndex, WorkerKey
+from replicas.core.state import RouterState, StateConfig
 
 BATCH_BLOCKS = 64
 VOCAB = 50_000
@@ -54,6 +62,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of a query prompt its conversation's worker has cached")
     p.add_argument("--replay-batches", type=int, default=4000,
                    help="BlocksStored batches of 64 blocks for the replay figure (0 = skip)")
+    w, q = serve_routing_defaults()
+    p.add_argument("--router-kv-overlap-score-weight", type=float, default=w,
+                   help="overlap weight of the cost (default: jetrouter serve's)")
+    p.add_argument("--router-prefill-queue-weight", type=float, default=q,
+                   help="queued-prefill weight of the cost (default: jetrouter serve's)")
+    add_replication_arguments(p)
+
+
+def serve_routing_defaults() -> tuple[float, float]:
+    """``jetrouter serve``'s default cost weights, read from its own parser (one source)."""
+    from api.serve import add_arguments as add_serve_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_serve_arguments(parser)
+    return (float(parser.get_default("router_kv_overlap_score_weight")),
+            float(parser.get_default("router_prefill_queue_weight")))
 
 
 @dataclass(slots=True)
@@ -130,7 +154,9 @@ def bench_decisions(index: PrefixIndex, work: Workload, args: argparse.Namespace
     rng = random.Random(args.seed + 1)
     keys = sorted({w for w, _, _ in work.batches})
     load = {k: (rng.randrange(0, 4096), rng.randrange(0, 2000)) for k in keys}
-    selector = Selector(RoutingConfig(block_size=args.block_size)) if Selector else None
+    selector = Selector(RoutingConfig(
+        block_size=args.block_size, kv_overlap_score_weight=args.router_kv_overlap_score_weight,
+        prefill_queue_weight=args.router_prefill_queue_weight)) if Selector else None
     bs = args.block_size
     stages: dict[str, list[int]] = {"hashing": [], "matching": [], "candidates": [],
                                     "selection": []}
@@ -273,6 +299,8 @@ def run(args: argparse.Namespace) -> int:
         "index_nodes": index.node_count,
     }
     result.update(bench_decisions(index, work, args))
+    result.update(bench_replication(
+        args, lambda: RouterState(StateConfig(block_size=args.block_size))))
     if args.replay_batches > 0:
         result.update(asyncio.run(bench_replay(work, args.replay_batches)))
     else:
@@ -283,6 +311,13 @@ def run(args: argparse.Namespace) -> int:
         "system_prompt_blocks": args.system_prompt_blocks, "hit_fraction": args.hit_fraction,
         "replay_batches": args.replay_batches, "batch_blocks": BATCH_BLOCKS,
         "workload_build_s": round(build_s, 2),
+        "router_kv_overlap_score_weight": args.router_kv_overlap_score_weight,
+        "router_prefill_queue_weight": args.router_prefill_queue_weight,
+        "replication_requests": args.replication_requests,
+        "replication_prompt_tokens": args.replication_prompt_tokens,
+        "replication_workers": args.replication_workers,
+        "replication_inflight": args.replication_inflight,
+        "replication_group": args.replication_group,
     }
     result["machine"] = machine_facts()
     if not args.json:
@@ -298,6 +333,10 @@ def print_table(result: dict[str, Any]) -> None:
         ("decision p50 (us)", result["decision_p50_us"]),
         ("decision p99 (us)", result["decision_p99_us"]),
         *((f"  {k} p50 (us)", v) for k, v in stages.items()),
+        ("replication (us per peer request)", result.get("replication_us_per_request")),
+        ("replication (router events/s)", result.get("replication_router_events_per_s")),
+        ("  one event per message (us/request)",
+         result.get("replication_single_event_us_per_request")),
         ("replay (block events/s)", result.get("replay_block_events_per_s")),
     ]
     width = max(len(name) for name, _ in rows)
