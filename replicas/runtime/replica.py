@@ -25,6 +25,7 @@ from tenacity import AsyncRetrying, retry_if_not_exception_type, stop_after_dela
 from eventlog import events as ev
 from eventlog.appender import Appender, AppendFailed
 from eventlog.connect import NatsConnectFatal, NatsOptions, connect
+from eventlog.group_commit import GroupCommit
 from eventlog.hashing import prompt_hashes
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
 from eventlog.reader import StartPurged, StreamReader
@@ -188,6 +189,7 @@ class Replica:
         self.nc: NatsClient | None = None
         self.js: JetStreamContext | None = None
         self.appender: Appender | None = None
+        self.router_log: GroupCommit | None = None  # our router-stream events, group-committed
         self.ready = False
         self.draining = False  # SIGTERM: no new requests, in-flight ones finish
         self._becoming_ready = False
@@ -244,6 +246,8 @@ class Replica:
         # leader is up; the 20 s window bounds the whole wait (same msg id: applied once).
         self.appender = Appender(self.js, timeout=1.5, attempts=1000, backoff_max=0.25,
                                  retry_window=20.0)
+        self.router_log = GroupCommit(self.appender, self.names.router_subject(self.replica_id),
+                                      f"{self.replica_id}.{self._boot}")
         if self.config.durable:
             from replicas.runtime.durability import Durability
 
@@ -372,6 +376,8 @@ class Replica:
         tasks = [t for t in (self._supervisor, self._dispatcher) if t is not None]
         for t in tasks:
             t.cancel()
+        if self.router_log is not None:
+            await self.router_log.flush()  # prefill completions and ends still lingering
         if self._bg:
             await asyncio.wait(self._bg, timeout=5)
         for t in tasks:
@@ -698,14 +704,14 @@ class Replica:
 
     def prefill_completed(self, request_id: str) -> None:
         self._spawn(self._append(ROUTER, ev.PrefillCompleted(request_id, time.time()),
-                                 f"{request_id}.prefilled"))
+                                 f"{request_id}.prefilled", urgent=False))
 
     def finished(self, request_id: str, outcome: str, output_tokens: int,
                  cached_tokens: int = -1) -> None:
         self._reconcile(request_id)
         self._spawn(self._append(ROUTER, ev.RequestFinished(request_id, outcome, output_tokens,
                                                             time.time(), cached_tokens),
-                                 f"{request_id}.finished"))
+                                 f"{request_id}.finished", urgent=False))
 
     # --- config changes through the control stream -------------------------------------------
 
@@ -752,11 +758,14 @@ class Replica:
         return await self._append(CONTROL, event, msg_id, control_kind=control_kind)
 
     async def _append(self, kind: str, event: ev.Event, msg_id: str | None, *,
-                      control_kind: str = "config") -> int:
+                      control_kind: str = "config", urgent: bool = True) -> int:
+        """Router events are group-committed (the message id is the batch's, so ``msg_id`` is
+        not used for them); ``urgent=False`` lets an event wait for the next message."""
         assert self.appender is not None
         if kind == ROUTER:
-            subject = self.names.router_subject(self.replica_id)
-        elif kind == CONTROL:
+            assert self.router_log is not None
+            return await self.router_log.append(event, urgent=urgent)
+        if kind == CONTROL:
             subject = self.names.control_subject(control_kind)
         else:
             raise ValueError("replicas append only to the router and control streams")
