@@ -101,6 +101,10 @@ class StreamReader:
         self.malformed = 0
         self.forged = 0
         self.resets = 0
+        # The subject of the last yielded message and how long decoding it took (seconds): the
+        # replica counts the decode of its peers' router messages as replication cost.
+        self.last_subject = ""
+        self.last_decode_s = 0.0
 
         self._started = False
         self._start_lock = asyncio.Lock()
@@ -203,6 +207,7 @@ class StreamReader:
             return None
         if sseq != self.last_seq + 1:
             self._fail(StartPurged(self.stream, self.last_seq + 1, sseq))
+        t0 = time.perf_counter()
         try:
             events = decode_batch(msg.data)
         except MalformedMessage as exc:
@@ -218,6 +223,8 @@ class StreamReader:
             events = []
         self.last_seq = sseq
         self.pending = int(tokens[i_pending])
+        self.last_subject = msg.subject
+        self.last_decode_s = time.perf_counter() - t0
         return sseq, events
 
     def _on_status(self, msg: Msg) -> None:

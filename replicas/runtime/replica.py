@@ -41,6 +41,7 @@ from replicas.core.selection import (
     Selector,
 )
 from replicas.core.state import RouterState, StateConfig
+from replicas.runtime.replication_cost import ReplicationCost
 
 if TYPE_CHECKING:
     from replicas.runtime.durability import Durability
@@ -190,6 +191,7 @@ class Replica:
         self.js: JetStreamContext | None = None
         self.appender: Appender | None = None
         self.router_log: GroupCommit | None = None  # our router-stream events, group-committed
+        self.replication = ReplicationCost()  # decoding + applying peers' router messages
         self.ready = False
         self.draining = False  # SIGTERM: no new requests, in-flight ones finish
         self._becoming_ready = False
@@ -448,8 +450,15 @@ class Replica:
         reader = StreamReader(self.js, stream, start_seq=self.state.positions[kind] + 1)
         self._readers[kind] = reader
         try:
+            own = self.names.router_subject(self.replica_id)
             async for seq, batch in reader:
-                self._apply(kind, seq, batch, reader)
+                if kind == ROUTER and reader.last_subject != own:
+                    t0 = time.perf_counter()
+                    self._apply(kind, seq, batch, reader)
+                    self.replication.note(time.perf_counter() - t0 + reader.last_decode_s,
+                                          len(batch))
+                else:
+                    self._apply(kind, seq, batch, reader)
         finally:
             self._readers.pop(kind, None)
             self.malformed[kind] += reader.malformed
