@@ -14,6 +14,7 @@ Measured over ``--duration`` seconds after ``--warmup``:
   from ``/proc/<pid>/stat``;
 * per replica, the replication share: seconds it spent decoding and applying *other* replicas'
   router-stream messages (its ``/admin/state`` ``replication`` counter) over its own CPU seconds;
+* the CPU of the engines and of the nats-servers (all of them together), to see who saturates;
 * the load generator's own CPU per process: it must not be the bottleneck. A process near 1.0
   core is saturated; raise ``--load-processes`` and check the req/s figure does not move.
 
@@ -164,6 +165,12 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def _nats_pids(cluster: Any) -> list[int]:
+    nats = cluster._nats  # NatsServer, or NatsCluster with .servers; None for an external NATS
+    servers = getattr(nats, "servers", [nats] if nats is not None else [])
+    return [s.proc.pid for s in servers if getattr(s, "proc", None) is not None]
+
+
 def _cpu(pids: Sequence[int]) -> float:
     return sum(s for p in pids if (s := proc_cpu_seconds(p)) is not None)
 
@@ -203,6 +210,9 @@ async def run_one(replicas: int, args: argparse.Namespace, root: Path) -> dict[s
                      lambda ss: all(s["workers"] == args.workers for s in ss), 60.0)
         pids = {c.name: c.pid for c in cluster.children.values()
                 if c.kind == "replica" and c.pid is not None}
+        others = {"engines": [c.pid for c in cluster.children.values()
+                              if c.kind == "worker" and c.pid is not None],
+                  "nats": _nats_pids(cluster)}
         procs = max(args.load_processes, 1)
         conns = max(args.concurrency * replicas // procs, 1)
         start_at = time.time() + args.warmup + 1.0  # +1 s: the processes' own start-up
@@ -220,11 +230,13 @@ async def run_one(replicas: int, args: argparse.Namespace, root: Path) -> dict[s
         await asyncio.sleep(max(start_at - time.time(), 0))
         kids = {n: children_of(p) for n, p in pids.items()}
         cpu0 = {n: (_cpu([p]), _cpu(kids[n])) for n, p in pids.items()}
+        other0 = {k: _cpu(v) for k, v in others.items()}
         rep0 = {s["replica_id"]: s.get("replication", {}).get("seconds", 0.0)
                 for s in await _admin_states(client, urls, token)}
         t0 = time.time()
         await asyncio.sleep(max(end_at - time.time(), 0))
         cpu1 = {n: (_cpu([p]), _cpu(kids[n])) for n, p in pids.items()}
+        other1 = {k: _cpu(v) for k, v in others.items()}
         window = max(time.time() - t0, 1e-9)
         rep1 = {s["replica_id"]: s.get("replication", {}).get("seconds", 0.0)
                 for s in await _admin_states(client, urls, token)}
@@ -256,6 +268,8 @@ async def run_one(replicas: int, args: argparse.Namespace, root: Path) -> dict[s
         "per_replica": per_replica,
         "load_processes": procs,
         "load_cpu_cores": [round(r["cpu_s"] / args.duration, 2) for r in results],
+        "engines_cpu_cores": round((other1["engines"] - other0["engines"]) / window, 2),
+        "nats_cpu_cores": round((other1["nats"] - other0["nats"]) / window, 2),
         "digests_equal": bool(digests) and len(set(digests.values())) == 1
                          and len(digests) == replicas,
     }
@@ -285,7 +299,7 @@ async def run_scale(args: argparse.Namespace, log: Any = None) -> dict[str, Any]
 
 def format_report(result: dict[str, Any]) -> str:
     lines = ["replicas  req/s    errors  replica CPU (cores)   children CPU   replication share"
-             "   load-gen CPU/process  digests equal"]
+             "   load-gen CPU/process  engines  nats  digests equal"]
     for r in result["runs"]:
         per = r["per_replica"]
         lines.append(
@@ -294,6 +308,7 @@ def format_report(result: dict[str, Any]) -> str:
             f"{' '.join(str(p['children_cpu_cores']) for p in per):<13}  "
             f"{' '.join(str(p['replication_share']) for p in per):<18}  "
             f"{' '.join(map(str, r['load_cpu_cores'])):<20}  "
+            f"{r['engines_cpu_cores']:<7}  {r['nats_cpu_cores']:<4}  "
             f"{'yes' if r['digests_equal'] else 'NO'}")
     return "\n".join(lines)
 

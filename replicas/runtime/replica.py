@@ -453,9 +453,9 @@ class Replica:
             own = self.names.router_subject(self.replica_id)
             async for seq, batch in reader:
                 if kind == ROUTER and reader.last_subject != own:
-                    t0 = time.perf_counter()
+                    t0 = time.thread_time()
                     self._apply(kind, seq, batch, reader)
-                    self.replication.note(time.perf_counter() - t0 + reader.last_decode_s,
+                    self.replication.note(time.thread_time() - t0 + reader.last_decode_s,
                                           len(batch))
                 else:
                     self._apply(kind, seq, batch, reader)
