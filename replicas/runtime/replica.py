@@ -712,15 +712,13 @@ class Replica:
         return bool(cands) and should_queue(cands, threshold)
 
     def prefill_completed(self, request_id: str) -> None:
-        self._spawn(self._append(ROUTER, ev.PrefillCompleted(request_id, time.time()),
-                                 f"{request_id}.prefilled", urgent=False))
+        self._append_lazy(ev.PrefillCompleted(request_id, time.time()))
 
     def finished(self, request_id: str, outcome: str, output_tokens: int,
                  cached_tokens: int = -1) -> None:
         self._reconcile(request_id)
-        self._spawn(self._append(ROUTER, ev.RequestFinished(request_id, outcome, output_tokens,
-                                                            time.time(), cached_tokens),
-                                 f"{request_id}.finished", urgent=False))
+        self._append_lazy(ev.RequestFinished(request_id, outcome, output_tokens, time.time(),
+                                             cached_tokens))
 
     # --- config changes through the control stream -------------------------------------------
 
@@ -780,6 +778,11 @@ class Replica:
             raise ValueError("replicas append only to the router and control streams")
         mid = msg_id or f"{self.replica_id}.{time.time_ns()}.{self.rng.getrandbits(32)}"
         return await self.appender.append(subject, [event], mid)
+
+    def _append_lazy(self, event: ev.Event) -> None:
+        """Queue a router event that may wait for the next message (no task per event)."""
+        assert self.router_log is not None
+        self.router_log.submit(event, urgent=False).add_done_callback(self._bg_done)
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
