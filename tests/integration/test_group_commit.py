@@ -75,3 +75,13 @@ async def test_lazy_events_ride_with_the_next_urgent_one(js) -> None:
     assert [e for _, e in await stream_events(context, 1)] == [
         ev.PrefillCompleted("r0", 2.0), routed(2)]
     log.close()
+
+
+async def test_a_message_holds_at_most_max_events(js) -> None:
+    _, context = js
+    log = GroupCommit(Appender(context), NAMES.router_subject("a"), "a.boot4", max_events=3)
+    sent = [routed(i) for i in range(10)]
+    await asyncio.wait_for(asyncio.gather(*(log.append(e) for e in sent)), 30)
+    _, last = await stream_bounds(context, ROUTER)
+    assert last == 4  # 3 + 3 + 3 + 1
+    assert [e for _, e in await stream_events(context, last)] == sent
