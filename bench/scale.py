@@ -14,6 +14,7 @@ Measured over ``--duration`` seconds after ``--warmup``:
   from ``/proc/<pid>/stat``;
 * per replica, the replication share: seconds it spent decoding and applying *other* replicas'
   router-stream messages (its ``/admin/state`` ``replication`` counter) over its own CPU seconds;
+* router-stream messages per request (each one is delivered to and applied by every replica);
 * the CPU of the engines and of the nats-servers (all of them together), to see who saturates;
 * the load generator's own CPU per process: it must not be the bottleneck. A process near 1.0
   core is saturated; raise ``--load-processes`` and check the req/s figure does not move.
@@ -231,15 +232,17 @@ async def run_one(replicas: int, args: argparse.Namespace, root: Path) -> dict[s
         kids = {n: children_of(p) for n, p in pids.items()}
         cpu0 = {n: (_cpu([p]), _cpu(kids[n])) for n, p in pids.items()}
         other0 = {k: _cpu(v) for k, v in others.items()}
-        rep0 = {s["replica_id"]: s.get("replication", {}).get("seconds", 0.0)
-                for s in await _admin_states(client, urls, token)}
+        states0 = await _admin_states(client, urls, token)
+        rep0 = {s["replica_id"]: s.get("replication", {}).get("seconds", 0.0) for s in states0}
         t0 = time.time()
         await asyncio.sleep(max(end_at - time.time(), 0))
         cpu1 = {n: (_cpu([p]), _cpu(kids[n])) for n, p in pids.items()}
         other1 = {k: _cpu(v) for k, v in others.items()}
         window = max(time.time() - t0, 1e-9)
-        rep1 = {s["replica_id"]: s.get("replication", {}).get("seconds", 0.0)
-                for s in await _admin_states(client, urls, token)}
+        states1 = await _admin_states(client, urls, token)
+        rep1 = {s["replica_id"]: s.get("replication", {}).get("seconds", 0.0) for s in states1}
+        # router-stream messages written in the window (every replica applies every one)
+        messages = states1[0]["positions"]["router"] - states0[0]["positions"]["router"]
         results = [await asyncio.to_thread(out.get, True, args.duration + 120)
                    for _ in workers]
         for proc in workers:
@@ -264,6 +267,7 @@ async def run_one(replicas: int, args: argparse.Namespace, root: Path) -> dict[s
     return {
         "replicas": replicas,
         "req_per_s": round(ok / args.duration, 1),
+        "router_messages_per_request": round(messages / ok, 2) if ok else None,
         "errors": sum(r["errors"] for r in results),
         "per_replica": per_replica,
         "load_processes": procs,
@@ -298,12 +302,13 @@ async def run_scale(args: argparse.Namespace, log: Any = None) -> dict[str, Any]
 
 
 def format_report(result: dict[str, Any]) -> str:
-    lines = ["replicas  req/s    errors  replica CPU (cores)   children CPU   replication share"
-             "   load-gen CPU/process  engines  nats  digests equal"]
+    lines = ["replicas  req/s    msgs/req  errors  replica CPU (cores)   children CPU   "
+             "replication share   load-gen CPU/process  engines  nats  digests equal"]
     for r in result["runs"]:
         per = r["per_replica"]
         lines.append(
-            f"{r['replicas']:>8}  {r['req_per_s']:>7}  {r['errors']:>6}  "
+            f"{r['replicas']:>8}  {r['req_per_s']:>7}  {r['router_messages_per_request']!s:>8}  "
+            f"{r['errors']:>6}  "
             f"{' '.join(str(p['cpu_cores']) for p in per):<20}  "
             f"{' '.join(str(p['children_cpu_cores']) for p in per):<13}  "
             f"{' '.join(str(p['replication_share']) for p in per):<18}  "

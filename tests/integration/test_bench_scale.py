@@ -22,7 +22,7 @@ def test_bench_scale_smallest_size_reports_every_figure() -> None:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     (run,) = result["runs"]
     assert run["replicas"] == 1 and run["digests_equal"] is True
-    assert run["req_per_s"] > 0 and run["errors"] == 0
+    assert run["req_per_s"] > 0 and run["errors"] == 0 and run["router_messages_per_request"] > 0
     assert len(run["load_cpu_cores"]) == run["load_processes"] == 1
     (replica,) = run["per_replica"]
     assert set(replica) == {"replica", "cpu_cores", "children_cpu_cores", "replication_share"}
