@@ -233,14 +233,14 @@ async def run_one(replicas: int, args: argparse.Namespace, root: Path) -> dict[s
         cpu0 = {n: (_cpu([p]), _cpu(kids[n])) for n, p in pids.items()}
         other0 = {k: _cpu(v) for k, v in others.items()}
         states0 = await _admin_states(client, urls, token)
-        rep0 = {s["replica_id"]: s.get("replication", {}).get("seconds", 0.0) for s in states0}
+        rep0 = {s["replica_id"]: s.get("replication") or {} for s in states0}
         t0 = time.time()
         await asyncio.sleep(max(end_at - time.time(), 0))
         cpu1 = {n: (_cpu([p]), _cpu(kids[n])) for n, p in pids.items()}
         other1 = {k: _cpu(v) for k, v in others.items()}
         window = max(time.time() - t0, 1e-9)
         states1 = await _admin_states(client, urls, token)
-        rep1 = {s["replica_id"]: s.get("replication", {}).get("seconds", 0.0) for s in states1}
+        rep1 = {s["replica_id"]: s.get("replication") or {} for s in states1}
         # router-stream messages written in the window (every replica applies every one)
         messages = states1[0]["positions"]["router"] - states0[0]["positions"]["router"]
         results = [await asyncio.to_thread(out.get, True, args.duration + 120)
@@ -255,12 +255,16 @@ async def run_one(replicas: int, args: argparse.Namespace, root: Path) -> dict[s
     per_replica = []
     for name in sorted(pids):
         own = cpu1[name][0] - cpu0[name][0]
-        spent = rep1.get(name, 0.0) - rep0.get(name, 0.0)
+        before, after = rep0.get(name, {}), rep1.get(name, {})
+        spent = after.get("seconds", 0.0) - before.get("seconds", 0.0)
+        events = after.get("events", 0) - before.get("events", 0)
         per_replica.append({
             "replica": name,
             "cpu_cores": round(own / window, 2),
             "children_cpu_cores": round((cpu1[name][1] - cpu0[name][1]) / window, 2),
             "replication_share": round(spent / own, 3) if own > 0 else None,
+            # CPU per peer router event applied (decode + apply), from the replica's counter
+            "replication_us_per_event": round(spent / events * 1e6, 1) if events else None,
         })
     ok = sum(r["ok"] for r in results)
     digests = {s["replica_id"]: s["digests"]["state"] for s in final or []}
@@ -315,6 +319,11 @@ def format_report(result: dict[str, Any]) -> str:
             f"{' '.join(map(str, r['load_cpu_cores'])):<20}  "
             f"{r['engines_cpu_cores']:<7}  {r['nats_cpu_cores']:<4}  "
             f"{'yes' if r['digests_equal'] else 'NO'}")
+    per_event = [f"{r['replicas']}: " + " ".join(str(p["replication_us_per_event"])
+                                                  for p in r["per_replica"])
+                 for r in result["runs"] if r["replicas"] > 1]
+    lines.append("replication CPU per peer router event (us), per replica: "
+                 + ("; ".join(per_event) or "-"))
     return "\n".join(lines)
 
 

@@ -25,7 +25,8 @@ def test_bench_scale_smallest_size_reports_every_figure() -> None:
     assert run["req_per_s"] > 0 and run["errors"] == 0 and run["router_messages_per_request"] > 0
     assert len(run["load_cpu_cores"]) == run["load_processes"] == 1
     (replica,) = run["per_replica"]
-    assert set(replica) == {"replica", "cpu_cores", "children_cpu_cores", "replication_share"}
+    assert set(replica) == {"replica", "cpu_cores", "children_cpu_cores", "replication_share",
+                            "replication_us_per_event"}
     assert replica["cpu_cores"] > 0
     assert replica["replication_share"] == 0.0  # no peers: nothing to replicate
     assert result["config"]["nats_cluster"] == 1 and result["machine"]["cpu_count"] >= 1
