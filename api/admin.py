@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import os
 import time
 from typing import Any
 
@@ -63,14 +62,14 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
         return _json_response({
             "replica_id": replica.replica_id,
             "ready": replica.ready,
-            "leader": replica.durability.is_leader if replica.durability else False,
+            "leader": replica.leader.is_leader if replica.leader else False,
             "epoch": state.epoch,
             "positions": state.positions,
             "digests": {k: f"{v:016x}" for k, v in state.digests().items()},
             "lag": replica.lag(),
             "snapshot_threshold": threshold(),
-            "messages_since_snapshot": (replica.durability.messages_since_snapshot()
-                                        if replica.durability else None),
+            "messages_since_snapshot": (replica.leader.messages_since_snapshot()
+                                        if replica.leader else None),
             "last_snapshot": (state.last_snapshot.snapshot_id if state.last_snapshot else None),
             "restores": replica.restores,
             "event_time": state.now,
@@ -113,17 +112,17 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
         return _json_response({"workers": out})
 
     def durability() -> Any:
-        if replica.durability is None:
+        if replica.leader is None:
             raise ApiError(503, "snapshots are disabled on this replica",
                            type="service_unavailable")
-        return replica.durability
+        return replica.leader
 
     def threshold() -> int | None:
-        d = replica.durability
+        d = replica.leader
         return d.threshold if d is not None else replica.state.snapshot_threshold
 
     async def leader_call(verb: str, payload: dict[str, Any]) -> dict[str, Any]:
-        from replicas.runtime.durability import NoLeader
+        from replicas.runtime.leader import NoLeader
 
         try:
             return await durability().request(verb, payload)
@@ -183,18 +182,5 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
             raise ApiError(404, f"no routing decision recorded for request {request_id!r}",
                            param="request_id")
         return _json_response(row)
-
-    if os.environ.get("JETROUTER_TEST_HOOKS") == "1":
-        # Test-only: corrupt this replica's state without an event, to prove divergence is seen.
-        @router.post("/admin/debug/inject-divergence")
-        async def inject(request: Request) -> Response:
-            check_admin(request)
-            from replicas.core.divergence import inject_divergence
-
-            raw = await request.body()
-            body = decode_json(raw) if raw else {}
-            part = body.get("part", "index") if isinstance(body, dict) else "index"
-            return _json_response({"injected": inject_divergence(
-                replica.state, part, replica_id=replica.replica_id)})
 
     return router

@@ -8,24 +8,26 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from api.admin import admin_router, require_admin
+from api.config import option
 from api.errors import ApiError, error_response, install_error_handlers, overloaded_response
 from api.forward import Forwarder, replica_headers
-from api.http_limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
-from api.metrics import RouterMetrics
+from api.http_limits import BodySizeLimit
+from api.metrics import Rejection, RouterMetrics
 from api.openai_schema import decode_json, parse_request
 from api.shed import Shedder
 from api.tokenizer import Tokenizer, load_model_tokenizer
 from eventlog.appender import AppendFailed
 from replicas.core.health import STATUS_GAUGE
+from replicas.core.shedding import PriorityTier
 from replicas.runtime.canary import report_passive
 from replicas.runtime.replica import (
     AllWorkersBusy,
@@ -38,25 +40,27 @@ from replicas.runtime.replica import (
 
 log = logging.getLogger("jetrouter.api")
 
-PRIORITY_LEVEL = {"premium": 2, "standard": 1, "best_effort": 0}
+PRIORITY_LEVEL = {PriorityTier.PREMIUM: 2, PriorityTier.STANDARD: 1, PriorityTier.BEST_EFFORT: 0}
 _json = msgspec.json.Encoder()
 
 
 @dataclass(frozen=True, slots=True)
 class AppConfig:
-    max_prompt_tokens: int = 131072
+    """What the HTTP layer needs of `serve`'s options; the defaults are the options' own."""
+
+    max_prompt_tokens: int = option("max-prompt-tokens").default
     admin_token: str | None = None
     tokenizer: str | None = None
     model_path: str | None = None  # a model folder; wins over `tokenizer`
     reset_on_start: bool = False
-    stream_idle_timeout: float = 30.0
-    migration_limit: int = 3
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    stream_idle_timeout: float = option("stream-idle-timeout").default
+    migration_limit: int = option("migration-limit").default
+    max_body_bytes: int = option("max-body-bytes").default
     # Dynamo leaves POST /busy_threshold open; True requires the admin bearer token for it.
     busy_threshold_requires_admin: bool = False
     # A request that reaches a replica still catching up waits this long for readiness instead
     # of failing: a load balancer's health check lags the replica's start by up to one interval.
-    ready_wait: float = 5.0
+    ready_wait: float = option("ready-wait").default
 
 
 def _json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None
@@ -65,8 +69,15 @@ def _json_response(obj: object, status: int = 200, headers: dict[str, str] | Non
                     headers=headers)
 
 
+# Builds more routes for the app from the replica and its config (see create_app).
+RouterFactory = Callable[[Replica, AppConfig], APIRouter]
+
+
 def create_app(replica: Replica, config: AppConfig | None = None,
-               metrics: RouterMetrics | None = None) -> FastAPI:
+               metrics: RouterMetrics | None = None,
+               extra_routers: Sequence[RouterFactory] = ()) -> FastAPI:
+    """The router replica's HTTP app. ``extra_routers`` are included after the admin API: the
+    way a test adds a debug route without the product shipping it."""
     cfg = config or AppConfig()
     metrics = metrics or RouterMetrics()
     tokenizer: Tokenizer = load_model_tokenizer(cfg.model_path, cfg.tokenizer)
@@ -132,7 +143,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         request_id = f"{replica.replica_id}-{uuid.uuid4().hex[:20]}"
         shed = shedder.check(parsed.model, parsed.priority)
         if shed is not None:
-            metrics.rejections.labels(reason="shed").inc()
+            metrics.rejections.labels(reason=Rejection.SHED).inc()
             metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
             resp = overloaded_response(retry_after=shed)
             resp.headers.update(base_headers())
@@ -147,11 +158,11 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         except UnknownModel as exc:
             raise ApiError(404, str(exc), param="model", code="model_not_found") from None
         except NoWorkers as exc:
-            metrics.rejections.labels(reason="no_workers").inc()
+            metrics.rejections.labels(reason=Rejection.NO_WORKERS).inc()
             return error_response(503, str(exc), type="service_unavailable",
                                   headers=base_headers())
         except DecisionNotRecorded as exc:
-            metrics.rejections.labels(reason="decision_not_recorded").inc()
+            metrics.rejections.labels(reason=Rejection.DECISION_NOT_RECORDED).inc()
             metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
             return error_response(
                 503, f"{exc}; this request was not served, retry it (on another replica if "
@@ -159,7 +170,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                 headers={**replica_headers(replica.replica_id, None, request_id),
                          "retry-after": "1"})
         except AllWorkersBusy:
-            metrics.rejections.labels(reason="busy").inc()
+            metrics.rejections.labels(reason=Rejection.BUSY).inc()
             metrics.requests.labels(endpoint=endpoint, outcome="rejected").inc()
             resp = overloaded_response()
             resp.headers.update(base_headers())
@@ -188,7 +199,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                 for m in replica.models()]
         return _json_response({"object": "list", "data": data}, headers=base_headers())
 
-    # --- busy thresholds (seed 000/001) -------------------------------------------------------
+    # --- busy thresholds (design.md §6, Dynamo's /busy_threshold API) -----------------------------
 
     def threshold_doc(model: str) -> dict[str, object]:
         t = replica.state.thresholds.get(model)
@@ -279,7 +290,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
             metrics.replication_seconds.inc(replica.replication.seconds - replication_seen[0])
             replication_seen[0] = replica.replication.seconds
         metrics.queue_depth.set(replica.queue_depth())
-        durability = replica.durability
+        durability = replica.leader
         metrics.is_leader.set(1 if durability is not None and durability.is_leader else 0)
         taken = durability.snapshots_taken if durability is not None else 0
         if taken > snapshots_seen[0]:
@@ -297,6 +308,8 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         metrics.decision_log_ok.set(0 if replica.decision_log.failing(time.monotonic()) else 1)
 
     app.include_router(admin_router(replica, cfg))
+    for make_router in extra_routers:
+        app.include_router(make_router(replica, cfg))
 
     return app
 
@@ -312,8 +325,8 @@ async def _reset_when_ready(replica: Replica) -> None:
     await replica.wait_ready()
     for attempt in range(30):
         try:
-            assert replica.durability is not None
-            answer = await replica.durability.request("reset", {"reason": "--router-reset-states"})
+            assert replica.leader is not None
+            answer = await replica.leader.request("reset", {"reason": "--router-reset-states"})
             log.warning("state reset on start: new epoch %s", answer.get("epoch"))
             return
         except Exception as exc:  # no leader yet: the lease is taken within a few seconds

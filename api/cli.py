@@ -1,8 +1,12 @@
 """`jetrouter` command line: one verb per module, flags named as in the seeds (design.md §10).
 
 Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
-this file only wires them up and makes every ``--some-flag`` also settable as
-``JETROUTER_SOME_FLAG`` in the environment (flags on the command line win).
+this file only wires them up. Every ``--some-flag`` is also settable as ``JETROUTER_SOME_FLAG``
+in the environment (flags on the command line win): the process verbs (`serve`, `worker`,
+`bridge`, `up`) declare their options once in eventlog/flags.py terms, the tooling verbs get
+the same treatment from :func:`apply_env_defaults`. Every user error — a bad flag, a bad
+variable, a :class:`CliError` raised by a verb — is one line ``jetrouter VERB: error: ...`` on
+stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -12,6 +16,10 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+
+from eventlog.flags import TRUE_WORDS, CliError, OneLineParser, env_name
+
+__all__ = ["VERBS", "CliError", "build_parser", "env_name", "main"]
 
 # verb -> (module, help). Modules are imported lazily so `jetrouter worker` never loads FastAPI
 # routing code it does not need, and a broken verb cannot break the others.
@@ -29,46 +37,39 @@ VERBS: dict[str, tuple[str, str]] = {
 }
 
 
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit status 2."""
-
-
-def env_name(option: str) -> str:
-    return "JETROUTER_" + option.lstrip("-").replace("-", "_").upper()
-
-
 def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
-    """Let JETROUTER_<FLAG> set each long option's default, converted by the option's own type."""
+    """Let JETROUTER_<FLAG> set the default of each long option of a tooling verb (`bench`,
+    `admin`, ...); the process verbs' options come from eventlog/flags.py, which did it already."""
     for action in parser._actions:
         long_opts = [o for o in action.option_strings if o.startswith("--")]
-        if not long_opts or action.dest == "help":
+        if not long_opts or action.dest == "help" or hasattr(action, "registry_option"):
             continue
         for opt in long_opts:
             raw = os.environ.get(env_name(opt))
             if raw is None:
                 continue
             if isinstance(action, argparse._StoreTrueAction):
-                value: object = raw.strip().lower() in ("1", "true", "yes", "on")
+                value: object = raw.strip().lower() in TRUE_WORDS
             elif isinstance(action, argparse._StoreFalseAction):
-                value = raw.strip().lower() not in ("1", "true", "yes", "on")
+                value = raw.strip().lower() not in TRUE_WORDS
             elif action.type is not None:
                 try:
                     value = action.type(raw)  # type: ignore[misc]
                 except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
-                    parser.error(f"environment variable {env_name(opt)}={raw!r}: {exc}")
+                    raise CliError(f"environment variable {env_name(opt)}={raw!r}: {exc}") from None
             else:
                 value = raw
             if action.choices is not None and value not in action.choices:
-                parser.error(f"environment variable {env_name(opt)}={raw!r}: not one of "
-                             f"{', '.join(map(str, action.choices))}")
+                raise CliError(f"environment variable {env_name(opt)}={raw!r}: not one of "
+                               f"{', '.join(map(str, action.choices))}")
             action.default = value
             action.required = False
             break
 
 
 def build_parser(verbs: Sequence[str] | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jetrouter", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    parser = OneLineParser(prog="jetrouter", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=OneLineParser)
     sub.required = True
     for verb in verbs or VERBS:
         module_name, help_text = VERBS[verb]
@@ -80,7 +81,7 @@ def build_parser(verbs: Sequence[str] | None = None) -> argparse.ArgumentParser:
                 for child in action.choices.values():
                     apply_env_defaults(child)
         apply_env_defaults(p)
-        p.set_defaults(_module=module_name)
+        p.set_defaults(_module=module_name, _parser=p)
     return parser
 
 
@@ -88,8 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Import only the module of the verb asked for (fast start, isolated failures).
     verb = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser([verb] if verb in VERBS else None)
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser([verb] if verb in VERBS else None)
+    except CliError as exc:  # a bad JETROUTER_* value, found while building the parser
+        print(f"jetrouter{' ' + verb if verb in VERBS else ''}: error: {exc}", file=sys.stderr)
+        return 2
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported by the verb's parser, so the line names the verb
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     module = importlib.import_module(args._module)
     try:
         return int(module.run(args) or 0)

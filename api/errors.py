@@ -13,10 +13,13 @@ import logging
 import math
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from eventlog.errors import JetrouterError
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,8 @@ SERVICE_UNAVAILABLE_MESSAGE = (
     "Service temporarily unavailable: All workers are busy, please retry later"
 )
 
-# Exactly the seed's 503 body (docs: "Client Retry Strategy"). Do not reshape it.
+# Exactly the 503 body of Dynamo's request-rejection docs ("Client Retry Strategy"); clients
+# match on it. Do not reshape it.
 SERVICE_UNAVAILABLE_BODY: dict[str, Any] = {
     "message": SERVICE_UNAVAILABLE_MESSAGE,
     "type": "service_unavailable",
@@ -58,16 +62,16 @@ def default_type(status: int) -> str:
     return "internal_error" if status >= 500 else "invalid_request_error"
 
 
-class ApiError(Exception):
+class ApiError(JetrouterError):
     """A failure to report to the HTTP client; raise it anywhere under a request handler.
 
     ``type`` defaults to the conventional type for ``status`` (400 invalid_request_error, 401
     authentication_error, 403 permission_error, 404 not_found_error, 503 service_unavailable...).
-    A 503 of type ``service_unavailable`` renders in the seed's flat shape (see module doc).
+    A 503 of type ``service_unavailable`` renders in Dynamo's flat shape (see module doc).
     """
 
     def __init__(self, status: int, message: str, *, type: str | None = None,
-                 param: str | None = None, code: str | None = None,
+                 param: str | None = None, code: str | int | None = None,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
@@ -92,11 +96,30 @@ class ApiError(Exception):
 
 
 def error_response(status: int, message: str, *, type: str | None = None,
-                   param: str | None = None, code: str | None = None,
+                   param: str | None = None, code: str | int | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     """An OpenAI-shaped error response without raising."""
     return ApiError(status, message, type=type, param=param, code=code,
                     headers=headers).response()
+
+
+def encoded_error_body(status: int, message: str, *, type: str | None = None,
+                       code: str | int | None = None) -> bytes:
+    """The body of :meth:`ApiError.body`, encoded: for code below the app (the HTTP protocol
+    guards) and for errors that travel inside a stream."""
+    return msgspec.json.encode(ApiError(status, message, type=type, code=code).body())
+
+
+def upstream_error_body(message: str, status: int = 502) -> bytes:
+    """The encoded body for an engine's failure that the router passes on: type
+    ``upstream_error`` and the HTTP status repeated as ``code``."""
+    return encoded_error_body(status, message, type="upstream_error", code=status)
+
+
+def sse_error(message: str, status: int = 502) -> bytes:
+    """The same error as one SSE event: how a stream already under way (status 200 sent) tells
+    the client it failed."""
+    return b"data: " + upstream_error_body(message, status) + b"\n\n"
 
 
 def retry_after_header(retry_after: float) -> str:
@@ -105,7 +128,7 @@ def retry_after_header(retry_after: float) -> str:
 
 
 def overloaded_response(retry_after: float | None = None) -> JSONResponse:
-    """503 "all workers are busy" with the seed's exact body, and Retry-After when given."""
+    """503 "all workers are busy" with Dynamo's exact body, and Retry-After when given."""
     headers = None if retry_after is None else {"Retry-After": retry_after_header(retry_after)}
     return JSONResponse(dict(SERVICE_UNAVAILABLE_BODY), status_code=503, headers=headers)
 

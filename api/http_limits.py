@@ -23,9 +23,11 @@ import asyncio
 import logging
 from typing import Any
 
-import msgspec
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.errors import encoded_error_body
+from eventlog.errors import JetrouterError
 
 log = logging.getLogger("jetrouter.http")
 
@@ -34,13 +36,12 @@ DEFAULT_REQUEST_READ_TIMEOUT = 30.0
 DEFAULT_KEEP_ALIVE_TIMEOUT = 15.0
 
 
-class _BodyTooLarge(Exception):
+class _BodyTooLarge(JetrouterError):
     pass
 
 
 def _error_body(status: int, message: str, code: str) -> bytes:
-    return msgspec.json.encode({"error": {"message": message, "type": "invalid_request_error",
-                                          "param": None, "code": code}})
+    return encoded_error_body(status, message, type="invalid_request_error", code=code)
 
 
 def too_large_message(max_bytes: int) -> str:

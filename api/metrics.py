@@ -10,6 +10,7 @@ router adds: per-stream lag and event outcomes.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from enum import StrEnum
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -36,6 +37,16 @@ _FRACTION_BUCKETS = tuple(i / 10 for i in range(11))        # 0.0, 0.1, .. 1.0
 # Predicted minus engine-reported cached tokens: 0 is exact, a block either way is the usual
 # miss (an eviction not yet seen, a fully cached prompt recomputing its last block).
 _ERROR_BUCKETS = tuple(sorted({0.0, *(s * float(2**k) for k in range(0, 15) for s in (-1, 1))}))
+
+
+class Rejection(StrEnum):
+    """Why a request was refused before any engine saw it: the ``reason`` label of
+    ``jetrouter_rejections``."""
+
+    SHED = "shed"                                    # priority shedding (degraded fleet)
+    NO_WORKERS = "no_workers"
+    DECISION_NOT_RECORDED = "decision_not_recorded"  # JetStream did not take the decision
+    BUSY = "busy"                                    # every worker over its busy threshold
 
 
 class RouterMetrics:

@@ -20,12 +20,13 @@ import msgspec
 
 from api.errors import ApiError
 from api.tokenizer import Tokenizer, encode_chat, encode_prompt
-from eventlog.model_tokenizer import ChatTemplateError
+from eventlog.model_tokenizer import ChatTemplateFailed
 from eventlog.tokens import role_error
+from replicas.core.shedding import TIERS, PriorityTier
 
 ENDPOINTS = ("completions", "chat")
-PRIORITIES = ("premium", "standard", "best_effort")
-DEFAULT_PRIORITY = "standard"
+PRIORITIES = TIERS
+DEFAULT_PRIORITY = PriorityTier.STANDARD
 DEFAULT_EXPECTED_OSL = 128
 MAX_TOKEN_ID = 2**31
 
@@ -326,7 +327,7 @@ def parse_request(endpoint: str, raw: bytes, tokenizer: Tokenizer, *, max_prompt
         prompt_param = "messages"
         try:
             prompt_ids = encode_chat(tokenizer, _check_messages(body), body)
-        except ChatTemplateError as exc:  # the model's template refused the conversation
+        except ChatTemplateFailed as exc:  # the model's template refused the conversation
             raise _bad(f"Invalid 'messages': {exc}", "messages") from None
     else:
         prompt_param = "prompt"

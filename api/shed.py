@@ -1,4 +1,4 @@
-"""Priority shedding at the door (issue 6, seed 002 "graceful degradation").
+"""Priority shedding at the door (levels from :mod:`replicas.core.shedding`).
 
 When the fleet has lost capacity (unhealthy or missing engines) and what is left cannot carry the
 current load, the lowest tiers are refused first with 503 and a Retry-After, so premium traffic

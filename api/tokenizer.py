@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from eventlog import tokens
-from eventlog.model_tokenizer import ByteCodec, ModelFolderError, ModelTokenizer, load_codec
+from eventlog.model_tokenizer import ByteCodec, ModelFolderUnusable, ModelTokenizer, load_codec
 
 
 @runtime_checkable
@@ -25,7 +25,7 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
-TokenizerLoadError = ModelFolderError
+TokenizerLoadError = ModelFolderUnusable
 """The tokenizer file or model folder could not be found or parsed; the message names the path."""
 
 

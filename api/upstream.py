@@ -6,11 +6,11 @@ proxies, TLS or HTTP/2. What it buys over httpx is per-request cost: a pool that
 (host, port) instead of a scan over every pooled connection, one buffer per connection, and an idle
 timeout that costs one clock read per wait instead of a timer (or a task) per read.
 
-Failure is reported as one of three exceptions, which :func:`api.proxy.classify` maps to the
-migration reasons: :class:`ConnectFailed` (connect_error), :class:`StreamBroken` (stream_error) and
-:class:`IdleTimeout` (idle_timeout). A pooled connection that the engine closed while it sat idle
-is only found out when it is used; if it fails before the first response byte, the request was
-never processed, so it is sent once more on a fresh connection.
+Failure is reported as one of three exceptions, which :func:`api.forward.engine.classify` maps
+to the migration reasons: :class:`ConnectFailed` (connect_error), :class:`StreamBroken`
+(stream_error) and :class:`IdleTimeout` (idle_timeout). A pooled connection that the engine
+closed while it sat idle is only found out when it is used; if it fails before the first response
+byte, the request was never processed, so it is sent once more on a fresh connection.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import asyncio
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import cast
+
+from eventlog.errors import JetrouterError
 
 MAX_HEAD_BYTES = 64 * 1024          # a response head bigger than this is not an engine talking
 READ_HIGH_WATER = 1024 * 1024       # stop reading the socket while this much is unconsumed
@@ -31,31 +33,24 @@ _SMALL_BODY = 64 * 1024             # bodies up to this go out in the same write
 _LENGTH, _CHUNKED, _UNTIL_CLOSE = 0, 1, 2
 
 
-class UpstreamError(Exception):
-    """Any failure talking to an engine; ``reason`` is the migration reason it stands for."""
-
-    reason = "stream_error"
+class UpstreamError(JetrouterError):
+    """Any failure talking to an engine (:func:`api.forward.engine.classify` names its
+    migration reason)."""
 
 
 class ConnectFailed(UpstreamError):
     """No connection: refused, unreachable, or not established within the connect timeout."""
 
-    reason = "connect_error"
-
 
 class StreamBroken(UpstreamError):
     """The connection broke, or the engine spoke something that is not HTTP/1.1."""
-
-    reason = "stream_error"
 
 
 class IdleTimeout(UpstreamError):
     """No byte from the engine for the idle timeout."""
 
-    reason = "idle_timeout"
 
-
-class _Stale(Exception):
+class _Stale(JetrouterError):
     """Internal: the connection ended before the first response byte (see module docstring)."""
 
 

@@ -28,6 +28,7 @@ from bench.trace import (
     TraceRecord,
     words_of,
 )
+from eventlog.errors import JetrouterError
 
 OK, FAILED, REJECTED = "ok", "failed", "rejected"
 DEFAULT_MODEL = "jetrouter-sim"
@@ -293,7 +294,7 @@ class _Replayer:
             result.outcome, result.error = FAILED, "stream ended without [DONE]"
 
 
-class _FailoverBeforeResponse(Exception):
+class _FailoverBeforeResponse(JetrouterError):
     """The request got no response from this URL; try the next one."""
 
 

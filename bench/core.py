@@ -7,12 +7,10 @@ Three figures, each printed (never asserted):
   second of this process's CPU time (so a machine shared with other work reads the same).
 * ``decision_p50_us`` / ``decision_p99_us`` - one routing decision on that index, timed per call
   with ``perf_counter_ns``: hash a ``--prompt-tokens`` prompt, ``find_matches``, build one
-  ``Candidate`` per worker, ``Selector.select`` with the CLI's routing defaults
-  (``jetrouter serve``'s ``--router-kv-overlap-score-weight`` / ``--router-prefill-queue-weight``,
-  overridable here with the same flags, e.g. ``1 1`` for Dynamo's formula). Each query is a
-  new turn of a conversation one worker has cached most of (``--hit-fraction``); every other
-  worker holds the shared system prompt the conversation starts with, so several workers match
-  at different depths.
+  ``Candidate`` per worker, ``Selector.select`` with ``jetrouter serve``'s routing defaults.
+  Each query is a new turn of a conversation one worker has cached most of (``--hit-fraction``);
+  every other worker holds the shared system prompt the conversation starts with, so several
+  workers match at different depths.
 * ``replication_us_per_request`` / ``replication_router_events_per_s`` - what applying another
   replica's routed requests costs (`bench.replication`).
 * ``replay_block_events_per_s`` - a real ``nats-server``: ``--replay-batches`` BlocksStored
@@ -33,7 +31,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -63,22 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of a query prompt its conversation's worker has cached")
     p.add_argument("--replay-batches", type=int, default=4000,
                    help="BlocksStored batches of 64 blocks for the replay figure (0 = skip)")
-    w, q = serve_routing_defaults()
-    p.add_argument("--router-kv-overlap-score-weight", type=float, default=w,
-                   help="overlap weight of the cost (default: jetrouter serve's)")
-    p.add_argument("--router-prefill-queue-weight", type=float, default=q,
-                   help="queued-prefill weight of the cost (default: jetrouter serve's)")
     add_replication_arguments(p)
-
-
-def serve_routing_defaults() -> tuple[float, float]:
-    """``jetrouter serve``'s default cost weights, read from its own parser (one source)."""
-    from api.serve import add_arguments as add_serve_arguments
-
-    parser = argparse.ArgumentParser(add_help=False)
-    add_serve_arguments(parser)
-    return (float(parser.get_default("router_kv_overlap_score_weight")),
-            float(parser.get_default("router_prefill_queue_weight")))
 
 
 @dataclass(slots=True)
@@ -148,16 +131,16 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def bench_decisions(index: PrefixIndex, work: Workload, args: argparse.Namespace
                     ) -> dict[str, Any]:
-    try:
-        from replicas.core.selection import Candidate, RoutingConfig, Selector
-    except ImportError:  # selection arrives in parallel: measure without it and say so
-        Candidate = RoutingConfig = Selector = None  # type: ignore[assignment,misc]
+    from api.config import routing_config, serve_defaults
+    from replicas.core.selection import Candidate, Selector
+
     rng = random.Random(args.seed + 1)
     keys = sorted({w for w, _, _ in work.batches})
     load = {k: (rng.randrange(0, 4096), rng.randrange(0, 2000)) for k in keys}
-    selector = Selector(RoutingConfig(
-        block_size=args.block_size, kv_overlap_score_weight=args.router_kv_overlap_score_weight,
-        prefill_queue_weight=args.router_prefill_queue_weight)) if Selector else None
+    # `serve`'s routing defaults (no environment: a benchmark's figures must not depend on it),
+    # so this times the formula the router runs.
+    routing = replace(routing_config(serve_defaults(environ={})), block_size=args.block_size)
+    selector = Selector(routing)
     bs = args.block_size
     stages: dict[str, list[int]] = {"hashing": [], "matching": [], "candidates": [],
                                     "selection": []}
@@ -174,20 +157,17 @@ def bench_decisions(index: PrefixIndex, work: Workload, args: argparse.Namespace
         scores = index.find_matches(seq)
         t2 = clock()
         n = len(seq)
-        if Candidate is not None:
-            overlap, sizes = scores.scores, scores.tree_sizes
-            cands = [
-                Candidate(k, overlap.get(k, 0), sizes.get(k, 0), load[k][0], load[k][1],
-                          n, 100_000, 8192)
-                for k in keys
-            ]
+        overlap, sizes = scores.scores, scores.tree_sizes
+        cands = [
+            Candidate(k, overlap.get(k, 0), sizes.get(k, 0), load[k][0], load[k][1],
+                      n, 100_000, 8192)
+            for k in keys
+        ]
         t3 = clock()
-        if selector is not None:
-            decision = selector.select(cands, len(tokens), rng)
+        decision = selector.select(cands, len(tokens), rng)
         t4 = clock()
         if i >= 50:
-            if selector is not None:
-                right += getattr(decision, "worker", None) == work.owners[q]
+            right += getattr(decision, "worker", None) == work.owners[q]
             for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
                 stages[name].append(dt)
             totals.append(t4 - t0)
@@ -199,7 +179,9 @@ def bench_decisions(index: PrefixIndex, work: Workload, args: argparse.Namespace
         "decision_excluding_candidates_p50_us": round(statistics.median(core) * us, 1),
         "decision_stage_p50_us": {k: round(statistics.median(v) * us, 1)
                                   for k, v in stages.items()},
-        "decision_with_selection": selector is not None,
+        "decision_with_selection": True,
+        "decision_routing_weights": [routing.kv_overlap_score_weight,
+                                     routing.prefill_queue_weight],
         "decision_picked_cached_worker": round(right / max(len(totals), 1), 3),
         "query_blocks": len(prompt_hashes(work.prompts[0], bs)),
     }
@@ -312,8 +294,6 @@ def run(args: argparse.Namespace) -> int:
         "system_prompt_blocks": args.system_prompt_blocks, "hit_fraction": args.hit_fraction,
         "replay_batches": args.replay_batches, "batch_blocks": BATCH_BLOCKS,
         "workload_build_s": round(build_s, 2),
-        "router_kv_overlap_score_weight": args.router_kv_overlap_score_weight,
-        "router_prefill_queue_weight": args.router_prefill_queue_weight,
         "replication_requests": args.replication_requests,
         "replication_prompt_tokens": args.replication_prompt_tokens,
         "replication_workers": args.replication_workers,

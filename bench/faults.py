@@ -1,4 +1,4 @@
-"""`jetrouter bench faults`: what a client sees while engines and replicas fail (issue 6).
+"""`jetrouter bench faults`: what a client sees while engines and replicas fail.
 
 A fresh local cluster (default 2 replicas, 4 simulated engines) takes steady open-loop load:
 Poisson arrivals of streaming completions, token-id prompts that share a few system prefixes,
@@ -49,6 +49,7 @@ import httpx
 
 from bench.report import percentile
 from eventlog import tokens
+from eventlog.errors import JetrouterError
 from workers.generation import expected_tokens
 
 MODEL = "jetrouter-sim"
@@ -100,7 +101,7 @@ class Sample:
     worker: str | None = None
 
 
-class _Retry(Exception):
+class _Retry(JetrouterError):
     """The replica took no part in the request: send it to the next one."""
 
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eventlog.errors import JetrouterError
+
 DEFAULT_CONCURRENCY = (1, 64)
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -42,7 +44,7 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # -- a cheap HTTP/1.1 client ----------------------------------------------------------------------
 
 
-class HttpError(Exception):
+class UnexpectedStatus(JetrouterError):
     pass
 
 
@@ -78,7 +80,7 @@ class RawConnection:
             head = await reader.readuntil(b"\r\n\r\n")
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             self.close()
-            raise HttpError(f"connection closed before the response: {exc}") from None
+            raise UnexpectedStatus(f"connection closed before the response: {exc}") from None
         lines = head.split(b"\r\n")
         status = int(lines[0].split(b" ", 2)[1])
         length: int | None = None
@@ -206,7 +208,7 @@ async def closed_loop(url: str, path: str, body: Callable[[int], bytes], concurr
                 t0 = time.perf_counter()
                 try:
                     status, _, first = await conn.post(path, body(n), first_chunk=stream)
-                except (HttpError, OSError, asyncio.IncompleteReadError):
+                except (UnexpectedStatus, OSError, asyncio.IncompleteReadError):
                     result.errors += 1
                     conn.close()
                     continue

@@ -42,7 +42,8 @@ from typing import Any
 
 import httpx
 
-from bench.overhead import HttpError, RawConnection, proc_cpu_seconds, split_url
+from bench.overhead import RawConnection, UnexpectedStatus, proc_cpu_seconds, split_url
+from eventlog.flags import CliError
 
 MODEL = "jetrouter-sim"
 VOCAB = 30_000
@@ -115,7 +116,7 @@ async def _drive(plan: LoadPlan) -> dict[str, Any]:
                                    "max_tokens": plan.max_tokens, "temperature": 0}).encode()
                 try:
                     status, _, _ = await conn.post("/v1/completions", body)
-                except (HttpError, OSError, asyncio.IncompleteReadError, ValueError):
+                except (UnexpectedStatus, OSError, asyncio.IncompleteReadError, ValueError):
                     conn.close()
                     status = 0
                     await asyncio.sleep(0.01)
@@ -284,9 +285,12 @@ async def run_one(replicas: int, args: argparse.Namespace, root: Path) -> dict[s
 
 
 async def run_scale(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
-    counts = [int(x) for x in str(args.replicas).split(",") if x.strip()]
+    try:
+        counts = [int(x) for x in str(args.replicas).split(",") if x.strip()]
+    except ValueError:
+        counts = []
     if not counts or min(counts) < 1:
-        raise ValueError("--replicas must list positive replica counts, e.g. 1,2,4")
+        raise CliError("--replicas must list positive replica counts, e.g. 1,2,4")
     root = Path(tempfile.mkdtemp(prefix="jetrouter-scale-"))
     runs = []
     try:
@@ -328,12 +332,8 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        result = asyncio.run(run_scale(args, None if args.json else
-                                       (lambda m: print(m, file=sys.stderr))))
-    except ValueError as exc:
-        print(f"jetrouter bench scale: {exc}", file=sys.stderr)
-        return 2
+    result = asyncio.run(run_scale(args, None if args.json else
+                                   (lambda m: print(m, file=sys.stderr))))
     if not args.json:
         print(format_report(result))
     print(json.dumps(result, sort_keys=True))

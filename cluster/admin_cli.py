@@ -25,6 +25,7 @@ from urllib.parse import quote
 import httpx
 
 from api.cli import CliError
+from eventlog.errors import JetrouterError
 
 DEFAULT_CLUSTER_FILE = Path(".jetrouter") / "cluster.json"
 DEFAULT_TIMEOUT_S = 30.0  # a snapshot of a large state is taken while the request waits
@@ -39,7 +40,7 @@ CANDIDATE_FIELDS = ("worker_id", "dp_rank", "overlap_blocks", "prefill_blocks", 
 Show = Callable[[Any], str]
 
 
-class ApiFailure(Exception):
+class AdminRequestFailed(JetrouterError):
     """The admin API answered with an error status, or no replica could be reached."""
 
 
@@ -144,7 +145,7 @@ class AdminClient:
         self.close()
 
     def call(self, method: str, path: str, body: object = None) -> Any:
-        """The decoded JSON answer; ApiFailure on an error status or when nobody answers.
+        """The decoded JSON answer; AdminRequestFailed on an error status or when nobody answers.
 
         Falls back to the next URL only when the connection could not be made: the request
         was then never sent, so even a POST (snapshot, reset) cannot run twice.
@@ -160,20 +161,22 @@ class AdminClient:
             except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
                 raise CliError(f"bad URL {base!r}: {exc}") from exc
             except httpx.TimeoutException as exc:
-                raise ApiFailure(f"no answer from {url} within the timeout "
-                                 f"({type(exc).__name__}); raise it with --timeout") from exc
+                raise AdminRequestFailed(
+                    f"no answer from {url} within the timeout ({type(exc).__name__}); "
+                    "raise it with --timeout") from exc
             except httpx.TransportError as exc:
-                raise ApiFailure(f"{method} {url} failed: {exc or type(exc).__name__}") from exc
+                raise AdminRequestFailed(
+                    f"{method} {url} failed: {exc or type(exc).__name__}") from exc
             if response.status_code >= 400:
-                raise ApiFailure(f"{response.status_code}: {api_message(response)} "
-                                 f"({method} {url})")
+                raise AdminRequestFailed(f"{response.status_code}: {api_message(response)} "
+                                         f"({method} {url})")
             try:
                 return response.json()
             except ValueError as exc:
-                raise ApiFailure(f"{method} {url} answered {response.status_code} with a "
-                                 "body that is not JSON") from exc
+                raise AdminRequestFailed(f"{method} {url} answered {response.status_code} with a "
+                                         "body that is not JSON") from exc
         hint = f" ({self.target.hint})" if self.target.hint else ""
-        raise ApiFailure("cannot reach any replica: " + "; ".join(refused) + hint)
+        raise AdminRequestFailed("cannot reach any replica: " + "; ".join(refused) + hint)
 
 
 # -- readable output -------------------------------------------------------------------------
@@ -443,7 +446,7 @@ def _request(args: argparse.Namespace, target: Target) -> tuple[str, str, object
     """(HTTP method, path, JSON body, renderer) for the verb in `args`."""
     verb = args.admin_verb
     if verb == "reset" and not args.yes and not confirm_reset(target):
-        raise ApiFailure("reset cancelled")
+        raise AdminRequestFailed("reset cancelled")
     if verb == "threshold" and args.threshold is not None:
         return "PUT", THRESHOLD_PATH, {"threshold": args.threshold}, show_threshold_set
     if verb == "request":
@@ -458,7 +461,7 @@ def run(args: argparse.Namespace) -> int:
         with AdminClient(target, timeout=args.timeout) as client:
             method, path, body, show = _request(args, target)
             data = client.call(method, path, body)
-    except ApiFailure as exc:
+    except AdminRequestFailed as exc:
         print(f"jetrouter admin: error: {exc}", file=sys.stderr)
         return EXIT_API_ERROR
     except CliError as exc:

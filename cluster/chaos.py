@@ -132,7 +132,8 @@ def format_table(results: Sequence[ScenarioResult]) -> str:
 
 
 def verdict(results: Sequence[ScenarioResult]) -> list[str]:
-    """The expectations of issue 5, as failures (empty: all held)."""
+    """What every scenario must hold (no event lost, equal digests, ...), as failures
+    (empty: all held)."""
     bad = []
     for r in results:
         if r.events_lost:

@@ -1,4 +1,4 @@
-"""The chaos scenarios (issue 5 item 5) and the probes that judge them.
+"""The chaos scenarios of `jetrouter chaos` and the probes that judge them.
 
 Every scenario runs the same way against a running `LocalCluster` under steady load
 (:class:`~cluster.chaos_load.LoadDriver`): wait until traffic flows, inject the fault, measure

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from eventlog.errors import JetrouterError
+
 DEPENDS_CONDITIONS = ("service_started", "service_healthy", "service_completed_successfully")
 HEALTH_PATHS = {"serve": "/ready", "worker": "/health"}
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
@@ -56,7 +58,7 @@ def engine_flags(argv: list[str]) -> dict[str, str]:
     return out
 
 
-class YamlUnavailable(RuntimeError):
+class YamlUnavailable(JetrouterError, RuntimeError):
     """PyYAML is not installed, so compose.yaml cannot be read."""
 
 

@@ -248,7 +248,7 @@ def run(args: argparse.Namespace, modes: Sequence[str]) -> int:
     except asyncio.CancelledError:
         print("\ninterrupted; everything it started is stopped", file=sys.stderr)
         return 130
-    except (vllm_env.VllmEnvError, EngineStartError) as exc:
+    except (vllm_env.VllmEnvMissing, EngineStartError) as exc:
         print(f"jetrouter demo: error: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -28,7 +28,7 @@ from pathlib import Path
 from eventlog.connect import NatsOptions
 from eventlog.names import Names
 from eventlog.natsconf import ServerTls, identities_for, render
-from eventlog.pki import Pki, PkiError
+from eventlog.pki import CertificateNotMade, Pki
 
 ADMIN_USER = "admin"
 
@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         out = prepare_compose(args.deploy_dir)
-    except PkiError as exc:
+    except CertificateNotMade as exc:
         print(f"python -m cluster.secure: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote CA, server certificate (nats1..nats3) and passwords to {out}\n"

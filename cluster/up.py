@@ -33,10 +33,14 @@ from typing import Any
 
 import httpx
 
+from api.config import SERVE
 from eventlog import server as nats_server
-from eventlog.connect import NatsOptions, add_nats_arguments, options_from_args
+from eventlog.connect import NAMESPACE, NATS_SECURITY, NatsOptions, options_from_args
+from eventlog.errors import JetrouterError
+from eventlog.flags import Group, Option, add_options, find, forward_argv, options_of, unset
 from eventlog.names import Names
-from eventlog.pki import PkiError
+from eventlog.pki import CertificateNotMade
+from workers.config import WORKER
 
 log = logging.getLogger("jetrouter.up")
 
@@ -49,7 +53,7 @@ WORKER_PORT_OFFSET = 100
 DEFAULT_MODEL = "jetrouter-sim"
 
 
-class ClusterStartError(Exception):
+class ClusterStartError(JetrouterError):
     """The cluster did not become ready; the message names the children and their log tails."""
 
 
@@ -150,7 +154,10 @@ class LocalCluster:
         secure: bool = False,
         nats_options: NatsOptions | None = None,
         model_path: Path | str | None = None,
+        router_module: str = "api.cli",
     ) -> None:
+        # router_module: what `python -m` runs as `<module> serve ...` for each replica (a test
+        # passes one that adds debug routes; the product never ships them).
         # workers=0: engines come from elsewhere (real engines behind `jetrouter bridge`).
         if replicas < 1 or workers < 0:
             raise ValueError("a cluster needs at least one replica and no negative workers")
@@ -163,6 +170,7 @@ class LocalCluster:
         self.base_port = base_port
         self.data_dir = Path(data_dir).resolve()
         self.router_args = list(router_args)
+        self.router_module = router_module
         self.worker_args = list(worker_args)
         self.nats_url = nats_url or ""
         self.restart = restart
@@ -358,7 +366,7 @@ class LocalCluster:
         if child.kind == "replica":
             replica_dir = self.data_dir / child.name
             replica_dir.mkdir(exist_ok=True)
-            child.argv = [sys.executable, "-m", "api.cli", "serve", *common,
+            child.argv = [sys.executable, "-m", self.router_module, "serve", *common,
                           "--replica-id", child.name, "--nats-url", self.nats_url,
                           "--namespace", self.namespace, "--data-dir", str(replica_dir),
                           f"--admin-token={self.admin_token}", *self.router_args]
@@ -502,6 +510,58 @@ class LocalCluster:
 # -- the `jetrouter up` verb -----------------------------------------------------------------
 
 
+UP = Group(
+    "cluster",
+    Option("replicas", int, 2, "router replicas", at_least=1),
+    Option("workers", int, 4, "simulated workers (0: real engines only, via bridges)",
+           at_least=0),
+    Option("base-port", int, 8000, "first replica port; 0 = free ports", at_least=0),
+    Option("data-dir", Path, Path(".jetrouter"),
+           "logs, nats store, replica data, cluster.json"),
+    Option("nats-url", help="use this NATS (JetStream enabled) instead of an embedded "
+                            "nats-server"),
+    Option("nats-cluster", int, 1, "embedded nats-server cluster size (1 or 3)", at_least=1),
+    NAMESPACE,
+    Option("no-restart", bool, help="do not restart a replica or worker that dies"),
+    Option("admin-token", help="admin bearer token (default: a fresh random one)"),
+    Option("ready-timeout", float, 60.0, "seconds to wait for every child to be ready",
+           above=0),
+    Option("secure", bool, help="secure the embedded nats-server: TLS with a generated CA, one "
+                                "user per replica/engine with only the subjects its role needs, "
+                                "an admin user; files under <data-dir>/secure/"),
+)
+
+# `serve` / `worker` options `up` takes itself and hands to the children that have them; left
+# out, each child keeps its own default. Forwarding another one is one more name here.
+FORWARDED = ("router-mode", "kv-cache-block-size", "num-gpu-blocks", "speedup-ratio")
+
+
+def _names(groups: tuple[Group, ...]) -> set[str]:
+    return {o.name for o in options_of(groups)}
+
+
+def _forwarded_option(name: str) -> Option:
+    to = [who for who, groups in (("replicas", SERVE), ("workers", WORKER))
+          if name in _names(groups)]
+    if not to:
+        raise KeyError(f"{name}: neither a `serve` nor a `worker` option")
+    source = find(SERVE, name) if "replicas" in to else find(WORKER, name)
+    return unset(source, help=f"{' and '.join(to)}: {source.help}")
+
+
+CHILDREN = Group(
+    "forwarded to the children",
+    *(_forwarded_option(name) for name in FORWARDED),
+    Option("router-arg", repeat=True, metavar="ARG",
+           help="extra raw argument for every replica (repeatable)"),
+    Option("worker-arg", repeat=True, metavar="ARG",
+           help="extra raw argument for every worker (repeatable)"),
+    Option("model-path", help="replicas and workers: one HuggingFace model folder "
+                              "(tokenizer.json, tokenizer_config.json) so both tokenize alike "
+                              "(default: byte tokens)"),
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = (
@@ -510,44 +570,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "<data-dir>/admin-token); logs go to <data-dir>/logs/<name>.log. Other flags reach the\n"
         "children with --router-arg=--flag=value / --worker-arg=--flag=value (repeatable).\n"
         "Every flag can also be set as JETROUTER_<FLAG>, e.g. JETROUTER_REPLICAS=3.")
-    p.add_argument("--replicas", type=int, default=2, help="router replicas (default 2)")
-    p.add_argument("--workers", type=int, default=4,
-                   help="simulated workers (default 4; 0: real engines only, via bridges)")
-    p.add_argument("--base-port", type=int, default=8000,
-                   help="first replica port (default 8000); 0 = free ports")
-    p.add_argument("--data-dir", type=Path, default=Path(".jetrouter"),
-                   help="logs, nats store, replica data, cluster.json (default .jetrouter)")
-    p.add_argument("--nats-url", default=None,
-                   help="use this NATS (JetStream enabled) instead of an embedded nats-server")
-    p.add_argument("--nats-cluster", type=int, default=1,
-                   help="embedded nats-server cluster size (1 or 3; default 1)")
-    p.add_argument("--namespace", default="jr", help="stream/subject prefix (default jr)")
-    p.add_argument("--no-restart", action="store_true",
-                   help="do not restart a replica or worker that dies")
-    p.add_argument("--admin-token", default=None,
-                   help="admin bearer token (default: a fresh random one)")
-    p.add_argument("--ready-timeout", type=float, default=60.0,
-                   help="seconds to wait for every child to be ready (default 60)")
-    p.add_argument("--secure", action="store_true",
-                   help="secure the embedded nats-server: TLS with a generated CA, one user "
-                        "per replica/engine with only the subjects its role needs, an admin "
-                        "user; files under <data-dir>/secure/")
-    add_nats_arguments(p)  # credentials/TLS of an existing NATS (--nats-url), for every child
-    g = p.add_argument_group("forwarded to the children")
-    g.add_argument("--router-mode", default=None,
-                   help="replicas: kv | round-robin | random | least-loaded")
-    g.add_argument("--kv-cache-block-size", type=int, default=None,
-                   help="replicas and workers: tokens per KV block (must match)")
-    g.add_argument("--num-gpu-blocks", type=int, default=None, help="workers: KV cache blocks")
-    g.add_argument("--speedup-ratio", type=float, default=None,
-                   help="workers: divide simulated step times by this")
-    g.add_argument("--router-arg", action="append", default=[], metavar="ARG",
-                   help="extra raw argument for every replica (repeatable)")
-    g.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
-                   help="extra raw argument for every worker (repeatable)")
-    g.add_argument("--model-path", default=None,
-                   help="replicas and workers: one HuggingFace model folder (tokenizer.json, "
-                        "tokenizer_config.json) so both tokenize alike (default: byte tokens)")
+    # NATS security: credentials/TLS of an existing NATS (--nats-url), for every child.
+    add_options(p, (UP, NATS_SECURITY, CHILDREN))
 
 
 def check_model_path(path: str | None) -> None:
@@ -555,28 +579,22 @@ def check_model_path(path: str | None) -> None:
     if not path:
         return
     from api.cli import CliError
-    from eventlog.model_tokenizer import ModelFolderError, load_codec
+    from eventlog.model_tokenizer import ModelFolderUnusable, load_codec
 
     try:
         load_codec(path)
-    except ModelFolderError as exc:
+    except ModelFolderUnusable as exc:
         raise CliError(str(exc)) from None
+
+
+TO_REPLICAS = [o for o in CHILDREN.options if o.name in FORWARDED and o.name in _names(SERVE)]
+TO_WORKERS = [o for o in CHILDREN.options if o.name in FORWARDED and o.name in _names(WORKER)]
 
 
 def forwarded_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """(router_args, worker_args) from the forwarding flags; unset flags are left to the child."""
-    router: list[str] = []
-    worker: list[str] = []
-    if args.router_mode is not None:
-        router += ["--router-mode", args.router_mode]
-    if args.kv_cache_block_size is not None:
-        router += ["--kv-cache-block-size", str(args.kv_cache_block_size)]
-        worker += ["--kv-cache-block-size", str(args.kv_cache_block_size)]
-    if args.num_gpu_blocks is not None:
-        worker += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
-    if args.speedup_ratio is not None:
-        worker += ["--speedup-ratio", str(args.speedup_ratio)]
-    return router + list(args.router_arg), worker + list(args.worker_arg)
+    return (forward_argv(args, TO_REPLICAS) + list(args.router_arg),
+            forward_argv(args, TO_WORKERS) + list(args.worker_arg))
 
 
 def banner(cluster: LocalCluster) -> str:
@@ -656,7 +674,7 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(_serve_until_signalled(cluster))
     except nats_server.NatsServerNotFound as exc:
         raise CliError(str(exc)) from None
-    except PkiError as exc:
+    except CertificateNotMade as exc:
         raise CliError(f"--secure: {exc}") from None
     except ClusterStartError as exc:
         print(f"jetrouter up: error: {exc}", file=sys.stderr)

@@ -29,6 +29,7 @@ from typing import Any, TextIO
 import httpx
 
 from cluster.up import LocalCluster
+from eventlog.errors import JetrouterError
 from eventlog.server import NatsServer
 from workers.vllm.engine import DEFAULT_BLOCK_SIZE, VllmEngine
 from workers.vllm.env import REPO_ROOT, child_preexec
@@ -48,7 +49,7 @@ def router_model_args(model_dir: Path) -> list[str]:
     return ["--tokenizer", str(model_dir / "tokenizer.json")]
 
 
-class EngineStartError(RuntimeError):
+class EngineStartError(JetrouterError, RuntimeError):
     """An engine (or a bridge) did not come up; the message carries its log tail."""
 
 

@@ -25,6 +25,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from eventlog.errors import JetrouterError
 from eventlog.events import Event, encode_batch
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 MSG_ID_HEADER = "Nats-Msg-Id"
 
 
-class AppendFailed(RuntimeError):
+class AppendFailed(JetrouterError, RuntimeError):
     """An append that did not reach the stream after every retry (or failed for good)."""
 
     def __init__(self, subject: str, msg_id: str, cause: BaseException) -> None:

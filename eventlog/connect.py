@@ -3,8 +3,8 @@
 NATS carries every fact, so every process — replica, projector, engine, bridge, `up` — connects
 with the same options: servers plus credentials (a ``.creds`` file, an NKey seed file,
 user/password, or a token) and TLS (CA, client certificate/key, ``tls://`` URLs, TLS handshake
-first). :func:`add_nats_arguments` adds those flags to a verb once; :func:`options_from_args`
-reads them back; :func:`connect` hands them to ``nats.connect``.
+first). :data:`NATS_SECURITY` declares those flags once (see :mod:`eventlog.flags`);
+:func:`options_from_args` reads them back; :func:`connect` hands them to ``nats.connect``.
 
 Secrets are best given as files (``--nats-password-file``, ``--nats-token-file``, ``--nats-creds``,
 ``--nats-nkey``) or as ``JETROUTER_NATS_PASSWORD`` / ``JETROUTER_NATS_TOKEN`` in the environment,
@@ -33,6 +33,9 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
+from eventlog.errors import JetrouterError
+from eventlog.flags import Group, Option, add_options
+
 log = logging.getLogger("jetrouter.nats")
 
 
@@ -52,11 +55,11 @@ PASSWORD_ENV = "JETROUTER_NATS_PASSWORD"
 TOKEN_ENV = "JETROUTER_NATS_TOKEN"
 
 
-class NatsOptionsError(ValueError):
+class NatsOptionsInvalid(JetrouterError, ValueError):
     """The options cannot work (a missing file, a key without its certificate, ...)."""
 
 
-class NatsConnectFatal(RuntimeError):
+class NatsConnectFatal(JetrouterError, RuntimeError):
     """Connecting cannot succeed by retrying: authentication or TLS verification failed."""
 
 
@@ -88,13 +91,13 @@ class NatsOptions:
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
-            raise NatsOptionsError("--nats-tls-cert and --nats-tls-key go together")
+            raise NatsOptionsInvalid("--nats-tls-cert and --nats-tls-key go together")
         if self.password and self.password_file:
-            raise NatsOptionsError("give --nats-password or --nats-password-file, not both")
+            raise NatsOptionsInvalid("give --nats-password or --nats-password-file, not both")
         if self.token and self.token_file:
-            raise NatsOptionsError("give --nats-token or --nats-token-file, not both")
+            raise NatsOptionsInvalid("give --nats-token or --nats-token-file, not both")
         if (self.password or self.password_file) and not self.user:
-            raise NatsOptionsError("--nats-password needs --nats-user")
+            raise NatsOptionsInvalid("--nats-password needs --nats-user")
 
     def with_servers(self, url: str | list[str] | tuple[str, ...]) -> NatsOptions:
         return replace(self, servers=split_servers(url))
@@ -151,34 +154,39 @@ class NatsOptions:
 # --- command line ----------------------------------------------------------------------------
 
 
-def add_nats_arguments(parser: argparse.ArgumentParser | Any) -> None:
-    """The NATS security flags (``--nats-url`` stays with each verb: its default differs).
-    ``parser`` may be an argument group."""
-    g = parser.add_argument_group("NATS security") if hasattr(parser, "add_argument_group") \
-        else parser
-    g.add_argument("--nats-creds", default=None, metavar="FILE",
-                   help="NATS credentials file (.creds: user JWT + NKey seed)")
-    g.add_argument("--nats-nkey", default=None, metavar="FILE", help="NATS NKey user seed file")
-    g.add_argument("--nats-user", default=None, help="NATS user name")
-    g.add_argument("--nats-password", default=None,
-                   help=f"NATS password (visible in ps: prefer --nats-password-file or "
-                        f"{PASSWORD_ENV})")
-    g.add_argument("--nats-password-file", default=None, metavar="FILE",
-                   help="file holding the NATS password")
-    g.add_argument("--nats-token", default=None,
-                   help=f"NATS auth token (prefer --nats-token-file or {TOKEN_ENV})")
-    g.add_argument("--nats-token-file", default=None, metavar="FILE",
-                   help="file holding the NATS auth token")
-    g.add_argument("--nats-tls-ca", default=None, metavar="FILE",
-                   help="CA certificate(s) that sign the NATS servers' certificates")
-    g.add_argument("--nats-tls-cert", default=None, metavar="FILE",
-                   help="client certificate for NATS servers that verify clients")
-    g.add_argument("--nats-tls-key", default=None, metavar="FILE",
-                   help="private key of --nats-tls-cert")
-    g.add_argument("--nats-tls-hostname", default=None,
-                   help="name to verify the server certificate against (default: the URL's host)")
-    g.add_argument("--nats-tls-handshake-first", action="store_true",
-                   help="start TLS before the NATS INFO (servers with handshake_first)")
+NATS_SECURITY = Group(
+    "NATS security",
+    Option("nats-creds", metavar="FILE",
+           help="NATS credentials file (.creds: user JWT + NKey seed)"),
+    Option("nats-nkey", metavar="FILE", help="NATS NKey user seed file"),
+    Option("nats-user", help="NATS user name"),
+    Option("nats-password", help=f"NATS password (visible in ps: prefer --nats-password-file "
+                                 f"or {PASSWORD_ENV})"),
+    Option("nats-password-file", metavar="FILE", help="file holding the NATS password"),
+    Option("nats-token", help=f"NATS auth token (prefer --nats-token-file or {TOKEN_ENV})"),
+    Option("nats-token-file", metavar="FILE", help="file holding the NATS auth token"),
+    Option("nats-tls-ca", metavar="FILE",
+           help="CA certificate(s) that sign the NATS servers' certificates"),
+    Option("nats-tls-cert", metavar="FILE",
+           help="client certificate for NATS servers that verify clients"),
+    Option("nats-tls-key", metavar="FILE", help="private key of --nats-tls-cert"),
+    Option("nats-tls-hostname",
+           help="name to verify the server certificate against (default: the URL's host)"),
+    Option("nats-tls-handshake-first", bool,
+           help="start TLS before the NATS INFO (servers with handshake_first)"),
+)
+"""How every process authenticates to NATS and checks its TLS. ``--nats-url`` stays with each
+verb: its default differs (an engine without one publishes no events, `up` starts its own)."""
+
+NAMESPACE = Option("namespace", default="jr",
+                   help="prefix of every stream, subject and bucket; every process of one "
+                        "cluster uses the same")
+
+
+def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
+    """The NATS security flags, for parsers built outside the ``jetrouter`` verbs (the
+    projector child process, tests)."""
+    add_options(parser, [NATS_SECURITY])
 
 
 def options_from_args(args: argparse.Namespace, *, url: str | None = None,
@@ -222,7 +230,7 @@ def check_files(options: NatsOptions) -> None:
                        ("--nats-tls-ca", options.tls_ca), ("--nats-tls-cert", options.tls_cert),
                        ("--nats-tls-key", options.tls_key)):
         if path and not os.access(path, os.R_OK):
-            raise NatsOptionsError(f"{flag} {path}: no such readable file")
+            raise NatsOptionsInvalid(f"{flag} {path}: no such readable file")
 
 
 # --- connecting ------------------------------------------------------------------------------
@@ -360,9 +368,11 @@ def check_connect_sync(options: NatsOptions, *, name: str, timeout: float = 5.0)
 
 
 __all__ = [
+    "NAMESPACE",
+    "NATS_SECURITY",
     "NatsConnectFatal",
     "NatsOptions",
-    "NatsOptionsError",
+    "NatsOptionsInvalid",
     "add_nats_arguments",
     "check_connect",
     "check_connect_sync",

@@ -7,9 +7,12 @@ of tagged events, so a worker's cache changes that happened together are applied
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Literal
 
 import msgspec
+
+from eventlog.errors import JetrouterError
 
 # Bounds every decoded event must respect. Anything else on a stream is malformed: counted and
 # skipped by every replica alike, never applied (design-notes: "absurd events"). They keep each
@@ -32,6 +35,18 @@ BlockPair = tuple[Hash, Hash]
 CandidateRow = tuple[str, int, int, float, float, float, bool]
 """(worker_id, dp_rank, overlap_blocks, prefill_blocks, decode_blocks, cost, busy): one
 candidate's cost terms in a routing decision, kept for the decision ledger."""
+
+
+class Outcome(StrEnum):
+    """How a request (or one hop of it) ended: ``RequestFinished.outcome``. The field stays a
+    plain string on the wire, so an outcome a newer producer adds is carried, not malformed."""
+
+    OK = "ok"
+    ERROR = "error"
+    CANCELLED = "cancelled"
+    MIGRATED = "migrated"      # a hop moved to another engine; the request goes on
+    EXPIRED = "expired"
+    NOT_ROUTED = "not_routed"  # the decision's append failed; closed in case it landed later
 
 
 class _Event(msgspec.Struct, frozen=True, tag=True, array_like=False, omit_defaults=False):
@@ -117,7 +132,7 @@ class PrefillCompleted(_Event, frozen=True, tag=True):
 
 class RequestFinished(_Event, frozen=True, tag=True):
     request_id: Id
-    outcome: str  # "ok" | "error" | "cancelled" | "migrated" | "expired"
+    outcome: str  # an Outcome
     output_tokens: Count
     ts: Ts
     # Prompt tokens the engine reports it served from its prefix cache
@@ -188,7 +203,7 @@ Event = KvEvent | RouterEvent | ControlEvent
 Batch = list[Event]
 
 
-class MalformedMessage(ValueError):
+class MalformedMessage(JetrouterError, ValueError):
     """A stream message that is not a valid batch of events (garbage bytes or wrong schema)."""
 
 

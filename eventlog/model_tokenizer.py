@@ -26,6 +26,7 @@ from datetime import datetime
 from typing import Any
 
 from eventlog import tokens
+from eventlog.errors import JetrouterError
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -38,11 +39,11 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_t
 _TEMPLATE_REQUEST_FIELDS = ("tools", "documents")
 
 
-class ModelFolderError(ValueError):
+class ModelFolderUnusable(JetrouterError, ValueError):
     """A model folder (or tokenizer file) that cannot be used; the message names the path."""
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateFailed(JetrouterError, ValueError):
     """The chat template refused the conversation (``raise_exception``) or failed to render."""
 
 
@@ -64,7 +65,7 @@ def chat_content_text(content: Any) -> str:
 
 
 def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(message)
+    raise ChatTemplateFailed(message)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
@@ -106,7 +107,7 @@ class ChatTemplate:
         try:
             self._template = env.from_string(source)
         except TemplateError as exc:
-            raise ModelFolderError(f"chat_template does not compile: {exc}") from exc
+            raise ModelFolderUnusable(f"chat_template does not compile: {exc}") from exc
         self.source = source
         self.special_tokens = dict(special_tokens)
 
@@ -118,12 +119,12 @@ class ChatTemplate:
                      "add_generation_prompt": add_generation_prompt}
         try:
             return self._template.render(**variables)
-        except ChatTemplateError:
+        except ChatTemplateFailed:
             raise
         except self._template_error as exc:
-            raise ChatTemplateError(f"the chat template failed: {exc}") from exc
+            raise ChatTemplateFailed(f"the chat template failed: {exc}") from exc
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
-            raise ChatTemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") \
+            raise ChatTemplateFailed(f"the chat template failed: {type(exc).__name__}: {exc}") \
                 from exc
 
 
@@ -159,7 +160,7 @@ class ModelTokenizer:
         try:
             tok = HFTokenizer.from_file(file)
         except Exception as exc:  # the library raises bare Exception subclasses
-            raise ModelFolderError(f"cannot load tokenizer from {file!r}: {exc}") from exc
+            raise ModelFolderUnusable(f"cannot load tokenizer from {file!r}: {exc}") from exc
         # A truncating or padding tokenizer would silently change the ids we hash.
         tok.no_truncation()
         tok.no_padding()
@@ -178,7 +179,7 @@ class ModelTokenizer:
                 with open(template_file, encoding="utf-8") as fh:
                     source = fh.read()
             except OSError as exc:
-                raise ModelFolderError(f"cannot read {template_file!r}: {exc}") from exc
+                raise ModelFolderUnusable(f"cannot read {template_file!r}: {exc}") from exc
         if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, Mapping)}
             source = named.get("default")
@@ -193,9 +194,9 @@ class ModelTokenizer:
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as exc:
-            raise ModelFolderError(f"cannot read {file!r}: {exc}") from exc
+            raise ModelFolderUnusable(f"cannot read {file!r}: {exc}") from exc
         if not isinstance(config, dict):
-            raise ModelFolderError(f"{file!r} is not a JSON object")
+            raise ModelFolderUnusable(f"{file!r} is not a JSON object")
         return config
 
     # --- text -> ids ------------------------------------------------------------------------
@@ -267,8 +268,8 @@ def load_codec(model_path: str | os.PathLike[str] | None) -> Codec:
         return ByteCodec()
     path = os.fspath(model_path)
     if not os.path.exists(path):
-        raise ModelFolderError(f"model path {path!r} does not exist")
+        raise ModelFolderUnusable(f"model path {path!r} does not exist")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, TOKENIZER_FILE)):
-        raise ModelFolderError(f"model path {path!r} has no {TOKENIZER_FILE}")
+        raise ModelFolderUnusable(f"model path {path!r} has no {TOKENIZER_FILE}")
     return ModelTokenizer(path)
 

@@ -11,6 +11,24 @@ CONTROL = "control"
 STREAM_KINDS: tuple[str, ...] = (KV, ROUTER, CONTROL)
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+ANY = "*"  # the one-token wildcard: subscriptions and permissions cover every id
+
+# A migrated request's later hops are routed under ``<request_id>~<n>`` (design-notes 8); the
+# decision ledger groups them back by the base id.
+HOP_SEPARATOR = "~"
+
+
+def hop_request_id(base_id: str, hop: int) -> str:
+    """The request id of hop ``hop`` (1, 2, ...) of request ``base_id``."""
+    return f"{base_id}{HOP_SEPARATOR}{hop}"
+
+
+def split_hop(request_id: str) -> tuple[str, int]:
+    """``"abc~2"`` -> ``("abc", 2)``; an id without a numeric ``~hop`` suffix is hop 0."""
+    base, sep, suffix = request_id.rpartition(HOP_SEPARATOR)
+    if sep and base and suffix.isdigit():
+        return base, int(suffix)
+    return request_id, 0
 
 
 def check_token(value: str, what: str) -> str:
@@ -18,6 +36,10 @@ def check_token(value: str, what: str) -> str:
     if not _TOKEN.match(value):
         raise ValueError(f"{what} {value!r} must match [A-Za-z0-9_-]+ (it becomes a subject token)")
     return value
+
+
+def _id_token(value: str, what: str) -> str:
+    return value if value == ANY else check_token(value, what)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,17 +57,26 @@ class Names:
         return f"{self.namespace}.{kind}.>"
 
     def kv_subject(self, worker_id: str) -> str:
-        return f"{self.namespace}.{KV}.{check_token(worker_id, 'worker id')}"
+        return f"{self.namespace}.{KV}.{_id_token(worker_id, 'worker id')}"
 
     def router_subject(self, replica_id: str) -> str:
-        return f"{self.namespace}.{ROUTER}.{check_token(replica_id, 'replica id')}"
+        return f"{self.namespace}.{ROUTER}.{_id_token(replica_id, 'replica id')}"
 
     def control_subject(self, kind: str) -> str:
-        return f"{self.namespace}.{CONTROL}.{check_token(kind, 'control kind')}"
+        return f"{self.namespace}.{CONTROL}.{_id_token(kind, 'control kind')}"
 
-    def load_subject(self, worker_id: str) -> str:
+    def load_subject(self, worker_id: str = ANY) -> str:
         """Core-NATS gauges (not replayed)."""
-        return f"{self.namespace}.load.{check_token(worker_id, 'worker id')}"
+        return f"{self.namespace}.load.{_id_token(worker_id, 'worker id')}"
+
+    def admin_subject(self, verb: str = ANY) -> str:
+        """Core-NATS requests to the leader replica (``snapshot``, ``reset``)."""
+        return f"{self.namespace}.admin.{_id_token(verb, 'admin verb')}"
+
+    @property
+    def health_report_subject(self) -> str:
+        """Core-NATS passive health reports: a replica tells the leader a request failed."""
+        return f"{self.namespace}.health.report"
 
     def reannounce_subject(self, worker_id: str = "*") -> str:
         """Core-NATS request to a worker to re-announce its whole cache."""

@@ -29,7 +29,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from eventlog.names import Names, check_token
+from eventlog.names import ANY, Names, check_token
 
 ROLES = ("admin", "replica", "engine")
 ACCOUNT = "JETROUTER"
@@ -90,7 +90,6 @@ def _manage_api(stream: str) -> list[str]:
 
 def permissions(role: str, ident: str, names: Names) -> Permissions | None:
     """The permissions of one identity (None: unrestricted, the admin)."""
-    ns = names.namespace
     if role == "admin":
         return None
     if role == "engine":
@@ -111,12 +110,14 @@ def permissions(role: str, ident: str, names: Names) -> Permissions | None:
         for stream in jetrouter_streams(names):
             api += _read_api(stream) + _manage_api(stream)
         return Permissions(
-            publish=(f"{ns}.router.*", f"{ns}.kv.*", f"{ns}.control.*", f"{ns}.admin.*",
-                     f"{ns}.reannounce.*", f"{ns}.health.report",
+            publish=(names.router_subject(ANY), names.kv_subject(ANY),
+                     names.control_subject(ANY), names.admin_subject(ANY),
+                     names.reannounce_subject(ANY), names.health_report_subject,
                      names.heartbeat_subject(ident), f"$KV.{names.replicas_bucket}.>",
                      f"$KV.{names.leases_bucket}.>",
                      f"$O.{names.snapshot_bucket}.>", *api),
-            subscribe=("_INBOX.>", f"{ns}.load.*", f"{ns}.admin.*", f"{ns}.health.report",
+            subscribe=("_INBOX.>", names.load_subject(ANY), names.admin_subject(ANY),
+                       names.health_report_subject,
                        names.heartbeat_subject(), f"$KV.{names.leases_bucket}.>"),
         )
     raise ValueError(f"unknown role {role!r}")

@@ -14,8 +14,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from eventlog.errors import JetrouterError
 
-class PkiError(RuntimeError):
+
+class CertificateNotMade(JetrouterError, RuntimeError):
     """openssl is missing or refused to make a certificate (the message says which)."""
 
 
@@ -28,8 +30,8 @@ class CertPair:
 def _openssl() -> str:
     found = shutil.which("openssl")
     if found is None:
-        raise PkiError("the `openssl` command is needed to make TLS certificates "
-                       "(Debian: apt-get install openssl)")
+        raise CertificateNotMade("the `openssl` command is needed to make TLS certificates "
+                                 "(Debian: apt-get install openssl)")
     return found
 
 
@@ -38,7 +40,7 @@ def _run(args: list[str], cwd: Path) -> None:
                           check=False)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise PkiError(f"openssl {args[0]} failed: {last}")
+        raise CertificateNotMade(f"openssl {args[0]} failed: {last}")
 
 
 def _private(path: Path) -> None:

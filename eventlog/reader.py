@@ -34,6 +34,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from eventlog.binding import foreign_party
+from eventlog.errors import JetrouterError
 from eventlog.events import Event, MalformedMessage, decode_batch
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ _STATUS_HEARTBEAT = "100"
 _STATUS_REQUEST_DONE = ("404", "408")
 
 
-class StartPurged(Exception):
+class StartPurged(JetrouterError):
     """The stream no longer holds ``wanted``: it starts at ``first_seq`` (purged or deleted).
 
     The caller must restore from a snapshot at or beyond ``first_seq - 1`` and read again.

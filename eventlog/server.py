@@ -25,15 +25,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from eventlog.errors import JetrouterError
+
 LOOPBACK = "127.0.0.1"
 _POLL_INTERVAL = 0.01
 
 
-class NatsServerNotFound(RuntimeError):
+class NatsServerNotFound(JetrouterError, RuntimeError):
     """No ``nats-server`` binary next to the interpreter or on PATH."""
 
 
-class NatsServerFailed(RuntimeError):
+class NatsServerFailed(JetrouterError, RuntimeError):
     """A ``nats-server`` process exited or did not become ready in time."""
 
 

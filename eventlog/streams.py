@@ -19,6 +19,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig, StreamInfo
 from nats.js.errors import APIError, NotFoundError
 
+from eventlog.errors import JetrouterError
 from eventlog.names import STREAM_KINDS, Names
 
 CREATE_ANSWER_WAIT = 30.0
@@ -37,7 +38,7 @@ _PLACEMENT_ERRORS = {_ERR_NOT_CLUSTERED, _ERR_NO_PEERS, _ERR_INSUFFICIENT_RESOUR
 _ERR_NAME_IN_USE = 10058
 
 
-class StreamConfigConflict(RuntimeError):
+class StreamConfigConflict(JetrouterError, RuntimeError):
     """An existing stream has a config that cannot be updated in place (e.g. memory storage)."""
 
 

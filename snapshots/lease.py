@@ -1,4 +1,4 @@
-"""The leader lease: key ``leader`` in the KV bucket ``<ns>-leases`` (design.md §7, issue 4).
+"""The leader lease: key ``leader`` in the KV bucket ``<ns>-leases`` (design.md §7).
 
 The bucket's max age is the lease TTL: a holder that stops renewing loses the key when the
 server expires it, and only then can another replica create it. Every write is conditional

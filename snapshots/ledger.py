@@ -2,8 +2,9 @@
 
 A row is born from ``RequestRouted`` (with every candidate's cost terms), then filled in by
 ``PrefillCompleted`` / ``RequestFinished``; ``ReplicaLost`` marks the lost replica's still-open
-rows. A migrated request (issue 6) is re-routed as ``<request_id>~<hop>``: each hop is its own
-row carrying ``base_id`` and ``hop``, and a lookup by the base id returns all of them.
+rows. A request migrated off a failed engine (``api/forward/``) is re-routed as
+``<request_id>~<hop>``: each hop is its own row carrying ``base_id`` and ``hop``, and a lookup
+by the base id returns all of them.
 
 Throughput (~1,000 decisions/s, three events each) rules out a statement per event, so a group of
 stream messages is first *folded* in memory, in stream order, into rows to insert and column
@@ -32,25 +33,16 @@ from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from eventlog import events as ev
-from eventlog.names import ROUTER
+from eventlog.names import ROUTER, split_hop
 from snapshots.db import Tracking, decision_ledger, from_json, to_json
 
 Message = tuple[int, Sequence[ev.Event]]
 
-HOP_SEPARATOR = "~"
 _RETENTION_STEPS = 1000
 _LOOKUP_CHUNK = 500  # ids per IN (...) list: well under every backend's bound-parameter limit
 CANDIDATE_FIELDS = (
     "worker", "dp_rank", "overlap_blocks", "prefill_blocks", "decode_blocks", "cost", "busy",
 )
-
-
-def split_hop(request_id: str) -> tuple[str, int]:
-    """``"abc~2"`` -> ``("abc", 2)``; an id without a numeric ``~hop`` suffix is hop 0."""
-    base, sep, suffix = request_id.rpartition(HOP_SEPARATOR)
-    if sep and base and suffix.isdigit():
-        return base, int(suffix)
-    return request_id, 0
 
 
 class LedgerView:

@@ -55,6 +55,7 @@ from nats.js.api import (
 from nats.js.errors import NotFoundError
 from nats.js.object_store import ObjectStore
 
+from eventlog.errors import JetrouterError
 from eventlog.names import Names
 from eventlog.streams import cluster_size_hint, ensure_stream
 
@@ -95,7 +96,7 @@ class LoadedSnapshot(NamedTuple):
     skipped: list[tuple[str, str]]
 
 
-class SnapshotCorrupt(Exception):
+class SnapshotCorrupt(JetrouterError):
     """A stored snapshot failed verification (digest, decompression, checksum or meta)."""
 
     def __init__(self, snapshot_id: str, why: str) -> None:
@@ -104,7 +105,7 @@ class SnapshotCorrupt(Exception):
         self.why = why
 
 
-class SnapshotNotFound(KeyError):
+class SnapshotNotFound(JetrouterError, KeyError):
     """No snapshot with that id (never written, pruned or deleted)."""
 
 
@@ -398,5 +399,5 @@ class SnapshotStore:
                 "messages": info.state.messages, "replicas": info.config.num_replicas}
 
 
-class _ShortRead(Exception):
+class _ShortRead(JetrouterError):
     """Fewer chunks stored than the object meta says."""

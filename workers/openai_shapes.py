@@ -14,13 +14,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from eventlog.model_tokenizer import ByteCodec, ChatTemplateError, Codec
+from eventlog.errors import JetrouterError
+from eventlog.model_tokenizer import ByteCodec, ChatTemplateFailed, Codec
 from eventlog.tokens import MAX_TOKEN_ID, decode, role_error
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) documented default for /completions
 
 
-class BadRequest(ValueError):
+class BadRequest(JetrouterError, ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
@@ -78,7 +79,7 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int,
                 raise BadRequest(f"messages[{i}].role: {why}", f"messages[{i}].role")
         try:
             ids = codec.encode_chat(messages, body)
-        except ChatTemplateError as exc:
+        except ChatTemplateFailed as exc:
             raise BadRequest(str(exc), "messages") from None
         fallback = default_max_tokens
     else:

@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from eventlog.errors import JetrouterError
 from eventlog.hashing import tokens_hashes
 from workers.generation import ContextState, next_token, wrong_token
 from workers.kvcache import Block, KVCache, KvChange
@@ -88,7 +89,7 @@ class StepOutcome:
     changes: list[KvChange]
 
 
-class RequestTooLarge(ValueError):
+class RequestTooLarge(JetrouterError, ValueError):
     """Prompt + max_tokens can never fit in this engine's KV cache."""
 
 

@@ -1,4 +1,4 @@
-"""Divergence detection between replicas, from their heartbeats (issue 5 item 2).
+"""Divergence detection between replicas, from their heartbeats.
 
 Pure: no I/O, no clock. Two replicas that have applied exactly the same messages of all three
 streams must hold the same state (design.md §5), so their ``state`` digests must be equal. Live
@@ -7,9 +7,6 @@ quiet for a heartbeat round, which is when a mismatch is caught.
 
 ``Heartbeat`` lives here (not in ``liveness.py``) because it is the pure value both sides use:
 the liveness adapter publishes it, ``compare`` reads it.
-
-Also here: :func:`inject_divergence`, the test-only hook that corrupts a replica's state on
-purpose, so a test (or a chaos run) can prove the detection works end to end.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ from eventlog.names import STREAM_KINDS
 
 STATE = "state"
 PARTS: tuple[str, ...] = ("index", "load", "config")
-INJECTED = "__injected__"  # worker/request id used by inject_divergence; never a real id
 
 
 class Heartbeat(msgspec.Struct, frozen=True):
@@ -150,47 +146,3 @@ class DivergenceDetector:
         self.total += len(new)
         self.recent = (self.recent + new)[-self.keep:]
         return new
-
-
-# --- test-only hook ----------------------------------------------------------------------------
-
-
-class _InjectableState(Protocol):
-    """The parts of ``replicas.core.state.RouterState`` the hook touches (kept structural so this
-    module does not import the state machine)."""
-
-    index: object
-    load: object
-    health: dict[str, str]
-    now: float
-
-
-def inject_divergence(state: _InjectableState, part: str = "index",
-                      *, replica_id: str = INJECTED) -> str:
-    """Corrupt ``state`` *without* a stream event, so its digest differs from every peer's at
-    equal positions. Test-only: the caller must guard it (``JETROUTER_TEST_HOOKS=1``).
-
-    ``part`` picks what to corrupt, each invisible to routing:
-    - ``index``: one block on a worker key that is never registered (candidates come from the
-      registered workers, so it is never routed to);
-    - ``load``: one in-flight request owned by ``replica_id`` on an unregistered worker (it stays
-      until a ``StateReset``, or a ``ReplicaLost`` for ``replica_id``);
-    - ``config``: a health entry for an unregistered worker.
-    Each call adds a different item, so repeated injections keep changing the digest. Returns a
-    short description. A ``StateReset`` (``POST /admin/reset``) heals every kind.
-    """
-    if part == "index":
-        n = state.index.total_blocks  # type: ignore[attr-defined]
-        block = 0x1D1E_5EED_0000 + n
-        state.index.store((INJECTED, 0), None, [(block, block)])  # type: ignore[attr-defined]
-        return f"index: block {block:#x} on unregistered worker {INJECTED}"
-    if part == "load":
-        request_id = f"{INJECTED}-{len(state.load)}"  # type: ignore[arg-type]
-        state.load.add(request_id, replica_id, (INJECTED, 0), 1, [],  # type: ignore[attr-defined]
-                       state.now)
-        return f"load: request {request_id} owned by {replica_id}"
-    if part == "config":
-        key = f"{INJECTED}-{len(state.health)}"
-        state.health[key] = "unhealthy"
-        return f"config: health entry {key}"
-    raise ValueError(f"part must be one of {', '.join(PARTS)}, got {part!r}")

@@ -1,6 +1,6 @@
 """Worker health: a circuit breaker per worker and the HEALTHY → SUSPICIOUS → UNHEALTHY machine.
 
-Pure (seed 002, "Canary Health Check System" and "Circuit Breaker Pattern"): no clock, no I/O.
+Pure (the canary checks and circuit breaker of Dynamo's fault-tolerance guide): no clock, no I/O.
 Every method takes ``now`` (float seconds since the epoch); the adapter
 (``replicas/runtime/canary.py``) feeds it canary results and passive signals and turns the
 returned :class:`StatusChange` into ``WorkerHealthChanged`` events. Nothing here is applied to
@@ -17,9 +17,9 @@ Transitions, per the seed:
   half-open and exactly one trial canary goes through: success → closed → HEALTHY, failure → open
   again for another ``recovery_timeout``.
 
-One deliberate difference from the seed: a *slow* but correct canary (latency above
+One deliberate difference from that guide: a *slow* but correct canary (latency above
 ``slow_factor`` * the worker's EWMA baseline) makes the worker SUSPICIOUS without counting as a
-breaker failure. The seed's own failure table answers a thermal throttle with "weight reduction",
+breaker failure. Its own failure table answers a thermal throttle with "weight reduction",
 not removal: a slow engine still serves right tokens, and halving its weight is the right lever.
 """
 
@@ -28,22 +28,35 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 
 from eventlog import events as ev
 
-HEALTHY = "healthy"
-SUSPICIOUS = "suspicious"
-UNHEALTHY = "unhealthy"
-STATUSES = (HEALTHY, SUSPICIOUS, UNHEALTHY)
-# The seed's gauge: 0=healthy, 1=suspicious, 2=unhealthy, 3=draining, 4=dead. The last two belong
-# to worker lifecycle (graceful shutdown, retirement), not to this machine, but share the scale.
-STATUS_GAUGE = {HEALTHY: 0, SUSPICIOUS: 1, UNHEALTHY: 2, "draining": 3, "dead": 4}
-ROUTING_WEIGHT = {HEALTHY: 1.0, SUSPICIOUS: 0.5, UNHEALTHY: 0.0}
 
-CLOSED = "closed"
-OPEN = "open"
-HALF_OPEN = "half_open"
-BREAKER_GAUGE = {CLOSED: 0, OPEN: 1, HALF_OPEN: 2}
+class HealthStatus(StrEnum):
+    """A worker's health as the control stream records it (``WorkerHealthChanged.status``)."""
+
+    HEALTHY = "healthy"
+    SUSPICIOUS = "suspicious"
+    UNHEALTHY = "unhealthy"
+
+
+class BreakerState(StrEnum):
+    """A worker's circuit breaker (this replica's own, never replicated)."""
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+# Dynamo's gauge: 0=healthy, 1=suspicious, 2=unhealthy, 3=draining, 4=dead. The last two belong
+# to worker lifecycle (graceful shutdown, retirement), not to this machine, but share the scale.
+STATUS_GAUGE: dict[str, int] = {HealthStatus.HEALTHY: 0, HealthStatus.SUSPICIOUS: 1,
+                                 HealthStatus.UNHEALTHY: 2, "draining": 3, "dead": 4}
+ROUTING_WEIGHT: dict[str, float] = {HealthStatus.HEALTHY: 1.0, HealthStatus.SUSPICIOUS: 0.5,
+                                    HealthStatus.UNHEALTHY: 0.0}
+
+BREAKER_GAUGE = {BreakerState.CLOSED: 0, BreakerState.OPEN: 1, BreakerState.HALF_OPEN: 2}
 
 
 class CircuitBreaker:
@@ -59,7 +72,7 @@ class CircuitBreaker:
         self.failure_threshold = failure_threshold
         self.recovery_timeout = recovery_timeout
         self.half_open_max_calls = half_open_max_calls
-        self.state = CLOSED
+        self.state = BreakerState.CLOSED
         self.failures = 0          # consecutive failures while closed
         self.opened_at = 0.0       # time of the failure that (re-)opened the circuit
         self.trials = 0            # trial calls let through since going half-open
@@ -67,12 +80,12 @@ class CircuitBreaker:
 
     def allow(self, now: float) -> bool:
         """May a call go to the worker now? In half-open each True hands out one trial."""
-        if self.state == CLOSED:
+        if self.state == BreakerState.CLOSED:
             return True
-        if self.state == OPEN:
+        if self.state == BreakerState.OPEN:
             if now - self.opened_at < self.recovery_timeout:
                 return False
-            self.state = HALF_OPEN
+            self.state = BreakerState.HALF_OPEN
             self.trials = 0
         # Half-open. A trial that never reported back (its caller was cancelled) must not wedge
         # the breaker: after another recovery_timeout a fresh trial is allowed.
@@ -85,16 +98,16 @@ class CircuitBreaker:
         return True
 
     def record_success(self, now: float) -> None:
-        if self.state == HALF_OPEN:
-            self.state = CLOSED
+        if self.state == BreakerState.HALF_OPEN:
+            self.state = BreakerState.CLOSED
             self.trials = 0
-        if self.state == CLOSED:
+        if self.state == BreakerState.CLOSED:
             self.failures = 0
         # While open, a success did not come through a trial (e.g. an in-flight request that
         # drained fine): it proves nothing about new requests, so the circuit stays open.
 
     def record_failure(self, now: float) -> None:
-        if self.state == CLOSED:
+        if self.state == BreakerState.CLOSED:
             self.failures += 1
             if self.failures >= self.failure_threshold:
                 self._open(now)
@@ -107,10 +120,10 @@ class CircuitBreaker:
         self._open(now)
 
     def reset(self) -> None:
-        self.state, self.failures, self.trials = CLOSED, 0, 0
+        self.state, self.failures, self.trials = BreakerState.CLOSED, 0, 0
 
     def _open(self, now: float) -> None:
-        self.state = OPEN
+        self.state = BreakerState.OPEN
         self.opened_at = now
         self.trials = 0
         self.failures = max(self.failures, self.failure_threshold)
@@ -145,7 +158,7 @@ class WorkerHealth:
     def __init__(self, worker_id: str, config: HealthConfig) -> None:
         self.worker_id = worker_id
         self.config = config
-        self.status = HEALTHY
+        self.status = HealthStatus.HEALTHY
         self.breaker = CircuitBreaker(config.failure_threshold, config.recovery_timeout)
         self.baseline: float | None = None  # EWMA of canary latency (s) while healthy
         self.last_latency: float | None = None
@@ -158,44 +171,44 @@ class WorkerHealth:
 
     def failure(self, reason: str, now: float) -> StatusChange | None:
         self.breaker.record_failure(now)
-        if self.breaker.state == OPEN:
-            return self._set(UNHEALTHY, reason, now)
-        if self.status == HEALTHY:
-            return self._set(SUSPICIOUS, reason, now)
+        if self.breaker.state == BreakerState.OPEN:
+            return self._set(HealthStatus.UNHEALTHY, reason, now)
+        if self.status == HealthStatus.HEALTHY:
+            return self._set(HealthStatus.SUSPICIOUS, reason, now)
         return None
 
     def canary_success(self, latency: float, now: float) -> StatusChange | None:
         self.last_latency = latency
         was = self.breaker.state
-        if was == OPEN:
+        if was == BreakerState.OPEN:
             return None  # not a trial (the caller skipped should_check): proves nothing
         self.breaker.record_success(now)
-        trial = " (half-open trial passed)" if was == HALF_OPEN else ""
+        trial = " (half-open trial passed)" if was == BreakerState.HALF_OPEN else ""
         if self.is_slow(latency):
             assert self.baseline is not None
-            return self._set(SUSPICIOUS, f"slow: canary {latency:.3f}s vs baseline "
-                                         f"{self.baseline:.3f}s{trial}", now)
+            return self._set(HealthStatus.SUSPICIOUS, f"slow: canary {latency:.3f}s vs "
+                                                      f"baseline {self.baseline:.3f}s{trial}", now)
         a = self.config.baseline_alpha
         self.baseline = latency if self.baseline is None else a * latency + (1 - a) * self.baseline
-        return self._set(HEALTHY, f"canary ok{trial}", now)
+        return self._set(HealthStatus.HEALTHY, f"canary ok{trial}", now)
 
     def passive_success(self, now: float) -> None:
         # Only resets the consecutive-failure count of a closed breaker. It never changes the
         # status: the canary is the judge of recovery, and a success drained from an UNHEALTHY
         # worker must not close its circuit.
-        if self.breaker.state == CLOSED:
+        if self.breaker.state == BreakerState.CLOSED:
             self.breaker.record_success(now)
 
     def adopt(self, status: str, now: float) -> None:
         """Take over a status from the replicated log (this replica just became leader)."""
-        if status not in STATUSES:
+        if status not in tuple(HealthStatus):
             raise ValueError(f"unknown health status {status!r}")
-        self.status = status
+        self.status = HealthStatus(status)
         self.breaker.reset()
-        if status == UNHEALTHY:
+        if status == HealthStatus.UNHEALTHY:
             self.breaker.force_open(now)
 
-    def _set(self, status: str, reason: str, now: float) -> StatusChange | None:
+    def _set(self, status: HealthStatus, reason: str, now: float) -> StatusChange | None:
         self.last_reason = reason
         if status == self.status:
             return None
@@ -246,16 +259,16 @@ class HealthBoard:
         self.worker(worker_id).passive_success(now)
         return None
 
-    def status(self, worker_id: str) -> str:
+    def status(self, worker_id: str) -> HealthStatus:
         w = self._workers.get(worker_id)
-        return w.status if w is not None else HEALTHY
+        return w.status if w is not None else HealthStatus.HEALTHY
 
     def status_gauge(self, worker_id: str) -> int:
         return STATUS_GAUGE[self.status(worker_id)]
 
-    def breaker_state(self, worker_id: str) -> str:
+    def breaker_state(self, worker_id: str) -> BreakerState:
         w = self._workers.get(worker_id)
-        return w.breaker.state if w is not None else CLOSED
+        return w.breaker.state if w is not None else BreakerState.CLOSED
 
     def breaker_gauge(self, worker_id: str) -> int:
         return BREAKER_GAUGE[self.breaker_state(worker_id)]
@@ -264,7 +277,7 @@ class HealthBoard:
         """Align the board with the replicated statuses (missing = healthy) for ``worker_ids``.
         Entries that already agree keep their breaker and baseline."""
         for worker_id in worker_ids:
-            status = statuses.get(worker_id, HEALTHY)
+            status = statuses.get(worker_id, HealthStatus.HEALTHY)
             w = self.worker(worker_id)
             if w.status != status:
                 w.adopt(status, now)

@@ -15,7 +15,6 @@ two replicas that applied the same events agree on it whatever order the request
 
 from __future__ import annotations
 
-import heapq
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -93,11 +92,6 @@ class ActiveLoad:
         self._requests: dict[str, ActiveRequest] = {}
         self._workers: dict[WorkerKey, _WorkerLoad] = {}
         self._by_replica: dict[str, set[str]] = {}
-        # Min-heap of (ts, request_id) for expiry; entries of finished requests are skipped lazily
-        # and the heap is rebuilt when stale entries dominate. Kept only once ``expire`` is used:
-        # RouterState expires requests from its own heap, so it never pays for this one.
-        self._expiry: list[tuple[float, str]] = []
-        self._expiry_kept = False
         self._digest = 0
 
     # --- mutations ---------------------------------------------------------------------------
@@ -132,8 +126,6 @@ class ActiveLoad:
         if owned is None:
             owned = self._by_replica[replica_id] = set()
         owned.add(request_id)
-        if self._expiry_kept:
-            heapq.heappush(self._expiry, (req.ts, request_id))
         self._digest = (self._digest + req.base_mix) & _MASK64
         return True
 
@@ -172,47 +164,17 @@ class ActiveLoad:
             owned.discard(request_id)
             if not owned:
                 del self._by_replica[req.replica_id]
-        if self._expiry_kept and len(self._expiry) > 2 * len(self._requests) + 64:
-            self._rebuild_expiry()
         return True
 
     def replica_lost(self, replica_id: str) -> list[str]:
         """Free exactly the requests owned by ``replica_id``; returns their ids, sorted."""
         return self._finish_all(self._by_replica.get(replica_id, ()))
 
-    def remove_worker(self, worker_id: str) -> list[str]:
-        """Free every request on any dp rank of ``worker_id``; returns their ids, sorted."""
-        ids: list[str] = []
-        for (wid, _rank), load in self._workers.items():
-            if wid == worker_id:
-                ids.extend(load.requests)
-        return self._finish_all(ids)
-
-    def expire(self, now: float, max_age: float) -> list[str]:
-        """Free requests with ``ts < now - max_age`` (event time); returns ids, oldest first."""
-        cutoff = now - max_age
-        if not self._expiry_kept:
-            self._expiry_kept = True
-            self._rebuild_expiry()
-        heap = self._expiry
-        expired: list[str] = []
-        while heap and heap[0][0] < cutoff:
-            ts, request_id = heapq.heappop(heap)
-            req = self._requests.get(request_id)
-            # A stale entry (finished, or re-added later with another ts) is just dropped.
-            if req is not None and req.ts == ts and self.finish(request_id):
-                expired.append(request_id)
-        return expired
-
     def _finish_all(self, request_ids: Iterable[str]) -> list[str]:
         done = sorted(request_ids)
         for request_id in done:
             self.finish(request_id)
         return done
-
-    def _rebuild_expiry(self) -> None:
-        self._expiry = [(r.ts, r.request_id) for r in self._requests.values()]
-        heapq.heapify(self._expiry)
 
     # --- queries -----------------------------------------------------------------------------
 

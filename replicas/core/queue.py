@@ -1,4 +1,4 @@
-"""Router-side request queue (seeds 001/004: --router-queue-threshold, --router-queue-policy).
+"""Router-side request queue (Dynamo's --router-queue-threshold and --router-queue-policy).
 
 While every worker is over ``queue_threshold * max_num_batched_tokens`` active prefill tokens, new
 requests wait here instead of being routed, so the decision is made later on fresher load. The
@@ -18,9 +18,22 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterable
+from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
 
-POLICIES = ("fcfs", "lcfs", "wspt")
+
+class QueuePolicy(StrEnum):
+    """Which waiting request leaves first (``--router-queue-policy``)."""
+
+    FCFS = "fcfs"   # first come, first served
+    LCFS = "lcfs"   # last come, first served
+    WSPT = "wspt"   # weighted shortest processing time: fewest uncached tokens per priority
+
+
+POLICIES: tuple[str, ...] = tuple(QueuePolicy)
+# Plain-name copies for queue_key (per queued request): an enum member read off its class is a
+# descriptor call on Python 3.11.
+_FCFS, _LCFS, _WSPT = QueuePolicy.FCFS, QueuePolicy.LCFS, QueuePolicy.WSPT
 
 T = TypeVar("T")
 
@@ -36,11 +49,11 @@ class _LoadView(Protocol):
 
 def queue_key(policy: str, arrival: float, priority_jump: float, uncached_isl_tokens: int) -> float:
     """Priority of a queued request under ``policy``; higher leaves first."""
-    if policy == "fcfs":
+    if policy == _FCFS:
         return priority_jump - arrival
-    if policy == "lcfs":
+    if policy == _LCFS:
         return priority_jump + arrival
-    if policy == "wspt":
+    if policy == _WSPT:
         return (1.0 + priority_jump) / max(uncached_isl_tokens, 1)
     raise ValueError(f"unknown queue policy {policy!r}; expected one of {POLICIES}")
 
@@ -48,7 +61,7 @@ def queue_key(policy: str, arrival: float, priority_jump: float, uncached_isl_to
 class RequestQueue(Generic[T]):
     """Priority queue of waiting requests (``remove`` matches by identity, then equality)."""
 
-    def __init__(self, policy: str = "fcfs") -> None:
+    def __init__(self, policy: str = QueuePolicy.FCFS) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown queue policy {policy!r}; expected one of {POLICIES}")
         self.policy = policy

@@ -2,7 +2,7 @@
 
 Pure: no clock, no I/O; randomness only from the ``random.Random`` passed to ``select``.
 
-Cost of a candidate (Dynamo's router guide, seed 001):
+Cost of a candidate (Dynamo's router guide, design.md §6):
 
     prefill_blocks = (active_prefill_tokens + max(isl - overlap_blocks * block_size, 0))
                      / block_size
@@ -18,8 +18,8 @@ cache-rich worker that is momentarily prefilling; the split makes ``w`` mean wha
 virtual-time ``bench.routesim`` agrees): ``w=8, q=1`` keeps 96% of the ideal global cache's
 hit rate at light load and 80% at saturation, against 81% and 58% for Dynamo's form at ``w=1``.
 
-Busy filtering (seed 000) applies in every mode, and a worker is excluded only when ALL its dp ranks
-are busy: one loaded rank must not take a whole multi-rank engine out of rotation.
+Busy filtering (design.md §6) applies in every mode, and a worker is excluded only when ALL its
+dp ranks are busy: one loaded rank must not take a whole multi-rank engine out of rotation.
 
 ``select`` is on every request's path, so its loop is written for speed: one pass computes costs,
 busy flags and the running minimum, and the per-candidate ``CostTerms`` for the decision ledger
@@ -33,11 +33,25 @@ import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import overload
+from enum import StrEnum
+from typing import Any, overload
 
 from replicas.core.load import WorkerKey
 
-MODES = ("kv", "round-robin", "random", "least-loaded")
+
+class RoutingMode(StrEnum):
+    """How a replica picks among eligible workers (``--router-mode``)."""
+
+    KV = "kv"                       # the cost model: KV overlap against load
+    ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
+    LEAST_LOADED = "least-loaded"   # ignores overlap entirely
+
+
+MODES: tuple[str, ...] = tuple(RoutingMode)
+# Plain-name copies for select(), which runs per request: reading an enum member off its class
+# costs ~0.3 us on Python 3.11 (a descriptor call), a module global ~20 ns.
+_KV, _ROUND_ROBIN, _RANDOM = RoutingMode.KV, RoutingMode.ROUND_ROBIN, RoutingMode.RANDOM
 
 # Health weights at or below zero would divide by zero; such a worker just looks very expensive.
 _MIN_WEIGHT = 1e-6
@@ -58,15 +72,22 @@ class BusyThresholds:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoutingConfig:
-    mode: str = "kv"  # "kv" | "round-robin" | "random" | "least-loaded"
-    kv_overlap_score_weight: float = 1.0
+    # No defaults for the weights: the router's are `jetrouter serve`'s options (api/config.py),
+    # the one place they are declared; :meth:`dynamo` names Dynamo's formula explicitly.
+    kv_overlap_score_weight: float
+    # None: the queued prefill is scaled by the overlap weight too (Dynamo); else its own weight.
+    prefill_queue_weight: float | None
+    mode: str = RoutingMode.KV  # a RoutingMode
     temperature: float = 0.0
     block_size: int = 16
     thresholds: BusyThresholds = field(default_factory=BusyThresholds)
-    # None: the queued prefill is scaled by the overlap weight too (Dynamo); else its own weight.
-    prefill_queue_weight: float | None = None
+
+    @classmethod
+    def dynamo(cls, **overrides: Any) -> RoutingConfig:
+        """Dynamo's cost formula: overlap weight 1, queued prefill scaled by it as well."""
+        return cls(**{"kv_overlap_score_weight": 1.0, "prefill_queue_weight": None, **overrides})
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -217,7 +238,7 @@ class Overloaded:
 
 
 def is_rank_busy(c: Candidate, t: BusyThresholds) -> bool:
-    """One (worker, dp_rank) over any configured threshold (seed 000)."""
+    """One (worker, dp_rank) over any configured busy threshold (design.md §6)."""
     tb = t.active_decode_blocks_threshold
     if tb is not None and c.kv_total_blocks > 0 and c.active_decode_blocks / c.kv_total_blocks > tb:
         return True
@@ -262,7 +283,8 @@ def _softmax_pick(costs: list[float], temperature: float, rng: random.Random) ->
 
 
 class Selector:
-    """Picks a worker for one request. Holds the round-robin cursor; ``config`` is replaceable."""
+    """Picks a worker for one request. Holds the round-robin cursor; per-request options (the
+    overlap weight, the model's busy thresholds) are passed to `select`, never set on ``config``."""
 
     def __init__(self, config: RoutingConfig) -> None:
         self.config = config
@@ -275,7 +297,9 @@ class Selector:
         rng: random.Random,
         *,
         overlap_weight: float | None = None,
+        thresholds: BusyThresholds | None = None,
     ) -> Decision | Overloaded:
+        """``thresholds``: the busy thresholds of the request's model (None: ``config``'s)."""
         if not candidates:
             return Overloaded("no workers", _EMPTY_COSTS)
         cands = tuple(candidates)  # the lazy CostTable must not see later caller mutations
@@ -287,7 +311,7 @@ class Selector:
         # kv mode at temperature 0 only needs the running minimum; the others need every eligible
         # candidate with its cost.
         collect = mode != "kv" or cfg.temperature > 0.0
-        th = cfg.thresholds
+        th = cfg.thresholds if thresholds is None else thresholds
         check = th.enabled
         tb = th.active_decode_blocks_threshold
         tt = th.active_prefill_tokens_threshold
@@ -335,7 +359,7 @@ class Selector:
 
         excluded: frozenset[str] = frozenset()
         if busy_ranks:
-            # A busy rank stays eligible while another rank of its worker is free (seed 000).
+            # A busy rank stays eligible while another rank of its worker is free (module doc).
             excluded = frozenset(cands[i].worker[0] for i, _ in busy_ranks) - not_busy
             for i, cost in busy_ranks:
                 c = cands[i]
@@ -351,7 +375,7 @@ class Selector:
         if not best:
             return Overloaded("all workers busy", costs)
 
-        if mode == "kv":
+        if mode == _KV:
             if collect and len(eligible) > 1:
                 # Sample in worker order so the draw does not depend on candidate order.
                 eligible.sort(key=lambda e: cands[e[0]].worker)
@@ -359,9 +383,9 @@ class Selector:
                 pick = eligible[k][0]
             else:
                 pick = best[0] if len(best) == 1 else _random_of(best, cands, rng)
-        elif mode == "round-robin":
+        elif mode == _ROUND_ROBIN:
             pick = self._round_robin([i for i, _ in eligible], cands)
-        elif mode == "random":
+        elif mode == _RANDOM:
             pick = _random_of([i for i, _ in eligible], cands, rng)
         else:  # least-loaded: ignores overlap entirely
             pick = self._least_loaded([i for i, _ in eligible], cands, rng)

@@ -1,19 +1,20 @@
-"""Graceful degradation and priority shedding (seed 002, "Graceful Degradation"). Pure.
+"""Graceful degradation and priority shedding (the levels of Dynamo's fault-tolerance guide).
+Pure.
 
-The degradation level comes from the ratio of healthy capacity to current demand, with the seed's
+The degradation level comes from the ratio of healthy capacity to current demand, with the guide's
 cut points: ratio >= 1 → 0 (normal), >= 0.75 → 1, >= 0.5 → 2, >= 0.25 → 3, else 4.
 
-A router has one lever the seed's levels share: admission. The engine-side measures (level 1's
+A router has one lever the guide's levels share: admission. The engine-side measures (level 1's
 smaller batches, level 3's relaxed latency SLOs) are not ours to apply, so the router maps the
 levels to shedding the lowest tiers first:
 
     level 0, 1: nothing shed (level 1 is a warning: capacity is tight)
-    level 2:    best_effort shed (the seed's "shed low-priority traffic")
+    level 2:    best_effort shed (the guide's "shed low-priority traffic")
     level 3:    best_effort and standard shed (the router's stand-in for "relax SLOs")
-    level 4:    every new request refused, in-flight ones drain (the seed's emergency level)
+    level 4:    every new request refused, in-flight ones drain (the guide's emergency level)
 
 Degradation answers *lost* capacity. While every worker is healthy, overload is what the busy
-thresholds of seed 000 handle (503 once all workers are busy), so the level is capped at 1 then;
+thresholds of design.md §6 handle (503 once all workers are busy), so the level is capped at 1 then;
 only a fleet that lost weight (unhealthy or suspicious workers) sheds by tier.
 
 Capacity and demand are in KV blocks: a unit (one worker dp rank) offers ``kv_total_blocks`` *
@@ -27,16 +28,26 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 
-from replicas.core.health import HEALTHY, ROUTING_WEIGHT, UNHEALTHY
+from replicas.core.health import ROUTING_WEIGHT, HealthStatus
 from replicas.core.state import RouterState
 
-TIERS = ("premium", "standard", "best_effort")  # highest priority first
+
+class PriorityTier(StrEnum):
+    """A request's priority tier (``nvext.agent_hints.priority``), highest first."""
+
+    PREMIUM = "premium"
+    STANDARD = "standard"
+    BEST_EFFORT = "best_effort"
+
+
+TIERS: tuple[str, ...] = tuple(PriorityTier)  # highest priority first
 MAX_LEVEL = 4
 # Level at and above which each tier is shed.
-SHED_FROM_LEVEL = {"best_effort": 2, "standard": 3, "premium": 4}
+SHED_FROM_LEVEL = {PriorityTier.BEST_EFFORT: 2, PriorityTier.STANDARD: 3, PriorityTier.PREMIUM: 4}
 # Suggested Retry-After (seconds) per level: longer the deeper the degradation; 30 s at the
-# emergency level is the seed's value (one canary interval, the soonest a recovery is seen).
+# emergency level is the guide's value (one canary interval, the soonest a recovery is seen).
 RETRY_AFTER = {0: 1, 1: 1, 2: 5, 3: 15, 4: 30}
 _RATIO_FLOORS = (1.0, 0.75, 0.5, 0.25)  # ratio >= _RATIO_FLOORS[i] → level i
 
@@ -84,7 +95,7 @@ def model_units(state: RouterState, model: str) -> list[UnitLoad]:
     for w in state.workers.values():
         if w.model != model and model not in w.loras:  # a LoRA adapter runs on its base's engine
             continue
-        status = state.health.get(w.worker_id, HEALTHY)
+        status = state.health.get(w.worker_id, HealthStatus.HEALTHY)
         for rank in range(w.dp_size):
             key = (w.worker_id, rank)
             out.append(UnitLoad(status, w.kv_total_blocks, state.load.active_decode_blocks(key),
@@ -93,12 +104,13 @@ def model_units(state: RouterState, model: str) -> list[UnitLoad]:
     # they register again: without them a dead engine would stop counting once retired.
     for w in state.lost_workers.values():
         if (w.model == model or model in w.loras) and w.worker_id not in state.workers:
-            out.extend(UnitLoad(UNHEALTHY, w.kv_total_blocks, 0, 0) for _ in range(w.dp_size))
+            out.extend(UnitLoad(HealthStatus.UNHEALTHY, w.kv_total_blocks, 0, 0)
+                       for _ in range(w.dp_size))
     return out
 
 
 def degradation_level(capacity: float, demand: float, healthy_fraction: float) -> int:
-    """The seed's level 0..4 from healthy capacity vs demand (see the module docstring)."""
+    """The guide's level 0..4 from healthy capacity vs demand (see the module docstring)."""
     if healthy_fraction <= 0.0 or capacity <= 0.0:
         return MAX_LEVEL  # nothing healthy is left to serve a new request
     if demand <= 0.0:
@@ -106,7 +118,7 @@ def degradation_level(capacity: float, demand: float, healthy_fraction: float) -
     ratio = capacity / demand
     level = next((i for i, floor in enumerate(_RATIO_FLOORS) if ratio >= floor), MAX_LEVEL)
     if healthy_fraction >= 1.0:
-        level = min(level, 1)  # a full fleet's overload is the busy-threshold path (seed 000)
+        level = min(level, 1)  # a full fleet's overload is the busy-threshold path (503s)
     return level
 
 

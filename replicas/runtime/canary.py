@@ -1,18 +1,18 @@
-"""Canary health checks and passive health reports (seed 002): the adapter around ``health.py``.
+"""Canary health checks and passive health reports: the adapter around ``health.py``.
 
 Only the leader checks. Every ``interval`` it sends each worker the same deterministic completion
 (token-id prompt, temperature 0, ``max_tokens`` 8, non-streaming) and judges the answer against
 the model's reference (:class:`~replicas.core.health.ReferenceAnswers`, or a known expected text),
 and its latency against the worker's baseline. A failed check is retried at once up to
-``max_retries`` times (seed: 2), each attempt counting on the breaker, so a worker returning
+``max_retries`` times (2 by default), each attempt counting on the breaker, so a worker returning
 wrong tokens goes HEALTHY → SUSPICIOUS → UNHEALTHY within one round, while a one-off blip
 (failure, then success) only costs a brief SUSPICIOUS.
 
 Passive signals: any replica's proxy that sees an engine fail (connection refused or reset,
 5xx, idle timeout) calls :func:`report_passive`, a core-NATS publish of
 ``{"worker_id", "reason"}`` on ``<ns>.health.report``; the leader's checker feeds them to the same
-breakers. Status changes go out through ``emit`` (the lead appends them to the control stream);
-an emit that fails is retried at the start of the next round.
+breakers. Status changes are appended to the control stream through the replica port while this
+replica leads; an append that fails is retried at the start of the next round.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 
 import httpx
 from nats.aio.client import Client as NatsClient
@@ -31,31 +32,35 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from eventlog.names import Names
-from replicas.core.health import HEALTHY, HealthBoard, ReferenceAnswers, StatusChange
+from replicas.core.health import HealthBoard, HealthStatus, ReferenceAnswers, StatusChange
+from replicas.runtime.port import ReplicaPort
 
 log = logging.getLogger("jetrouter.canary")
 
-# A fixed multi-token prompt: a single token would skip attention (seed, "Canary Prompt Design").
+# A fixed multi-token prompt: a single token would not exercise attention.
 # Ids stay under 1100 so every real vocabulary has them: vLLM answers 400 to an id beyond the
 # model's vocabulary, which made every engine of a small model look unhealthy.
 CANARY_PROMPT: tuple[int, ...] = tuple(100 + (i * 7919) % 1000 for i in range(24))
 CANARY_MAX_TOKENS = 8
 
-Emit = Callable[[StatusChange], Awaitable[None]]
-# Observer for the health-check-duration metric: (worker_id, seconds, outcome) where outcome is
-# "ok", "slow", "mismatch" or "error".
+class CanaryVerdict(StrEnum):
+    """How one canary went: the ``outcome`` label of the health-check-duration metric."""
+
+    OK = "ok"
+    SLOW = "slow"          # right tokens, latency above slow_factor x the worker's baseline
+    MISMATCH = "mismatch"  # an answer, but not the reference tokens
+    ERROR = "error"        # no answer (connection, status, timeout, malformed body)
+
+
+# Observer for the health-check-duration metric: (worker_id, seconds, verdict).
 OnCheck = Callable[[str, float, str], None]
-
-
-def health_report_subject(names: Names) -> str:
-    return f"{names.namespace}.health.report"
 
 
 async def report_passive(nc: NatsClient, names: Names, worker_id: str, reason: str) -> None:
     """Tell the leader a real request to ``worker_id`` failed (fire and forget; best effort)."""
     body = json.dumps({"worker_id": worker_id, "reason": reason}).encode()
     try:
-        await nc.publish(health_report_subject(names), body)
+        await nc.publish(names.health_report_subject, body)
     except Exception:  # a health hint must never fail the request path
         log.debug("could not publish a passive health report for %s", worker_id, exc_info=True)
 
@@ -73,39 +78,31 @@ class CanaryChecker:
         self,
         client: httpx.AsyncClient,
         board: HealthBoard,
+        replica: ReplicaPort,
         *,
         interval: float = 30.0,
         timeout: float = 5.0,
-        model_of: Callable[[str], str],
-        workers: Callable[[], Mapping[str, str]],
-        emit: Emit,
-        is_leader: Callable[[], bool],
-        statuses: Callable[[], Mapping[str, str]] | None = None,
         expected_of: Callable[[str], str | None] | None = None,
         nc: NatsClient | None = None,
-        names: Names | None = None,
         max_retries: int = 2,
         on_check: OnCheck | None = None,
         clock: Callable[[], float] = time.time,
         prompt: tuple[int, ...] = CANARY_PROMPT,
         max_tokens: int = CANARY_MAX_TOKENS,
     ) -> None:
-        """``workers()`` → {worker_id: base url} of the registered workers; ``model_of(id)`` →
-        its served model; ``statuses()`` → the replicated health map (``RouterState.health``),
-        adopted when this replica becomes leader; ``expected_of(model)`` → a known right answer
-        (text) or None to learn it; ``nc``/``names`` enable the passive-report subscriber."""
+        """``replica``: the registered workers, their models and the replicated health map
+        (adopted when this replica becomes leader) come from its state; status changes are
+        appended through it to the control stream while it leads. ``expected_of(model)`` → a
+        known right answer (text) or None to learn it; ``nc`` enables the passive-report
+        subscriber."""
         self.client = client
         self.board = board
         self.interval = interval
         self.timeout = timeout
-        self.model_of = model_of
-        self.workers = workers
-        self.emit = emit
-        self.is_leader = is_leader
-        self.statuses = statuses
+        self.replica = replica
         self.expected_of = expected_of
         self.nc = nc
-        self.names = names or Names()
+        self.names: Names = replica.names
         self.max_retries = max_retries
         self.on_check = on_check
         self.clock = clock
@@ -125,7 +122,7 @@ class CanaryChecker:
 
     async def start(self) -> None:
         if self.nc is not None:
-            self._sub = await self.nc.subscribe(health_report_subject(self.names),
+            self._sub = await self.nc.subscribe(self.names.health_report_subject,
                                                 cb=self._on_report)
         self._task = asyncio.create_task(self._loop(), name="canary-checker")
 
@@ -153,14 +150,29 @@ class CanaryChecker:
 
     def _lead(self) -> bool:
         """Track leadership; on gaining it, adopt the replicated statuses as the starting point."""
-        leading = self.is_leader()
+        leading = self.replica.is_leader
         if leading and not self._leading:
-            current = self.statuses() if self.statuses is not None else {}
+            current = self.replica.state.health
             ids = set(self.workers())
             self.board.adopt(current, ids, self.clock())
-            self._published = {w: current.get(w, HEALTHY) for w in ids}
+            self._published = {w: current.get(w, HealthStatus.HEALTHY) for w in ids}
         self._leading = leading
         return leading
+
+    def workers(self) -> dict[str, str]:
+        """Registered worker id → its base URL."""
+        return {w: info.url for w, info in self.replica.state.workers.items()}
+
+    def model_of(self, worker_id: str) -> str:
+        return self.replica.state.workers[worker_id].model
+
+    async def emit(self, change: StatusChange) -> None:
+        """Announce a change on the control stream, only while leading (leadership may have
+        moved during the round)."""
+        if self.replica.is_leader:
+            await self.replica.append(
+                self.names.control_subject("health"), change.event(),
+                f"health.{change.worker_id}.{change.ts}.{change.new}")
 
     # --- one round ------------------------------------------------------------------------------
 
@@ -192,7 +204,7 @@ class CanaryChecker:
         out: list[StatusChange] = []
         for worker_id in self.board.workers():
             now_status = self.board.status(worker_id)
-            was = self._published.get(worker_id, HEALTHY)
+            was = self._published.get(worker_id, HealthStatus.HEALTHY)
             if now_status != was:
                 reason = self.board.worker(worker_id).last_reason
                 await self._publish(StatusChange(worker_id, was, now_status, reason,
@@ -203,7 +215,8 @@ class CanaryChecker:
         by_model: dict[str, dict[str, str]] = {}
         for worker_id, a in attempts.items():
             w = self.board.worker(worker_id)
-            if a.ok and w.status == HEALTHY and self.references.pinned(worker_id) is None:
+            if (a.ok and w.status == HealthStatus.HEALTHY
+                    and self.references.pinned(worker_id) is None):
                 by_model.setdefault(self.model_of(worker_id), {})[worker_id] = a.text
         for model, answers in by_model.items():
             self.references.settle(model, answers)
@@ -225,9 +238,9 @@ class CanaryChecker:
         match = a.ok and (expected is None or a.text == expected)
         if self.on_check is not None:
             slow = match and self.board.worker(worker_id).is_slow(a.latency)
-            outcome = "error" if not a.ok else "mismatch" if not match else \
-                "slow" if slow else "ok"
-            self.on_check(worker_id, a.latency, outcome)
+            verdict = CanaryVerdict.ERROR if not a.ok else CanaryVerdict.MISMATCH if not match \
+                else CanaryVerdict.SLOW if slow else CanaryVerdict.OK
+            self.on_check(worker_id, a.latency, verdict)
         change = self.board.on_canary(worker_id, a.ok, a.latency, match, self.clock(), a.reason)
         if change is not None:
             await self._publish(change, emitted)

@@ -1,4 +1,4 @@
-"""Replica and worker liveness (issue 5 item 1, design.md §7): heartbeats and the leader's
+"""Replica and worker liveness (design.md §7): heartbeats and the leader's
 ``ReplicaLost`` / ``WorkerRetired`` declarations.
 
 An adapter (NATS, HTTP, clocks), kept apart from the pure state machine:
@@ -33,7 +33,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -47,7 +47,7 @@ from nats.js.errors import APIError, BucketNotFoundError
 from nats.js.kv import KeyValue
 
 from eventlog import events as ev
-from eventlog.names import KV, ROUTER, Names
+from eventlog.names import Names
 from eventlog.streams import cluster_size_hint
 from replicas.core.divergence import (
     Divergence,
@@ -57,6 +57,7 @@ from replicas.core.divergence import (
     decode_heartbeat,
     encode_heartbeat,
 )
+from replicas.runtime.port import ReplicaPort
 
 __all__ = ["Heartbeat", "Liveness", "PeerStatus", "heartbeat_subject", "liveness_subject"]
 
@@ -69,8 +70,6 @@ def heartbeat_subject(names: Names, replica_id: str = "*") -> str:
 
 
 log = logging.getLogger("jetrouter.liveness")
-
-AppendFn = Callable[[str, ev.Event, str], Awaitable[int]]
 
 
 def liveness_subject(names: Names, event: ev.Event) -> str:
@@ -114,20 +113,13 @@ class _WorkerWatch:
 class Liveness:
     def __init__(
         self,
+        replica: ReplicaPort,
         js: JetStreamContext,
         nc: NatsClient,
-        names: Names,
-        replica_id: str,
         *,
         heartbeat_interval: float = 1.0,
         replica_timeout: float = 10.0,
         worker_timeout: float = 10.0,
-        snapshot: Callable[[], Heartbeat],
-        append: AppendFn,
-        is_leader: Callable[[], bool],
-        known_workers: Callable[[], Mapping[str, str]],
-        known_replicas_with_load: Callable[[], set[str]],
-        worker_incarnation: Callable[[str], object] | None = None,
         on_divergence: Callable[[Divergence], None] | None = None,
         health_timeout: float | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -135,20 +127,13 @@ class Liveness:
     ) -> None:
         if heartbeat_interval <= 0 or replica_timeout <= 0 or worker_timeout <= 0:
             raise ValueError("heartbeat_interval and the timeouts must be positive")
-        self.js, self.nc, self.names, self.replica_id = js, nc, names, replica_id
+        self.replica = replica
+        self.js, self.nc, self.names, self.replica_id = js, nc, replica.names, replica.replica_id
         self.heartbeat_interval = heartbeat_interval
         self.replica_timeout = replica_timeout
         self.worker_timeout = worker_timeout
         self.bucket_ttl = max(5 * heartbeat_interval, 2 * replica_timeout)
         self.health_timeout = health_timeout or min(2.0, worker_timeout / 2)
-        self._snapshot = snapshot
-        self._append = append
-        self._is_leader = is_leader
-        self._known_workers = known_workers
-        self._known_replicas_with_load = known_replicas_with_load
-        # Part of the WorkerRetired msg id: a worker re-registered under the same id is a new
-        # incarnation whose retirement must not be swallowed by the duplicate window.
-        self._worker_incarnation = worker_incarnation
         self._on_divergence = on_divergence
         self._clock = clock
         self._wall = wall_clock
@@ -178,7 +163,7 @@ class Liveness:
 
     async def start(self) -> None:
         self._kv = await self._bucket()
-        self._sub = await self.nc.subscribe(f"{self.names.namespace}.load.*", cb=self._on_gauge)
+        self._sub = await self.nc.subscribe(self.names.load_subject(), cb=self._on_gauge)
         self._hb_sub = await self.nc.subscribe(heartbeat_subject(self.names),
                                                cb=self._on_heartbeat)
         self._http = httpx.AsyncClient(timeout=self.health_timeout)
@@ -230,6 +215,27 @@ class Liveness:
                 with contextlib.suppress(BucketNotFoundError):
                     return await self.js.key_value(name)  # created meanwhile by a peer
         raise RuntimeError(f"cannot create or bind KV bucket {name}")
+
+    # --- what the replica port tells ------------------------------------------------------------
+
+    def _snapshot(self) -> Heartbeat:
+        r = self.replica
+        state = r.state
+        return Heartbeat(self.replica_id, self._wall(), dict(state.positions), state.digests(),
+                         r.ready, r.is_leader)
+
+    def _is_leader(self) -> bool:
+        """Leader duties wait until the replica is caught up: it judges from applied state."""
+        return self.replica.ready and self.replica.is_leader
+
+    def _known_workers(self) -> dict[str, str]:
+        return {w: info.url for w, info in self.replica.state.workers.items()}
+
+    def _known_replicas_with_load(self) -> set[str]:
+        return self.replica.state.load.replicas()
+
+    async def _append(self, event: ev.Event, msg_id: str) -> int:
+        return await self.replica.append(liveness_subject(self.names, event), event, msg_id)
 
     # --- heartbeats and peers ------------------------------------------------------------------
 
@@ -372,7 +378,7 @@ class Liveness:
                 continue
             event = ev.ReplicaLost(rid, self._wall())
             try:
-                await self._append(ROUTER, event, f"lost.{rid}.{status.mark or status.revision}")
+                await self._append(event, f"lost.{rid}.{status.mark or status.revision}")
             except Exception as exc:
                 log.error("appending ReplicaLost(%s) failed, retrying next round: %r", rid, exc)
                 continue
@@ -401,9 +407,10 @@ class Liveness:
             await asyncio.sleep(max(0.0, interval - (self._clock() - started)))
 
     def _incarnation(self, worker_id: str, url: str) -> str:
-        if self._worker_incarnation is None:
-            return url
-        return str(self._worker_incarnation(worker_id))
+        """Part of the WorkerRetired msg id: a worker re-registered under the same id is a new
+        incarnation whose retirement must not be swallowed by the duplicate window."""
+        info = self.replica.state.workers.get(worker_id)
+        return url if info is None else str(info.registered_ts)
 
     async def _check_workers(self) -> None:
         now = self._clock()
@@ -457,7 +464,7 @@ class Liveness:
         event = ev.WorkerRetired(worker_id, "heartbeat timeout", self._wall())
         msg_id = f"retired.{worker_id}.{watch.incarnation}"
         try:
-            await self._append(KV, event, msg_id)
+            await self._append(event, msg_id)
         except Exception as exc:
             log.error("appending WorkerRetired(%s) failed, retrying next round: %r",
                       worker_id, exc)

@@ -1,5 +1,5 @@
-"""The short chaos suite in CI (issue 5 item 5): a replica SIGKILLed, then one of three NATS
-servers SIGKILLed, under steady load through all replicas, on one 3+3+4 cluster of real
+"""The short chaos suite in CI (a subset of `jetrouter chaos`): a replica SIGKILLed, then one of
+three NATS servers SIGKILLed, under steady load through all replicas, on one 3+3+4 cluster of real
 processes. Bounds are generous: a loaded 2-core machine must still pass."""
 
 from __future__ import annotations

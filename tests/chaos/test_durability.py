@@ -1,5 +1,5 @@
 """Snapshots, restore, purge, reset and the admin API, with replicas as real processes killed
-with SIGKILL (issue 4)."""
+with SIGKILL (design.md §8)."""
 
 from __future__ import annotations
 

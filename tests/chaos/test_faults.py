@@ -1,4 +1,4 @@
-"""Worker fault tolerance end to end (issue 6): canaries fence an engine that answers wrong tokens
+"""Worker fault tolerance end to end: canaries fence an engine that answers wrong tokens
 on every replica and let it back through the half-open trial; SIGTERM on a replica under load
 drains its streams and hands the lease over; with half the engines down and load above capacity,
 best_effort requests are shed while premium ones are served.

@@ -1,4 +1,4 @@
-"""Liveness end to end with real processes (issue 5 tests): replicas and workers started by
+"""Liveness end to end with real processes (design.md §7): replicas and workers started by
 `LocalCluster(restart=False)`, killed or stopped with signals, observed over their HTTP admin API.
 
 One cluster serves the module; the tests run in file order, least destructive first: the
@@ -33,21 +33,21 @@ SLACK = 8.0  # "within the timeout + a few seconds", on a loaded 2-core machine
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def admin(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Admin]:
     data = Path(tmp_path_factory.mktemp("liveness"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JETROUTER_TEST_HOOKS", "1")  # children inherit it: the divergence hook
-        async with LocalCluster(
-                replicas=3, workers=3, data_dir=data, namespace="lve", restart=False,
-                router_args=["--replica-timeout", str(TIMEOUT), "--worker-timeout", str(TIMEOUT),
-                             "--heartbeat-interval", "0.25", "--lease-ttl", "2",
-                             "--canary-interval", "0"],
-                # Slow decode: a 1500-token stream stays open for many seconds.
-                worker_args=["--speedup-ratio", "0.25"]) as cluster:
-            async with httpx.AsyncClient() as h:
-                a = Admin(cluster, h)
-                for name in REPLICAS:
-                    await until(lambda name=name: worker_ids(a, name),
-                                lambda ids: ids == set(WORKERS), what=f"{name} sees workers")
-                yield a
+    # The replicas serve the divergence hook route too (tests/divergence_hook.py).
+    async with LocalCluster(
+            replicas=3, workers=3, data_dir=data, namespace="lve", restart=False,
+            router_module="tests.divergence_hook",
+            router_args=["--replica-timeout", str(TIMEOUT), "--worker-timeout", str(TIMEOUT),
+                         "--heartbeat-interval", "0.25", "--lease-ttl", "2",
+                         "--canary-interval", "0"],
+            # Slow decode: a 1500-token stream stays open for many seconds.
+            worker_args=["--speedup-ratio", "0.25"]) as cluster:
+        async with httpx.AsyncClient() as h:
+            a = Admin(cluster, h)
+            for name in REPLICAS:
+                await until(lambda name=name: worker_ids(a, name),
+                            lambda ids: ids == set(WORKERS), what=f"{name} sees workers")
+            yield a
 
 
 async def worker_ids(admin: Admin, replica: str) -> set[str]:

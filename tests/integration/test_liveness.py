@@ -26,9 +26,10 @@ from eventlog.names import CONTROL, KV, ROUTER, Names
 from eventlog.reader import StreamReader
 from eventlog.server import NatsServer
 from eventlog.streams import stream_bounds
-from replicas.core.divergence import Divergence, inject_divergence
+from replicas.core.divergence import Divergence
 from replicas.core.state import RouterState
 from replicas.runtime.liveness import Heartbeat, Liveness, liveness_subject
+from tests.divergence_hook import inject_divergence
 from workers.procs import WorkerProcess
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,8 +55,8 @@ async def until(probe: Callable[[], Awaitable[Any] | Any], timeout: float = 60.0
 
 
 class Node:
-    """One router replica reduced to what liveness needs: its own connection, a RouterState
-    following the KV and router streams, a real Appender, and a Liveness."""
+    """One router replica reduced to what liveness needs (the replica port: its id, a RouterState
+    following the KV and router streams, a real Appender), its own connection, and a Liveness."""
 
     def __init__(self, rid: str, nc: NATS, *, leader: bool,
                  extra_workers: dict[str, str] | None = None) -> None:
@@ -63,30 +64,40 @@ class Node:
         self.js: JetStreamContext = nc.jetstream()
         self.state = RouterState()
         self.appender = Appender(self.js)
-        self.extra_workers = extra_workers or {}
+        self.extra_workers = extra_workers or {}  # registered on start, never sending gauges
         self.readers: list[asyncio.Task[None]] = []
         self.divergences: list[Divergence] = []
         self.live = Liveness(
-            self.js, nc, NAMES, rid, heartbeat_interval=INTERVAL, replica_timeout=TIMEOUT,
-            worker_timeout=TIMEOUT, snapshot=self.heartbeat, append=self.append,
-            is_leader=lambda: self.leader, known_workers=self.known_workers,
-            known_replicas_with_load=lambda: set(self.state.load._by_replica),
-            worker_incarnation=self.incarnation, on_divergence=self.divergences.append)
+            self, self.js, nc, heartbeat_interval=INTERVAL, replica_timeout=TIMEOUT,
+            worker_timeout=TIMEOUT, on_divergence=self.divergences.append)
 
-    def heartbeat(self) -> Heartbeat:
-        s = self.state
-        return Heartbeat(self.rid, time.time(), dict(s.positions), s.digests(), True, self.leader)
+    # The replica port (replicas.runtime.port.ReplicaPort).
+    @property
+    def replica_id(self) -> str:
+        return self.rid
 
-    async def append(self, kind: str, event: ev.Event, msg_id: str) -> int:
-        assert kind == (ROUTER if isinstance(event, ev.ReplicaLost) else KV)
-        return await self.appender.append(liveness_subject(NAMES, event), [event], msg_id)
+    @property
+    def names(self) -> Names:
+        return NAMES
 
-    def known_workers(self) -> dict[str, str]:
-        return {**{w: i.url for w, i in self.state.workers.items()}, **self.extra_workers}
+    @property
+    def ready(self) -> bool:
+        return True
 
-    def incarnation(self, worker_id: str) -> object:
-        info = self.state.workers.get(worker_id)
-        return info.registered_ts if info else "extra"
+    @property
+    def is_leader(self) -> bool:
+        return self.leader
+
+    async def append(self, subject: str, event: ev.Event, msg_id: str | None) -> int:
+        assert subject == liveness_subject(NAMES, event)
+        assert msg_id is not None
+        return await self.appender.append(subject, [event], msg_id)
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        return None
+
+    async def wait_applied(self, kind: str, seq: int, timeout: float = 10.0) -> None:
+        await until(lambda: self.state.positions[kind] >= seq, timeout)
 
     async def _follow(self, kind: str) -> None:
         reader = StreamReader(self.js, NAMES.stream(kind), idle_heartbeat=0.5)
@@ -97,6 +108,10 @@ class Node:
             await reader.close()
 
     async def start(self) -> Node:
+        for wid, url in self.extra_workers.items():
+            await self.appender.append(NAMES.kv_subject(wid), [ev.WorkerRegistered(
+                wid, url, "sim", self.state.config.block_size, 1000, 8192, time.time())],
+                f"{wid}.registered")
         self.readers = [asyncio.create_task(self._follow(k)) for k in (KV, ROUTER, CONTROL)]
         await self.live.start()
         return self
@@ -329,7 +344,7 @@ async def test_killed_worker_is_retired_and_healthy_ones_never(
         await until(lambda: a.live.workers_status["w-quiet"].warned_nats_only)
         await rounds_pass([a], int(TIMEOUT / INTERVAL) + 2)
         assert await retired(check) == ["w1", "w3"]
-        await until(lambda: set(a.state.workers) == {"w2"})
+        await until(lambda: set(a.state.workers) == {"w2", "w-quiet"})
         assert a.live.retired == ["w1", "w3"]
     finally:
         if a is not None:

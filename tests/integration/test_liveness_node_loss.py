@@ -18,9 +18,10 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from eventlog import events as ev
-from eventlog.names import Names
+from eventlog.names import ROUTER, Names
 from eventlog.server import NatsCluster
-from replicas.runtime.liveness import Heartbeat, Liveness
+from replicas.core.state import RouterState
+from replicas.runtime.liveness import Liveness
 from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,23 +33,45 @@ IDS = ("A", "B", "C")
 
 
 class Replica:
+    """The replica port liveness needs: a RouterState in which every replica owns one request,
+    appends recorded instead of written."""
+
     def __init__(self, rid: str, nc: NATS, leader: bool) -> None:
-        self.rid, self.nc = rid, nc
+        self.rid, self.nc, self.leader = rid, nc, leader
         self.declared: list[str] = []
-        self.live = Liveness(
-            nc.jetstream(), nc, NAMES, rid, heartbeat_interval=INTERVAL, replica_timeout=TIMEOUT,
-            worker_timeout=TIMEOUT, snapshot=self.heartbeat, append=self.append,
-            is_leader=lambda: leader, known_workers=dict,
-            known_replicas_with_load=lambda: set(IDS))
+        self.state = RouterState()
+        self.state.apply(ROUTER, 1, [
+            ev.RequestRouted(f"q-{owner}", owner, "w1", 0, 64, [1, 2, 3, 4], 0, 16, 0, 1.0)
+            for owner in IDS])
+        self.live = Liveness(self, nc.jetstream(), nc, heartbeat_interval=INTERVAL,
+                             replica_timeout=TIMEOUT, worker_timeout=TIMEOUT)
 
-    def heartbeat(self) -> Heartbeat:
-        return Heartbeat(self.rid, time.time(), {"kv": 0, "router": 0, "control": 0},
-                         {"state": 0}, True, False)
+    @property
+    def replica_id(self) -> str:
+        return self.rid
 
-    async def append(self, kind: str, event: ev.Event, msg_id: str) -> int:
+    @property
+    def names(self) -> Names:
+        return NAMES
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leader
+
+    async def append(self, subject: str, event: ev.Event, msg_id: str | None) -> int:
         # What the leader would append to the router stream: recorded, it is the output here.
         self.declared.append(getattr(event, "replica_id", "?"))
         return 0
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        return None
+
+    async def wait_applied(self, kind: str, seq: int, timeout: float = 10.0) -> None:
+        return None
 
     def max_peer_age(self) -> float:
         now = time.monotonic()

@@ -1,4 +1,4 @@
-"""Request migration end to end (issue 6 item 1): 1 router replica + 3 simulated engines as real
+"""Request migration end to end (``api/forward/``): 1 router replica + 3 simulated engines as real
 processes; faults injected with the engines' ``/fault``; clients are the official openai client
 and httpx over real sockets.
 
@@ -23,10 +23,10 @@ import pytest
 import pytest_asyncio
 
 from api.forward import Forwarder
+from api.forward.continuation import Continuation, Hop
+from api.forward.engine import HopFailed, SseSplitter
 from api.metrics import RouterMetrics
-from api.migration import Continuation, Hop
 from api.openai_schema import parse_request
-from api.proxy import HopFailed, SseSplitter
 from api.tokenizer import ByteTokenizer
 from cluster.up import LocalCluster
 from eventlog import tokens
@@ -388,10 +388,9 @@ async def test_forwarder_settings_come_from_the_environment_and_hooks_may_be_asy
     async def hook(worker_id: str, reason: str) -> None:
         seen.append((worker_id, reason))
 
-    fw = Forwarder(None, RouterMetrics(), lambda: None,  # type: ignore[arg-type]
-                   on_worker_failure=hook)
+    fw = Forwarder(None, RouterMetrics(), on_worker_failure=hook)  # type: ignore[arg-type]
     assert (fw.stream_idle_timeout, fw.migration_limit) == (1.5, 5)
-    assert Forwarder(None, RouterMetrics(), lambda: None,  # type: ignore[arg-type]
+    assert Forwarder(None, RouterMetrics(),  # type: ignore[arg-type]
                      migration_limit=0).migration_limit == 0
     fw.report_failure("w9", "idle_timeout")
     await asyncio.wait_for(asyncio.gather(*fw._reports), 5)

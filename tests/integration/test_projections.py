@@ -17,9 +17,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from eventlog import events as ev
 from eventlog.appender import Appender
-from eventlog.names import CONTROL, KV, ROUTER, Names
+from eventlog.names import CONTROL, KV, ROUTER, Names, split_hop
 from snapshots.db import Tracking, default_url
-from snapshots.ledger import split_hop
 from snapshots.projections import ProjectionFeeder, Projections
 from tests.waiting import until
 

@@ -43,9 +43,9 @@ def run() -> dict[str, float]:
     rng = random.Random(1)
     cands = _candidates(rng, 64)
     isl = 40 * 16
-    plain = Selector(RoutingConfig())
+    plain = Selector(RoutingConfig.dynamo())
     with_thresholds = Selector(
-        RoutingConfig(thresholds=BusyThresholds(0.95, 100_000, 4.0))
+        RoutingConfig.dynamo(thresholds=BusyThresholds(0.95, 100_000, 4.0))
     )
     results = {
         "select_64_kv_t0_us": _per_call_us(lambda: plain.select(cands, isl, rng), 5_000),

@@ -17,10 +17,10 @@ from replicas.core.divergence import (
     compare,
     decode_heartbeat,
     encode_heartbeat,
-    inject_divergence,
     same_positions,
 )
 from replicas.core.state import RouterState
+from tests.divergence_hook import inject_divergence
 from tests.unit.test_core_purity import FORBIDDEN_MODULES, imported_roots
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""ActiveLoad: in-flight prefill tokens, refcounted decode blocks, ownership, expiry, digest."""
+"""ActiveLoad: in-flight prefill tokens, refcounted decode blocks, ownership, digest."""
 
 from __future__ import annotations
 
@@ -74,45 +74,6 @@ def test_replica_lost_frees_exactly_that_replicas_requests() -> None:
     assert load.active_decode_blocks(W1) == 2
     assert load.active_prefill_tokens(W2) == 0
     assert load.replica_lost("A") == []
-
-
-def test_remove_worker_frees_every_dp_rank() -> None:
-    load = ActiveLoad()
-    load.add("r0", "rep", W1, 10, [1], ts=0.0)
-    load.add("r1", "rep", W1R1, 10, [1], ts=0.0)
-    load.add("r2", "rep", W2, 10, [1], ts=0.0)
-    assert load.remove_worker("w1") == ["r0", "r1"]
-    assert load.workers() == {W2}
-    assert len(load) == 1
-
-
-def test_expire_by_event_time_frees_requests_older_than_cutoff() -> None:
-    # `now` is event time (the newest applied ts), far from the wall clock on purpose.
-    load = ActiveLoad()
-    load.add("old", "rep", W1, 10, [1], ts=100.0)
-    load.add("edge", "rep", W1, 10, [2], ts=150.0)
-    load.add("new", "rep", W2, 10, [3], ts=300.0)
-    assert load.expire(now=350.0, max_age=200.0) == ["old"]  # cutoff 150, strict
-    assert load.owner("edge") == "rep"
-    assert load.expire(now=1000.0, max_age=200.0) == ["edge", "new"]
-    assert len(load) == 0 and load.digest == 0
-
-
-def test_expire_skips_finished_and_readded_requests() -> None:
-    load = ActiveLoad()
-    load.add("r", "rep", W1, 10, [1], ts=1.0)
-    load.finish("r")
-    load.add("r", "rep", W1, 10, [1], ts=500.0)  # same id, later
-    assert load.expire(now=100.0, max_age=10.0) == []
-    assert load.owner("r") == "rep"
-
-
-def test_expiry_heap_stays_bounded() -> None:
-    load = ActiveLoad()
-    for i in range(1000):
-        load.add(f"r{i}", "rep", W1, 1, [i], ts=float(i))
-        load.finish(f"r{i}")
-    assert len(load._expiry) <= 64 + 2
 
 
 def test_active_prefix_len_examples() -> None:

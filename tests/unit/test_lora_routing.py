@@ -41,7 +41,7 @@ def replica() -> Replica:
 
 
 def _decide(replica: Replica, model: str) -> Decision:
-    decision, _, _ = replica._decide(RouteRequest("q", model, TOKENS))
+    decision, _, _ = replica.dispatcher.decide(RouteRequest("q", model, TOKENS))
     assert isinstance(decision, Decision)
     return decision
 
@@ -63,7 +63,7 @@ def test_base_request_never_matches_adapter_blocks(replica: Replica) -> None:
 
 def test_unknown_adapter_is_an_unknown_model(replica: Replica) -> None:
     with pytest.raises(UnknownModel):
-        replica._decide(RouteRequest("q", "other-lora", TOKENS))
+        replica.dispatcher.decide(RouteRequest("q", "other-lora", TOKENS))
 
 
 def test_adapter_requests_are_shed_on_the_engines_that_serve_them(replica: Replica) -> None:

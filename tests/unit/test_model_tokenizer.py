@@ -17,8 +17,8 @@ from api.openai_schema import parse_request as router_parse
 from api.tokenizer import HuggingFaceTokenizer, load_model_tokenizer
 from eventlog.model_tokenizer import (
     ByteCodec,
-    ChatTemplateError,
-    ModelFolderError,
+    ChatTemplateFailed,
+    ModelFolderUnusable,
     ModelTokenizer,
     load_codec,
 )
@@ -92,7 +92,7 @@ def test_request_fields_reach_the_template(tiny_model: Path) -> None:
 
 def test_template_refusal_is_a_clear_400_on_both_sides(tiny_model: Path) -> None:
     body = {"model": "m", "messages": [{"role": "wizard", "content": "hi"}]}
-    with pytest.raises(ChatTemplateError, match="unknown role: wizard"):
+    with pytest.raises(ChatTemplateFailed, match="unknown role: wizard"):
         ModelTokenizer(tiny_model).encode_chat(body["messages"])
     with pytest.raises(ApiError) as err:
         router_ids(tiny_model, "chat", body)
@@ -140,9 +140,9 @@ def test_tokenizer_file_alone_has_no_template(tiny_model: Path) -> None:
 
 
 def test_bad_folders_name_the_path(tmp_path: Path) -> None:
-    with pytest.raises(ModelFolderError, match="does not exist"):
+    with pytest.raises(ModelFolderUnusable, match="does not exist"):
         load_codec(tmp_path / "nowhere")
-    with pytest.raises(ModelFolderError, match=r"no tokenizer\.json"):
+    with pytest.raises(ModelFolderUnusable, match=r"no tokenizer\.json"):
         load_codec(tmp_path)
 
 

@@ -16,7 +16,7 @@ from eventlog import binding
 from eventlog.connect import (
     PASSWORD_ENV,
     NatsOptions,
-    NatsOptionsError,
+    NatsOptionsInvalid,
     add_nats_arguments,
     connect_kwargs,
     fatal_reason,
@@ -100,7 +100,7 @@ def test_connect_kwargs_read_the_files(files: dict[str, str]) -> None:
     ({"token": "t", "token_file": "f"}, "not both"),
 ])
 def test_impossible_options_are_refused(fields: dict[str, str], message: str) -> None:
-    with pytest.raises(NatsOptionsError, match=message):
+    with pytest.raises(NatsOptionsInvalid, match=message):
         NatsOptions(**fields)
 
 

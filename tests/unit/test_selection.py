@@ -52,7 +52,7 @@ def cand(
 
 
 def seed_example() -> list[Candidate]:
-    """Router guide (seed 001): cached 2/5/8 blocks, prefill 8/5/2 blocks, decode 10/5/9 blocks."""
+    """Dynamo's router guide example: cached 2/5/8 blocks, prefill 8/5/2, decode 10/5/9 blocks."""
     return [
         cand("w1", overlap=2, decode=2, new=8),  # prefill (160-32)/16 = 8, decode 2+8 = 10
         cand("w2", overlap=5, decode=0, new=5),  # prefill 5, decode 5
@@ -61,7 +61,7 @@ def seed_example() -> list[Candidate]:
 
 
 def select(cands, config=None, seed=0, **kw) -> Decision | Overloaded:
-    return Selector(config or RoutingConfig()).select(cands, ISL, random.Random(seed), **kw)
+    return Selector(config or RoutingConfig.dynamo()).select(cands, ISL, random.Random(seed), **kw)
 
 
 def test_seed_example_picks_worker_2_with_the_seed_costs() -> None:
@@ -95,7 +95,7 @@ def test_costs_table_matches_eager_formula_and_ignores_later_mutation() -> None:
              weight=rng.choice([1.0, 0.5]))
         for i in range(40)
     ]
-    d = select(cands, RoutingConfig(kv_overlap_score_weight=1.7))
+    d = select(cands, RoutingConfig.dynamo(kv_overlap_score_weight=1.7))
     assert isinstance(d, Decision)
     eager = tuple(cost_terms(c, ISL, 1.7, BS) for c in cands)
     cands.clear()  # the decision must not depend on the caller's list afterwards
@@ -110,7 +110,7 @@ def test_temperature_zero_is_deterministic() -> None:
 
 
 def test_high_temperature_spreads_picks() -> None:
-    cfg = RoutingConfig(temperature=5.0)
+    cfg = RoutingConfig.dynamo(temperature=5.0)
     sel = Selector(cfg)
     rng = random.Random(1234)
     counts = Counter(sel.select(seed_example(), ISL, rng).worker for _ in range(600))
@@ -119,7 +119,7 @@ def test_high_temperature_spreads_picks() -> None:
 
 
 def test_temperature_follows_softmax_of_normalised_costs() -> None:
-    cfg = RoutingConfig(temperature=0.5)
+    cfg = RoutingConfig.dynamo(temperature=0.5)
     sel = Selector(cfg)
     rng = random.Random(99)
     n = 4000
@@ -134,7 +134,7 @@ def test_temperature_follows_softmax_of_normalised_costs() -> None:
 
 def test_equal_costs_at_temperature_are_uniform() -> None:
     cands = [cand("a"), cand("b"), cand("c")]
-    sel = Selector(RoutingConfig(temperature=1.0))
+    sel = Selector(RoutingConfig.dynamo(temperature=1.0))
     rng = random.Random(5)
     counts = Counter(sel.select(cands, ISL, rng).worker for _ in range(900))
     assert all(250 < counts[(w, 0)] < 350 for w in "abc")
@@ -159,8 +159,8 @@ def test_overlap_weight_override_changes_the_pick() -> None:
     assert isinstance(d, Decision) and d.worker == ("w1", 0)
     assert [t.cost for t in d.costs] == [10.0, 15.0]
     # the config weight is what the override replaces
-    assert select(cands, RoutingConfig(kv_overlap_score_weight=0.4)).worker == ("w1", 0)
-    assert select(cands, RoutingConfig(kv_overlap_score_weight=0.4),
+    assert select(cands, RoutingConfig.dynamo(kv_overlap_score_weight=0.4)).worker == ("w1", 0)
+    assert select(cands, RoutingConfig.dynamo(kv_overlap_score_weight=0.4),
                   overlap_weight=1.0).worker == ("w2", 0)
 
 
@@ -194,15 +194,15 @@ def test_no_candidates_is_overloaded() -> None:
 def test_each_busy_threshold_excludes_a_worker(thresholds: BusyThresholds, hot: Candidate) -> None:
     cool = cand("w1", decode=1)
     # Without thresholds random mode does use the hot worker...
-    rnd = RoutingConfig(mode="random")
+    rnd = RoutingConfig.dynamo(mode="random")
     assert ("w2", 0) in {select([cool, hot], rnd, seed=s).worker for s in range(10)}
-    d = select([cool, hot], RoutingConfig(thresholds=thresholds))
+    d = select([cool, hot], RoutingConfig.dynamo(thresholds=thresholds))
     assert isinstance(d, Decision) and d.worker == ("w1", 0)
     assert [t.busy for t in d.costs] == [False, True]
     assert busy_workers([cool, hot], thresholds) == {"w2"}
     # ... and excluded in every mode
     for mode in ("round-robin", "random", "least-loaded"):
-        cfg = RoutingConfig(mode=mode, thresholds=thresholds)
+        cfg = RoutingConfig.dynamo(mode=mode, thresholds=thresholds)
         assert {select([cool, hot], cfg, seed=s).worker for s in range(10)} == {("w1", 0)}
 
 
@@ -214,7 +214,7 @@ def test_threshold_boundary_is_strictly_greater() -> None:
 
 def test_dp_rank_aggregation() -> None:
     t = BusyThresholds(active_prefill_tokens_threshold=100)
-    cfg = RoutingConfig(thresholds=t)
+    cfg = RoutingConfig.dynamo(thresholds=t)
     # w1: rank 0 busy but cheapest, rank 1 free; w2 free but expensive
     cands = [
         cand("w1", rank=0, overlap=10, prefill=150),
@@ -239,14 +239,14 @@ def test_all_busy_is_overloaded_with_costs() -> None:
     t = BusyThresholds(active_prefill_tokens_threshold=10)
     cands = [cand("w1", prefill=11), cand("w2", rank=0, prefill=50), cand("w2", rank=1, prefill=20)]
     for mode in ("kv", "round-robin", "random", "least-loaded"):
-        r = select(cands, RoutingConfig(mode=mode, thresholds=t))
+        r = select(cands, RoutingConfig.dynamo(mode=mode, thresholds=t))
         assert isinstance(r, Overloaded)
         assert r.reason == "all workers busy"
         assert [x.busy for x in r.costs] == [True, True, True]
 
 
 def test_thresholds_can_change_at_runtime() -> None:
-    sel = Selector(RoutingConfig())
+    sel = Selector(RoutingConfig.dynamo())
     cands = [cand("w1", prefill=500), cand("w2", prefill=600)]
     assert isinstance(sel.select(cands, ISL, random.Random(0)), Decision)
     sel.config = dataclasses.replace(
@@ -255,14 +255,23 @@ def test_thresholds_can_change_at_runtime() -> None:
     assert isinstance(sel.select(cands, ISL, random.Random(0)), Overloaded)
 
 
+def test_per_request_thresholds_apply_to_that_request_only() -> None:
+    sel = Selector(RoutingConfig.dynamo())
+    cands = [cand("w1", prefill=500), cand("w2", prefill=600)]
+    tight = BusyThresholds(active_prefill_tokens_threshold=100)
+    assert isinstance(sel.select(cands, ISL, random.Random(0), thresholds=tight), Overloaded)
+    assert sel.config == RoutingConfig.dynamo()  # nothing of the request stays on the selector
+    assert isinstance(sel.select(cands, ISL, random.Random(0)), Decision)
+
+
 def test_round_robin_cycles_in_worker_order_and_skips_busy() -> None:
-    sel = Selector(RoutingConfig(mode="round-robin"))
+    sel = Selector(RoutingConfig.dynamo(mode="round-robin"))
     rng = random.Random(0)
     cands = [cand("c"), cand("a"), cand("b", overlap=10)]  # overlap is irrelevant here
     picks = [sel.select(cands, ISL, rng).worker[0] for _ in range(7)]
     assert picks == ["a", "b", "c", "a", "b", "c", "a"]
     # b goes busy: the cycle continues without it
-    sel.config = RoutingConfig(
+    sel.config = RoutingConfig.dynamo(
         mode="round-robin", thresholds=BusyThresholds(active_prefill_tokens_threshold=10)
     )
     cands = [cand("c"), cand("a"), cand("b", prefill=11)]
@@ -271,7 +280,7 @@ def test_round_robin_cycles_in_worker_order_and_skips_busy() -> None:
 
 
 def test_random_mode_uses_every_worker() -> None:
-    sel = Selector(RoutingConfig(mode="random"))
+    sel = Selector(RoutingConfig.dynamo(mode="random"))
     rng = random.Random(3)
     cands = [cand(w, overlap=10 if w == "a" else 0) for w in "abcd"]
     counts = Counter(sel.select(cands, ISL, rng).worker[0] for _ in range(400))
@@ -279,7 +288,7 @@ def test_random_mode_uses_every_worker() -> None:
 
 
 def test_least_loaded_ignores_overlap() -> None:
-    cfg = RoutingConfig(mode="least-loaded")
+    cfg = RoutingConfig.dynamo(mode="least-loaded")
     cands = [
         cand("cached", overlap=10, decode=20),  # load 20
         cand("busyish", decode=5, prefill=16 * 10),  # load 5 + 10 = 15
@@ -291,7 +300,7 @@ def test_least_loaded_ignores_overlap() -> None:
 
 def test_unknown_mode_is_rejected() -> None:
     with pytest.raises(ValueError):
-        RoutingConfig(mode="sticky")
+        RoutingConfig.dynamo(mode="sticky")
 
 
 def test_ledger_rows_carry_the_same_terms_as_the_decision() -> None:
@@ -303,8 +312,8 @@ def test_ledger_rows_carry_the_same_terms_as_the_decision() -> None:
     cands = [Candidate(("a", 0), 3, 10, 40, 7, 2, 100, 8192),
              Candidate(("b", 0), 0, 5, 0, 1, 5, 100, 8192, weight=0.5)]
     for q in (None, 1.0):
-        d = Selector(RoutingConfig(kv_overlap_score_weight=2.0, prefill_queue_weight=q)).select(
-            cands, 80, _random.Random(0))
+        cfg = RoutingConfig.dynamo(kv_overlap_score_weight=2.0, prefill_queue_weight=q)
+        d = Selector(cfg).select(cands, 80, _random.Random(0))
         rows = d.costs.rows()
         assert [(r[0], r[1], r[2], r[3], r[4], r[5], r[6]) for r in rows] == [
             (t.worker[0], t.worker[1], t.overlap_blocks, t.prefill_blocks,

@@ -27,7 +27,7 @@ def busy_cached_vs_idle() -> list[Candidate]:
 
 
 def pick(cands: list[Candidate], **cfg: float | None) -> str:
-    d = Selector(RoutingConfig(block_size=BS, **cfg)).select(cands, ISL, random.Random(0))  # type: ignore[arg-type]
+    d = Selector(RoutingConfig.dynamo(block_size=BS, **cfg)).select(cands, ISL, random.Random(0))  # type: ignore[arg-type]
     assert isinstance(d, Decision)
     return d.worker[0]
 
@@ -61,7 +61,7 @@ def test_queue_weight_equal_to_overlap_weight_is_the_default_formula() -> None:
 
 def test_ledger_rows_use_the_same_formula_as_the_pick() -> None:
     cands = busy_cached_vs_idle()
-    d = Selector(RoutingConfig(block_size=BS, kv_overlap_score_weight=8.0,
+    d = Selector(RoutingConfig.dynamo(block_size=BS, kv_overlap_score_weight=8.0,
                                prefill_queue_weight=1.0)).select(cands, ISL, random.Random(0))
     assert isinstance(d, Decision)
     rows = {r[0]: r[5] for r in d.costs.rows()}
@@ -71,4 +71,4 @@ def test_ledger_rows_use_the_same_formula_as_the_pick() -> None:
 
 def test_negative_queue_weight_is_rejected() -> None:
     with pytest.raises(ValueError):
-        RoutingConfig(prefill_queue_weight=-1.0)
+        RoutingConfig.dynamo(prefill_queue_weight=-1.0)

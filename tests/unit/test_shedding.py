@@ -1,4 +1,4 @@
-"""Degradation levels and priority shedding (seed 002, "Graceful Degradation")."""
+"""Degradation levels and priority shedding (Dynamo's fault-tolerance guide's levels)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_no_demand_is_normal_and_no_healthy_capacity_is_emergency() -> None:
 
 
 def test_a_full_fleet_is_never_past_level_1() -> None:
-    # Overload with every worker healthy is the busy-threshold path (seed 000), not degradation.
+    # Overload with every worker healthy is the busy-threshold path (503s), not degradation.
     assert degradation_level(10, 1000, healthy_fraction=1.0) == 1
     assert degradation_level(100, 50, healthy_fraction=1.0) == 0
 

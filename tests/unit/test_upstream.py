@@ -11,11 +11,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from api.proxy import (
-    CONNECT_ERROR,
-    IDLE_TIMEOUT,
-    STREAM_ERROR,
+from api.forward.engine import (
     HopFailed,
+    HopFailure,
     classify,
     open_upstream,
     upstream_events,
@@ -211,14 +209,14 @@ async def test_server_closing_mid_body_is_a_stream_error(engine: Engine,
     resp = await pool.post(url(engine, "/mid-body"), b"")
     with pytest.raises(StreamBroken):
         await resp.aread()
-    assert classify(StreamBroken("x")) == STREAM_ERROR
+    assert classify(StreamBroken("x")) == HopFailure.STREAM_ERROR
     # Through the proxy layer: the whole first event comes out, the torn one never does.
     resp = await open_upstream(pool, url(engine, "/mid-chunk"), b"", "r3")
     seen: list[bytes | None] = []
     with pytest.raises(HopFailed) as info:
         async for _, payload in upstream_events(resp):
             seen.append(payload)
-    assert seen == [b"first"] and info.value.reason == STREAM_ERROR
+    assert seen == [b"first"] and info.value.reason == HopFailure.STREAM_ERROR
     assert pool.idle_count() == 0
 
 
@@ -233,7 +231,7 @@ async def test_a_stalled_server_hits_the_idle_timeout(engine: Engine,
     assert 0.25 <= loop.time() - started < 3
     with pytest.raises(HopFailed) as info:  # silent before the head: the same reason
         await open_upstream(pool, url(engine, "/stall-head"), b"", "r4", idle_timeout=0.2)
-    assert info.value.reason == IDLE_TIMEOUT
+    assert info.value.reason == HopFailure.IDLE_TIMEOUT
     assert pool.idle_count() == 0
 
 
@@ -256,7 +254,7 @@ async def test_refused_connection_is_a_connect_error(pool: UpstreamPool) -> None
         await pool.post(f"http://127.0.0.1:{port}/v1/completions", b"{}")
     with pytest.raises(HopFailed) as info:
         await open_upstream(pool, f"http://127.0.0.1:{port}/v1/completions", b"{}", "r5")
-    assert info.value.reason == CONNECT_ERROR
+    assert info.value.reason == HopFailure.CONNECT_ERROR
 
 
 async def test_stale_pooled_connection_is_retried_once_on_a_fresh_one(

@@ -35,6 +35,7 @@ from nats.js.errors import NotFoundError
 
 from eventlog.appender import Appender, AppendFailed
 from eventlog.connect import NatsConnectFatal, NatsOptions, connect
+from eventlog.errors import JetrouterError
 from eventlog.events import Event, WorkerRegistered, WorkerRetired
 from eventlog.names import KV, Names
 from eventlog.streams import ensure_streams
@@ -55,7 +56,7 @@ from workers.publisher import MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, bl
 log = logging.getLogger(__name__)
 
 
-class ConfigError(ValueError):
+class BridgeConfigInvalid(JetrouterError, ValueError):
     """Settings the bridge cannot run with (reported as one line, exit 2)."""
 
 
@@ -98,6 +99,7 @@ class Bridge:
         self.retired = False
         self.block_size: int | None = settings.block_size
         self.engine_start: float | None = None
+        self.kv_total_blocks: int | None = None  # from the settings or the engine, on register
         self.translator: Translator | None = None
         self.next_event_id = 1
         self.appended_event_id = 0  # the last event id on the stream (position headers)
@@ -172,7 +174,9 @@ class Bridge:
         return resume_point(msg.headers, msg.data or b"")
 
     async def start(self) -> None:
-        """Connect, learn where we are, and (if starting afresh) register. Raises ConfigError."""
+        """Connect, learn where we are, and (if starting afresh) register.
+
+        Raises BridgeConfigInvalid."""
         await self._connect_nats()
         model, loras = await self._wait_engine()
         self.model = self.s.model or model
@@ -180,14 +184,15 @@ class Bridge:
         self.engine_start = self.metrics.start_time
         engine_bs = self.metrics.block_size
         if self.block_size is not None and engine_bs is not None and engine_bs != self.block_size:
-            raise ConfigError(f"--block-size {self.block_size} differs from the engine's block "
-                              f"size {engine_bs} ({self.s.engine_url}/metrics)")
+            raise BridgeConfigInvalid(f"--block-size {self.block_size} differs from the engine's "
+                                      f"block size {engine_bs} ({self.s.engine_url}/metrics)")
         if self.block_size is None:
             self.block_size = self.metrics.block_size
         self.kv_total_blocks = self.s.kv_total_blocks or self.metrics.num_gpu_blocks
         if not self.kv_total_blocks:
-            raise ConfigError(f"{self.s.engine_url}/metrics reports no KV capacity "
-                              "(vllm:cache_config_info num_gpu_blocks): pass --kv-total-blocks")
+            raise BridgeConfigInvalid(
+                f"{self.s.engine_url}/metrics reports no KV capacity "
+                "(vllm:cache_config_info num_gpu_blocks): pass --kv-total-blocks")
         point = await self._last_message()
         same_engine = point is not None and (
             point.engine_start is None or self.engine_start is None
@@ -529,7 +534,7 @@ class Bridge:
             await self.close()
             return
         stopping.cancel()
-        starting.result()  # raises ConfigError
+        starting.result()  # raises BridgeConfigInvalid
         monitor = EngineMonitor(self)
         tasks = [asyncio.create_task(self._events_loop(), name="bridge-events"),
                  asyncio.create_task(monitor.health_loop(), name="bridge-health"),

@@ -28,12 +28,14 @@ from typing import Any
 
 import msgspec
 
+from eventlog.errors import JetrouterError
+
 MASK64 = (1 << 64) - 1
 DEVICE_MEDIUM = "GPU"
 """The tier whose blocks count for prefix overlap (vLLM reports "GPU" even for its CPU backend)."""
 
 
-class BadPayload(ValueError):
+class BadPayload(JetrouterError, ValueError):
     """A payload that is not a ``[ts, events, dp_rank]`` batch at all."""
 
 

@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from eventlog.errors import JetrouterError
+
 _PREFIXES = ("vllm:", "sglang:")
 
 
-class EngineUnavailable(RuntimeError):
+class EngineUnavailable(JetrouterError, RuntimeError):
     """The engine's HTTP side did not answer usefully."""
 
 

@@ -12,12 +12,43 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
-from workers.bridge.engine_http import EngineUnavailable, MetricsView
+from nats.aio.client import Client as NatsClient
 
-if TYPE_CHECKING:
-    from workers.bridge.bridge import Bridge
+from eventlog.names import Names
+from workers.bridge.engine_http import EngineHttp, EngineUnavailable, MetricsView
+
+
+class MonitorSettings(Protocol):
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def health_interval(self) -> float: ...
+    @property
+    def unhealthy_after(self) -> float: ...
+    @property
+    def load_interval(self) -> float: ...
+
+
+class MonitoredBridge(Protocol):
+    """What the monitor reads and sets on the bridge (`workers.bridge.bridge.Bridge`): a port,
+    so this module does not import the bridge that imports it."""
+
+    names: Names
+    engine: EngineHttp
+    nc: NatsClient | None
+    registered: bool
+    retired: bool
+    engine_start: float | None
+    metrics: MetricsView
+    control: asyncio.Queue[str]
+    kv_total_blocks: int | None
+    clock: Callable[[], float]
+
+    @property
+    def s(self) -> MonitorSettings: ...
 
 
 def load_gauges(worker_id: str, view: MetricsView, kv_total_blocks: int,
@@ -38,7 +69,7 @@ def load_gauges(worker_id: str, view: MetricsView, kv_total_blocks: int,
 
 
 class EngineMonitor:
-    def __init__(self, bridge: Bridge) -> None:
+    def __init__(self, bridge: MonitoredBridge) -> None:
         self.bridge = bridge
         self.unhealthy_since: float | None = None
 

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from eventlog.errors import JetrouterError
+
 END_SEQ = b"\xff" * 8
 
 
-class ReplayUnavailable(RuntimeError):
+class ReplayUnavailable(JetrouterError, RuntimeError):
     """No replay endpoint, or it did not answer in time."""
 
 

@@ -16,12 +16,14 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from eventlog.errors import JetrouterError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV_ENV_VAR = "JETROUTER_VLLM_VENV"
 SCRIPT = REPO_ROOT / "deploy" / "vllm-venv.sh"
 
 
-class VllmEnvError(RuntimeError):
+class VllmEnvMissing(JetrouterError, RuntimeError):
     """The vLLM environment is missing or broken; the message says how to make it."""
 
 
@@ -50,8 +52,8 @@ def ensure_venv(venv: Path | None = None) -> Path:
               "~3.5 GB) ...", file=sys.stderr, flush=True)
         rc = subprocess.call(["bash", str(SCRIPT), str(venv)], cwd=str(REPO_ROOT))
         if rc != 0 or not venv_ready(venv):
-            raise VllmEnvError(f"could not create the vLLM environment in {venv} "
-                               f"(bash {SCRIPT} {venv} exited {rc})")
+            raise VllmEnvMissing(f"could not create the vLLM environment in {venv} "
+                                 f"(bash {SCRIPT} {venv} exited {rc})")
     return venv_python(venv)
 
 
@@ -66,7 +68,7 @@ def build_model(out_dir: Path, *, layers: int = 4, hidden: int = 512,
     done = subprocess.run(argv, env=env, cwd=str(REPO_ROOT), capture_output=True, text=True,
                           check=False)
     if done.returncode != 0:
-        raise VllmEnvError(f"building the tiny model failed:\n{done.stderr[-2000:]}")
+        raise VllmEnvMissing(f"building the tiny model failed:\n{done.stderr[-2000:]}")
     return out_dir
 
 

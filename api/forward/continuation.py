@@ -1,4 +1,5 @@
-"""Request migration: one client request served by a chain of engine hops (issue 6 item 1).
+"""What the client has seen of one request served by a chain of engine hops (design.md §9), and
+how to carry it on elsewhere. No I/O: :mod:`api.forward.run` drives it.
 
 When an engine fails mid-request, the request continues on another engine with the tokens
 generated so far appended to the prompt and ``max_tokens`` reduced by them; the client sees one
@@ -26,8 +27,8 @@ from typing import Any
 
 import msgspec
 
+from api.forward.engine import DONE_EVENT, HopFailed, HopFailure, sse_data
 from api.openai_schema import ParsedRequest
-from api.proxy import DONE_EVENT, HopFailed, sse_data
 from replicas.runtime.replica import Routed
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -45,14 +46,19 @@ _json = msgspec.json.Decoder()
 
 @dataclass(slots=True)
 class Hop:
-    """One engine's part of a request."""
+    """One engine's part of a request.
+
+    What the engine sent (``tokens``, ``usage``, ``done``) is written by
+    :meth:`Continuation.on_event`; the hop's lifecycle on the router stream (``prefilled``,
+    ``ended``) only by :class:`api.forward.run.Run`, which appends those events.
+    """
 
     routed: Routed
     verbatim: bool
     tokens: int = 0                 # token-bearing chunks received from this engine
     usage: dict[str, Any] | None = None
-    prefilled: bool = False         # PrefillCompleted appended for this hop
     done: bool = False              # the engine sent [DONE]
+    prefilled: bool = False         # PrefillCompleted appended for this hop
     ended: bool = False             # RequestFinished appended for this hop
 
     @property
@@ -202,7 +208,7 @@ class Continuation:
         if "error" in obj:
             err = obj["error"]
             msg = err.get("message") if isinstance(err, dict) else err
-            raise HopFailed("stream_error", f"the engine sent an error event: {msg}")
+            raise HopFailed(HopFailure.STREAM_ERROR, f"the engine sent an error event: {msg}")
         usage = obj.get("usage")
         if isinstance(usage, dict):
             hop.usage = usage

@@ -1,18 +1,16 @@
 """Talking to one engine for one hop of a request: open the upstream stream, read it as SSE events,
-and turn every way it can break into a :class:`HopFailed` with a migration reason.
+and turn every way it can break into a :class:`HopFailed` with a :class:`HopFailure` reason.
 
-Failures worth moving the request elsewhere (issue 6 item 1) are transport errors (connection
-refused or reset, the engine dying mid-stream), a 5xx, and silence longer than the idle timeout
-(no byte from the engine for that long; see :mod:`api.upstream`). A 4xx is the engine judging
-the request itself, so it is handed back, not retried. The client-facing timing of the whole request
-(first token, gaps between tokens) lives in :class:`Exchange`.
+Failures worth moving the request to another engine (design.md §9) are transport errors
+(connection refused or reset, the engine dying mid-stream), a 5xx, and silence longer than the
+idle timeout (no byte from the engine for that long; see :mod:`api.upstream`). A 4xx is the
+engine judging the request itself, so it is handed back, not retried.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from enum import StrEnum
 
 import msgspec
 
@@ -23,55 +21,39 @@ from api.upstream import (
     UpstreamPool,
     UpstreamResponse,
 )
+from eventlog.errors import JetrouterError
 
-CONNECT_ERROR = "connect_error"
-STREAM_ERROR = "stream_error"
-IDLE_TIMEOUT = "idle_timeout"
-UPSTREAM_5XX = "upstream_5xx"
-REASONS = (CONNECT_ERROR, STREAM_ERROR, IDLE_TIMEOUT, UPSTREAM_5XX)
+
+class HopFailure(StrEnum):
+    """Why an engine failed a hop: the ``reason`` label of the migrations metric and of the
+    passive health report."""
+
+    CONNECT_ERROR = "connect_error"
+    STREAM_ERROR = "stream_error"
+    IDLE_TIMEOUT = "idle_timeout"
+    UPSTREAM_5XX = "upstream_5xx"
+
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
-class HopFailed(Exception):
-    """One engine failed this hop; ``reason`` is one of :data:`REASONS` (the metric label)."""
+class HopFailed(JetrouterError):
+    """One engine failed this hop, for ``reason``."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: HopFailure, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
 
 
-def classify(exc: BaseException) -> str:
+def classify(exc: BaseException) -> HopFailure:
     """The migration reason for a failure of the upstream client (:mod:`api.upstream`); any
     other transport error (an ``OSError`` that slipped through) counts as a broken stream."""
     if isinstance(exc, ConnectFailed):
-        return CONNECT_ERROR
+        return HopFailure.CONNECT_ERROR
     if isinstance(exc, IdleTimeout):
-        return IDLE_TIMEOUT
-    return STREAM_ERROR
-
-
-@dataclass(slots=True)
-class Exchange:
-    """Client-visible timing of one request across all its hops."""
-
-    started: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    itl: list[float] = field(default_factory=list)
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_at is None else self.first_token_at - self.started
-
-    def token(self) -> None:
-        now = time.perf_counter()
-        if self.first_token_at is None:
-            self.first_token_at = now
-        elif self.last_token_at is not None:
-            self.itl.append(now - self.last_token_at)
-        self.last_token_at = now
+        return HopFailure.IDLE_TIMEOUT
+    return HopFailure.STREAM_ERROR
 
 
 class SseSplitter:
@@ -119,7 +101,7 @@ async def open_upstream(pool: UpstreamPool, url: str, body: bytes, request_id: s
             pass
         finally:
             resp.close()
-        raise HopFailed(UPSTREAM_5XX, f"HTTP {resp.status_code} {detail[:200]!r}")
+        raise HopFailed(HopFailure.UPSTREAM_5XX, f"HTTP {resp.status_code} {detail[:200]!r}")
     return resp
 
 
@@ -134,12 +116,6 @@ async def upstream_events(resp: UpstreamResponse
                 yield event
     except (UpstreamError, OSError) as exc:
         raise HopFailed(classify(exc), f"{type(exc).__name__}: {exc}") from None
-
-
-def sse_error(message: str, *, type_: str = "upstream_error", code: int = 502) -> bytes:
-    body = msgspec.json.encode({"error": {"message": message, "type": type_, "param": None,
-                                          "code": code}})
-    return b"data: " + body + b"\n\n"
 
 
 def sse_data(obj: object) -> bytes:

@@ -1,4 +1,5 @@
-"""Leader-elected snapshots, safe purge and coordinated reset (design.md §8).
+"""Leader-only work: the lease, snapshots, safe purge, coordinated reset (design.md §8), and the
+canary checker (it runs on every replica and acts only while this one leads).
 
 One replica holds the lease; it alone snapshots, purges and resets, always in this order:
 write blob → append `SnapshotTaken` → purge up to the *previous* snapshot's positions. So the
@@ -17,52 +18,61 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
+import httpx
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 
 from eventlog import events as ev
+from eventlog.errors import JetrouterError
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
 from eventlog.streams import stream_bounds
+from replicas.core.health import HealthBoard, HealthConfig
+from replicas.runtime.canary import CanaryChecker, OnCheck
+from replicas.runtime.port import ReplicaPort
 from snapshots.lease import LeaderLease
 from snapshots.store import SnapshotStore
-
-if TYPE_CHECKING:
-    from replicas.runtime.replica import Replica
 
 log = logging.getLogger("jetrouter.durability")
 
 
-class NoLeader(Exception):
+class NoLeader(JetrouterError):
     """No replica holds the lease (or it did not answer) — try again shortly."""
 
 
-class Durability:
-    def __init__(self, replica: Replica, nc: NatsClient, js: JetStreamContext, names: Names, *,
-                 snapshot_threshold: int, keep: int = 3, lease_ttl: float = 5.0,
+class Leader:
+    """Every durable replica has one: it runs for the lease, and does the work below only while
+    it holds it (other replicas' admin requests reach the holder over core NATS)."""
+
+    def __init__(self, replica: ReplicaPort, nc: NatsClient, js: JetStreamContext,
+                 store: SnapshotStore, *, snapshot_threshold: int, lease_ttl: float = 5.0,
                  check_interval: float = 1.0) -> None:
         self.replica = replica
         self.nc = nc
         self.js = js
-        self.names = names
+        self.names: Names = replica.names
         self.default_threshold = snapshot_threshold
-        self.store = SnapshotStore(js, names, keep=keep)
+        self.store = store
         # The holder names this process, not just the replica id: a replica restarted under the
         # same id must not believe it still holds the lease its previous incarnation took.
-        self.lease = LeaderLease(js, names, f"{replica.replica_id}.{secrets.token_hex(4)}",
+        self.lease = LeaderLease(js, self.names, f"{replica.replica_id}.{secrets.token_hex(4)}",
                                  ttl=lease_ttl)
         self.check_interval = check_interval
         self.snapshots_taken = 0
         self.last_snapshot_at: float | None = None
         self._lock = asyncio.Lock()  # one snapshot/reset at a time on this replica
-        self._tasks: list[asyncio.Task[Any]] = []
-        self._subs: list[Any] = []
-        self._inflight: set[asyncio.Task[Any]] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subs: list[Subscription] = []
+        self._inflight: set[asyncio.Task[None]] = set()
         self.on_leader_change: Callable[[bool], Awaitable[None] | None] | None = None
+        self.canary: CanaryChecker | None = None
+        self._canary_client: httpx.AsyncClient | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -81,7 +91,23 @@ class Durability:
         self._subs.append(await self.nc.subscribe(self._subject("reset"),
                                                   cb=self._on_reset_request))
 
+    async def start_canaries(self, *, interval: float, timeout: float, recovery_timeout: float,
+                             on_check: OnCheck | None) -> None:
+        """Canary checks of every worker: judged and announced only while this replica leads
+        (leadership may move during a round: the announcement is checked again)."""
+        self._canary_client = httpx.AsyncClient()
+        self.canary = CanaryChecker(
+            self._canary_client, HealthBoard(HealthConfig(recovery_timeout=recovery_timeout)),
+            self.replica, interval=interval, timeout=timeout, nc=self.nc,
+            on_check=on_check)
+        await self.canary.start()
+
     async def stop(self) -> None:
+        if self.canary is not None:
+            with contextlib.suppress(Exception):
+                await self.canary.stop()
+        if self._canary_client is not None:
+            await self._canary_client.aclose()
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -102,7 +128,7 @@ class Durability:
         await self.lease.run(self._leader_changed)
 
     def _subject(self, verb: str) -> str:
-        return f"{self.names.namespace}.admin.{verb}"
+        return self.names.admin_subject(verb)
 
     async def _leader_changed(self, leader: bool) -> None:
         log.warning("replica %s %s the leader lease", self.replica.replica_id,
@@ -146,8 +172,7 @@ class Durability:
                 raise NoLeader("lost the leader lease while writing the snapshot")
             event = ev.SnapshotTaken(meta.snapshot_id, positions, meta.size, meta.sha256,
                                      self.replica.replica_id, trigger, time.time())
-            seq = await self.replica.append_control(event, f"snap.{meta.snapshot_id}",
-                                                    control_kind="snapshot")
+            seq = await self._append_control(event, f"snap.{meta.snapshot_id}", "snapshot")
             await self._purge_to_previous(meta.snapshot_id)
             self.snapshots_taken += 1
             self.last_snapshot_at = time.time()
@@ -188,8 +213,7 @@ class Durability:
                 cut[kind] = last
             epoch = self.replica.state.epoch + 1
             event = ev.StateReset(epoch, reason, time.time(), cut)
-            seq = await self.replica.append_control(event, f"reset.{epoch}",
-                                                    control_kind="reset")
+            seq = await self._append_control(event, f"reset.{epoch}", "reset")
             await self.replica.wait_applied(CONTROL, seq)
             for kind in (KV, ROUTER):
                 if cut[kind] > 0:
@@ -202,6 +226,9 @@ class Durability:
         await self.nc.publish(self.names.reannounce_subject("all"), b"")
         return {"epoch": epoch, "cut": cut, "control_seq": seq, "blobs_deleted": deleted,
                 "snapshot": snap}
+
+    async def _append_control(self, event: ev.Event, msg_id: str, control_kind: str) -> int:
+        return await self.replica.append(self.names.control_subject(control_kind), event, msg_id)
 
     # --- reaching the leader from any replica ----------------------------------------------------
 
@@ -226,7 +253,7 @@ class Durability:
             return await self.reset(payload.get("reason", "admin"))
         raise ValueError(verb)
 
-    async def _answer(self, msg: Any, verb: str) -> None:
+    async def _answer(self, msg: Msg, verb: str) -> None:
         if not self.is_leader or not msg.reply:
             return  # only the leader answers; others stay silent so the request reaches it
         try:
@@ -236,13 +263,13 @@ class Durability:
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         await msg.respond(json.dumps(answer).encode())
 
-    async def _on_snapshot_request(self, msg: Any) -> None:
+    async def _on_snapshot_request(self, msg: Msg) -> None:
         self._spawn(self._answer(msg, "snapshot"))
 
-    async def _on_reset_request(self, msg: Any) -> None:
+    async def _on_reset_request(self, msg: Msg) -> None:
         self._spawn(self._answer(msg, "reset"))
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         # Answer off the subscription callback (a snapshot takes a while); keep a reference.
         task = asyncio.create_task(coro)
         self._inflight.add(task)

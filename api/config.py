@@ -1,0 +1,169 @@
+"""The router replica's options (`jetrouter serve`), each declared once (see eventlog/flags.py).
+
+Names follow the seeds (design.md §10). `jetrouter serve`'s argparse, its environment variables
+and the typed configs below come from :data:`SERVE`; `jetrouter up` forwards some of them to the
+replicas it starts, and `jetrouter bench core` times the routing defaults declared here.
+To add an option or an alias: one line in the group it belongs to (eventlog/flags.py says how).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+
+from api.http_limits import (
+    DEFAULT_KEEP_ALIVE_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_REQUEST_READ_TIMEOUT,
+)
+from eventlog.connect import NAMESPACE, NATS_SECURITY
+from eventlog.flags import Group, Option, defaults, find
+from replicas.core.queue import POLICIES
+from replicas.core.selection import MODES, BusyThresholds, RoutingConfig
+from replicas.core.state import StateConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+SERVER = Group(
+    "server",
+    Option("host", default="127.0.0.1", help="listen address"),
+    Option("port", int, 8000, "listen port"),
+    Option("replica-id", help="stable id (default: random r-xxxxxx)"),
+    Option("nats-url", default="nats://127.0.0.1:4222",
+           help="NATS server URL, or a comma-separated list for a cluster"),
+    NAMESPACE,
+    Option("data-dir", default=".jetrouter/replica", help="the replica's catalog and ledger"),
+    Option("admin-token", help="bearer token enabling /admin/*"),
+    Option("tokenizer", help="path to a HuggingFace tokenizer.json"),
+    Option("model-path", help="HuggingFace model folder (tokenizer.json + tokenizer_config.json "
+                              "with the chat template): hash prompts and chats as the engines "
+                              "tokenize them; give simulated workers the same folder"),
+    Option("max-prompt-tokens", int, 131072, "longest prompt accepted, in tokens", above=0),
+    Option("graceful-shutdown-timeout", float, 30.0,
+           "on SIGTERM: stop taking requests, let in-flight ones finish this long", at_least=0),
+    Option("max-body-bytes", int, DEFAULT_MAX_BODY_BYTES,
+           "largest request body accepted, in bytes; larger ones get 413 before they are read",
+           above=0),
+    Option("request-read-timeout", float, DEFAULT_REQUEST_READ_TIMEOUT,
+           "seconds a client has to send a whole request (headers and body) before its "
+           "connection is closed (slow clients, slowloris)", above=0),
+    Option("http-keep-alive-timeout", float, DEFAULT_KEEP_ALIVE_TIMEOUT,
+           "seconds an idle kept-alive client connection stays open", above=0),
+    Option("busy-threshold-requires-admin", bool,
+           help="require the admin bearer token for POST /busy_threshold (Dynamo leaves it open)"),
+    Option("ready-wait", float, 5.0,
+           "seconds a request reaching a replica that is still catching up waits for it to be "
+           "ready before a 503 (0: answer 503 at once)", at_least=0),
+    Option("log-level", default="warning", choices=LOG_LEVELS),
+)
+
+ROUTING = Group(
+    "routing",
+    Option("router-mode", default="kv", choices=MODES),
+    Option("router-temperature", float, 0.0, at_least=0),
+    Option("router-kv-overlap-score-weight", float, 8.0,
+           "weight of the request's own uncached prefill blocks (Dynamo: 1.0)", at_least=0),
+    Option("router-prefill-queue-weight", float, 1.0,
+           "weight of a worker's already-queued prefill blocks (Dynamo's formula uses the "
+           "overlap weight here too; docs/design-notes.md)", at_least=0),
+    Option("kv-cache-block-size", int, 16, "tokens per KV block (must match the engines)",
+           above=0),
+    Option("no-router-kv-events", bool, True, dest="router_kv_events",
+           help="approximate mode: predict caches from routing decisions (TTL + pruning)"),
+    Option("router-ttl-secs", float, 120.0, at_least=0),
+    Option("router-max-tree-size", int, 2**20, above=0),
+    Option("router-prune-target-ratio", float, 0.8, at_least=0, at_most=1),
+    Option("active-decode-blocks-threshold", float, at_least=0, at_most=1),
+    Option("active-prefill-tokens-threshold", int),
+    Option("active-prefill-tokens-threshold-frac", float, at_least=0),
+    Option("router-queue-threshold", float,
+           help="hold requests while every worker is over this fraction of "
+                "max_num_batched_tokens", above=0),
+    Option("router-queue-policy", default="fcfs", choices=POLICIES),
+    Option("request-max-age", float, 600.0,
+           "in-flight requests older than this (event time) stop counting as load", at_least=0),
+    Option("seed", int, help="seed of the routing random source"),
+)
+
+DURABILITY = Group(
+    "durability",
+    Option("router-snapshot-threshold", int, 1_000_000,
+           "the leader snapshots once this many messages were appended since the last snapshot "
+           "(changeable at runtime: PUT /admin/snapshot-threshold)", above=0),
+    Option("snapshot-keep", int, 3, "snapshot blobs kept in the object store", above=0),
+    Option("lease-ttl", float, 5.0, "leader lease time-to-live, seconds"),
+    Option("router-reset-states", bool,
+           help="on start, reset every replica's state (new epoch, streams purged, engines "
+                "re-announce) — coordinated through the leader"),
+    Option("database-url", help="SQLAlchemy async URL of the catalog and ledger "
+                                "(default: sqlite+aiosqlite:///<data-dir>/jetrouter.db)"),
+    Option("ledger-retention", float, 7 * 86400.0,
+           "seconds of routing decisions kept in the ledger (event time; 0 keeps everything)",
+           at_least=0),
+    Option("decision-append-timeout", float, 15.0,
+           "seconds a request waits for JetStream to acknowledge its routing decision (retries "
+           "included) before it is refused with 503", above=0),
+    Option("stream-max-bytes", int,
+           help="size limit of each stream in bytes (default: unlimited, or what the stream "
+                "already has); a full stream refuses appends (discard new)", above=0),
+    Option("no-snapshots", bool, True, dest="durable", hidden=True),
+)
+
+LIVENESS = Group(
+    "liveness",
+    Option("heartbeat-interval", float, 1.0, above=0),
+    Option("replica-timeout", float, 10.0,
+           "a replica silent this long is declared lost: its requests are freed", above=0),
+    Option("worker-timeout", float, 10.0,
+           "an engine with no load reports and failing /health this long is retired", above=0),
+)
+
+WORKER_FAULTS = Group(
+    "worker faults",
+    Option("stream-idle-timeout", float, 30.0,
+           "seconds without a token before a request migrates to another engine", above=0),
+    Option("migration-limit", int, 3,
+           "times one request may move to another engine after a failure", at_least=0),
+    Option("canary-interval", float, 30.0,
+           "seconds between the leader's canary checks of each engine (0: off)", at_least=0),
+    Option("canary-timeout", float, 5.0, at_least=0),
+    Option("canary-recovery-timeout", float, 60.0,
+           "seconds an open circuit breaker waits before its half-open trial", at_least=0),
+)
+
+SERVE = (SERVER, ROUTING, DURABILITY, LIVENESS, WORKER_FAULTS, NATS_SECURITY)
+"""Every option of `jetrouter serve`, in the order `--help` shows them."""
+
+
+def option(name: str) -> Option:
+    """The `serve` option named ``name`` (without dashes)."""
+    return find(SERVE, name)
+
+
+def serve_defaults(environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """`jetrouter serve`'s values with no command line (environment, else defaults)."""
+    return defaults(SERVE, environ)
+
+
+def routing_config(values: argparse.Namespace) -> RoutingConfig:
+    """The selector's configuration from `serve` values (the benchmark uses the same)."""
+    return RoutingConfig(mode=values.router_mode,
+                         kv_overlap_score_weight=values.router_kv_overlap_score_weight,
+                         temperature=values.router_temperature,
+                         block_size=values.kv_cache_block_size,
+                         prefill_queue_weight=values.router_prefill_queue_weight)
+
+
+def busy_thresholds(values: argparse.Namespace) -> BusyThresholds:
+    return BusyThresholds(values.active_decode_blocks_threshold,
+                          values.active_prefill_tokens_threshold,
+                          values.active_prefill_tokens_threshold_frac)
+
+
+def state_config(values: argparse.Namespace) -> StateConfig:
+    return StateConfig(block_size=values.kv_cache_block_size,
+                       approximate=not values.router_kv_events,
+                       ttl_secs=values.router_ttl_secs,
+                       max_tree_size=values.router_max_tree_size,
+                       prune_target_ratio=values.router_prune_target_ratio,
+                       request_max_age=values.request_max_age)

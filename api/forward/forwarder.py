@@ -1,0 +1,115 @@
+"""The entry point of forwarding: one :class:`Forwarder` per app, one :class:`api.forward.run.Run`
+per request, and the streaming response that closes a run its client abandoned."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Callable
+
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from api.config import option
+from api.forward.run import PREDICTED_HEADER, Run, RunContext, replica_headers
+from api.metrics import RouterMetrics
+from api.openai_schema import ParsedRequest
+from api.tokenizer import ByteTokenizer, Tokenizer
+from api.upstream import UpstreamPool
+from replicas.runtime.replica import Replica, Routed
+
+log = logging.getLogger("jetrouter.forward")
+
+# (worker_id, reason) -> None or an awaitable (e.g. replicas.runtime.canary.report_passive(...)).
+WorkerFailureHook = Callable[[str, str], object]
+
+
+class Forwarder:
+    """Proxies routed requests; one instance per app.
+
+    ``stream_idle_timeout`` / ``migration_limit`` default to `serve`'s options of those names
+    (their ``JETROUTER_*`` variables, else their defaults; api/config.py).
+    ``on_worker_failure(worker_id, reason)`` is called for every failed hop (the passive signal
+    of the circuit breakers); if it returns an awaitable, that runs as a background task.
+
+    The Forwarder owns its connections to the engines (``self.pool``, an
+    :class:`api.upstream.UpstreamPool`); :meth:`aclose` closes the idle ones.
+    """
+
+    def __init__(self, replica: Replica, metrics: RouterMetrics, *,
+                 tokenizer: Tokenizer | None = None,
+                 stream_idle_timeout: float | None = None,
+                 migration_limit: int | None = None,
+                 connect_timeout: float = 5.0,
+                 chat_default_max_tokens: int = 256,
+                 on_worker_failure: WorkerFailureHook | None = None) -> None:
+        self.replica = replica
+        self.metrics = metrics
+        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
+        idle = (stream_idle_timeout if stream_idle_timeout is not None
+                else option("stream-idle-timeout").value())
+        limit = (migration_limit if migration_limit is not None
+                 else option("migration-limit").value())
+        if idle <= 0:
+            raise ValueError("stream_idle_timeout must be > 0")
+        if limit < 0:
+            raise ValueError("migration_limit must be >= 0")
+        self.stream_idle_timeout = idle
+        self.migration_limit = limit
+        self.chat_default_max_tokens = chat_default_max_tokens
+        self.on_worker_failure = on_worker_failure
+        self._reports: set[asyncio.Future[object]] = set()
+        # The pool's idle timeout fires when the engine sends nothing for that long.
+        self.pool = UpstreamPool(connect_timeout=connect_timeout, idle_timeout=idle)
+        self.context = RunContext(replica, metrics, self.pool, self.tokenizer, limit,
+                                  chat_default_max_tokens, self.report_failure)
+
+    async def aclose(self) -> None:
+        """Close the idle upstream connections (call once at shutdown)."""
+        await self.pool.aclose()
+
+    def report_failure(self, worker_id: str, reason: str) -> None:
+        """Tell the hook (if any) an engine failed a hop; an awaitable result runs in the
+        background, so a health report never holds up the request."""
+        if self.on_worker_failure is None:
+            return
+        try:
+            result = self.on_worker_failure(worker_id, reason)
+            if inspect.isawaitable(result):
+                task = asyncio.ensure_future(result)
+                self._reports.add(task)
+                task.add_done_callback(self._reports.discard)
+        except Exception:
+            log.exception("on_worker_failure hook failed")
+
+    async def forward(self, endpoint: str, parsed: ParsedRequest, raw: bytes,
+                      routed: Routed) -> Response:
+        run = Run(self.context, endpoint, parsed, raw, routed)
+        early = await run.open_first()
+        headers = replica_headers(self.replica.replica_id, run.first_worker, routed.request_id)
+        # The reuse this replica predicted on the engine it picked (compare with the usage's
+        # prompt_tokens_details.cached_tokens, the engine's own count).
+        headers[PREDICTED_HEADER] = str(run.hop.predicted_tokens)
+        if early is not None:
+            early.headers.update(headers)
+            return early
+        if parsed.stream:
+            return RunStream(run, headers)
+        return await run.collect()
+
+
+class RunStream(StreamingResponse):
+    """The SSE response of one run. If the client vanishes before the body is ever iterated, or
+    while it is parked between chunks, the run is closed here at once instead of whenever the
+    abandoned generator is collected: the load its hop charged must not linger."""
+
+    def __init__(self, run: Run, headers: dict[str, str]) -> None:
+        super().__init__(run.events(), media_type="text/event-stream", headers=headers)
+        self.run = run
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.run.abandon()

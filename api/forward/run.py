@@ -1,0 +1,317 @@
+"""One client request through all its hops: the hop lifecycle and the migration policy.
+
+Everything a hop does on the router stream happens here, in three methods: :meth:`Run._start_hop`
+(the routing decision is already appended), :meth:`Run._first_token` (``PrefillCompleted``, once)
+and :meth:`Run._end_hop` (exactly one ``RequestFinished``, so the load the hop charged is freed
+whatever happens). When an engine fails a hop, :meth:`Run._next_hop` is the whole migration
+policy: the limit, the engines excluded, the hop id, and how the failed hop ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+from fastapi.responses import Response
+
+from api.errors import error_response, sse_error, upstream_error_body
+from api.forward.continuation import Continuation, Hop, HopPlan
+from api.forward.engine import (
+    DONE_EVENT,
+    HopFailed,
+    HopFailure,
+    open_upstream,
+    upstream_events,
+)
+from api.metrics import RouterMetrics
+from api.openai_schema import ParsedRequest
+from api.tokenizer import Tokenizer
+from api.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from eventlog.events import Outcome
+from eventlog.names import hop_request_id
+from replicas.runtime.replica import Replica, Routed, RouteRequest, RoutingError
+
+log = logging.getLogger("jetrouter.forward")
+
+PREDICTED_HEADER = "x-jetrouter-predicted-cached-tokens"
+
+
+def replica_headers(replica_id: str, worker_id: str | None = None,
+                    request_id: str | None = None) -> dict[str, str]:
+    h = {"x-jetrouter-replica": replica_id}
+    if worker_id:
+        h["x-jetrouter-worker"] = worker_id
+    if request_id:  # the id to look the decision up with: GET /admin/requests/{id}
+        h["x-jetrouter-request-id"] = request_id
+    return h
+
+
+@dataclass(frozen=True, slots=True)
+class RunContext:
+    """What every run of one app shares (built once by :class:`api.forward.Forwarder`)."""
+
+    replica: Replica
+    metrics: RouterMetrics
+    pool: UpstreamPool
+    tokenizer: Tokenizer
+    migration_limit: int
+    chat_default_max_tokens: int
+    report_failure: Callable[[str, str], None]
+
+
+@dataclass(slots=True)
+class Exchange:
+    """Client-visible timing of one request across all its hops."""
+
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+    def token(self) -> None:
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        elif self.last_token_at is not None:
+            self.itl.append(now - self.last_token_at)
+        self.last_token_at = now
+
+
+# What the client gets when no hop answered 200: (status, body, content type).
+EarlyAnswer = tuple[int, bytes, str]
+
+
+class Run:
+    """One client request through all its hops."""
+
+    def __init__(self, ctx: RunContext, endpoint: str, parsed: ParsedRequest, raw: bytes,
+                 routed: Routed) -> None:
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.parsed = parsed
+        self.base = routed
+        self.cont = Continuation(parsed, raw, ctx.tokenizer.encode,
+                                 chat_default_max_tokens=ctx.chat_default_max_tokens)
+        self.plan: HopPlan = self.cont.plan()
+        self.hop: Hop = self._start_hop(routed, self.plan)
+        self.ex = Exchange()
+        self.resp: UpstreamResponse | None = None
+        self.failed: set[str] = set()
+        self.migrations = 0
+        self.give_up: str | None = None     # why we stopped trying (for the client)
+        self.first_worker: str | None = None  # the engine whose answer started the response
+        self.request_done = False
+
+    # --- a hop's lifecycle on the router stream -------------------------------------------------
+
+    def _start_hop(self, routed: Routed, plan: HopPlan) -> Hop:
+        """The hop's decision is on the stream already (``Replica.route`` appended it)."""
+        self.plan = plan
+        return self.cont.start_hop(routed, plan)
+
+    def _first_token(self) -> None:
+        self.ex.token()
+        if not self.hop.prefilled:
+            self.hop.prefilled = True
+            self.ctx.replica.prefill_completed(self.hop.request_id)
+
+    def _end_hop(self, hop: Hop, outcome: Outcome) -> None:
+        if not hop.ended:
+            hop.ended = True
+            cached = hop.cached_tokens
+            self.ctx.replica.finished(hop.request_id, outcome, hop.count, cached)
+            if cached >= 0:
+                self.ctx.metrics.kv_prediction_error.observe(hop.predicted_tokens - cached)
+
+    def _end_request(self, outcome: Outcome) -> None:
+        if self.request_done:
+            return
+        self.request_done = True
+        m = self.ctx.metrics
+        m.requests.labels(endpoint=self.endpoint, outcome=outcome).inc()
+        if self.ex.ttft is not None:
+            m.ttft.observe(self.ex.ttft)
+        for gap in self.ex.itl:
+            m.itl.observe(gap)
+        if outcome == Outcome.OK:
+            m.output_tokens.observe(sum(h.count for h in self.cont.hops))
+
+    async def _close(self) -> None:
+        resp, self.resp = self.resp, None
+        if resp is not None:
+            resp.close()
+
+    # --- the migration policy -------------------------------------------------------------------
+
+    async def _next_hop(self, failure: HopFailed) -> bool:
+        """After ``failure``: route the next hop, excluding every engine that failed this request,
+        under ``<request_id>~<n>``, at most ``migration_limit`` times. The failed hop ends
+        ``migrated`` when the next one is routed, else ``error`` (and ``give_up`` says why)."""
+        failed = self.hop
+        self.failed.add(failed.worker_id)
+        limit = self.ctx.migration_limit
+        log.warning("request %s: engine %s failed (%s); %s", self.base.request_id,
+                    failed.worker_id, failure, "migrating" if self.migrations < limit
+                    else "migration limit reached")
+        self.ctx.report_failure(failed.worker_id, failure.reason)
+        if self.migrations >= limit:
+            self.give_up = (f"the inference engine failed ({failure.reason}) and the migration "
+                            f"limit ({limit}) is reached")
+            self._end_hop(failed, Outcome.ERROR)
+            return False
+        plan = self.cont.plan()
+        try:
+            routed = await self.ctx.replica.route(RouteRequest(
+                request_id=hop_request_id(self.base.request_id, self.migrations + 1),
+                model=self.parsed.model, token_ids=plan.token_ids,
+                expected_osl=plan.expected_osl, priority=self.base.event.priority,
+                overlap_weight=self.parsed.overlap_weight,
+                latency_sensitivity=self.parsed.latency_sensitivity,
+                exclude=frozenset(self.failed)))
+        except Exception as exc:  # RoutingError, or the decision could not be appended
+            if not isinstance(exc, RoutingError):
+                log.exception("request %s: re-routing failed", self.base.request_id)
+            self.give_up = (f"the inference engine failed ({failure.reason}) and no other "
+                            f"engine can take the request: {exc}")
+            self._end_hop(failed, Outcome.ERROR)
+            return False
+        self._end_hop(failed, Outcome.MIGRATED)
+        self.migrations += 1
+        self.ctx.metrics.migrations.labels(reason=failure.reason).inc()
+        self.hop = self._start_hop(routed, plan)
+        return True
+
+    # --- hops -----------------------------------------------------------------------------------
+
+    async def _open(self) -> EarlyAnswer | None:
+        """Open hops until one answers 200 (None, ``self.resp`` set), or return the answer the
+        client gets instead: an engine's 4xx, or our 502."""
+        while True:
+            url = self.hop.routed.worker_url.rstrip("/") + self.plan.path
+            try:
+                resp = await open_upstream(self.ctx.pool, url, self.plan.body,
+                                           self.hop.request_id)
+            except HopFailed as failure:
+                if await self._next_hop(failure):
+                    continue
+                return 502, upstream_error_body(self.give_up or ""), "application/json"
+            if resp.status_code == 200:
+                self.resp = resp
+                return None
+            # The engine judged the request itself (4xx): another engine would say the same.
+            try:
+                body = await resp.aread()
+            except (UpstreamError, OSError) as exc:  # the 4xx body broke off: keep the status
+                body = upstream_error_body(
+                    f"the inference engine answered HTTP {resp.status_code} and then failed "
+                    f"({type(exc).__name__})", resp.status_code)
+            finally:
+                resp.close()
+            self._end_hop(self.hop, Outcome.ERROR)
+            return resp.status_code, body, resp.headers.get("content-type", "application/json")
+
+    async def open_first(self) -> Response | None:
+        """Open the first working hop; a Response when the request ends before streaming."""
+        try:
+            early = await self._open()
+        except BaseException:
+            self._end_hop(self.hop, Outcome.CANCELLED)
+            self._end_request(Outcome.CANCELLED)
+            raise
+        if early is None:
+            self.first_worker = self.hop.worker_id
+            return None
+        status, body, ctype = early
+        self._end_request(Outcome.ERROR)
+        return Response(body, status_code=status, media_type=ctype)
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The client's SSE stream, migrating across hops as engines fail."""
+        outcome = Outcome.ERROR
+        try:
+            while True:
+                assert self.resp is not None
+                upstream = upstream_events(self.resp)
+                try:
+                    async for raw, payload in upstream:
+                        out, token = self.cont.on_event(self.hop, raw, payload)
+                        if token:
+                            self._first_token()
+                        if out is not None:
+                            yield out
+                    if not self.cont.complete:
+                        raise HopFailed(HopFailure.STREAM_ERROR,
+                                        "the engine closed the stream before finishing")
+                except HopFailed as exc:
+                    failure: HopFailed | None = exc
+                else:
+                    failure = None
+                finally:
+                    await upstream.aclose()
+                await self._close()
+                if failure is None or self.cont.complete:
+                    # Every token is in (a break after the last one is not worth a new hop).
+                    outcome = Outcome.OK
+                    yield self.cont.tail()
+                    return
+                early: EarlyAnswer | None
+                if await self._next_hop(failure):
+                    early = await self._open()
+                else:
+                    early = 502, b"", ""
+                if early is not None:
+                    self.give_up = self.give_up or _describe(early)
+                    yield sse_error(self.give_up)
+                    yield DONE_EVENT
+                    return
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = Outcome.CANCELLED
+            raise
+        finally:
+            self._end_hop(self.hop, outcome)
+            self._end_request(outcome)
+            await self._close()
+
+    async def abandon(self) -> None:
+        """End whatever is still open as cancelled (no-op after a normal end)."""
+        self._end_hop(self.hop, Outcome.CANCELLED)  # bookkeeping first: it must not wait on I/O
+        self._end_request(Outcome.CANCELLED)
+        await self._close()
+
+    async def collect(self) -> Response:
+        """A non-streaming client: run the same hops, answer with one JSON body."""
+        stream = self.events()
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            await stream.aclose()
+        # The engine that finished the answer; the migration count says whether it had help.
+        headers = replica_headers(self.ctx.replica.replica_id, self.hop.worker_id,
+                                  self.base.request_id)
+        headers[PREDICTED_HEADER] = str(self.cont.hops[0].predicted_tokens)
+        if self.migrations:
+            headers["x-jetrouter-migrations"] = str(self.migrations)
+        if self.request_done and self.give_up is None and self.cont.complete:
+            return Response(msgspec.json.encode(self.cont.response_body()),
+                            media_type="application/json", headers=headers)
+        return error_response(502, self.give_up or "the inference engine failed",
+                              type="upstream_error", headers=headers)
+
+
+def _describe(early: EarlyAnswer) -> str:
+    status, body, _ = early
+    try:
+        err = msgspec.json.decode(body)["error"]
+        detail = err["message"] if isinstance(err, dict) else str(err)
+    except Exception:  # any shape: fall back to the raw text
+        detail = body[:200].decode("utf-8", "replace")
+    return f"the inference engine rejected the continued request (HTTP {status}): {detail}"

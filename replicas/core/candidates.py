@@ -1,0 +1,86 @@
+"""Candidate building: the replicated state and a prompt's block hashes → `Candidate`s.
+
+One row per (worker, data-parallel rank) that serves the requested model (a base model, or a
+LoRA adapter the worker registered), is not excluded by the caller and is not unhealthy. Each row
+carries the rank's cache overlap, its active load from the state plus this replica's optimistic
+overlay, and a health weight (a suspicious worker costs double). Refused workers (a bad block
+size in their registration) are never in ``state.workers``, so never candidates. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from eventlog.hashing import prompt_hashes
+from replicas.core.overlay import Overlay
+from replicas.core.routing_errors import NoWorkers, UnknownModel
+from replicas.core.selection import Candidate
+from replicas.core.state import RouterState
+
+# Cost divisor per health status; a status missing here (unhealthy) is never a candidate.
+HEALTH_WEIGHT = {"healthy": 1.0, "suspicious": 0.5}
+
+_NO_OVERLAY = Overlay()
+
+
+def served_models(state: RouterState) -> list[str]:
+    """Every base model and LoRA adapter some registered worker serves, sorted."""
+    return sorted({m for w in state.workers.values() for m in (w.model, *w.loras)})
+
+
+def adapter_of(state: RouterState, model: str) -> str | None:
+    """``model`` if it names a LoRA adapter some worker serves (its blocks hash salted),
+    else None (a base model)."""
+    workers = state.workers.values()
+    if any(w.model == model for w in workers):
+        return None
+    return model if any(model in w.loras for w in workers) else None
+
+
+def check_routable(state: RouterState, model: str) -> None:
+    """Raise `NoWorkers` or `UnknownModel` when no registered worker could serve ``model``."""
+    if not state.workers:
+        refused = sorted(state.refused_workers)
+        if refused:
+            raise NoWorkers(f"no usable inference workers: {', '.join(refused)} refused ("
+                            f"{state.refusal_reason(refused[0])})")
+        raise NoWorkers("no inference workers are registered yet")
+    if not any(w.model == model or model in w.loras for w in state.workers.values()):
+        raise UnknownModel(model, served_models(state))
+
+
+def request_hashes(state: RouterState, model: str, token_ids: Sequence[int],
+                   block_size: int) -> list[int]:
+    """The prompt's block sequence hashes, salted when ``model`` is a LoRA adapter."""
+    return prompt_hashes(token_ids, block_size, adapter=adapter_of(state, model))
+
+
+def build_candidates(state: RouterState, model: str, seq_hashes: Sequence[int], *,
+                     exclude: frozenset[str] = frozenset(),
+                     overlay: Overlay = _NO_OVERLAY) -> list[Candidate]:
+    scores = state.index.find_matches(seq_hashes)
+    out: list[Candidate] = []
+    n = len(seq_hashes)
+    load = state.load
+    for w in state.workers.values():
+        if (w.model != model and model not in w.loras) or w.worker_id in exclude:
+            continue
+        weight = HEALTH_WEIGHT.get(state.health.get(w.worker_id, "healthy"), 0.0)
+        if weight <= 0.0:
+            continue
+        for rank in range(w.dp_size):
+            key = (w.worker_id, rank)
+            active_prefix = load.active_prefix_len(key, seq_hashes) if n else 0
+            out.append(Candidate(
+                worker=key,
+                overlap_blocks=scores.scores.get(key, 0),
+                tree_size=scores.tree_sizes.get(key, 0),
+                active_prefill_tokens=load.active_prefill_tokens(key)
+                + overlay.prefill_tokens(key),
+                active_decode_blocks=load.active_decode_blocks(key) + overlay.decode_blocks(key),
+                new_request_blocks=n - active_prefix,
+                kv_total_blocks=w.kv_total_blocks,
+                max_num_batched_tokens=w.max_num_batched_tokens,
+                weight=weight,
+            ))
+    return out

@@ -1,0 +1,78 @@
+"""The optimistic overlay: a routing decision counts in this replica's load at once.
+
+Between choosing a worker and reading its own `RequestRouted` back from the router stream, a
+replica would otherwise judge the next request by a load that does not yet contain the last one
+(design.md §7). The overlay holds what each such decision adds — prefill tokens and new decode
+blocks on one worker rank — and gives it back when the decision is applied from the stream
+(or was never recorded, or finished first). Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from replicas.core.index import WorkerKey
+from replicas.core.load import ActiveLoad
+
+
+@dataclass(frozen=True, slots=True)
+class PendingDecision:
+    """What one decision adds to a worker rank's load until the stream has it."""
+
+    worker: WorkerKey
+    prefill_tokens: int
+    new_blocks: int
+
+
+def pending_decision(load: ActiveLoad, worker: WorkerKey, *, isl_tokens: int,
+                     overlap_blocks: int, block_size: int,
+                     seq_hashes: Sequence[int]) -> PendingDecision:
+    """The load a decision for ``worker`` adds: the prompt tokens its cache does not hold, and
+    the prompt blocks no request already running on that rank shares."""
+    prefill = max(isl_tokens - overlap_blocks * block_size, 0)
+    new_blocks = len(seq_hashes) - load.active_prefix_len(worker, seq_hashes)
+    return PendingDecision(worker, prefill, new_blocks)
+
+
+class Overlay:
+    """Decisions routed here and not yet applied from the stream, summed per worker rank."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, PendingDecision] = {}
+        self._prefill: dict[WorkerKey, int] = {}
+        self._decode: dict[WorkerKey, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._pending
+
+    def add(self, request_id: str, p: PendingDecision) -> None:
+        self.reconcile(request_id)  # a request id counts once
+        self._pending[request_id] = p
+        self._prefill[p.worker] = self._prefill.get(p.worker, 0) + p.prefill_tokens
+        self._decode[p.worker] = self._decode.get(p.worker, 0) + p.new_blocks
+
+    def reconcile(self, request_id: str) -> None:
+        """The decision is in the state now (or never will be): stop counting it here."""
+        p = self._pending.pop(request_id, None)
+        if p is None:
+            return
+        self._prefill[p.worker] -= p.prefill_tokens
+        self._decode[p.worker] -= p.new_blocks
+        if not self._prefill[p.worker] and not self._decode[p.worker]:
+            del self._prefill[p.worker], self._decode[p.worker]
+
+    def clear(self) -> None:
+        """A reset re-reads the streams from its cut: nothing pending survives it."""
+        self._pending.clear()
+        self._prefill.clear()
+        self._decode.clear()
+
+    def prefill_tokens(self, worker: WorkerKey) -> int:
+        return self._prefill.get(worker, 0)
+
+    def decode_blocks(self, worker: WorkerKey) -> int:
+        return self._decode.get(worker, 0)

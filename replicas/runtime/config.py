@@ -1,0 +1,47 @@
+"""What one replica is configured with (built by ``jetrouter serve`` from its flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from eventlog.connect import NatsOptions
+from replicas.core.queue import QueuePolicy
+from replicas.core.selection import BusyThresholds, RoutingConfig
+from replicas.core.state import StateConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    replica_id: str
+    nats_url: str
+    namespace: str = "jr"
+    state: StateConfig = field(default_factory=StateConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig.dynamo)
+    default_thresholds: BusyThresholds = field(default_factory=BusyThresholds)
+    queue_threshold: float | None = None
+    queue_policy: str = QueuePolicy.FCFS
+    queue_timeout: float = 30.0
+    ready_lag: int = 0
+    seed: int | None = None
+    durable: bool = True  # snapshots, leader lease, reset (off only in narrow tests)
+    snapshot_threshold: int = 1_000_000
+    snapshot_keep: int = 3
+    lease_ttl: float = 5.0
+    database_url: str | None = None  # catalog + ledger projections (None: no projections)
+    ledger_retention: float = 7 * 86400.0
+    heartbeat_interval: float = 1.0
+    replica_timeout: float = 10.0
+    worker_timeout: float = 10.0
+    canary_interval: float = 30.0  # 0 disables canaries
+    canary_timeout: float = 5.0
+    canary_recovery_timeout: float = 60.0
+    # Longest a request waits for its routing decision to be acknowledged (retries included)
+    # before it is refused with 503; covers a stream leader election after a NATS node loss.
+    decision_append_timeout: float = 15.0
+    stream_max_bytes: int | None = None  # per stream; None leaves the streams' limit as it is
+    # Credentials and TLS (eventlog/connect.py); its servers are ignored: nats_url names them.
+    nats: NatsOptions = field(default_factory=NatsOptions)
+
+    @property
+    def nats_options(self) -> NatsOptions:
+        return self.nats.with_servers(self.nats_url)

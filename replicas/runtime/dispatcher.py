@@ -1,0 +1,300 @@
+"""The request dispatcher: decide → count in the overlay → append the decision → hand back.
+
+Routing decisions are appended to the router stream before the request is proxied, so a replica
+killed mid-request leaves a trace every peer can account for (design.md §7). A decision counts
+in this replica's load at once (`replicas.core.overlay`) and is reconciled when it comes back
+from the stream, when JetStream refuses it, or when the request finishes first. With a queue
+threshold, requests wait in the router queue while every worker is busy and are released in
+policy order as load frees up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from eventlog import events as ev
+from eventlog.appender import AppendFailed
+from replicas.core.candidates import (
+    build_candidates,
+    check_routable,
+    request_hashes,
+    served_models,
+)
+from replicas.core.overlay import Overlay, pending_decision
+from replicas.core.queue import RequestQueue, should_queue
+from replicas.core.routing_errors import AllWorkersBusy, RoutingError
+from replicas.core.selection import BusyThresholds, Decision, Overloaded, Selector
+from replicas.runtime.background import Background
+from replicas.runtime.config import ReplicaConfig
+from replicas.runtime.port import ReplicaPort
+
+log = logging.getLogger("jetrouter.replica")
+
+
+class DecisionNotRecorded(RoutingError):
+    """JetStream refused the routing decision's append or did not ack it in time: the request
+    is not served (docs/design-notes.md, "when JetStream says no")."""
+
+    def __init__(self, request_id: str, cause: BaseException) -> None:
+        super().__init__(f"the routing decision could not be recorded ({describe(cause)})")
+        self.request_id = request_id
+        self.cause = cause
+
+
+def describe(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None) or exc  # AppendFailed carries the server's answer
+    if isinstance(cause, TimeoutError):
+        return "no acknowledgement from JetStream in time"
+    text = str(cause).strip() or type(cause).__name__
+    return f"{type(cause).__name__}: {text}"[:300]
+
+
+@dataclass(slots=True)
+class DecisionLogHealth:
+    """What /ready, metrics and logs say about recording routing decisions on this replica."""
+
+    failures: int = 0          # decisions refused or timed out since start
+    last_error: str | None = None
+    last_failure_at: float | None = None  # time.monotonic()
+    failing_since: float | None = None    # wall time of the first failure of the current run
+    recent_window: float = 5.0  # seconds a failure keeps /ready at 503 without a success
+
+    def failing(self, now: float) -> bool:
+        return self.last_failure_at is not None and now - self.last_failure_at < self.recent_window
+
+    def view(self, now: float) -> dict[str, object]:
+        return {"ok": not self.failing(now), "failures": self.failures,
+                "last_error": self.last_error, "failing_since": self.failing_since}
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    request_id: str
+    model: str
+    token_ids: Sequence[int]
+    expected_osl: int = 128
+    priority: int = 0
+    overlap_weight: float | None = None
+    latency_sensitivity: float = 0.0
+    exclude: frozenset[str] = frozenset()  # worker ids not to use (e.g. one that just failed)
+
+
+@dataclass(slots=True)
+class Routed:
+    request_id: str
+    worker_id: str
+    worker_url: str
+    dp_rank: int
+    isl_tokens: int
+    overlap_blocks: int
+    total_blocks: int
+    decision: Decision
+    event: ev.RequestRouted
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
+
+
+_Queued = tuple[RouteRequest, "asyncio.Future[Routed]"]
+
+
+class Dispatcher:
+    def __init__(self, port: ReplicaPort, config: ReplicaConfig, rng: random.Random,
+                 background: Background) -> None:
+        self.port = port
+        self.config = config
+        self.rng = rng
+        self.selector = Selector(config.routing)
+        self.overlay = Overlay()
+        self.decision_log = DecisionLogHealth()
+        # Set when the load may have dropped (a router or control event applied): the queue
+        # dispatcher re-judges then.
+        self.load_changed = asyncio.Event()
+        # (reason) -> None: the HTTP layer's counter of decisions JetStream did not take.
+        self.on_decision_refused: Callable[[str], None] | None = None
+        self._queue: RequestQueue[_Queued] = RequestQueue(config.queue_policy)
+        self._background = background
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._dispatch_queue(), name="queue-dispatcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    # --- deciding --------------------------------------------------------------------------
+
+    def thresholds_for(self, model: str) -> BusyThresholds:
+        return self.port.state.thresholds_for(model) or self.config.default_thresholds
+
+    def decide(
+        self, req: RouteRequest
+    ) -> tuple[Decision | Overloaded, list[int], dict[str, float]]:
+        state = self.port.state
+        check_routable(state, req.model)
+        t0 = time.perf_counter()
+        seq_hashes = request_hashes(state, req.model, req.token_ids,
+                                    self.config.state.block_size)
+        t1 = time.perf_counter()
+        cands = build_candidates(state, req.model, seq_hashes, exclude=req.exclude,
+                                 overlay=self.overlay)
+        t2 = time.perf_counter()
+        result = self.selector.select(cands, len(req.token_ids), self.rng,
+                                      overlap_weight=req.overlap_weight,
+                                      thresholds=self.thresholds_for(req.model))
+        t3 = time.perf_counter()
+        return result, seq_hashes, {"hashing": t1 - t0, "matching": t2 - t1,
+                                    "selection": t3 - t2, "total": t3 - t0}
+
+    def _prepare(self, req: RouteRequest) -> Routed:
+        """Synchronous part of routing: select and add the decision to the overlay."""
+        result, seq_hashes, timings = self.decide(req)
+        if isinstance(result, Overloaded):
+            raise AllWorkersBusy(result.reason)
+        state = self.port.state
+        worker_id, dp_rank = result.worker
+        info = state.workers[worker_id]
+        event = ev.RequestRouted(
+            request_id=req.request_id, replica_id=self.port.replica_id, worker_id=worker_id,
+            dp_rank=dp_rank, isl_tokens=len(req.token_ids), block_seq_hashes=list(seq_hashes),
+            overlap_blocks=result.overlap_blocks, expected_osl=req.expected_osl,
+            priority=req.priority, ts=time.time(), candidates=result.costs.rows(),
+            model=req.model, block_size=self.config.state.block_size)
+        self.overlay.add(req.request_id, pending_decision(
+            state.load, result.worker, isl_tokens=len(req.token_ids),
+            overlap_blocks=result.overlap_blocks, block_size=info.block_size,
+            seq_hashes=seq_hashes))
+        return Routed(req.request_id, worker_id, info.url, dp_rank, len(req.token_ids),
+                      result.overlap_blocks, len(seq_hashes), result, event, timings)
+
+    # --- routing ---------------------------------------------------------------------------
+
+    async def route(self, req: RouteRequest) -> Routed:
+        """Decide, count the decision in our load at once, append it, hand back the worker."""
+        if self.config.queue_threshold is not None and self._must_queue(req):
+            fut: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
+            self._queue.push((req, fut), arrival=time.monotonic(),
+                             priority_jump=req.latency_sensitivity,
+                             uncached_isl_tokens=len(req.token_ids))
+            self.load_changed.set()
+            try:
+                routed = await asyncio.wait_for(asyncio.shield(fut), self.config.queue_timeout)
+            except TimeoutError:
+                with contextlib.suppress(ValueError):
+                    self._queue.remove((req, fut))
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    self.overlay.reconcile(req.request_id)
+                raise AllWorkersBusy("waited too long in the router queue") from None
+        else:
+            routed = self._prepare(req)
+        try:
+            await asyncio.wait_for(
+                self._append(routed.event, f"{req.request_id}.routed"),
+                self.config.decision_append_timeout)
+        except (AppendFailed, TimeoutError) as exc:
+            self.overlay.reconcile(req.request_id)  # the overlay must not keep what the log refused
+            self._decision_refused(req.request_id, exc)
+            raise DecisionNotRecorded(req.request_id, exc) from exc
+        except BaseException:
+            self.overlay.reconcile(req.request_id)
+            raise
+        if self.decision_log.last_failure_at is not None:
+            log.warning("replica %s records routing decisions again (after %d refused)",
+                        self.port.replica_id, self.decision_log.failures)
+            self.decision_log.last_failure_at = None
+            self.decision_log.failing_since = None
+        return routed
+
+    def _decision_refused(self, request_id: str, exc: BaseException) -> None:
+        """Count and log a decision JetStream did not take, and make sure it never counts:
+        an append that timed out may still land later, so a RequestFinished follows it (same
+        subject and connection, hence after it on the stream); if the decision never landed,
+        that finish is a no-op for every replica."""
+        health = self.decision_log
+        why = describe(exc)
+        reason = "timeout" if isinstance(exc, TimeoutError) or isinstance(
+            getattr(exc, "cause", None), TimeoutError) else "refused"
+        health.failures += 1
+        health.last_error = why
+        health.last_failure_at = time.monotonic()
+        rid = self.port.replica_id
+        if health.failing_since is None:
+            health.failing_since = time.time()
+            log.error("replica %s: JetStream did not take the routing decision of %s (%s); "
+                      "refusing requests with 503 until it does", rid, request_id, why)
+        else:
+            log.warning("replica %s: routing decision of %s not recorded (%s)", rid,
+                        request_id, why)
+        if self.on_decision_refused is not None:
+            self.on_decision_refused(reason)
+        self._background.spawn(self._append(
+            ev.RequestFinished(request_id, ev.Outcome.NOT_ROUTED, 0, time.time()),
+            f"{request_id}.finished"))
+
+    def prefill_completed(self, request_id: str) -> None:
+        self._append_later(ev.PrefillCompleted(request_id, time.time()))
+
+    def finished(self, request_id: str, outcome: str, output_tokens: int,
+                 cached_tokens: int = -1) -> None:
+        self.overlay.reconcile(request_id)
+        self._append_later(
+            ev.RequestFinished(request_id, outcome, output_tokens, time.time(), cached_tokens))
+
+    def _append_later(self, event: ev.Event) -> None:
+        port = self.port
+        port.append_later(port.names.router_subject(port.replica_id), event)
+
+    async def _append(self, event: ev.Event, msg_id: str) -> int:
+        port = self.port
+        return await port.append(port.names.router_subject(port.replica_id), event, msg_id)
+
+    # --- the router queue --------------------------------------------------------------------
+
+    def _must_queue(self, req: RouteRequest) -> bool:
+        threshold = self.config.queue_threshold
+        assert threshold is not None
+        if len(self._queue):
+            return True  # keep arrival order: nobody overtakes the queue
+        cands = build_candidates(self.port.state, req.model, (), overlay=self.overlay)
+        return bool(cands) and should_queue(cands, threshold)
+
+    async def _dispatch_queue(self) -> None:
+        """Release queued requests in policy order while some worker has capacity. The decision
+        is made here, synchronously, so each release already counts in the load the next
+        release is judged by."""
+        threshold = self.config.queue_threshold
+        while True:
+            await self.load_changed.wait()
+            self.load_changed.clear()
+            if threshold is None:
+                continue
+            while len(self._queue):
+                state = self.port.state
+                cands = [c for m in served_models(state) for c in
+                         build_candidates(state, m, (), overlay=self.overlay)]
+                if cands and should_queue(cands, threshold):
+                    break
+                item = self._queue.pop()
+                if item is None:
+                    break
+                req, fut = item
+                if fut.done():
+                    continue
+                try:
+                    fut.set_result(self._prepare(req))
+                except RoutingError as exc:
+                    fut.set_exception(exc)
+
+    def pending_decisions(self) -> int:
+        """Decisions in the optimistic overlay: routed here, not yet applied from the stream."""
+        return len(self.overlay)
+
+    def queue_depth(self) -> int:
+        return len(self._queue)

@@ -1,0 +1,185 @@
+"""The stream follower: replay each stream from the state's position + 1, then follow it live.
+
+It owns the replica's `RouterState`: every event reaches the state through here, in stream order.
+A purge under a follower (its start is gone) reloads the newest snapshot; a `StateReset` moved
+the other streams' positions to its cut, so the followers restart from there (a rewind); any other
+failure restarts them from the positions the state has applied — nothing is lost or applied twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from nats.js import JetStreamContext
+
+from eventlog import events as ev
+from eventlog.errors import JetrouterError
+from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
+from eventlog.reader import StartPurged, StreamReader
+from eventlog.streams import stream_bounds
+from replicas.core.state import RouterState, StateConfig
+from replicas.runtime.replication_cost import ReplicationCost
+from snapshots.store import SnapshotStore
+
+log = logging.getLogger("jetrouter.replica")
+
+
+class StreamListener(Protocol):
+    """What the replica does after the follower applied a batch to the state."""
+
+    def stream_applied(self, kind: str, seq: int, batch: Sequence[ev.Event]) -> None: ...
+
+    def stream_rewound(self) -> None:
+        """A reset moved the positions: whatever was pending on the old streams is void."""
+        ...
+
+
+class _Rewind(JetrouterError):
+    """Raised inside a follower when a StateReset moved positions: restart the followers."""
+
+
+class StreamFollower:
+    def __init__(self, names: Names, config: StateConfig, listener: StreamListener, *,
+                 replica_id: str = "") -> None:
+        self.names = names
+        self.config = config
+        self.state = RouterState(config)
+        self.js: JetStreamContext | None = None
+        self.snapshots: SnapshotStore | None = None
+        self.replica_id = replica_id
+        self.restores = 0
+        self.stream_last: dict[str, int] = {k: 0 for k in STREAM_KINDS}
+        self.malformed: dict[str, int] = {k: 0 for k in STREAM_KINDS}  # by finished readers
+        self.catch_up_targets: dict[str, int] = {}
+        self._listener = listener
+        self._readers: dict[str, StreamReader] = {}
+        self._supervisor: asyncio.Task[None] | None = None
+        self.replication = ReplicationCost()  # decoding + applying peers' router messages
+
+    def connect(self, js: JetStreamContext, snapshots: SnapshotStore | None) -> None:
+        """The streams to follow, and the snapshots to reload from (None: never reload)."""
+        self.js = js
+        self.snapshots = snapshots
+
+    async def measure_catch_up(self) -> None:
+        """Note each stream's end now: the replica is caught up once it has applied that far."""
+        assert self.js is not None
+        for kind in STREAM_KINDS:
+            _, last = await stream_bounds(self.js, self.names.stream(kind))
+            self.catch_up_targets[kind] = last
+            self.stream_last[kind] = max(last, self.state.positions[kind])
+
+    def caught_up(self, lag: int) -> bool:
+        return all(self.state.positions[k] + lag >= self.catch_up_targets.get(k, 0)
+                   for k in STREAM_KINDS)
+
+    def start(self) -> None:
+        self._supervisor = asyncio.create_task(self._supervise(), name="followers")
+
+    async def stop(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._supervisor
+
+    # --- snapshots ---------------------------------------------------------------------------
+
+    async def restore(self, why: str) -> bool:
+        """Replace the state with the newest valid snapshot if it is ahead of ours."""
+        if self.snapshots is None:
+            return False
+        found = await self.snapshots.load_newest_valid()
+        if found is None:
+            return False
+        meta, blob = found[0], found[1]
+        # Decoding a large state takes a while: off the loop, so heartbeats and the lease go on.
+        candidate = await asyncio.to_thread(RouterState.decode, blob, self.config)
+        ours = self.state.positions
+        if candidate.epoch < self.state.epoch or all(
+                candidate.positions[k] <= ours[k] for k in STREAM_KINDS):
+            return False
+        self.state = candidate
+        self.restores += 1
+        log.warning("replica %s loaded snapshot %s at %s (%s)", self.replica_id,
+                    meta.snapshot_id, candidate.positions, why)
+        return True
+
+    # --- following ---------------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        """Run one follower per stream; a purge under us means reload from the snapshot, a
+        StateReset means re-read from its cut; anything else restarts the followers from the
+        positions the state has applied (nothing is lost or applied twice)."""
+        backoff = 0.2
+        while True:
+            followers = [asyncio.create_task(self._follow(k), name=f"follow-{k}")
+                         for k in STREAM_KINDS]
+            done, pending = await asyncio.wait(followers, return_when=asyncio.FIRST_EXCEPTION)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            errors = [t.exception() for t in done if not t.cancelled() and t.exception()]
+            purged = [e for e in errors if isinstance(e, StartPurged)]
+            if any(isinstance(e, _Rewind) for e in errors) and not purged:
+                backoff = 0.2
+                continue
+            if purged:
+                reloaded = await self.restore(str(purged[0]))
+                if not reloaded:
+                    log.error("%s and no snapshot covers it yet; retrying", purged[0])
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                else:
+                    backoff = 0.2
+                continue
+            for e in errors:
+                log.error("stream follower failed (%s: %s); restarting from applied positions",
+                          type(e).__name__, e)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def _follow(self, kind: str) -> None:
+        assert self.js is not None
+        stream = self.names.stream(kind)
+        reader = StreamReader(self.js, stream, start_seq=self.state.positions[kind] + 1)
+        self._readers[kind] = reader
+        own = self.names.router_subject(self.replica_id)
+        try:
+            async for seq, batch in reader:
+                if kind == ROUTER and reader.last_subject != own:
+                    t0 = time.thread_time()
+                    self._apply(kind, seq, batch, reader)
+                    self.replication.note(time.thread_time() - t0 + reader.last_decode_s,
+                                          len(batch))
+                else:
+                    self._apply(kind, seq, batch, reader)
+        finally:
+            self._readers.pop(kind, None)
+            self.malformed[kind] += reader.malformed
+            with contextlib.suppress(Exception):
+                await reader.close()
+
+    def _apply(self, kind: str, seq: int, batch: Sequence[ev.Event], reader: StreamReader) -> None:
+        state = self.state
+        before = (state.epoch, state.positions[KV], state.positions[ROUTER])
+        state.apply(kind, seq, batch)
+        self.stream_last[kind] = max(self.stream_last[kind], seq + reader.pending)
+        self._listener.stream_applied(kind, seq, batch)
+        if kind == CONTROL and state.epoch != before[0] and (
+                state.positions[KV], state.positions[ROUTER]) != before[1:]:
+            # A StateReset moved the other streams' positions to its cut: re-read from there.
+            self._listener.stream_rewound()
+            raise _Rewind()
+
+    def malformed_counts(self) -> dict[str, int]:
+        """Malformed messages skipped per stream, including the running readers' counts."""
+        return {k: self.malformed[k] + (r.malformed if (r := self._readers.get(k)) else 0)
+                for k in STREAM_KINDS}
+
+    def lag(self) -> dict[str, int]:
+        return {k: max(self.stream_last[k] - self.state.positions[k], 0) for k in STREAM_KINDS}

@@ -1,0 +1,67 @@
+"""The bridge's options (`jetrouter bridge`), each declared once (see eventlog/flags.py).
+
+The option names are :class:`workers.bridge.bridge.BridgeSettings`' field names, so the settings
+are built from the parsed flags by name (:func:`eventlog.flags.build`).
+To add an option or an alias: one line in the group it belongs to (eventlog/flags.py says how).
+"""
+
+from __future__ import annotations
+
+from eventlog.connect import NAMESPACE, NATS_SECURITY
+from eventlog.flags import Group, Option, find
+
+
+def zmq_endpoint(raw: str) -> str:
+    if raw and "://" not in raw:
+        raise ValueError(f"{raw!r} is not a ZMQ endpoint like tcp://host:5557")
+    return raw
+
+
+ENGINE = Group(
+    "engine",
+    Option("engine-url", required=True,
+           help="the engine's OpenAI server, e.g. http://10.0.0.5:8000 (serves /v1/models, "
+                "/metrics, /health)"),
+    Option("kv-events", zmq_endpoint, required=True,
+           help="the engine's ZMQ PUB endpoint, e.g. tcp://10.0.0.5:5557"),
+    Option("kv-replay", zmq_endpoint, "",
+           "the engine's ZMQ replay endpoint, e.g. tcp://10.0.0.5:5558 (without it a missed "
+           "batch clears the worker's blocks instead of being replayed)"),
+    Option("kv-topic", default="",
+           help="ZMQ topic to subscribe to (vLLM's kv-events-config 'topic'; default: all)"),
+    Option("worker-id", required=True,
+           help="id on the KV stream and in routing decisions (stable across bridge restarts: "
+                "it is how a restarted bridge finds where it left off)"),
+    Option("block-size", int,
+           help="tokens per KV block (default: from vllm:cache_config_info in /metrics, else "
+                "the first BlockStored); must equal the router's --kv-cache-block-size",
+           above=0),
+    Option("kv-total-blocks", int,
+           help="KV capacity in blocks (default: num_gpu_blocks from /metrics)", above=0),
+    Option("max-num-batched-tokens", int, 8192,
+           "the engine's token budget per step, for the router's cost model", above=0),
+    Option("advertise-url", help="URL routers send requests to (default: --engine-url)"),
+    Option("model", help="served model name (default: the base model in /v1/models)"),
+)
+
+BRIDGE_PROCESS = Group(
+    "bridge",
+    Option("nats-url", default="nats://127.0.0.1:4222", help="NATS server(s), comma-separated"),
+    NAMESPACE,
+    Option("health-interval", float, 2.0, "seconds between /health checks", above=0),
+    Option("unhealthy-after", float, 10.0, "retire the worker when /health fails this long",
+           above=0),
+    Option("load-interval", float, 1.0, "seconds between load gauges read from /metrics",
+           above=0),
+    Option("replay-timeout", float, 5.0,
+           "seconds of silence before a replay request counts as failed", above=0),
+    Option("log-level", default="info", choices=("debug", "info", "warning", "error")),
+)
+
+BRIDGE = (ENGINE, BRIDGE_PROCESS, NATS_SECURITY)
+"""Every option of `jetrouter bridge`, in the order `--help` shows them."""
+
+
+def option(name: str) -> Option:
+    """The `bridge` option named ``name`` (without dashes)."""
+    return find(BRIDGE, name)
