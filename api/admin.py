@@ -93,7 +93,8 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
             out.append({
                 "worker_id": w.worker_id, "url": w.url, "model": w.model,
                 "block_size": w.block_size, "kv_total_blocks": w.kv_total_blocks,
-                "dp_size": w.dp_size, "health": state.health.get(w.worker_id, "healthy"),
+                "dp_size": w.dp_size, "role": w.role,
+                "health": state.health.get(w.worker_id, "healthy"),
                 "cached_blocks": sum(state.index.tree_size(k) for k in keys),
                 "active_prefill_tokens": sum(state.load.active_prefill_tokens(k) for k in keys),
                 "active_decode_blocks": sum(state.load.active_decode_blocks(k) for k in keys),

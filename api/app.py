@@ -153,8 +153,12 @@ def create_app(replica: Replica, config: AppConfig | None = None,
             expected_osl=parsed.expected_osl, priority=PRIORITY_LEVEL[parsed.priority],
             overlap_weight=parsed.overlap_weight,
             latency_sensitivity=parsed.latency_sensitivity)
+        transfer = None
         try:
-            routed = await replica.route(route_req)
+            if replica.is_disaggregated(parsed.model):
+                routed, transfer = await forwarder.prefill.route(route_req)
+            else:
+                routed = await replica.route(route_req)
         except UnknownModel as exc:
             raise ApiError(404, str(exc), param="model", code="model_not_found") from None
         except NoWorkers as exc:
@@ -180,7 +184,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         metrics.input_tokens.observe(routed.isl_tokens)
         if routed.total_blocks:
             metrics.kv_hit_rate.observe(routed.overlap_blocks / routed.total_blocks)
-        return await forwarder.forward(endpoint, parsed, raw, routed)
+        return await forwarder.forward(endpoint, parsed, raw, routed, transfer)
 
     async def completions(request: Request) -> Response:
         return await handle("completions", request)

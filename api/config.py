@@ -70,6 +70,10 @@ ROUTING = Group(
            above=0),
     Option("no-router-kv-events", bool, True, dest="router_kv_events",
            help="approximate mode: predict caches from routing decisions (TTL + pruning)"),
+    Option("no-router-assume-kv-reuse", bool, True, dest="router_assume_kv_reuse",
+           help="disaggregated serving: decode engines do not reuse transferred blocks they "
+                "already hold, so a decode decision counts no overlap and every block of a "
+                "request as its own (pure load balancing)"),
     Option("router-ttl-secs", float, 120.0, at_least=0),
     Option("router-max-tree-size", int, 2**20, above=0),
     Option("router-prune-target-ratio", float, 0.8, at_least=0, at_most=1),

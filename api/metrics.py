@@ -111,6 +111,11 @@ class RouterMetrics:
         self.stream_lag = Gauge(f"{p}_stream_lag",
                                 "Messages in each stream not yet applied by this replica",
                                 ["stream"], registry=reg)
+        self.disaggregated = Counter(
+            f"{p}_disaggregated_requests",
+            "Requests of models with prefill engines, by outcome: disaggregated, or why they "
+            "were served aggregated (no_prefill_engine, prefill_failed)", ["outcome"],
+            registry=reg)
         self.migrations = Counter(f"{p}_migrations",
                                   "Requests replayed on another worker after a failure, by reason",
                                   ["reason"], registry=reg)

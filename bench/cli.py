@@ -67,6 +67,18 @@ class ClusterSpec:
     data_dir: Path | None = None               # None: a temporary dir, removed after a clean run
     ready_timeout: float = 60.0
     model_path: Path | None = None             # one model folder for replicas and workers
+    # Disaggregated serving: this many prefill and decode engines instead of `workers`.
+    prefill_workers: int = 0
+    decode_workers: int = 0
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill_workers or self.decode_workers)
+
+    @property
+    def engines(self) -> int:
+        return self.prefill_workers + self.decode_workers if self.disaggregated \
+            else self.workers
 
     def gpu_blocks(self, trace_block_tokens: int) -> int:
         if self.num_gpu_blocks is not None:
@@ -75,11 +87,13 @@ class ClusterSpec:
 
     def capacity_trace_blocks(self, trace_block_tokens: int) -> int:
         return cluster_capacity_blocks(
-            workers=self.workers, gpu_blocks_per_worker=self.gpu_blocks(trace_block_tokens),
+            workers=self.engines, gpu_blocks_per_worker=self.gpu_blocks(trace_block_tokens),
             engine_block_size=self.kv_cache_block_size, trace_block_tokens=trace_block_tokens)
 
     def describe(self, trace_block_tokens: int) -> dict[str, Any]:
         return {"replicas": self.replicas, "workers": self.workers,
+                **({"prefill_workers": self.prefill_workers,
+                    "decode_workers": self.decode_workers} if self.disaggregated else {}),
                 "num_gpu_blocks": self.gpu_blocks(trace_block_tokens),
                 "kv_cache_block_size": self.kv_cache_block_size,
                 "worker_speedup_ratio": self.worker_speedup_ratio,
@@ -89,7 +103,7 @@ class ClusterSpec:
 
 async def run_managed(requests: Sequence[TraceRecord], options: BenchOptions, spec: ClusterSpec,
                       mode: str = "kv", *, index: int = 0,
-                      data_dir: Path | None = None) -> RunResult:
+                      data_dir: Path | None = None, label: str | None = None) -> RunResult:
     """Start a fresh LocalCluster with ``--router-mode mode``, replay, stop it."""
     from cluster.up import LocalCluster  # lazily: `bench --url` needs no cluster machinery
 
@@ -102,12 +116,16 @@ async def run_managed(requests: Sequence[TraceRecord], options: BenchOptions, sp
     worker_args += list(spec.worker_args)
     owned = data_dir is None and spec.data_dir is None
     root = data_dir or spec.data_dir or Path(tempfile.mkdtemp(prefix="jetrouter-bench-"))
-    cluster = LocalCluster(replicas=spec.replicas, workers=spec.workers, base_port=None,
+    cluster = LocalCluster(replicas=spec.replicas,
+                           workers=0 if spec.disaggregated else spec.workers,
+                           prefill_workers=spec.prefill_workers,
+                           decode_workers=spec.decode_workers, base_port=None,
                            data_dir=root / f"{index}-{mode}", router_args=router_args,
                            worker_args=worker_args, namespace=f"bench{index}",
                            ready_timeout=spec.ready_timeout, model_path=spec.model_path)
     async with cluster:
-        result = await run_trace_bench(cluster.router_urls, requests, replace(options, label=mode))
+        result = await run_trace_bench(cluster.router_urls, requests,
+                                       replace(options, label=label or mode))
     result.extra.update({"router_mode": mode, "managed_cluster": True,
                          **spec.describe(options.trace_block_tokens)})
     if owned:  # kept on failure (an exception skips this) so the logs can be read
@@ -123,6 +141,25 @@ async def compare(requests: Sequence[TraceRecord], options: BenchOptions, spec: 
     runs = []
     for index, mode in enumerate(modes):
         runs.append(await run_managed(requests, options, spec, mode, index=index, data_dir=root))
+    if owned:  # kept on failure (an exception skips this) so the logs can be read
+        shutil.rmtree(root, ignore_errors=True)
+    return runs
+
+
+async def compare_disaggregated(requests: Sequence[TraceRecord], options: BenchOptions,
+                                spec: ClusterSpec, prefill: int, decode: int,
+                                mode: str = "kv") -> list[RunResult]:
+    """Aggregated serving on ``prefill + decode`` engines, then the same requests on a fresh
+    cluster of ``prefill`` prefill engines and ``decode`` decode engines: the same number of
+    engines of the same size, so the same total capacity."""
+    owned = spec.data_dir is None
+    root = spec.data_dir or Path(tempfile.mkdtemp(prefix="jetrouter-bench-"))
+    aggregated = replace(spec, workers=prefill + decode, prefill_workers=0, decode_workers=0)
+    split = replace(spec, prefill_workers=prefill, decode_workers=decode)
+    runs = [await run_managed(requests, options, aggregated, mode, index=0, data_dir=root,
+                              label=f"aggregated {prefill + decode}"),
+            await run_managed(requests, options, split, mode, index=1, data_dir=root,
+                              label=f"disagg {prefill}P+{decode}D")]
     if owned:  # kept on failure (an exception skips this) so the logs can be read
         shutil.rmtree(root, ignore_errors=True)
     return runs
@@ -223,6 +260,9 @@ def _add_trace_arguments(p: argparse.ArgumentParser, suppress: bool) -> None:
     managed("--router-mode", default="kv", help="router mode of the (first) run (default kv)")
     managed("--compare", choices=COMPARE_MODES, default=None,
             help="run again on a fresh cluster with this router mode; print side by side")
+    managed("--compare-disaggregated", default=None, metavar="P:D",
+            help="run aggregated on P+D workers, then disaggregated on P prefill and D decode "
+                 "workers (same engines, same total capacity); print side by side")
     managed("--replicas", type=int, default=2, help="router replicas (default 2)")
     managed("--workers", type=int, default=8, help="simulated workers (default 8)")
     managed("--num-gpu-blocks", type=int, default=None,
@@ -312,6 +352,18 @@ def load_workload(args: argparse.Namespace) -> tuple[list[TraceRecord], dict[str
     return records, workload
 
 
+def _split(text: str) -> tuple[int, int]:
+    """``"P:D"`` -> (P, D), both at least 1."""
+    try:
+        prefill, decode = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise _cli_error(f"--compare-disaggregated wants P:D (e.g. 2:6), not {text!r}") from None
+    if prefill < 1 or decode < 1:
+        raise _cli_error("--compare-disaggregated needs at least one prefill and one decode "
+                         "worker")
+    return prefill, decode
+
+
 def _cli_error(message: str) -> Exception:
     from api.cli import CliError  # the CLI's one-line error type; imported late (no cycle)
 
@@ -346,8 +398,9 @@ async def _run_trace(args: argparse.Namespace) -> int:
     print(f"replaying {shape['requests']} requests over ~{shape['duration_s'] / args.speedup:.1f}"
           f" s ({workload['source']})", file=sys.stderr)
     if args.url:
-        if args.compare:
-            raise _cli_error("--compare starts its own clusters: omit --url")
+        if args.compare or args.compare_disaggregated:
+            raise _cli_error("--compare / --compare-disaggregated start their own clusters: "
+                             "omit --url")
         urls = [u for u in args.url.split(",") if u.strip()]
         options = options_from_args(args, args.label or "run")
         runs = [await run_trace_bench(urls, records, options)]
@@ -359,8 +412,16 @@ async def _run_trace(args: argparse.Namespace) -> int:
         check_model_path(str(spec.model_path) if spec.model_path else None)
         options = options_from_args(args, args.label or args.router_mode)
         modes = [args.router_mode] + ([args.compare] if args.compare else [])
+        split = _split(args.compare_disaggregated) if args.compare_disaggregated else None
+        if split and args.compare:
+            raise _cli_error("--compare and --compare-disaggregated are separate comparisons")
         try:
-            runs = await compare(records, options, spec, modes)
+            if split:
+                runs = await compare_disaggregated(records, options, spec, *split,
+                                                   mode=args.router_mode)
+                spec = replace(spec, workers=sum(split))
+            else:
+                runs = await compare(records, options, spec, modes)
         except ModuleNotFoundError as exc:
             if exc.name != "cluster.up":
                 raise

@@ -11,6 +11,13 @@ bench keeps exactly the parts that decide routing quality and drops the rest:
   decision time (a router whose KV events arrive instantly);
 - prompts come from the same `PromptBuilder` and output caps as the trace bench.
 
+With ``--disaggregated P`` the first P workers are prefill engines and the rest decode engines:
+each request gets the prefill decision (KV-aware, no active blocks), its prompt is computed on the
+prefill engine, and when that finishes the decode decision sends it, with its blocks transferred,
+to a decode engine (``replicas/core/disagg.py``; ``--no-assume-kv-reuse`` as the router flag).
+The hit rate is then the prefill engines' (where the prompt is computed); TTFT runs from arrival
+to the decode engine's first token; ITL is measured on every run.
+
 So a gap between kv and round-robin here is the cost model's doing, not the machine's; a run of
 1,000 requests takes seconds and is deterministic. Run (``jetrouter bench routesim`` is the same):
 ``python -m bench.routesim --max-requests 1000 --max-output-tokens 32 --weights 1,8
@@ -39,9 +46,13 @@ from bench.trace import (
     select,
 )
 from eventlog.hashing import prompt_hashes, tokens_hashes
+from eventlog.names import prefill_request_id
+from replicas.core import disagg
 from replicas.core.load import ActiveLoad
 from replicas.core.selection import Candidate, Decision, RoutingConfig, Selector
 from workers.scheduler import EngineConfig, EngineCore, SimRequest
+
+PREFILL_SUFFIX = prefill_request_id("")  # what a prefill hop's id ends with
 
 
 @dataclass(slots=True)
@@ -55,6 +66,8 @@ class SimOptions:
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_gpu_blocks=2000))
     seed: int = 0
     prefill_queue_weight: float | None = None  # RoutingConfig.prefill_queue_weight
+    prefill_workers: int = 0             # disaggregated: workers 0..P-1 prefill, the rest decode
+    assume_kv_reuse: bool = True
 
 
 @dataclass(slots=True)
@@ -67,6 +80,7 @@ class SimResult:
     routed_overlap_tokens: int           # what the router believed would hit
     best_overlap_tokens: int             # the best overlap any worker offered at decision time
     preemptions: int
+    itl_s: list[float] = field(default_factory=list)
 
     def summary(self, num_workers: int) -> dict[str, Any]:
         counts = Counter(self.worker_of)
@@ -81,6 +95,9 @@ class SimResult:
                                    if self.prompt_tokens else 0.0),
             "ttft_p50_ms": 1000 * (percentile(self.ttft_s, 50) or 0.0),
             "ttft_p90_ms": 1000 * (percentile(self.ttft_s, 90) or 0.0),
+            "itl_p50_ms": 1000 * (percentile(self.itl_s, 50) or 0.0),
+            "itl_p90_ms": 1000 * (percentile(self.itl_s, 90) or 0.0),
+            "itl_p99_ms": 1000 * (percentile(self.itl_s, 99) or 0.0),
             "busiest_over_mean": max(counts.values()) / mean if mean else 0.0,
             "preemptions": self.preemptions,
         }
@@ -118,6 +135,41 @@ def simulate(records: Sequence[TraceRecord], opts: SimOptions) -> SimResult:
     builder = PromptBuilder(block_tokens=opts.trace_block_tokens)
     keys = [(f"w{i}", 0) for i in range(opts.workers)]
     arrival: dict[str, float] = {}
+    last_token: dict[str, float] = {}
+    split = opts.prefill_workers
+    if split and not 0 < split < opts.workers:
+        raise ValueError("disaggregated needs 1..workers-1 prefill workers")
+    # Disaggregated: the decode phase of request i waits here while its prefill hop runs.
+    handoff: dict[str, tuple[list[int], list[int], int]] = {}
+
+    def candidates(workers: range, local: list[int], seq: list[int]) -> list[Candidate]:
+        out = []
+        for w in workers:
+            key, core = keys[w], fleet.cores[w]
+            out.append(Candidate(
+                worker=key, overlap_blocks=len(core.cache.match_prefix(local)),
+                tree_size=core.cache.stats().cached,
+                active_prefill_tokens=load.active_prefill_tokens(key),
+                active_decode_blocks=load.active_decode_blocks(key),
+                new_request_blocks=len(seq) - load.active_prefix_len(key, seq),
+                kv_total_blocks=opts.engine.num_gpu_blocks,
+                max_num_batched_tokens=opts.engine.max_num_batched_tokens))
+        return out
+
+    def decode(rid: str, t: float) -> None:
+        prompt, seq, max_tokens = handoff.pop(rid)
+        cands = [disagg.decode_candidate(c, len(seq), opts.assume_kv_reuse)
+                 for c in candidates(range(split, opts.workers), tokens_hashes(prompt, bs), seq)]
+        decision = selector.select(cands, len(prompt), rng,
+                                   overlap_weight=disagg.DECODE_TRANSFER_WEIGHT)
+        assert isinstance(decision, Decision)
+        w = keys.index(decision.worker)
+        blocks = seq if opts.assume_kv_reuse else disagg.unique_block_hashes(rid, len(seq))
+        load.add(rid, "sim", decision.worker, 0, blocks, t)
+        fleet.cores[w].add(rid, prompt, max_tokens, transferred_tokens=len(prompt))
+        res.worker_of.append(w)
+        fleet.kick(w, t)
+
     res = SimResult(opts.mode, [], [], 0, 0, 0, 0, 0)
     for i, rec in enumerate(records):
         fleet.push(rec.timestamp_ms / 1000.0 / opts.speedup, "arrive", i)
@@ -130,17 +182,9 @@ def simulate(records: Sequence[TraceRecord], opts: SimOptions) -> SimResult:
             prompt = builder.prompt(rec, filler_key=payload)
             local = tokens_hashes(prompt, bs)
             seq = prompt_hashes(prompt, bs)
-            cands = []
-            for w, key in enumerate(keys):
-                core = fleet.cores[w]
-                overlap = len(core.cache.match_prefix(local))
-                cands.append(Candidate(
-                    worker=key, overlap_blocks=overlap, tree_size=core.cache.stats().cached,
-                    active_prefill_tokens=load.active_prefill_tokens(key),
-                    active_decode_blocks=load.active_decode_blocks(key),
-                    new_request_blocks=len(seq) - load.active_prefix_len(key, seq),
-                    kv_total_blocks=opts.engine.num_gpu_blocks,
-                    max_num_batched_tokens=opts.engine.max_num_batched_tokens))
+            cands = candidates(range(split or opts.workers), local, seq)
+            if split:
+                cands = [disagg.prefill_candidate(c) for c in cands]
             if opts.mode == "sticky":  # reference only: longest prefix, ties to the least loaded
                 best = max(cands, key=lambda c: (c.overlap_blocks, -c.active_prefill_tokens,
                                                  -c.active_decode_blocks))
@@ -150,15 +194,20 @@ def simulate(records: Sequence[TraceRecord], opts: SimOptions) -> SimResult:
             assert isinstance(decision, Decision)
             w = keys.index(decision.worker)
             prefill = max(len(prompt) - decision.overlap_blocks * bs, 0)
-            load.add(rid, "sim", decision.worker, prefill, seq, t)
             res.routed_overlap_tokens += min(decision.overlap_blocks * bs, len(prompt))
             res.best_overlap_tokens += min(max(c.overlap_blocks for c in cands) * bs, len(prompt))
             max_tokens = max(1, rec.output_length)
             if opts.max_output_tokens:
                 max_tokens = min(max_tokens, opts.max_output_tokens)
-            fleet.cores[w].add(rid, prompt, max_tokens)
             arrival[rid] = t
-            res.worker_of.append(w)
+            if split:  # the prefill hop: one token, no active blocks; decode follows
+                load.add(rid + PREFILL_SUFFIX, "sim", decision.worker, prefill, (), t)
+                fleet.cores[w].add(rid + PREFILL_SUFFIX, prompt, 1)
+                handoff[rid] = (prompt, seq, max_tokens)
+            else:
+                load.add(rid, "sim", decision.worker, prefill, seq, t)
+                fleet.cores[w].add(rid, prompt, max_tokens)
+                res.worker_of.append(w)
             fleet.kick(w, t)
         elif kind == "step":
             w = payload
@@ -167,22 +216,38 @@ def simulate(records: Sequence[TraceRecord], opts: SimOptions) -> SimResult:
         else:  # "done": the step's tokens reach the router (prefill done, finished)
             w, out = payload
             for req, _token in out.emitted:
+                rid = req.request_id
+                if rid.endswith(PREFILL_SUFFIX):
+                    _hit(req, res)  # disaggregated: the prompt is computed here
+                    continue
                 if len(req.output) == 1:
-                    _first_token(req, t, arrival, load, res)
+                    _first_token(req, t, arrival, load, res, count_hit=not split)
+                elif rid in last_token:
+                    res.itl_s.append(t - last_token[rid])
+                last_token[rid] = t
             for req in out.finished:
                 load.finish(req.request_id)
-                arrival.pop(req.request_id, None)
+                last_token.pop(req.request_id, None)
+                if req.request_id.endswith(PREFILL_SUFFIX):
+                    decode(req.request_id.removesuffix(PREFILL_SUFFIX), t)
+                else:
+                    arrival.pop(req.request_id, None)
             fleet.stepping[w] = False
             fleet.kick(w, t)
     return res
 
 
 def _first_token(req: SimRequest, t: float, arrival: dict[str, float], load: ActiveLoad,
-                 res: SimResult) -> None:
+                 res: SimResult, *, count_hit: bool = True) -> None:
     start = arrival.get(req.request_id)
     if start is None or not load.prefill_completed(req.request_id):
         return
     res.ttft_s.append(t - start)
+    if count_hit:
+        _hit(req, res)
+
+
+def _hit(req: SimRequest, res: SimResult) -> None:
     res.prompt_tokens += req.prompt_len
     res.cached_tokens += req.cached_tokens or 0
     res.preemptions += req.preemptions
@@ -214,6 +279,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine prefill cost; the trace bench shrinks a 512-token block to 32 "
                         "tokens, so 16x the default (0.8) keeps real prefill times")
     p.add_argument("--decode-ms-base", type=float, default=defaults.decode_ms_base)
+    p.add_argument("--disaggregated", type=int, default=0, metavar="P",
+                   help="also run kv with the first P workers as prefill engines and the rest "
+                        "as decode engines (same workers, same total capacity)")
+    p.add_argument("--no-assume-kv-reuse", dest="assume_kv_reuse", action="store_false",
+                   help="disaggregated runs: decode decisions count no overlap "
+                        "(--no-router-assume-kv-reuse)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -233,18 +304,26 @@ def run(args: argparse.Namespace) -> int:
     ideal = ideal_rates(records, capacity)["finite"].block_rate
     print(f"{len(records)} requests, speedup {args.speedup:g}, {args.workers} workers x "
           f"{gpu_blocks} blocks; ideal hit (fleet LRU) {ideal:.1%}")
-    for mode in args.modes.split(","):
+    runs = [(mode, 0) for mode in args.modes.split(",")]
+    if args.disaggregated:
+        runs.append(("kv", args.disaggregated))
+    for mode, split in runs:
         weights = [float(x) for x in args.weights.split(",")] if mode == "kv" else [1.0]
         for wgt in weights:
             opts = SimOptions(mode=mode, workers=args.workers, overlap_weight=wgt,
                               speedup=args.speedup, trace_block_tokens=args.trace_block_tokens,
                               max_output_tokens=args.max_output_tokens or None, engine=engine,
-                              prefill_queue_weight=args.queue_weight)
-            s = simulate(records, opts).summary(args.workers)
+                              prefill_queue_weight=args.queue_weight, prefill_workers=split,
+                              assume_kv_reuse=args.assume_kv_reuse)
+            s = simulate(records, opts).summary(args.workers - split if split else args.workers)
             label = f"{mode} w={wgt:g}" if mode == "kv" else mode
+            if split:
+                label = f"disagg {split}P+{args.workers - split}D w={wgt:g}"
             print(f"{label:14} hit {s['engine_hit']:6.1%} ({s['engine_hit'] / ideal:6.1%} of "
                   f"ideal; best offered {s['best_available_hit']:6.1%})  TTFT p50 "
-                  f"{s['ttft_p50_ms']:7.1f} ms p90 {s['ttft_p90_ms']:7.1f} ms  busiest/mean "
+                  f"{s['ttft_p50_ms']:7.1f} ms p90 {s['ttft_p90_ms']:7.1f} ms  ITL p50 "
+                  f"{s['itl_p50_ms']:5.1f} p90 {s['itl_p90_ms']:5.1f} p99 {s['itl_p99_ms']:5.1f} ms"
+                  f"  busiest/mean "
                   f"{s['busiest_over_mean']:.2f}  preemptions {s['preemptions']}", flush=True)
     return 0
 

@@ -358,11 +358,16 @@ def show_request(data: dict[str, Any]) -> str:
                           skip=("candidates", "hops"))
     parts = [head]
     hops = _listed(data, "hops")
-    if len(hops) > 1:  # a migrated request: every hop of it, hop 0 first
+    if len(hops) > 1:  # migrated or disaggregated: every hop of it, the prefill hop first
         parts.append(f"hops ({len(hops)}):\n" + render_table(
-            hops, ("hop", "request_id", "worker_id", "dp_rank", "predicted_tokens",
+            hops, ("hop", "phase", "request_id", "worker_id", "dp_rank", "predicted_tokens",
                    "cached_tokens", "outcome", "routed_ts"),
             only=True))
+    for hop in hops:  # a disaggregated request: the prefill decision's cost terms too
+        if hop.get("phase") == "prefill" and hop.get("request_id") != data.get("request_id"):
+            pre = candidate_rows(hop)
+            parts.append(f"prefill candidates ({len(pre)}, * = chosen):\n"
+                         + render_table(pre, ("", *CANDIDATE_FIELDS)))
     rows = candidate_rows(data)
     if rows:
         parts.append(f"candidates ({len(rows)}, * = chosen):\n"

@@ -37,6 +37,7 @@ from api.config import SERVE
 from eventlog import server as nats_server
 from eventlog.connect import NAMESPACE, NATS_SECURITY, NatsOptions, options_from_args
 from eventlog.errors import JetrouterError
+from eventlog.events import Role
 from eventlog.flags import Group, Option, add_options, find, forward_argv, options_of, unset
 from eventlog.names import Names
 from eventlog.pki import CertificateNotMade
@@ -51,6 +52,7 @@ STABLE_AFTER = 30.0  # a child up this long has its backoff reset
 REPLICA_PORT_OFFSET = 0
 WORKER_PORT_OFFSET = 100
 DEFAULT_MODEL = "jetrouter-sim"
+_ROLE_PREFIX = {Role.BOTH: "w", Role.PREFILL: "p", Role.DECODE: "d"}
 
 
 class ClusterStartError(JetrouterError):
@@ -155,18 +157,24 @@ class LocalCluster:
         nats_options: NatsOptions | None = None,
         model_path: Path | str | None = None,
         router_module: str = "api.cli",
+        prefill_workers: int = 0,
+        decode_workers: int = 0,
     ) -> None:
         # router_module: what `python -m` runs as `<module> serve ...` for each replica (a test
         # passes one that adds debug routes; the product never ships them).
         # workers=0: engines come from elsewhere (real engines behind `jetrouter bridge`).
-        if replicas < 1 or workers < 0:
+        # prefill_workers / decode_workers: disaggregated serving, engines p0.. and d0.. with
+        # those roles, besides the `workers` ones (w0.., role both).
+        if replicas < 1 or min(workers, prefill_workers, decode_workers) < 0:
             raise ValueError("a cluster needs at least one replica and no negative workers")
         # One model folder for both sides: the router hashes exactly the ids the engines cache.
         model_args = ["--model-path", str(Path(model_path).resolve())] if model_path else []
         router_args = [*model_args, *router_args]
         worker_args = [*model_args, *worker_args]
         self.replicas = replicas
-        self.workers = workers
+        self.roles = ([Role.BOTH] * workers + [Role.PREFILL] * prefill_workers
+                      + [Role.DECODE] * decode_workers)
+        self.workers = len(self.roles)
         self.base_port = base_port
         self.data_dir = Path(data_dir).resolve()
         self.router_args = list(router_args)
@@ -188,6 +196,7 @@ class LocalCluster:
         self.nats_options = nats_options or NatsOptions()  # for an existing NATS (--nats-url)
         self.secure_setup: Any = None  # cluster.secure.SecureSetup once started with secure=True
         self.children: dict[str, Child] = {}
+        self._roles: dict[str, Role] = {}  # worker name -> role, for prefill/decode engines
         self._nats: Any = None  # eventlog.server.NatsServer | NatsCluster when embedded
         self._supervisors: dict[str, asyncio.Task[None]] = {}
         self._stopping = asyncio.Event()
@@ -342,10 +351,14 @@ class LocalCluster:
             name = f"r{i}"
             self.children[name] = Child(name, "replica", [], f"http://127.0.0.1:{port}",
                                         "/ready", logs / f"{name}.log")
-        for i, port in enumerate(worker_ports):
-            name = f"w{i}"
+        counts: dict[str, int] = {}
+        for role, port in zip(self.roles, worker_ports, strict=True):
+            n = counts[role] = counts.get(role, -1) + 1
+            name = f"{_ROLE_PREFIX[role]}{n}"
             self.children[name] = Child(name, "worker", [], f"http://127.0.0.1:{port}",
                                         "/health", logs / f"{name}.log")
+            if role != Role.BOTH:
+                self._roles[name] = role
 
     def child_nats_options(self, name: str) -> NatsOptions:
         """How child ``name`` (or ``admin``, for tools) connects: its own identity when secure,
@@ -371,9 +384,11 @@ class LocalCluster:
                           "--namespace", self.namespace, "--data-dir", str(replica_dir),
                           f"--admin-token={self.admin_token}", *self.router_args]
         else:
+            role = self._roles.get(child.name)
             child.argv = [sys.executable, "-m", "api.cli", "worker", *common,
                           "--worker-id", child.name, "--nats-url", self.nats_url,
-                          "--namespace", self.namespace, *self.worker_args]
+                          "--namespace", self.namespace, *self.worker_args,
+                          *(["--role", role] if role else [])]
 
     async def _start_nats(self) -> None:
         store = self.data_dir / "nats"
@@ -513,8 +528,13 @@ class LocalCluster:
 UP = Group(
     "cluster",
     Option("replicas", int, 2, "router replicas", at_least=1),
-    Option("workers", int, 4, "simulated workers (0: real engines only, via bridges)",
+    Option("workers", int, help="simulated workers (default 4, or 0 with --prefill-workers/"
+                                "--decode-workers; 0: real engines only, via bridges)",
            at_least=0),
+    Option("prefill-workers", int, 0,
+           "disaggregated serving: simulated prefill engines p0.. (--role prefill)", at_least=0),
+    Option("decode-workers", int, 0,
+           "disaggregated serving: simulated decode engines d0.. (--role decode)", at_least=0),
     Option("base-port", int, 8000, "first replica port; 0 = free ports", at_least=0),
     Option("data-dir", Path, Path(".jetrouter"),
            "logs, nats store, replica data, cluster.json"),
@@ -597,6 +617,12 @@ def forwarded_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
             forward_argv(args, TO_WORKERS) + list(args.worker_arg))
 
 
+def _plain_workers(args: argparse.Namespace) -> int:
+    if args.workers is not None:
+        return int(args.workers)
+    return 0 if args.prefill_workers or args.decode_workers else 4
+
+
 def banner(cluster: LocalCluster) -> str:
     url = cluster.router_urls[0]
     token = cluster.admin_token_path
@@ -604,6 +630,9 @@ def banner(cluster: LocalCluster) -> str:
         "jetrouter cluster is up",
         f"  routers : {' '.join(cluster.router_urls)}",
         f"  workers : {' '.join(cluster.worker_urls)}",
+        *([f"  roles   : disaggregated serving, "
+           f"{', '.join(f'{n} {r}' for n, r in sorted(cluster._roles.items()))}"]
+          if cluster._roles else []),
         f"  nats    : {cluster.nats_url}  (namespace {cluster.namespace})",
         *([f"  secured : TLS CA {cluster.secure_setup.ca_file}; users' password files in "
            f"{cluster.secure_setup.directory / 'users'} (admin: admin.password); server "
@@ -663,13 +692,10 @@ def run(args: argparse.Namespace) -> int:
         nats_options = options_from_args(args, url="")
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    cluster = LocalCluster(
-        replicas=args.replicas, workers=args.workers, base_port=args.base_port or None,
-        data_dir=args.data_dir, router_args=router_args, worker_args=worker_args,
-        nats_url=args.nats_url, restart=not args.no_restart, namespace=args.namespace,
-        nats_cluster=args.nats_cluster, admin_token=args.admin_token,
-        ready_timeout=args.ready_timeout, model_path=args.model_path, secure=args.secure,
-        nats_options=nats_options)
+    try:
+        cluster = _cluster_from_args(args, router_args, worker_args, nats_options)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     try:
         asyncio.run(_serve_until_signalled(cluster))
     except nats_server.NatsServerNotFound as exc:
@@ -680,3 +706,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"jetrouter up: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _cluster_from_args(args: argparse.Namespace, router_args: list[str], worker_args: list[str],
+                       nats_options: NatsOptions) -> LocalCluster:
+    return LocalCluster(
+        replicas=args.replicas, workers=_plain_workers(args),
+        prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+        base_port=args.base_port or None,
+        data_dir=args.data_dir, router_args=router_args, worker_args=worker_args,
+        nats_url=args.nats_url, restart=not args.no_restart, namespace=args.namespace,
+        nats_cluster=args.nats_cluster, admin_token=args.admin_token,
+        ready_timeout=args.ready_timeout, model_path=args.model_path, secure=args.secure,
+        nats_options=nats_options)

@@ -49,6 +49,23 @@ class Outcome(StrEnum):
     NOT_ROUTED = "not_routed"  # the decision's append failed; closed in case it landed later
 
 
+class Role(StrEnum):
+    """What an engine does in disaggregated serving: ``WorkerRegistered.role``. See
+    replicas/core/disagg.py."""
+
+    PREFILL = "prefill"  # computes prompts and hands their KV blocks over
+    DECODE = "decode"    # receives KV blocks and generates
+    BOTH = "both"        # everything (the only kind before disaggregation)
+
+
+class Phase(StrEnum):
+    """Which of a request's routing decisions a ``RequestRouted`` is."""
+
+    AGGREGATED = ""      # an ordinary decision: one engine prefills and decodes
+    PREFILL = "prefill"  # the engine computing the prompt of a disaggregated request
+    DECODE = "decode"    # the engine receiving its KV blocks and generating
+
+
 class _Event(msgspec.Struct, frozen=True, tag=True, array_like=False, omit_defaults=False):
     pass
 
@@ -68,6 +85,10 @@ class WorkerRegistered(_Event, frozen=True, tag=True):
     # LoRA adapters the engine serves besides ``model`` (requests naming one route here, and
     # their blocks hash under the adapter's salt: eventlog.hashing.adapter_salt).
     loras: list[str] = []
+    # What the engine does in disaggregated serving: "prefill" engines compute prompts and hand
+    # their KV blocks over, "decode" engines receive them and generate, "both" does everything
+    # (the only kind before disaggregation; older events decode as it).
+    role: str = Role.BOTH  # a Role
 
 
 class WorkerRetired(_Event, frozen=True, tag=True):
@@ -123,6 +144,12 @@ class RequestRouted(_Event, frozen=True, tag=True):
     # Tokens per block the decision was made with (0: not recorded, older messages), so the
     # predicted reuse in tokens is overlap_blocks * block_size wherever the event is read.
     block_size: Annotated[int, msgspec.Meta(ge=0, le=2**16)] = 0
+    # Disaggregated serving: "prefill" is the decision that picked the engine computing the
+    # prompt, "decode" the one that picked the engine receiving its KV blocks; "" is an ordinary
+    # (aggregated) decision. ``kv_reuse`` False (--no-router-assume-kv-reuse) makes a decode
+    # decision's blocks count as this request's own, never shared with another request's.
+    phase: str = Phase.AGGREGATED  # a Phase
+    kv_reuse: bool = True
 
 
 class PrefillCompleted(_Event, frozen=True, tag=True):

@@ -18,16 +18,30 @@ ANY = "*"  # the one-token wildcard: subscriptions and permissions cover every i
 HOP_SEPARATOR = "~"
 
 
+# A disaggregated request's prefill decision is routed under ``<request_id>~prefill``
+# (api/forward/prefill.py); the ledger files it as hop -1, before the decode hop 0.
+PREFILL_SUFFIX = "prefill"
+PREFILL_HOP = -1
+
+
 def hop_request_id(base_id: str, hop: int) -> str:
     """The request id of hop ``hop`` (1, 2, ...) of request ``base_id``."""
     return f"{base_id}{HOP_SEPARATOR}{hop}"
 
 
+def prefill_request_id(base_id: str) -> str:
+    """The request id of the prefill hop of disaggregated request ``base_id``."""
+    return f"{base_id}{HOP_SEPARATOR}{PREFILL_SUFFIX}"
+
+
 def split_hop(request_id: str) -> tuple[str, int]:
-    """``"abc~2"`` -> ``("abc", 2)``; an id without a numeric ``~hop`` suffix is hop 0."""
+    """``"abc~2"`` -> ``("abc", 2)``, ``"abc~prefill"`` -> ``("abc", PREFILL_HOP)``; an id
+    without such a suffix is hop 0."""
     base, sep, suffix = request_id.rpartition(HOP_SEPARATOR)
     if sep and base and suffix.isdigit():
         return base, int(suffix)
+    if sep and base and suffix == PREFILL_SUFFIX:
+        return base, PREFILL_HOP
     return request_id, 0
 
 

@@ -33,7 +33,7 @@ from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from eventlog import events as ev
-from eventlog.names import ROUTER, split_hop
+from eventlog.names import PREFILL_HOP, ROUTER, split_hop
 from snapshots.db import Tracking, decision_ledger, from_json, to_json
 
 Message = tuple[int, Sequence[ev.Event]]
@@ -43,6 +43,16 @@ _LOOKUP_CHUNK = 500  # ids per IN (...) list: well under every backend's bound-p
 CANDIDATE_FIELDS = (
     "worker", "dp_rank", "overlap_blocks", "prefill_blocks", "decode_blocks", "cost", "busy",
 )
+
+
+def _phases(rows: list[dict[str, Any]]) -> None:
+    """Name each hop's part: ``prefill`` (hop -1), ``decode`` (the first hop after a prefill
+    hop that handed its blocks over), else ``aggregated`` (no prefill hop, a prefill hop that
+    failed, or a migration hop: those prefill on their own engine)."""
+    handed_over = any(r["hop"] == PREFILL_HOP and r["outcome"] == ev.Outcome.OK for r in rows)
+    for r in rows:
+        r["phase"] = ("prefill" if r["hop"] == PREFILL_HOP
+                      else "decode" if r["hop"] == 0 and handed_over else "aggregated")
 
 
 class LedgerView:
@@ -128,6 +138,7 @@ class LedgerView:
             main = rows[0]  # hop 0 aged out or never seen: the base id still finds the hops
         if main is None:
             return None
+        _phases(rows)
         return {**main, "hops": rows}
 
     async def count(self, conn: AsyncConnection) -> int:

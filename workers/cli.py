@@ -34,6 +34,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         decode_ms_base=args.decode_ms_base,
         decode_ms_per_seq=args.decode_ms_per_seq,
         speedup_ratio=args.speedup_ratio,
+        transfer_ms_per_block=args.transfer_ms_per_block,
     )
     return WorkerSettings(
         worker_id=args.worker_id or f"w-{uuid.uuid4().hex[:8]}",
@@ -48,6 +49,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         default_max_tokens=args.default_max_tokens,
         shutdown_timeout=args.shutdown_timeout,
         model_path=args.model_path or None,
+        role=args.role,
         nats=options_from_args(args, check=False),  # files are checked by run()
     )
 

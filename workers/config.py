@@ -8,10 +8,12 @@ To add an option or an alias: one line in the group it belongs to (eventlog/flag
 from __future__ import annotations
 
 from eventlog.connect import NAMESPACE, NATS_SECURITY
+from eventlog.events import Role
 from eventlog.flags import Group, Option, find
 from workers.scheduler import EngineConfig
 
 _ENGINE = EngineConfig()
+ROLES = tuple(Role)
 
 PROCESS = Group(
     "worker",
@@ -21,6 +23,10 @@ PROCESS = Group(
     Option("port", int, 8000, "listen port; 0 picks a free one"),
     Option("advertise-url", help="URL routers should use (default http://HOST:PORT)"),
     Option("model", default="jetrouter-sim", help="served model name"),
+    Option("role", default=Role.BOTH, choices=ROLES,
+           help="disaggregated serving: a prefill engine computes prompts and hands their KV "
+                "blocks over (POST /v1/prefill), a decode engine receives them and generates; "
+                "both does everything"),
     Option("model-path", help="HuggingFace model folder (tokenizer.json, tokenizer_config.json): "
                               "tokenize prompts and chat like the router given the same folder "
                               "(default: one token per UTF-8 byte)"),
@@ -46,6 +52,9 @@ ENGINE_MODEL = Group(
     Option("decode-ms-per-seq", float, _ENGINE.decode_ms_per_seq,
            "extra step cost per decoding request"),
     Option("speedup-ratio", float, _ENGINE.speedup_ratio, "divide every simulated time by this"),
+    Option("transfer-ms-per-block", float, _ENGINE.transfer_ms_per_block,
+           "cost of receiving one KV block from a prefill engine (disaggregated serving)",
+           at_least=0),
     Option("dp-size", int, 1, "data-parallel ranks, each an independent engine"),
     Option("default-max-tokens", int, 256,
            "max_tokens of chat requests that give none (completions default to 16 like OpenAI)"),

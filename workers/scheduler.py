@@ -14,6 +14,11 @@ One step, like vLLM v1's unified scheduler with chunked prefill:
 Step time = ``decode_ms_base + decode_ms_per_seq * decoding_seqs + prefill_ms_per_token *
 prefill_tokens``, divided by ``speedup_ratio``. Cached prefix tokens cost nothing: they are never
 scheduled. When a request's computed tokens reach its context length it emits one token.
+
+Disaggregated serving: a request admitted with ``transferred_tokens`` (its prompt's KV blocks
+handed over by a prefill engine) counts those tokens as computed without prefill; the step pays
+``transfer_ms_per_block`` for each transferred block the engine did not already hold in its own
+prefix cache. The last prompt token is always computed here (it yields the first output token).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class EngineConfig:
     speedup_ratio: float = 1.0
     # Admission keeps this share of blocks free so running requests can grow without thrashing.
     watermark: float = 0.01
+    # Receiving one KV block from a prefill engine (disaggregated serving).
+    transfer_ms_per_block: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -47,6 +54,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.speedup_ratio <= 0:
             raise ValueError("speedup_ratio must be positive")
+        if not self.transfer_ms_per_block >= 0:
+            raise ValueError("transfer_ms_per_block must be >= 0")
 
     def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
         ms = (self.decode_ms_base + self.decode_ms_per_seq * decode_seqs
@@ -70,6 +79,8 @@ class SimRequest:
     cached_tokens: int | None = None  # prefix-cache hit at first admission
     preemptions: int = 0
     done: bool = False
+    transferred_tokens: int = 0  # prompt tokens whose KV a prefill engine hands over
+    received_blocks: int = 0  # transferred blocks this engine did not hold (it paid for these)
 
     def decoding(self) -> bool:
         """Computing only the last emitted token (a decode step, not prefill)."""
@@ -101,11 +112,12 @@ class EngineCore:
         self.running: list[SimRequest] = []
         self.wrong_output = False  # the wrong_output fault
         self._watermark_blocks = int(config.watermark * config.num_gpu_blocks)
+        self._receiving = 0  # blocks transferred in by this step's admissions
 
     # --- requests ---------------------------------------------------------------------------
 
-    def add(self, request_id: str, prompt: list[int], max_tokens: int, tag: Any = None
-            ) -> SimRequest:
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, tag: Any = None,
+            transferred_tokens: int = 0) -> SimRequest:
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         if max_tokens < 1:
@@ -116,7 +128,7 @@ class EngineCore:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the KV cache "
                 f"({self.config.num_gpu_blocks} blocks of {bs} tokens)")
         req = SimRequest(request_id, len(prompt), max_tokens, list(prompt), ContextState(prompt),
-                         tag)
+                         tag, transferred_tokens=max(0, min(transferred_tokens, len(prompt))))
         self.waiting.append(req)
         return req
 
@@ -142,6 +154,10 @@ class EngineCore:
         prefill = sum(n for req, n in plan if not req.decoding())
         decode = sum(1 for req, _ in plan if req.decoding())
         duration = self.config.step_seconds(prefill, decode) if plan else 0.0
+        if self._receiving:
+            duration += (self.config.transfer_ms_per_block * self._receiving / 1000.0
+                         / self.config.speedup_ratio)
+            self._receiving = 0
         emitted: list[tuple[SimRequest, int]] = []
         finished: list[SimRequest] = []
         for req, n in plan:
@@ -217,6 +233,14 @@ class EngineCore:
         hits = self.cache.match_prefix(self._hashes(req, len(req.tokens) // bs))
         self.cache.pin(hits)
         computed = min(len(hits) * bs, len(req.tokens) - 1)
+        received = 0
+        if req.transferred_tokens > computed and not req.preemptions:
+            # A recompute after preemption has lost the transferred KV: it prefills like any
+            # request. Transfers come in whole blocks, like the prefix cache.
+            upto = min(req.transferred_tokens // bs * bs, len(req.tokens) - 1)
+            if upto > computed:
+                received = -(-(upto - computed) // bs)
+                computed = upto
         n = min(len(req.tokens) - computed, budget)
         need = -(-(computed + n) // bs) - len(hits)
         reserve = self._watermark_blocks if self.running else 0
@@ -229,6 +253,9 @@ class EngineCore:
         req.num_computed = computed
         if req.cached_tokens is None:
             req.cached_tokens = min(len(hits) * bs, req.prompt_len)
+        if received:
+            req.received_blocks += received
+            self._receiving += received
         return n
 
     def _hashes(self, req: SimRequest, full_blocks: int) -> list[int]:

@@ -26,12 +26,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from eventlog.connect import NatsOptions
-from eventlog.events import WorkerRegistered
+from eventlog.events import Role, WorkerRegistered
 from eventlog.model_tokenizer import load_codec
 from eventlog.names import Names, check_token
 from eventlog.tokens import decode
 from workers.engine import Engine, RequestHandle
 from workers.faults import FaultState, crash_now
+from workers.handoff import add_prefill_route, transferred_tokens
 from workers.metrics import WorkerMetrics
 from workers.openai_shapes import (
     BadRequest,
@@ -62,6 +63,7 @@ class WorkerSettings:
     load_interval: float = 0.5
     model_path: str | None = None  # a model folder: tokenize like the engine that serves it
     nats: NatsOptions = field(default_factory=NatsOptions)  # credentials and TLS
+    role: str = "both"  # disaggregated serving: "prefill" | "decode" | "both"
 
 
 class WorkerRuntime:
@@ -106,7 +108,8 @@ class WorkerRuntime:
         s = self.settings
         self.publisher.register(WorkerRegistered(
             s.worker_id, self.url, s.model, s.engine.block_size, s.engine.num_gpu_blocks,
-            s.engine.max_num_batched_tokens, time.time(), dp_size=s.dp_size))
+            s.engine.max_num_batched_tokens, time.time(), dp_size=s.dp_size,
+            role=Role(s.role)))
 
     def begin_shutdown(self) -> None:
         if not self.draining:
@@ -180,8 +183,10 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
         rank = ext.get("dp_rank")
         engine = runtime.pick_engine(rank if isinstance(rank, int) else None)
         request_id = parsed.request_id or uuid.uuid4().hex
+        transferred = transferred_tokens(ext, parsed.prompt_ids, settings.engine.block_size)
         try:
-            handle = engine.submit(request_id, parsed.prompt_ids, parsed.max_tokens)
+            handle = engine.submit(request_id, parsed.prompt_ids, parsed.max_tokens,
+                                   transferred_tokens=transferred)
         except ValueError as exc:
             runtime.metrics.requests.labels(endpoint, "bad_request").inc()
             return _error(400, str(exc), param="max_tokens")
@@ -206,6 +211,8 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await inference(request, chat=True)
+
+    add_prefill_route(app, runtime)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -31,6 +31,10 @@ from api.forward.engine import DONE_EVENT, HopFailed, HopFailure, sse_data
 from api.openai_schema import ParsedRequest
 from replicas.runtime.replica import Routed
 
+# The key of a disaggregated request's KV transfer handle in the ``jetrouter`` extension of the
+# decode hop's body (api/forward/prefill.py; workers/handoff.py reads it).
+TRANSFER_KEY = "kv_transfer"
+
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
@@ -100,6 +104,14 @@ class HopPlan:
     verbatim: bool
     token_ids: list[int]   # the prompt to route by
     expected_osl: int
+
+
+def with_transfer(body: bytes, transfer: dict[str, Any]) -> bytes:
+    """The forwarded JSON body with the transfer handle in its ``jetrouter`` extension."""
+    obj = msgspec.json.decode(body)
+    ext = obj.get("jetrouter")
+    obj["jetrouter"] = {**(ext if isinstance(ext, dict) else {}), TRANSFER_KEY: transfer}
+    return msgspec.json.encode(obj)
 
 
 @dataclass(slots=True)

@@ -7,11 +7,13 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from api.config import option
+from api.forward.prefill import PrefillRouter
 from api.forward.run import PREDICTED_HEADER, Run, RunContext, replica_headers
 from api.metrics import RouterMetrics
 from api.openai_schema import ParsedRequest
@@ -34,7 +36,9 @@ class Forwarder:
     of the circuit breakers); if it returns an awaitable, that runs as a background task.
 
     The Forwarder owns its connections to the engines (``self.pool``, an
-    :class:`api.upstream.UpstreamPool`); :meth:`aclose` closes the idle ones.
+    :class:`api.upstream.UpstreamPool`); :meth:`aclose` closes the idle ones. ``self.prefill``
+    runs the prefill hop of requests for models served disaggregated
+    (:mod:`api.forward.prefill`), on the same connections.
     """
 
     def __init__(self, replica: Replica, metrics: RouterMetrics, *,
@@ -62,6 +66,9 @@ class Forwarder:
         self._reports: set[asyncio.Future[object]] = set()
         # The pool's idle timeout fires when the engine sends nothing for that long.
         self.pool = UpstreamPool(connect_timeout=connect_timeout, idle_timeout=idle)
+        self.prefill = PrefillRouter(
+            replica, self.pool, on_worker_failure=self.report_failure,
+            on_outcome=lambda outcome: metrics.disaggregated.labels(outcome=outcome).inc())
         self.context = RunContext(replica, metrics, self.pool, self.tokenizer, limit,
                                   chat_default_max_tokens, self.report_failure)
 
@@ -84,8 +91,10 @@ class Forwarder:
             log.exception("on_worker_failure hook failed")
 
     async def forward(self, endpoint: str, parsed: ParsedRequest, raw: bytes,
-                      routed: Routed) -> Response:
-        run = Run(self.context, endpoint, parsed, raw, routed)
+                      routed: Routed, transfer: dict[str, Any] | None = None) -> Response:
+        """``transfer``: the KV transfer handle of a disaggregated request's prefill hop, passed
+        to the decode engine with the first hop."""
+        run = Run(self.context, endpoint, parsed, raw, routed, transfer)
         early = await run.open_first()
         headers = replica_headers(self.replica.replica_id, run.first_worker, routed.request_id)
         # The reuse this replica predicted on the engine it picked (compare with the usage's

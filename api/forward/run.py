@@ -13,13 +13,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import msgspec
 from fastapi.responses import Response
 
 from api.errors import error_response, sse_error, upstream_error_body
-from api.forward.continuation import Continuation, Hop, HopPlan
+from api.forward.continuation import Continuation, Hop, HopPlan, with_transfer
 from api.forward.engine import (
     DONE_EVENT,
     HopFailed,
@@ -93,15 +94,18 @@ class Run:
     """One client request through all its hops."""
 
     def __init__(self, ctx: RunContext, endpoint: str, parsed: ParsedRequest, raw: bytes,
-                 routed: Routed) -> None:
+                 routed: Routed, transfer: dict[str, Any] | None = None) -> None:
         self.ctx = ctx
         self.endpoint = endpoint
         self.parsed = parsed
         self.base = routed
         self.cont = Continuation(parsed, raw, ctx.tokenizer.encode,
                                  chat_default_max_tokens=ctx.chat_default_max_tokens)
-        self.plan: HopPlan = self.cont.plan()
-        self.hop: Hop = self._start_hop(routed, self.plan)
+        plan = self.cont.plan()
+        if transfer is not None:  # only the first hop: a migration prefills on its engine
+            plan = replace(plan, body=with_transfer(plan.body, transfer))
+        self.plan: HopPlan = plan
+        self.hop: Hop = self._start_hop(routed, plan)
         self.ex = Exchange()
         self.resp: UpstreamResponse | None = None
         self.failed: set[str] = set()

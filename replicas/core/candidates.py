@@ -4,7 +4,9 @@ One row per (worker, data-parallel rank) that serves the requested model (a base
 LoRA adapter the worker registered), is not excluded by the caller and is not unhealthy. Each row
 carries the rank's cache overlap, its active load from the state plus this replica's optimistic
 overlay, and a health weight (a suspicious worker costs double). Refused workers (a bad block
-size in their registration) are never in ``state.workers``, so never candidates. Pure.
+size in their registration) are never in ``state.workers``, so never candidates. For a model
+served disaggregated, only the engines whose role takes the decision's phase are candidates, each
+seen as that decision sees it (replicas/core/disagg.py). Pure.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from eventlog.hashing import prompt_hashes
+from replicas.core import disagg
 from replicas.core.overlay import Overlay
 from replicas.core.routing_errors import NoWorkers, UnknownModel
 from replicas.core.selection import Candidate
@@ -49,6 +52,12 @@ def check_routable(state: RouterState, model: str) -> None:
         raise UnknownModel(model, served_models(state))
 
 
+def is_disaggregated(state: RouterState, model: str) -> bool:
+    """The model has prefill engines: its requests get a prefill and a decode decision."""
+    return disagg.is_disaggregated([w.role for w in state.workers.values()
+                                    if w.model == model or model in w.loras])
+
+
 def request_hashes(state: RouterState, model: str, token_ids: Sequence[int],
                    block_size: int) -> list[int]:
     """The prompt's block sequence hashes, salted when ``model`` is a LoRA adapter."""
@@ -57,13 +66,31 @@ def request_hashes(state: RouterState, model: str, token_ids: Sequence[int],
 
 def build_candidates(state: RouterState, model: str, seq_hashes: Sequence[int], *,
                      exclude: frozenset[str] = frozenset(),
-                     overlay: Overlay = _NO_OVERLAY) -> list[Candidate]:
+                     overlay: Overlay = _NO_OVERLAY, phase: disagg.Phase = disagg.AGGREGATED,
+                     assume_kv_reuse: bool = True) -> list[Candidate]:
+    """``phase``: the decision these candidates are for (aggregated, or one of a disaggregated
+    request's two); ``assume_kv_reuse``: decode engines reuse transferred blocks they hold."""
+    out = _candidates(state, model, seq_hashes, exclude, overlay, phase)
+    if phase == disagg.PREFILL:
+        return [disagg.prefill_candidate(c) for c in out]
+    if phase == disagg.DECODE:
+        n = len(seq_hashes)
+        return [disagg.decode_candidate(c, n, assume_kv_reuse) for c in out]
+    return out
+
+
+def _candidates(state: RouterState, model: str, seq_hashes: Sequence[int],
+                exclude: frozenset[str], overlay: Overlay, phase: str) -> list[Candidate]:
+    # Aggregated requests of a model served disaggregated go to decode engines only.
+    split = phase != disagg.AGGREGATED or is_disaggregated(state, model)
     scores = state.index.find_matches(seq_hashes)
     out: list[Candidate] = []
     n = len(seq_hashes)
     load = state.load
     for w in state.workers.values():
         if (w.model != model and model not in w.loras) or w.worker_id in exclude:
+            continue
+        if split and not disagg.serves(w.role, phase):
             continue
         weight = HEALTH_WEIGHT.get(state.health.get(w.worker_id, "healthy"), 0.0)
         if weight <= 0.0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from replicas.core import disagg
 from replicas.core.index import WorkerKey
 from replicas.core.load import ActiveLoad
 
@@ -27,11 +28,20 @@ class PendingDecision:
 
 def pending_decision(load: ActiveLoad, worker: WorkerKey, *, isl_tokens: int,
                      overlap_blocks: int, block_size: int,
-                     seq_hashes: Sequence[int]) -> PendingDecision:
+                     seq_hashes: Sequence[int], phase: disagg.Phase = disagg.AGGREGATED,
+                     kv_reuse: bool = True) -> PendingDecision:
     """The load a decision for ``worker`` adds: the prompt tokens its cache does not hold, and
-    the prompt blocks no request already running on that rank shares."""
+    the prompt blocks no request already running on that rank shares. As the state will count
+    it (RouterState applying ``RequestRouted``): a prefill decision adds no decode blocks, a
+    decode decision no prefill tokens, and without KV reuse all its blocks are its own."""
     prefill = max(isl_tokens - overlap_blocks * block_size, 0)
     new_blocks = len(seq_hashes) - load.active_prefix_len(worker, seq_hashes)
+    if phase == disagg.PREFILL:
+        new_blocks = 0
+    elif phase == disagg.DECODE:
+        prefill = 0
+        if not kv_reuse:
+            new_blocks = len(seq_hashes)
     return PendingDecision(worker, prefill, new_blocks)
 
 

@@ -25,6 +25,7 @@ import xxhash
 
 from eventlog import events as ev
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS
+from replicas.core import disagg
 from replicas.core.index import PrefixIndex
 from replicas.core.load import ActiveLoad
 from replicas.core.selection import BusyThresholds
@@ -57,6 +58,7 @@ class WorkerInfo:
     dp_size: int
     registered_ts: float
     loras: list[str] = field(default_factory=list)  # LoRA adapters served besides `model`
+    role: str = "both"  # "prefill" | "decode" | "both" (replicas/core/disagg.py)
 
 
 @dataclass(slots=True)
@@ -161,7 +163,8 @@ class RouterState:
         restarted = e.worker_id in self.workers
         self.lost_workers.pop(e.worker_id, None)
         info = WorkerInfo(e.worker_id, e.url, e.model, e.block_size, e.kv_total_blocks,
-                          e.max_num_batched_tokens, e.dp_size, e.ts, list(e.loras))
+                          e.max_num_batched_tokens, e.dp_size, e.ts, list(e.loras),
+                          str(e.role))  # the digest reprs it: a plain string either way
         if e.block_size != self.config.block_size:
             self.workers.pop(e.worker_id, None)
             self.health.pop(e.worker_id, None)
@@ -258,8 +261,15 @@ class RouterState:
         if e.request_id in self._ended:
             return "duplicate_request"
         prefill = max(e.isl_tokens - e.overlap_blocks * self._block_size(e.worker_id), 0)
+        blocks: Sequence[int] = e.block_seq_hashes
+        if e.phase == disagg.PREFILL:
+            blocks = ()  # active-block tracking is off for prefill engines
+        elif e.phase == disagg.DECODE:
+            prefill = 0  # the prompt's KV arrives by transfer; the engine computes none of it
+            if not e.kv_reuse:
+                blocks = disagg.unique_block_hashes(e.request_id, len(blocks))
         added = self.load.add(e.request_id, e.replica_id, (e.worker_id, e.dp_rank), prefill,
-                              e.block_seq_hashes, e.ts)
+                              blocks, e.ts)
         if not added:
             return "duplicate_request"
         heapq.heappush(self._expiry, (e.ts, e.request_id))
@@ -353,7 +363,8 @@ class RouterState:
             self.snapshot_threshold,
             sorted(self.health.items()),
             sorted((w.worker_id, w.url, w.model, w.block_size, w.kv_total_blocks,
-                    w.max_num_batched_tokens, w.dp_size, *((tuple(w.loras),) if w.loras else ()))
+                    w.max_num_batched_tokens, w.dp_size, *((tuple(w.loras),) if w.loras else ()),
+                    *((w.role,) if w.role != "both" else ()))
                    for w in self.workers.values()),
             sorted(self.lost_workers),
             sorted((w.worker_id, w.block_size) for w in self.refused_workers.values()),

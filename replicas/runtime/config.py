@@ -41,6 +41,8 @@ class ReplicaConfig:
     stream_max_bytes: int | None = None  # per stream; None leaves the streams' limit as it is
     # Credentials and TLS (eventlog/connect.py); its servers are ignored: nats_url names them.
     nats: NatsOptions = field(default_factory=NatsOptions)
+    # Decode engines reuse transferred blocks they already hold (--no-router-assume-kv-reuse).
+    assume_kv_reuse: bool = True
 
     @property
     def nats_options(self) -> NatsOptions:

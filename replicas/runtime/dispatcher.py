@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from eventlog import events as ev
 from eventlog.appender import AppendFailed
+from replicas.core import disagg
 from replicas.core.candidates import (
     build_candidates,
     check_routable,
@@ -83,6 +84,9 @@ class RouteRequest:
     overlap_weight: float | None = None
     latency_sensitivity: float = 0.0
     exclude: frozenset[str] = frozenset()  # worker ids not to use (e.g. one that just failed)
+    # Disaggregated serving (replicas/core/disagg.py): the prefill or decode decision, or an
+    # aggregated one (never sent to a prefill-only engine of a disaggregated model).
+    phase: disagg.Phase = disagg.AGGREGATED
 
 
 @dataclass(slots=True)
@@ -143,11 +147,14 @@ class Dispatcher:
         seq_hashes = request_hashes(state, req.model, req.token_ids,
                                     self.config.state.block_size)
         t1 = time.perf_counter()
+        reuse = self.config.assume_kv_reuse
         cands = build_candidates(state, req.model, seq_hashes, exclude=req.exclude,
-                                 overlay=self.overlay)
+                                 overlay=self.overlay, phase=req.phase, assume_kv_reuse=reuse)
         t2 = time.perf_counter()
+        weight = disagg.DECODE_TRANSFER_WEIGHT if req.phase == disagg.DECODE \
+            else req.overlap_weight
         result = self.selector.select(cands, len(req.token_ids), self.rng,
-                                      overlap_weight=req.overlap_weight,
+                                      overlap_weight=weight,
                                       thresholds=self.thresholds_for(req.model))
         t3 = time.perf_counter()
         return result, seq_hashes, {"hashing": t1 - t0, "matching": t2 - t1,
@@ -166,11 +173,12 @@ class Dispatcher:
             dp_rank=dp_rank, isl_tokens=len(req.token_ids), block_seq_hashes=list(seq_hashes),
             overlap_blocks=result.overlap_blocks, expected_osl=req.expected_osl,
             priority=req.priority, ts=time.time(), candidates=result.costs.rows(),
-            model=req.model, block_size=self.config.state.block_size)
+            model=req.model, block_size=self.config.state.block_size,
+            phase=req.phase, kv_reuse=self.config.assume_kv_reuse)
         self.overlay.add(req.request_id, pending_decision(
             state.load, result.worker, isl_tokens=len(req.token_ids),
             overlap_blocks=result.overlap_blocks, block_size=info.block_size,
-            seq_hashes=seq_hashes))
+            seq_hashes=seq_hashes, phase=req.phase, kv_reuse=self.config.assume_kv_reuse))
         return Routed(req.request_id, worker_id, info.url, dp_rank, len(req.token_ids),
                       result.overlap_blocks, len(seq_hashes), result, event, timings)
 

@@ -33,7 +33,7 @@ from eventlog.connect import NatsConnectFatal, connect
 from eventlog.group_commit import GroupCommit
 from eventlog.names import CONTROL, KV, ROUTER, Names
 from eventlog.streams import ensure_streams
-from replicas.core.candidates import served_models
+from replicas.core.candidates import is_disaggregated, served_models
 from replicas.core.health import HealthBoard
 from replicas.core.routing_errors import AllWorkersBusy, NoWorkers, RoutingError, UnknownModel
 from replicas.core.selection import BusyThresholds
@@ -349,6 +349,10 @@ class Replica:
 
     def thresholds_for(self, model: str) -> BusyThresholds:
         return self.dispatcher.thresholds_for(model)
+
+    def is_disaggregated(self, model: str) -> bool:
+        """The model has prefill engines: its requests get a prefill and a decode decision."""
+        return is_disaggregated(self.state, model)
 
     def pending_decisions(self) -> int:
         """Decisions in the optimistic overlay: routed here, not yet applied from the stream."""

@@ -55,3 +55,14 @@ def test_cli_prints_one_line_per_mode_and_weight(tmp_path, capsys) -> None:  # t
     assert lines[0].startswith("30 requests")
     assert [ln.split()[0:2] for ln in lines[1:]] == [["kv", "w=1"], ["kv", "w=8"],
                                                     ["round-robin", "hit"]]
+
+
+def test_disaggregated_run_prefills_on_prefill_engines_and_decodes_on_the_others() -> None:
+    a = run("kv", overlap_weight=8.0, prefill_queue_weight=1.0, prefill_workers=1)
+    b = run("kv", overlap_weight=8.0, prefill_queue_weight=1.0, prefill_workers=1)
+    assert len(a.ttft_s) == len(a.worker_of) == len(workload())
+    assert set(a.worker_of) <= {1, 2, 3}  # decode engines only; the prefill hop ran on w0
+    assert a.cached_tokens > 0 and a.itl_s  # the prefill engine's hits; tokens after the first
+    assert (a.ttft_s, a.worker_of, a.itl_s) == (b.ttft_s, b.worker_of, b.itl_s)
+    no_reuse = run("kv", prefill_workers=1, assume_kv_reuse=False)
+    assert len(no_reuse.ttft_s) == len(workload())

@@ -161,3 +161,21 @@ def test_impossible_requests_are_refused_up_front() -> None:
         core.add("r", list(range(64 * 16)), max_tokens=1)
     with pytest.raises(ValueError):
         core.add("r", [], max_tokens=1)
+
+
+def test_transferred_prompt_is_not_prefilled_and_pays_per_missing_block() -> None:
+    cfg = replace(CFG, transfer_ms_per_block=0.5)
+    prompt = list(range(64))  # 4 blocks
+    core = EngineCore(cfg)
+    req = core.add("t", prompt, max_tokens=1, transferred_tokens=64)
+    first = core.step()
+    # The blocks arrive by transfer; only the last prompt token is computed here.
+    assert first.prefill_tokens == 1 and req.received_blocks == 4
+    assert first.duration == pytest.approx(ms(1, 0, cfg) + 4 * 0.5 / 1000)
+    assert [t for _, t in first.emitted] == expected_tokens(prompt, 1)
+    # The blocks it received are in its prefix cache now: a second transfer of the same prompt
+    # pays for none of them (and a partial handle transfers only what matches).
+    again = core.add("t2", prompt + list(range(100, 116)), max_tokens=1, transferred_tokens=80)
+    second = core.step()
+    assert again.received_blocks == 1 and again.cached_tokens == 64
+    assert second.duration == pytest.approx(ms(1, 0, cfg) + 0.5 / 1000)

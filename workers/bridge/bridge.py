@@ -36,7 +36,7 @@ from nats.js.errors import NotFoundError
 from eventlog.appender import Appender, AppendFailed
 from eventlog.connect import NatsConnectFatal, NatsOptions, connect
 from eventlog.errors import JetrouterError
-from eventlog.events import Event, WorkerRegistered, WorkerRetired
+from eventlog.events import Event, Role, WorkerRegistered, WorkerRetired
 from eventlog.names import KV, Names
 from eventlog.streams import ensure_streams
 from workers.bridge.decode import BadPayload, EngineStored, decode_payload
@@ -73,6 +73,9 @@ class BridgeSettings:
     kv_total_blocks: int | None = None
     max_num_batched_tokens: int = 8192
     advertise_url: str | None = None
+    # Disaggregated serving: a prefill engine must answer POST /v1/prefill with a transfer
+    # handle (workers/handoff.py); when it does not, routers fall back to aggregated serving.
+    role: str = "both"
     model: str | None = None
     health_interval: float = 2.0
     unhealthy_after: float = 10.0
@@ -307,7 +310,8 @@ class Bridge:
         event = WorkerRegistered(
             self.s.worker_id, self.s.advertise_url or self.s.engine_url, self.model,
             self.block_size, self.kv_total_blocks, self.s.max_num_batched_tokens,
-            self.clock(), dp_size=dp_size, loras=list(self.loras))
+            self.clock(), dp_size=dp_size, loras=list(self.loras),
+            role=Role(self.s.role))
         self.translator = Translator(self.s.worker_id, self.block_size, self.next_event_id)
         await self._append([event], f"{self.s.worker_id}.{self.gen}.registered")
         self.registered = True

@@ -8,6 +8,7 @@ To add an option or an alias: one line in the group it belongs to (eventlog/flag
 from __future__ import annotations
 
 from eventlog.connect import NAMESPACE, NATS_SECURITY
+from eventlog.events import Role
 from eventlog.flags import Group, Option, find
 
 
@@ -42,6 +43,10 @@ ENGINE = Group(
            "the engine's token budget per step, for the router's cost model", above=0),
     Option("advertise-url", help="URL routers send requests to (default: --engine-url)"),
     Option("model", help="served model name (default: the base model in /v1/models)"),
+    Option("role", default=Role.BOTH, choices=tuple(Role),
+           help="disaggregated serving role registered for the engine; a prefill engine must "
+                "serve POST /v1/prefill (see README), else routers fall back to aggregated "
+                "serving on decode engines"),
 )
 
 BRIDGE_PROCESS = Group(
