@@ -80,6 +80,8 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
             # Decisions routed here and not yet seen back from the stream (optimistic overlay).
             "pending_decisions": replica.pending_decisions(),
             "decision_log": replica.decision_log.view(time.monotonic()),
+            # Decoding + applying other replicas' router messages (bench scale's share).
+            "replication": replica.replication.view(),
         })
 
     @router.get("/admin/workers")

@@ -93,6 +93,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     background: set[asyncio.Task[None]] = set()
     applied_seen: dict[tuple[str, str, str], int] = {}
     snapshots_seen = [0]
+    replication_seen = [0.0]
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -338,6 +339,9 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                 applied_seen[(stream, etype, status)] = n
         for stream, lag in replica.lag().items():
             metrics.stream_lag.labels(stream=stream).set(lag)
+        if replica.replication.seconds > replication_seen[0]:
+            metrics.replication_seconds.inc(replica.replication.seconds - replication_seen[0])
+            replication_seen[0] = replica.replication.seconds
         metrics.queue_depth.set(replica.queue_depth())
         durability = replica.leader
         metrics.is_leader.set(1 if durability is not None and durability.is_leader else 0)

@@ -107,6 +107,10 @@ class RouterMetrics:
         self.events_applied = Counter(f"{p}_events_applied",
                                       "Events applied to router state, by stream, type and status",
                                       ["stream", "event_type", "status"], registry=reg)
+        self.replication_seconds = Counter(
+            f"{p}_replication_apply_seconds",
+            "Seconds spent decoding and applying other replicas' router-stream messages",
+            registry=reg)
         self.stream_lag = Gauge(f"{p}_stream_lag",
                                 "Messages in each stream not yet applied by this replica",
                                 ["stream"], registry=reg)

@@ -7,7 +7,9 @@ nats-server, replicas, simulated workers) with ``--router-mode`` (default kv), a
 both runs side by side. ``jetrouter bench core ...`` is the state-machine benchmark
 (`bench.core`); ``jetrouter bench overhead ...`` measures what one replica adds in front of
 an engine (`bench.overhead`); ``jetrouter bench faults ...`` injects engine and replica
-faults under steady load and prints what clients saw (`bench.faults`).
+faults under steady load and prints what clients saw (`bench.faults`); ``jetrouter bench scale``
+prints routed req/s as replicas are added, with each replica's CPU and replication share
+(`bench.scale`).
 
 `run_trace_bench`, `run_managed` and `compare` are the programmatic entry points (the demo uses
 them); `build_summaries` and `print_report` turn their results into the printed report.
@@ -284,7 +286,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = __doc__
     sub = p.add_subparsers(dest="bench_kind",
-                           metavar="{trace,core,overhead,faults,durability,routesim}")
+                           metavar="{trace,core,overhead,faults,durability,routesim,scale}")
     sub.required = False
     core_p = sub.add_parser("core", help="benchmark the router state machine (no network)")
     try:  # lazily: written separately, and its imports stay out of the trace replay
@@ -296,6 +298,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         core_p.set_defaults(_core_missing=True)
     else:
         core.add_arguments(core_p)
+    scale_p = sub.add_parser("scale", help="aggregate req/s as replicas are added (1, 2, 4, ...), "
+                             "per-replica CPU and replication share, digests equal")
+    importlib.import_module("bench.scale").add_arguments(scale_p)
     overhead_p = sub.add_parser("overhead", help="router overhead (TTFT vs direct) and routing "
                                 "throughput: one replica, one fast simulated worker")
     importlib.import_module("bench.overhead").add_arguments(overhead_p)
@@ -441,6 +446,8 @@ def run(args: argparse.Namespace) -> int:
         return int(importlib.import_module("bench.core").run(args) or 0)
     if getattr(args, "bench_kind", None) == "overhead":
         return int(importlib.import_module("bench.overhead").run(args) or 0)
+    if getattr(args, "bench_kind", None) == "scale":
+        return int(importlib.import_module("bench.scale").run(args) or 0)
     if getattr(args, "bench_kind", None) == "faults":
         return int(importlib.import_module("bench.faults").run(args) or 0)
     if getattr(args, "bench_kind", None) == "durability":

@@ -3,12 +3,16 @@
 Three figures, each printed (never asserted):
 
 * ``index_apply_blocks_per_s`` - BlocksStored batches of 64 blocks (hashes precomputed) applied to
-  a fresh ``PrefixIndex`` until it holds ``--blocks`` blocks over ``--workers`` workers.
+  a fresh ``PrefixIndex`` until it holds ``--blocks`` blocks over ``--workers`` workers, per
+  second of this process's CPU time (so a machine shared with other work reads the same).
 * ``decision_p50_us`` / ``decision_p99_us`` - one routing decision on that index, timed per call
   with ``perf_counter_ns``: hash a ``--prompt-tokens`` prompt, ``find_matches``, build one
-  ``Candidate`` per worker, ``Selector.select``. Each query is a new turn of a conversation one
-  worker has cached most of (``--hit-fraction``); every other worker holds the shared system
-  prompt the conversation starts with, so several workers match at different depths.
+  ``Candidate`` per worker, ``Selector.select`` with ``jetrouter serve``'s routing defaults.
+  Each query is a new turn of a conversation one worker has cached most of (``--hit-fraction``);
+  every other worker holds the shared system prompt the conversation starts with, so several
+  workers match at different depths.
+* ``replication_us_per_request`` / ``replication_router_events_per_s`` - what applying another
+  replica's routed requests costs (`bench.replication`).
 * ``replay_block_events_per_s`` - a real ``nats-server``: ``--replay-batches`` BlocksStored
   batches are published (not timed), then a ``StreamReader`` from sequence 1 decodes them and
   applies each into a fresh index; the clock runs from creating the reader to the last batch.
@@ -33,8 +37,11 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from bench.replication import add_arguments as add_replication_arguments
+from bench.replication import bench_replication
 from eventlog.hashing import prompt_hashes, tokens_hashes
 from replicas.core.index import PrefixIndex, WorkerKey
+from replicas.core.state import RouterState, StateConfig
 
 BATCH_BLOCKS = 64
 VOCAB = 50_000
@@ -54,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of a query prompt its conversation's worker has cached")
     p.add_argument("--replay-batches", type=int, default=4000,
                    help="BlocksStored batches of 64 blocks for the replay figure (0 = skip)")
+    add_replication_arguments(p)
 
 
 @dataclass(slots=True)
@@ -109,10 +117,10 @@ def build_workload(args: argparse.Namespace) -> Workload:
 def bench_apply(work: Workload) -> tuple[PrefixIndex, float]:
     index = PrefixIndex()
     gc.collect()
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: other processes on a busy machine do not count
     for worker, parent, blocks in work.batches:
         index.store(worker, parent, blocks)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     return index, elapsed
 
 
@@ -274,6 +282,8 @@ def run(args: argparse.Namespace) -> int:
         "index_nodes": index.node_count,
     }
     result.update(bench_decisions(index, work, args))
+    result.update(bench_replication(
+        args, lambda: RouterState(StateConfig(block_size=args.block_size))))
     if args.replay_batches > 0:
         result.update(asyncio.run(bench_replay(work, args.replay_batches)))
     else:
@@ -284,6 +294,11 @@ def run(args: argparse.Namespace) -> int:
         "system_prompt_blocks": args.system_prompt_blocks, "hit_fraction": args.hit_fraction,
         "replay_batches": args.replay_batches, "batch_blocks": BATCH_BLOCKS,
         "workload_build_s": round(build_s, 2),
+        "replication_requests": args.replication_requests,
+        "replication_prompt_tokens": args.replication_prompt_tokens,
+        "replication_workers": args.replication_workers,
+        "replication_inflight": args.replication_inflight,
+        "replication_group": args.replication_group,
     }
     result["machine"] = machine_facts()
     if not args.json:
@@ -299,6 +314,10 @@ def print_table(result: dict[str, Any]) -> None:
         ("decision p50 (us)", result["decision_p50_us"]),
         ("decision p99 (us)", result["decision_p99_us"]),
         *((f"  {k} p50 (us)", v) for k, v in stages.items()),
+        ("replication (us per peer request)", result.get("replication_us_per_request")),
+        ("replication (router events/s)", result.get("replication_router_events_per_s")),
+        ("  one event per message (us/request)",
+         result.get("replication_single_event_us_per_request")),
         ("replay (block events/s)", result.get("replay_block_events_per_s")),
     ]
     width = max(len(name) for name, _ in rows)

@@ -181,6 +181,10 @@ class RequestFinished(_Event, frozen=True, tag=True):
     # Prompt tokens the engine reports it served from its prefix cache
     # (usage.prompt_tokens_details.cached_tokens); -1 = the engine did not say (older messages).
     cached_tokens: Annotated[int, msgspec.Meta(ge=-1, lt=2**53)] = -1
+    # When the request's first token came, for a request whose PrefillCompleted was folded into
+    # this event (it had not been written yet when the request ended: one event instead of two).
+    # None: a PrefillCompleted was written on its own, or the request never produced a token.
+    prefill_ts: Ts | None = None
 
 
 class ReplicaLost(_Event, frozen=True, tag=True):

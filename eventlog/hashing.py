@@ -47,6 +47,8 @@ _INVERSE = pow(CHAIN_MULTIPLIER, -1, 1 << 64)
 _NUMPY_MIN_BLOCKS = 24
 
 _xxh3 = xxhash.xxh3_64_intdigest
+_xxh3_digest = xxhash.xxh3_64_digest  # the same value as 8 big-endian bytes
+_BIG_U64 = np.dtype(">u8")
 _LITTLE = sys.byteorder == "little"
 
 _pack_cache: dict[int, struct.Struct] = {}
@@ -98,6 +100,28 @@ def tokens_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
     view = memoryview(raw)[:usable] if usable != len(raw) else raw
     # iter_unpack cuts the buffer into per-block bytes objects in C, much cheaper than slicing.
     return [_xxh3(chunk, SEED) for (chunk,) in _splitter(block_bytes).iter_unpack(view)]
+
+
+def _tokens_hash_array(tokens: Sequence[int], block_size: int) -> np.ndarray:
+    """``tokens_hashes`` as a uint64 array, never as Python ints: each block's digest bytes are
+    joined and viewed as big-endian u64 at once (no list-to-array conversion on the hot path)."""
+    raw = _token_bytes(tokens)
+    block_bytes = 4 * block_size
+    usable = len(raw) - len(raw) % block_bytes
+    view = memoryview(raw)[:usable] if usable != len(raw) else raw
+    digests = b"".join([_xxh3_digest(chunk, SEED)
+                        for (chunk,) in _splitter(block_bytes).iter_unpack(view)])
+    return np.frombuffer(digests, dtype=_BIG_U64).astype(np.uint64)
+
+
+def _chain_array(values: np.ndarray) -> list[int]:
+    """``sequence_hashes`` (no parent) of a uint64 array; ``values`` is overwritten."""
+    count = len(values)
+    _ensure_powers(count)
+    values *= _inverse_powers[:count]  # uint64 arithmetic wraps: everything is modulo 2**64
+    np.cumsum(values, out=values)
+    values *= _powers[:count]
+    return values.tolist()  # type: ignore[no-any-return]
 
 
 def chain_hash(parent_seq: int, tokens_hash: int) -> int:
@@ -162,4 +186,12 @@ def prompt_hashes(tokens: Sequence[int], block_size: int, adapter: str | None = 
     """Sequence hashes of every full block of a prompt: what the router matches and records.
 
     ``adapter``: the LoRA adapter the request runs under (None: the base model)."""
-    return sequence_hashes(salted(tokens_hashes(tokens, block_size), adapter_salt(adapter)))
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    salt = adapter_salt(adapter)
+    if len(tokens) < _NUMPY_MIN_BLOCKS * block_size or not _LITTLE:
+        return sequence_hashes(salted(tokens_hashes(tokens, block_size), salt))
+    local = _tokens_hash_array(tokens, block_size)
+    if salt:
+        local ^= np.uint64(salt)
+    return _chain_array(local)

@@ -47,6 +47,8 @@ class LogReader(Protocol):
     pending: int  # messages the log holds after last_seq, as last seen
     malformed: int  # messages skipped because they did not decode or were forged
     forged: int  # of those, messages speaking for another party than their subject names
+    last_subject: str  # the subject of the last yielded message (whose decisions they are)
+    last_decode_s: float  # thread CPU seconds spent decoding the last yielded message
 
     async def start(self) -> None: ...
 

@@ -196,6 +196,8 @@ class MemoryReader:
         self.pending = 0
         self.malformed = 0
         self.forged = 0
+        self.last_subject = ""  # the subject of the last yielded message
+        self.last_decode_s = 0.0  # nothing to decode off a wire: events are decoded in memory
         self._started = False
         self._closed = False
         self._failure: BaseException | None = None
@@ -252,6 +254,7 @@ class MemoryReader:
                         self.stream, msg.seq, msg.subject, party)
             events = []
         self.last_seq = msg.seq
+        self.last_subject = msg.subject
         self.pending = max(0, self._s.last_seq - msg.seq)
         return msg.seq, events
 

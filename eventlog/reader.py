@@ -102,6 +102,10 @@ class StreamReader:
         self.malformed = 0
         self.forged = 0
         self.resets = 0
+        # The subject of the last yielded message and the CPU seconds decoding it took: the
+        # replica counts the decode of its peers' router messages as replication cost.
+        self.last_subject = ""
+        self.last_decode_s = 0.0
 
         self._started = False
         self._start_lock = asyncio.Lock()
@@ -204,6 +208,7 @@ class StreamReader:
             return None
         if sseq != self.last_seq + 1:
             self._fail(StartPurged(self.stream, self.last_seq + 1, sseq))
+        t0 = time.thread_time()
         try:
             events = decode_batch(msg.data)
         except MalformedMessage as exc:
@@ -219,6 +224,8 @@ class StreamReader:
             events = []
         self.last_seq = sseq
         self.pending = int(tokens[i_pending])
+        self.last_subject = msg.subject
+        self.last_decode_s = time.thread_time() - t0
         return sseq, events
 
     def _on_status(self, msg: Msg) -> None:

@@ -99,6 +99,8 @@ class LedgerView:
                                               "output_tokens": e.output_tokens}
                     if e.cached_tokens >= 0:  # -1: the engine did not report it
                         values["cached_tokens"] = e.cached_tokens
+                    if e.prefill_ts is not None:  # its PrefillCompleted was folded in here
+                        values["prefill_ts"] = e.prefill_ts
                     change(e.request_id, values)
                 elif isinstance(e, ev.ReplicaLost):
                     for row in fresh.values():

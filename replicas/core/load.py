@@ -104,24 +104,32 @@ class _WorkerLoad:
 
 
 def _request_mix(req: ActiveRequest, hash_bytes: bytes | None = None) -> int:
-    """Stable 64-bit hash of a request's immutable fields (independent of PYTHONHASHSEED)."""
-    h = xxhash.xxh3_64(seed=0)
-    for text in (req.request_id, req.replica_id, req.worker[0]):
-        raw = text.encode()
-        h.update(struct.pack("<I", len(raw)))
-        h.update(raw)
-    h.update(struct.pack("<qqd", req.worker[1], req.prefill_tokens, req.ts))
+    """Stable 64-bit hash of a request's immutable fields (independent of PYTHONHASHSEED).
+
+    One xxh3 call over one buffer: per string ``<I`` length + UTF-8, then ``<qqd`` (dp rank,
+    prefill tokens, ts), then ``<I`` count + ``<nQ`` block hashes. Hashing each piece through a
+    streaming hasher cost a third of applying a peer's RequestRouted."""
     hashes = req.block_seq_hashes
     if hash_bytes is None:
-        hash_bytes = struct.pack(f"<{len(hashes)}Q", *(x & _MASK64 for x in hashes))
-    h.update(struct.pack("<I", len(hashes)))
-    h.update(hash_bytes)  # "<I" then "<nQ": the same bytes as one "<InQ" pack
+        try:  # decoded hashes are unsigned 64-bit already; mask only what is not
+            hash_bytes = struct.pack(f"<{len(hashes)}Q", *hashes)
+        except struct.error:
+            hash_bytes = struct.pack(f"<{len(hashes)}Q", *(x & _MASK64 for x in hashes))
+    a, b, c = (t.encode() for t in (req.request_id, req.replica_id, req.worker[0]))
+    head = _HEAD.pack(len(a)) + a + _HEAD.pack(len(b)) + b + _HEAD.pack(len(c)) + c
+    parts = [head, _FIXED.pack(req.worker[1], req.prefill_tokens, req.ts),
+             _HEAD.pack(len(hashes)), hash_bytes]
     out = req.output
     if out is not None or req.modeled:  # absent for requests routed without either
-        h.update(struct.pack("<?qqq?", out is not None, *((out.isl_tokens, out.block_size,
-                                                          out.osl_hint) if out else (0, 0, 0)),
-                             req.modeled))
-    return h.intdigest()
+        parts.append(_TRACKING.pack(out is not None,
+                                    *((out.isl_tokens, out.block_size, out.osl_hint)
+                                      if out else (0, 0, 0)), req.modeled))
+    return xxhash.xxh3_64_intdigest(b"".join(parts))
+
+
+_HEAD = struct.Struct("<I")
+_FIXED = struct.Struct("<qqd")
+_TRACKING = struct.Struct("<?qqq?")
 
 
 def _contribution(req: ActiveRequest) -> int:
@@ -166,16 +174,8 @@ class ActiveLoad:
         worker = (worker[0], int(worker[1]))
         if output is not None and output.block_size < 1:
             raise ValueError("output tracking needs a block size of at least 1")
-        req = ActiveRequest(
-            request_id=request_id,
-            replica_id=replica_id,
-            worker=worker,
-            prefill_tokens=int(prefill_tokens),
-            block_seq_hashes=tuple(block_seq_hashes),
-            ts=float(ts),
-            output=output,
-            modeled=modeled,
-        )
+        req = ActiveRequest(request_id, replica_id, worker, int(prefill_tokens),
+                            tuple(block_seq_hashes), float(ts), output=output, modeled=modeled)
         req.base_mix = _request_mix(req)
         self._requests[request_id] = req
         load = self._workers.get(worker)
@@ -184,9 +184,13 @@ class ActiveLoad:
         load.prefill_tokens += req.prefill_tokens
         load.requests.add(request_id)
         blocks = load.blocks
+        get = blocks.get
         for h in req.block_seq_hashes:
-            blocks[h] = blocks.get(h, 0) + 1
-        self._by_replica.setdefault(replica_id, set()).add(request_id)
+            blocks[h] = get(h, 0) + 1
+        owned = self._by_replica.get(replica_id)
+        if owned is None:
+            owned = self._by_replica[replica_id] = set()
+        owned.add(request_id)
         self._digest = (self._digest + _contribution(req)) & _MASK64
         if modeled and req.prefill_tokens > 0:
             self._prefill_of(worker).start(request_id, req.ts)

@@ -301,6 +301,10 @@ class RouterState:
         return "unknown_request" if e.request_id not in self.load else "ignored"
 
     def _request_finished(self, e: ev.RequestFinished) -> str:
+        if e.prefill_ts is not None:
+            # A PrefillCompleted folded into the finish (group commit): the same state as the
+            # two events, including what the prefill load model learns from the completion.
+            self.load.prefill_completed(e.request_id, e.prefill_ts)
         if not self.load.finish(e.request_id):
             # Remember it anyway: a decision whose append timed out is finished by its replica
             # ("not_routed") in case it landed; should it land after all, it must not count.

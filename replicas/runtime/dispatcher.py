@@ -307,8 +307,7 @@ class Dispatcher:
             f"{request_id}.finished"))
 
     def prefill_completed(self, request_id: str) -> None:
-        self._background.spawn(self._append(ev.PrefillCompleted(request_id, time.time()),
-                                            f"{request_id}.prefilled"))
+        self._append_later(ev.PrefillCompleted(request_id, time.time()))
 
     def output_progress(self, request_id: str, output_tokens: int) -> None:
         """A tracked request crossed an output block boundary. Appends coalesce: while one is
@@ -333,9 +332,12 @@ class Dispatcher:
                  cached_tokens: int = -1) -> None:
         self.settle(request_id)
         self._progress.pop(request_id, None)  # the finish frees the output blocks anyway
-        self._background.spawn(self._append(
-            ev.RequestFinished(request_id, outcome, output_tokens, time.time(), cached_tokens),
-            f"{request_id}.finished"))
+        self._append_later(
+            ev.RequestFinished(request_id, outcome, output_tokens, time.time(), cached_tokens))
+
+    def _append_later(self, event: ev.Event) -> None:
+        port = self.port
+        port.append_later(port.names.router_subject(port.replica_id), event)
 
     async def _append(self, event: ev.Event | list[ev.Event], msg_id: str) -> int:
         port = self.port

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -20,6 +21,7 @@ from eventlog.log import EventLog, LogReader
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
 from eventlog.reader import StartPurged
 from replicas.core.state import RouterState, StateConfig
+from replicas.runtime.replication_cost import ReplicationCost
 from snapshots.store import SnapshotStore
 
 log = logging.getLogger("jetrouter.replica")
@@ -55,6 +57,7 @@ class StreamFollower:
         self._listener = listener
         self._readers: dict[str, LogReader] = {}
         self._supervisor: asyncio.Task[None] | None = None
+        self.replication = ReplicationCost()  # decoding + applying peers' router messages
 
     def connect(self, log: EventLog, snapshots: SnapshotStore | None) -> None:
         """The streams to follow, and the snapshots to reload from (None: never reload)."""
@@ -143,9 +146,16 @@ class StreamFollower:
         stream = self.names.stream(kind)
         reader = self.log.reader(stream, start_seq=self.state.positions[kind] + 1)
         self._readers[kind] = reader
+        own = self.names.router_subject(self.replica_id)
         try:
             async for seq, batch in reader:
-                self._apply(kind, seq, batch, reader)
+                if kind == ROUTER and reader.last_subject != own:
+                    t0 = time.thread_time()
+                    self._apply(kind, seq, batch, reader)
+                    self.replication.note(time.thread_time() - t0 + reader.last_decode_s,
+                                          len(batch))
+                else:
+                    self._apply(kind, seq, batch, reader)
         finally:
             self._readers.pop(kind, None)
             self.malformed[kind] += reader.malformed

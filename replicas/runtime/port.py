@@ -46,6 +46,11 @@ class ReplicaPort(Protocol):
         """The last sequence of stream ``kind`` now (one round trip to the server)."""
         ...
 
+    def append_later(self, subject: str, event: ev.Event) -> None:
+        """Queue an event that may wait for the next message on its subject (a prefill
+        completion, a request's end: `eventlog.group_commit`); a failure is logged."""
+        ...
+
     async def wait_ready(self, timeout: float | None = None) -> None: ...
 
     async def wait_applied(self, kind: str, seq: int, timeout: float = 10.0) -> None:

@@ -31,6 +31,7 @@ from tenacity import AsyncRetrying, retry_if_not_exception_type, stop_after_dela
 from eventlog import events as ev
 from eventlog.appender import Appender
 from eventlog.connect import NatsConnectFatal, connect
+from eventlog.group_commit import GroupCommit
 from eventlog.jetstream_log import JetStreamLog
 from eventlog.log import EventLog
 from eventlog.names import CONTROL, KV, ROUTER, Names
@@ -51,6 +52,7 @@ from replicas.runtime.dispatcher import (
 from replicas.runtime.follower import StreamFollower
 from replicas.runtime.leader import Leader
 from replicas.runtime.liveness import Liveness
+from replicas.runtime.replication_cost import ReplicationCost
 from snapshots.store import SnapshotStore
 
 if TYPE_CHECKING:  # imported when configured: it loads SQLAlchemy
@@ -88,6 +90,7 @@ class Replica:
         self.nc: NatsClient | None = None
         self.js: JetStreamContext | None = None
         self.appender: Appender | None = None
+        self.router_log: GroupCommit | None = None  # our router-stream events, group-committed
         self.ready = False
         self.draining = False  # SIGTERM: no new requests, in-flight ones finish
         self.background = Background()
@@ -119,7 +122,15 @@ class Replica:
 
     async def append(self, subject: str, event: ev.Event | list[ev.Event],
                      msg_id: str | None) -> int:
+        """Our own router subject is group-committed (the message id is the message's, so
+        ``msg_id`` is not used there; events given together are queued together, so they share
+        a message); any other subject gets one message per call."""
         assert self.log is not None
+        events = event if isinstance(event, list) else [event]
+        if self.router_log is not None and subject == self.router_log.subject:
+            futures = [self.router_log.submit(e) for e in events]
+            seqs = await asyncio.gather(*futures)
+            return max(seqs)
         mid = msg_id or f"{self.replica_id}.{time.time_ns()}.{self.rng.getrandbits(32)}"
         return await self.log.append(subject, event if isinstance(event, list) else [event], mid)
 
@@ -127,6 +138,13 @@ class Replica:
         assert self.log is not None
         _, last = await self.log.bounds(self.names.stream(kind))
         return last
+
+    def append_later(self, subject: str, event: ev.Event) -> None:
+        if self.router_log is not None and subject == self.router_log.subject:
+            # a future, not a task: one per event would cost more than the event's append
+            self.background.spawn(self.router_log.submit(event, urgent=False))
+        else:
+            self.background.spawn(self.append(subject, event, None))
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         await asyncio.wait_for(self._ready_event.wait(), timeout)
@@ -200,6 +218,8 @@ class Replica:
         self.appender = jetstream.appender = Appender(js, timeout=1.5, attempts=1000,
                                                       backoff_max=0.25, retry_window=20.0)
         self.log = jetstream
+        self.router_log = GroupCommit(self.appender, self.names.router_subject(self.replica_id),
+                                      f"{self.replica_id}.{self._boot}")
         cfg = self.config
         return SnapshotStore(js, self.names, keep=cfg.snapshot_keep) if cfg.durable else None
 
@@ -245,6 +265,8 @@ class Replica:
                 await self.projections.close()
         await self.follower.stop()
         await self.dispatcher.stop()
+        if self.router_log is not None:
+            await self.router_log.flush()  # prefill completions and ends still lingering
         await self.background.wait(timeout=5)
         if self.nc is not None and not self.nc.is_closed:
             with contextlib.suppress(Exception):
@@ -327,6 +349,11 @@ class Replica:
     @property
     def restores(self) -> int:
         return self.follower.restores
+
+    @property
+    def replication(self) -> ReplicationCost:
+        """CPU spent decoding and applying other replicas' router messages."""
+        return self.follower.replication
 
     @property
     def health_board(self) -> HealthBoard | None:

@@ -411,6 +411,21 @@ async def test_ledger_row_has_predicted_and_engine_reported_reuse(tmp_path: Path
         await p.close()
 
 
+async def test_a_prefill_folded_into_the_finish_still_fills_prefill_ts(tmp_path: Path) -> None:
+    p = await opened(tmp_path)
+    try:
+        await p.apply(ROUTER, 1, [routed("f", 10.0), routed("s", 10.0)])
+        await p.apply(ROUTER, 2, [ev.RequestFinished("f", "ok", 1, 12.0, prefill_ts=11.5),
+                                  ev.PrefillCompleted("s", 11.0),
+                                  ev.RequestFinished("s", "ok", 1, 12.0)])
+        folded, separate = await p.request("f"), await p.request("s")
+        assert folded is not None and separate is not None
+        assert (folded["prefill_ts"], folded["finished_ts"]) == (11.5, 12.0)
+        assert (separate["prefill_ts"], separate["finished_ts"]) == (11.0, 12.0)
+    finally:
+        await p.close()
+
+
 async def test_an_older_database_gains_the_new_columns(tmp_path: Path) -> None:
     db_file = tmp_path / "jetrouter.db"
     p = await opened(tmp_path)

@@ -172,3 +172,20 @@ def test_state_reset_cuts_other_streams_at_its_positions() -> None:
         assert s.positions[KV] == 1
         s.apply(KV, 2, [ev.BlocksStored("w", 1, 0, None, [(10, 1)], 2.0)])  # re-read after cut
     assert ahead.digests() == behind.digests()
+
+
+def test_a_prefill_folded_into_the_finish_reaches_the_same_state() -> None:
+    def routed(rid: str) -> ev.RequestRouted:
+        return ev.RequestRouted(request_id=rid, replica_id="ra", worker_id="w0", dp_rank=0,
+                                isl_tokens=64, block_seq_hashes=[1, 2, 3, 4], overlap_blocks=1,
+                                expected_osl=8, priority=0, ts=10.0)
+
+    separate, folded = RouterState(), RouterState()
+    for state in (separate, folded):
+        state.apply(ROUTER, 1, [routed("a"), routed("b")])
+    separate.apply(ROUTER, 2, [ev.PrefillCompleted("a", 11.0),
+                               ev.RequestFinished("a", "ok", 1, 12.0)])
+    folded.apply(ROUTER, 2, [ev.RequestFinished("a", "ok", 1, 12.0, prefill_ts=11.0)])
+    assert folded.digests() == separate.digests()
+    assert folded.load.active_prefill_tokens(("w0", 0)) == 48  # only b's prefill is left
+    assert "a" not in folded.load

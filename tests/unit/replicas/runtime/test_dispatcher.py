@@ -50,6 +50,9 @@ class Port:
         self.appended.append((subject, event, msg_id))
         return len(self.appended)
 
+    def append_later(self, subject: str, event: ev.Event) -> None:
+        self.appended.append((subject, event, None))
+
     async def wait_ready(self, timeout: float | None = None) -> None:
         return None
 

@@ -1,0 +1,40 @@
+"""`jetrouter bench scale` at its smallest size: one replica, one engine, a second of load. Checks
+the report's shape (never its timings)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_bench_scale_smallest_size_reports_every_figure() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "api.cli", "bench", "scale", "--json", "--replicas", "1",
+         "--workers", "1", "--nats-cluster", "1", "--load-processes", "1", "--concurrency", "2",
+         "--duration", "1", "--warmup", "0.5"],
+        capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    (run,) = result["runs"]
+    assert run["replicas"] == 1 and run["digests_equal"] is True
+    assert run["req_per_s"] > 0 and run["errors"] == 0 and run["router_messages_per_request"] > 0
+    assert len(run["load_cpu_cores"]) == run["load_processes"] == 1
+    (replica,) = run["per_replica"]
+    assert set(replica) == {"replica", "cpu_cores", "children_cpu_cores", "replication_share",
+                            "replication_us_per_event"}
+    assert replica["cpu_cores"] > 0
+    assert replica["replication_share"] == 0.0  # no peers: nothing to replicate
+    assert result["config"]["nats_cluster"] == 1 and result["machine"]["cpu_count"] >= 1
+
+
+def test_bench_scale_rejects_a_bad_replica_list() -> None:
+    proc = subprocess.run([sys.executable, "-m", "api.cli", "bench", "scale", "--replicas", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()  # one line, no traceback
+    assert "error:" in line and "--replicas" in line
