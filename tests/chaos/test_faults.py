@@ -435,16 +435,31 @@ async def test_half_the_engines_down_and_overloaded_sheds_best_effort_serves_pre
                         lambda ws: demand_blocks(ws) * 0.75 > capacity, 20,
                         f"{name} sees demand above healthy capacity")
 
+        # Every best_effort probe comes first, while the pressure is known to be there: a shed
+        # never reaches an engine, so these take milliseconds, and no held stream can finish
+        # before its 300 decode steps. The premium probes must wait: the engines' KV caches are
+        # full and their queues first come, first served, so a premium probe is answered only
+        # once held streams finish — lowering demand below the shedding level (on a busy machine
+        # before the next replica was probed), while the canaries stuck in the same queues may
+        # or may not have halved the engines' weight by then.
         for name in REPLICAS:
             for how in ("header", "hint"):
+                ws = await f.workers(name)  # the condition the shed relies on, right before it
+                assert demand_blocks(ws) * 0.75 > capacity, (name, how, demand_blocks(ws))
                 shed = await tiered(f, name, "best_effort", how)
                 assert shed.status_code == 503, (name, how, shed.text)
                 assert int(shed.headers["retry-after"]) >= 1, shed.headers
                 assert shed.json()["code"] == 503  # the seed's busy body
-                served = await tiered(f, name, "premium", how)
-                assert served.status_code == 200, (name, how, served.text)
-                assert served.headers[WORKER_HEADER] in up
-                assert served.json()["choices"][0]["text"] == expected_text(PROBE, 4)
+        # Premium is admitted at the level that sheds best_effort (the level only falls after a
+        # cool-down), all at once so none is admitted late, then served by a healthy engine.
+        probes = [(name, how) for name in REPLICAS for how in ("header", "hint")]
+        answers = await asyncio.gather(*(tiered(f, name, "premium", how)
+                                         for name, how in probes))
+        for (name, how), served in zip(probes, answers, strict=True):
+            assert served.status_code == 200, (name, how, served.text)
+            assert served.headers[WORKER_HEADER] in up
+            assert served.json()["choices"][0]["text"] == expected_text(PROBE, 4)
+        for name in REPLICAS:
             level = await f.metrics(name, "jetrouter_degradation_level")
             assert level and 2 <= level[0][1] <= 3, level  # premium is only shed at level 4
 
