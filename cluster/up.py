@@ -184,7 +184,8 @@ class LocalCluster:
         self.restart = restart
         self.namespace = namespace
         self.nats_cluster = nats_cluster
-        self.admin_token = admin_token or secrets.token_urlsafe(24)
+        # hex: a token starting with "-" would read as an option in `jetrouter admin --token T`
+        self.admin_token = admin_token or secrets.token_hex(24)
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
         # --secure: the embedded nats-server gets TLS, users and per-role permissions

@@ -85,9 +85,12 @@ async def test_replica_sigkill_mid_disaggregated_requests_frees_both_engines(
             await until(lambda: h.get(c.children["d0"].url + "/health"),
                         lambda r: r.json()["load"][0]["num_running"] == 0, timeout=30,
                         what="d0 aborted the orphaned stream")
-            entry = await admin.get("r1", f"/admin/requests/{ids[0]}")
-            assert [(x["phase"], x["lost"]) for x in entry["hops"]] == [
-                ("prefill", False), ("decode", True)]
+            # The ledger is a projection (written by the replica's projector child a moment
+            # after the state applies ReplicaLost): wait for it to show the lost decode hop.
+            await until(lambda: admin.get("r1", f"/admin/requests/{ids[0]}"),
+                        lambda e: [(x["phase"], x["lost"]) for x in e.get("hops", [])] == [
+                            ("prefill", False), ("decode", True)], timeout=30,
+                        what="r1's ledger shows the prefill hop and the lost decode hop")
         finally:
             for task in (a, b):
                 task.cancel()

@@ -130,8 +130,9 @@ async def test_the_header_pins_too(cluster: LocalCluster) -> None:
         pins = await until(lambda: sessions(h, cluster, urls[0]), lambda s: "hdr-1" in s)
         assert pins["hdr-1"]["ttl_s"] == 300.0  # --session-ttl-secs default
         cli = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "api.cli", "admin", "--url", urls[1], "--token",
-            cluster.admin_token, "sessions", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            sys.executable, "-m", "api.cli", "admin", "--url", urls[1],
+            f"--token={cluster.admin_token}", "sessions",
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         out, _ = await cli.communicate()
         assert cli.returncode == 0 and b"hdr-1" in out and b"engine_usable" in out, out
         bad = await h.post(urls[0] + "/v1/completions",
