@@ -225,7 +225,7 @@ class ReplicaProcess:
         log = self.log_path.open("ab")
         started = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=Path(__file__).resolve().parents[2])
+                                     cwd=Path(__file__).resolve().parents[1])
         log.close()
         return started
 

@@ -26,7 +26,7 @@ DEFAULT_BLOCK_TOKENS = 32
 DEFAULT_VOCAB_SIZE = 256
 # Relative to the repository root: the shared traces live next to the repo, never inside it.
 SHARED_CONVERSATION_TRACE = Path("../shared/traces/mooncake/conversation_trace.jsonl")
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+_REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True, slots=True)

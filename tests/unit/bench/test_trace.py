@@ -142,3 +142,11 @@ def test_text_prompts_share_prefixes_word_for_word() -> None:
     assert len(ta.split()) == len(tb.split()) == 24
     assert ta.split()[:16] == tb.split()[:16] and ta != tb
     assert set(ta.split()) <= set(WORDS)
+
+
+def test_the_default_trace_is_the_shared_one_beside_this_checkout() -> None:
+    from bench.trace import default_trace_path
+
+    repo = Path(__file__).resolve().parents[3]
+    beside = (repo / "../shared/traces/mooncake/conversation_trace.jsonl").resolve()
+    assert default_trace_path() == (beside if beside.is_file() else None)
