@@ -30,6 +30,7 @@ from replicas.core.divergence import Divergence
 from replicas.core.state import RouterState
 from replicas.runtime.liveness import Heartbeat, Liveness, liveness_subject
 from tests.divergence_hook import inject_divergence
+from tests.port_stub import PortIdentity
 from workers.procs import WorkerProcess
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,13 +55,14 @@ async def until(probe: Callable[[], Awaitable[Any] | Any], timeout: float = 60.0
     raise AssertionError(f"condition not met within {timeout}s; last value {value!r}")
 
 
-class Node:
+class Node(PortIdentity):
     """One router replica reduced to what liveness needs (the replica port: its id, a RouterState
     following the KV and router streams, a real Appender), its own connection, and a Liveness."""
 
     def __init__(self, rid: str, nc: NATS, *, leader: bool,
                  extra_workers: dict[str, str] | None = None) -> None:
         self.rid, self.nc, self.leader = rid, nc, leader
+        self.port_names = NAMES
         self.js: JetStreamContext = nc.jetstream()
         self.state = RouterState()
         self.appender = Appender(self.js)
@@ -70,23 +72,6 @@ class Node:
         self.live = Liveness(
             self, self.js, nc, heartbeat_interval=INTERVAL, replica_timeout=TIMEOUT,
             worker_timeout=TIMEOUT, on_divergence=self.divergences.append)
-
-    # The replica port (replicas.runtime.port.ReplicaPort).
-    @property
-    def replica_id(self) -> str:
-        return self.rid
-
-    @property
-    def names(self) -> Names:
-        return NAMES
-
-    @property
-    def ready(self) -> bool:
-        return True
-
-    @property
-    def is_leader(self) -> bool:
-        return self.leader
 
     async def append(self, subject: str, event: ev.Event, msg_id: str | None) -> int:
         assert subject == liveness_subject(NAMES, event)

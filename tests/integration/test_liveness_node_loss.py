@@ -22,6 +22,7 @@ from eventlog.names import ROUTER, Names
 from eventlog.server import NatsCluster
 from replicas.core.state import RouterState
 from replicas.runtime.liveness import Liveness
+from tests.port_stub import PortIdentity
 from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,12 +33,13 @@ TIMEOUT = 3.0
 IDS = ("A", "B", "C")
 
 
-class Replica:
+class Replica(PortIdentity):
     """The replica port liveness needs: a RouterState in which every replica owns one request,
     appends recorded instead of written."""
 
     def __init__(self, rid: str, nc: NATS, leader: bool) -> None:
         self.rid, self.nc, self.leader = rid, nc, leader
+        self.port_names = NAMES
         self.declared: list[str] = []
         self.state = RouterState()
         self.state.apply(ROUTER, 1, [
@@ -45,22 +47,6 @@ class Replica:
             for owner in IDS])
         self.live = Liveness(self, nc.jetstream(), nc, heartbeat_interval=INTERVAL,
                              replica_timeout=TIMEOUT, worker_timeout=TIMEOUT)
-
-    @property
-    def replica_id(self) -> str:
-        return self.rid
-
-    @property
-    def names(self) -> Names:
-        return NAMES
-
-    @property
-    def ready(self) -> bool:
-        return True
-
-    @property
-    def is_leader(self) -> bool:
-        return self.leader
 
     async def append(self, subject: str, event: ev.Event, msg_id: str | None) -> int:
         # What the leader would append to the router stream: recorded, it is the output here.
