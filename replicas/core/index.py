@@ -48,6 +48,7 @@ PLAIN_VERSION = 2  # 1: flat int lists (still read); 2: columnar
 _DIGEST_SALT = 0x5BD1E9955BD1E995  # xored into seq hashes so that seq 0 still moves the digest
 _P = CHAIN_MULTIPLIER
 _ROOT = -1  # parent of a root block in the gap bookkeeping (sequence hashes are >= 0)
+_SHARED_INTS = 256  # CPython keeps one object for each int from -5 to this
 _BITS = bytes.maketrans(b"01", b"\x00\x01")  # '0'/'1' digits -> falsy/truthy bytes
 
 
@@ -207,7 +208,7 @@ class PrefixIndex:
         bmap = self._blocks[slot]
         before = len(bmap)
         moved = 0
-        get_block = bmap.get
+        claim = bmap.setdefault
         nodes = self._nodes
         get = nodes.get
         bit = 1 << slot
@@ -216,18 +217,27 @@ class PrefixIndex:
         gaps = self._gaps[slot]
         prev = _ROOT if parent_block_hash is None else parent  # held by this worker (or root)
         prev_kids = -1  # kids[prev] when known, else -1
+        if parent_block_hash is None and blocks:
+            # The loop tells a new block id by getting its own fresh ``entry`` object back from
+            # ``setdefault``. Only a root's entry can be small (its parent part is 0), and
+            # CPython shares the objects of ints up to 256, so a re-announced root with such a
+            # tiny sequence hash would look new: skip it here (re-announcing changes nothing).
+            first_hash, first_tokens = blocks[0]
+            seq = first_tokens & mask64
+            if seq <= _SHARED_INTS and bmap.get(first_hash) == seq:
+                blocks, prev, parent = blocks[1:], seq, seq
         moved_any = False  # a move may have released the chain's own parent
         acc = 0
         for block_hash, tokens_hash in blocks:
             seq = parent = (parent * mult + tokens_hash) & mask64
-            held = get_block(block_hash)
-            if held is None:
-                bmap[block_hash] = seq | (prev + 1) << 64
-            elif held & mask64 == seq:
-                prev, prev_kids = seq, -1
-                continue  # re-announced: nothing changes
-            else:  # the engine reused the id for other content: move it
-                bmap[block_hash] = seq | (prev + 1) << 64
+            entry = seq | (prev + 1) << 64
+            held = claim(block_hash, entry)  # one dict lookup for a new id, the common case
+            if held is not entry:  # the id was held already (getting ``entry`` back: see above)
+                if held & mask64 == seq:
+                    prev, prev_kids = seq, -1
+                    continue  # re-announced: nothing changes
+                # the engine reused the id for other content: move it
+                bmap[block_hash] = entry
                 self._gaps[slot] = gaps
                 self._release(slot, block_hash, held)
                 gaps = self._gaps[slot]
@@ -235,13 +245,16 @@ class PrefixIndex:
                 moved += 1
                 moved_any = True
             acc += (seq ^ salt) * (2 * block_hash + 1)  # digest term, reduced once per batch
-            mask = get(seq, 0)
-            if mask & bit:  # held under another block id: membership unchanged
+            mask = get(seq)
+            if mask is None:  # a node nobody held: the common case when prompts are new
+                nodes[seq] = bit
+            elif mask & bit:  # held under another block id: membership unchanged
                 dups = self._dups[slot]
                 dups[seq] = dups.get(seq, 0) + 1
                 prev, prev_kids = seq, -1
                 continue
-            nodes[seq] = mask | bit
+            else:
+                nodes[seq] = mask | bit
             if prev_kids >= 0:  # the parent was added just before: its child count is known
                 kids[prev] = prev_kids + 1
             elif prev != _ROOT:
