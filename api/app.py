@@ -21,7 +21,7 @@ from api.admin import admin_router, require_admin
 from api.config import option
 from api.errors import ApiError, error_response, install_error_handlers, overloaded_response
 from api.forward import Forwarder, replica_headers
-from api.hotpath import HotRoutes
+from api.hotpath import HotRoutes, read_body
 from api.http_limits import BodySizeLimit
 from api.metrics import Rejection, RouterMetrics
 from api.nvext_response import NvextFields, add_to_response
@@ -156,7 +156,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
 
     async def handle(endpoint: str, request: Request) -> Response:
         received, started = time.time(), time.perf_counter()
-        raw = await request.body()
+        raw = await read_body(request)
         if not replica.ready and not replica.draining and cfg.ready_wait > 0:
             await _await_ready(replica, cfg.ready_wait)
         if replica.draining or not replica.ready:

@@ -16,6 +16,8 @@ body and build their responses themselves), so:
 * :class:`LeanStreamingResponse` streams an async iterator of bytes with one watcher task that
   cancels the stream when the client disconnects (what Starlette does through anyio for ASGI
   servers below spec 2.4, uvicorn's included); the stream then ends as a cancelled request.
+  Its iterator may mark its final bytes as a :class:`LastChunk`, which ends the chunked body in
+  the same socket write.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
-from starlette.requests import Request
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -81,6 +84,44 @@ class HotRoutes:
         return None
 
 
+class FrontDoor:
+    """The ASGI app handed to the server: the inference routes go straight to the app's
+    :class:`HotRoutes` once the app has built its stack, skipping ``FastAPI.__call__`` (which
+    asks OpenTelemetry, through ``os.environ``, whether to trace, on every request) and
+    ``Starlette.__call__``; everything else, and everything before the first request, goes to
+    the app as it would."""
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+        self._direct = not getattr(app, "root_path", "")  # FastAPI sets that one in __call__
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        hot = self.app.middleware_stack
+        if type(hot) is HotRoutes and self._direct and scope["type"] == "http" \
+                and scope["method"] == "POST" and scope["path"] in hot.routes:
+            scope["app"] = self.app  # what Starlette.__call__ would have set
+            await hot(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
+async def read_body(request: Request) -> bytes:
+    """``await request.body()`` without the async generator Starlette reads it through (a
+    measurable share of a small request's cost); the request keeps it, as ``body()`` would."""
+    chunks: list[bytes] = []
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.request":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        elif message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    request._body = body  # Starlette's cache: a later request.body() returns it
+    return body
+
+
 class _MarkStarted:
     """``send`` that notes when the response has started (a 500 can no longer be sent)."""
 
@@ -94,6 +135,13 @@ class _MarkStarted:
         if message["type"] == "http.response.start":
             self.started[0] = True
         await self.send(message)  # type: ignore[arg-type]
+
+
+class LastChunk(bytes):
+    """The last bytes of a :class:`LeanStreamingResponse`: they go out with the end of the
+    chunked body (one socket write instead of two). Nothing may follow it."""
+
+    __slots__ = ()
 
 
 class LeanStreamingResponse(Response):
@@ -110,9 +158,14 @@ class LeanStreamingResponse(Response):
     async def stream(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
+        ended = False
         async for chunk in self.body_iterator:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            # A LastChunk ends the response in the same write (the iterator still runs to its
+            # end, so the code after its last yield runs).
+            ended = type(chunk) is LastChunk
+            await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         me = asyncio.current_task()

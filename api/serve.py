@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import secrets
 from collections.abc import Sequence
@@ -75,6 +76,7 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
 def run(args: argparse.Namespace, *, extra_routers: Sequence[RouterFactory] = ()) -> int:
     """Serve until SIGTERM. ``extra_routers`` add routes to the app (tests add debug ones)."""
     from api.app import AppConfig, create_app
+    from api.hotpath import FrontDoor
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -97,14 +99,34 @@ def run(args: argparse.Namespace, *, extra_routers: Sequence[RouterFactory] = ()
     replica = Replica(config)
     app = create_app(replica, build(AppConfig, args, reset_on_start=args.router_reset_states),
                      extra_routers=extra_routers)
-    config_ = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                             access_log=False,
+    config_ = uvicorn.Config(FrontDoor(app), host=args.host, port=args.port,
+                             log_level=args.log_level, access_log=False,
                              http=guarded_http_protocol(args.request_read_timeout),  # type: ignore[arg-type]
                              timeout_keep_alive=int(max(1, args.http_keep_alive_timeout)),
                              timeout_graceful_shutdown=int(args.graceful_shutdown_timeout))
+    tune_gc()
     server = DrainingServer(config_, replica)
     server.run()
     return 0
+
+
+# Young-generation threshold of the cyclic GC while serving (CPython's default is 700).
+GC_YOUNG_THRESHOLD = 10_000
+
+
+def tune_gc() -> None:
+    """Fewer cyclic-GC passes while serving. A routed request keeps a few dozen containers alive
+    (coroutines, futures, dicts), so with 64 requests in flight the default threshold of 700
+    net container allocations was crossed every few requests: in a ~40 s `bench overhead` run at
+    concurrency 64, ~570 young, ~50 middle and 4 full collections took 0.69 of the replica's
+    7.8 CPU seconds (measured with ``gc.callbacks``); at 10,000, 4 young and no full one,
+    0.03 s. Cyclic garbage waits a little longer (at most that many net allocations). The
+    modules and the app built at start-up are frozen (``gc.freeze``): full collections no
+    longer walk them."""
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
 class DrainingServer(uvicorn.Server):

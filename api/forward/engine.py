@@ -105,17 +105,31 @@ async def open_upstream(pool: UpstreamPool, url: str, body: bytes, request_id: s
     return resp
 
 
-async def upstream_events(resp: UpstreamResponse
-                          ) -> AsyncIterator[tuple[bytes, bytes | None]]:
-    """The engine's SSE events, as :meth:`SseSplitter.feed` gives them; a broken or silent
-    stream raises :class:`HopFailed`. A clean end of stream simply stops the iteration."""
+async def upstream_event_batches(resp: UpstreamResponse
+                                 ) -> AsyncIterator[list[tuple[bytes, bytes | None]]]:
+    """The engine's SSE events, as :meth:`SseSplitter.feed` gives them, one non-empty list per
+    read from the engine (so what one read brought can go to the client in one write); a broken
+    or silent stream raises :class:`HopFailed`. A clean end of stream simply stops."""
     splitter = SseSplitter()
     try:
         while chunk := await resp.next_chunk():
-            for event in splitter.feed(chunk):
-                yield event
+            events = splitter.feed(chunk)
+            if events:
+                yield events
     except (UpstreamError, OSError) as exc:
         raise HopFailed(classify(exc), f"{type(exc).__name__}: {exc}") from None
+
+
+async def upstream_events(resp: UpstreamResponse
+                          ) -> AsyncIterator[tuple[bytes, bytes | None]]:
+    """:func:`upstream_event_batches`, one event at a time."""
+    batches = upstream_event_batches(resp)
+    try:
+        async for events in batches:
+            for event in events:
+                yield event
+    finally:
+        await batches.aclose()
 
 
 def sse_data(obj: object) -> bytes:

@@ -26,8 +26,9 @@ from api.forward.engine import (
     HopFailed,
     HopFailure,
     open_upstream,
-    upstream_events,
+    upstream_event_batches,
 )
+from api.hotpath import LastChunk
 from api.metrics import RouterMetrics
 from api.openai_schema import ParsedRequest
 from api.tokenizer import Tokenizer
@@ -258,15 +259,16 @@ class Run:
         try:
             while True:
                 assert self.resp is not None
-                upstream = upstream_events(self.resp)
+                upstream = upstream_event_batches(self.resp)
                 try:
-                    async for raw, payload in upstream:
-                        out, token = self.cont.on_event(self.hop, raw, payload)
-                        if token:
-                            self._first_token()
-                            self._output_progress()
-                        if out is not None:
-                            yield out
+                    async for events in upstream:
+                        # What one read from the engine brought goes out in one write (one
+                        # chunk of the client's response, one send on its socket).
+                        outs, failed = self._on_events(events)
+                        if outs:
+                            yield outs
+                        if failed is not None:
+                            raise failed
                     if not self.cont.complete:
                         raise HopFailed(HopFailure.STREAM_ERROR,
                                         "the engine closed the stream before finishing")
@@ -280,7 +282,7 @@ class Run:
                 if failure is None or self.cont.complete:
                     # Every token is in (a break after the last one is not worth a new hop).
                     outcome = Outcome.OK
-                    yield self.cont.tail()
+                    yield LastChunk(self.cont.tail())
                     return
                 early: EarlyAnswer | None
                 if await self._next_hop(failure):
@@ -299,6 +301,23 @@ class Run:
             self._end_hop(self.hop, outcome)
             self._end_request(outcome)
             await self._close()
+
+    def _on_events(self, events: list[tuple[bytes, bytes | None]]
+                   ) -> tuple[bytes, HopFailed | None]:
+        """The client's bytes for a batch of the engine's events, and the failure an error
+        event raised: the events before it still go out (their tokens count as delivered)."""
+        outs: list[bytes] = []
+        try:
+            for raw, payload in events:
+                out, token = self.cont.on_event(self.hop, raw, payload)
+                if token:
+                    self._first_token()
+                    self._output_progress()
+                if out is not None:
+                    outs.append(out)
+        except HopFailed as exc:
+            return b"".join(outs), exc
+        return (outs[0] if len(outs) == 1 else b"".join(outs)), None
 
     async def abandon(self) -> None:
         """End whatever is still open as cancelled (no-op after a normal end)."""
