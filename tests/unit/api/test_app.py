@@ -120,3 +120,48 @@ async def test_an_unknown_model_is_an_openai_style_404(router: Router) -> None:
     assert response.status_code == 404
     error = response.json()["error"]
     assert "nope" in error["message"] and error["type"]
+
+
+@contextlib.asynccontextmanager
+async def engine_failing_mid_read(tokens: list[str]) -> AsyncIterator[str]:
+    """An engine whose whole answer arrives in one write: token events, then an error event."""
+    events = b"".join(
+        b'data: {"id":"cmpl-x","object":"text_completion","created":1,"model":"'
+        + MODEL.encode() + b'","choices":[{"index":0,"text":"' + t.encode()
+        + b'","finish_reason":null}]}\n\n' for t in tokens)
+    events += b'data: {"error":{"message":"engine gave up"}}\n\n'
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+                         % (len(events), events))
+            await writer.drain()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def test_tokens_read_with_an_error_event_reach_the_client_before_the_error(
+        router: Router) -> None:
+    # One read brings two tokens and the engine's error: the client gets both tokens (they
+    # count as delivered), then, with no other engine to continue on, a clean error and [DONE].
+    async with engine_failing_mid_read(["Hel", "lo"]) as url:
+        await register(router, "w1", url)
+        response = await router.client.post("/v1/completions", json={
+            "model": MODEL, "max_tokens": 8, "stream": True, "prompt": "Say hello."})
+        assert response.status_code == 200
+        datas = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+        assert ['"text":"Hel"' in datas[0], '"text":"lo"' in datas[1]] == [True, True]
+        assert '"error"' in datas[2] and datas[3] == "[DONE]" and len(datas) == 4
+        await until(lambda: router.replica.pending_decisions(), lambda n: n == 0, timeout=10,
+                    what="the failed hop's decision settled")

@@ -14,10 +14,10 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.errors import ApiError, install_error_handlers
-from api.hotpath import HotRoutes, LeanStreamingResponse
+from api.hotpath import FrontDoor, HotRoutes, LastChunk, LeanStreamingResponse, read_body
 from api.http_limits import guarded_http_protocol
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,7 +29,8 @@ def make_app(stream_done: asyncio.Event, stream_cancelled: asyncio.Event) -> Fas
     install_error_handlers(app)
 
     async def echo(request: Request) -> Response:
-        raw = await request.body()
+        raw = await read_body(request)
+        assert await request.body() == raw  # kept for whoever reads it again
         if raw == b"api-error":
             raise ApiError(400, "no good", param="prompt")
         if raw == b"bug":
@@ -37,6 +38,8 @@ def make_app(stream_done: asyncio.Event, stream_cancelled: asyncio.Event) -> Fas
         if raw == b"stream":
             return LeanStreamingResponse(events(), media_type="text/event-stream",
                                          headers={"x-kind": "sse"})
+        if raw == b"last":
+            return LeanStreamingResponse(ending(), media_type="text/event-stream")
         return Response(b"echo:" + raw, media_type="text/plain", headers={"x-kind": "plain"})
 
     async def events() -> AsyncIterator[bytes]:
@@ -51,6 +54,13 @@ def make_app(stream_done: asyncio.Event, stream_cancelled: asyncio.Event) -> Fas
         finally:
             stream_done.set()
 
+    async def ending() -> AsyncIterator[bytes]:
+        try:
+            yield b"data: 1\n\n"
+            yield LastChunk(b"data: [DONE]\n\n")
+        finally:
+            stream_done.set()  # the iterator ran to its end, not just to its last yield
+
     app.add_route("/v1/completions", echo, methods=["POST"])
     build = app.build_middleware_stack
 
@@ -62,7 +72,7 @@ def make_app(stream_done: asyncio.Event, stream_cancelled: asyncio.Event) -> Fas
 
 
 @contextlib.asynccontextmanager
-async def serving(app: FastAPI) -> AsyncIterator[str]:
+async def serving(app: ASGIApp) -> AsyncIterator[str]:
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                             http=guarded_http_protocol(10.0),  # type: ignore[arg-type]
                             lifespan="off")
@@ -124,3 +134,60 @@ async def test_lean_stream_streams_and_a_hang_up_cancels_it() -> None:
         writer.close()  # hang up while the stream is parked
         await asyncio.wait_for(done.wait(), 10)
         assert cancelled.is_set()
+
+
+async def test_a_last_chunk_ends_the_body_with_it_and_the_iterator_runs_out() -> None:
+    done = asyncio.Event()
+    app = make_app(done, asyncio.Event())
+    async with serving(app) as url:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\n\r\n"
+                         b"last")
+            async with asyncio.timeout(10):
+                head = await reader.readuntil(b"\r\n\r\n")
+                body = await reader.readuntil(b"0\r\n\r\n")
+        finally:
+            writer.close()
+        assert b"transfer-encoding: chunked" in head.lower()
+        # the last data chunk and the chunked body's end, back to back, nothing after
+        assert body == b"9\r\ndata: 1\n\n\r\ne\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+        assert done.is_set()
+
+
+async def test_front_door_takes_the_hot_routes_past_the_app_and_the_rest_through_it() -> None:
+    class CountingApp(FastAPI):
+        calls = 0
+
+        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+            self.calls += 1
+            await super().__call__(scope, receive, send)
+
+    app = CountingApp()
+    install_error_handlers(app)
+
+    async def echo(request: Request) -> Response:
+        return Response(b"echo:" + await read_body(request), media_type="text/plain")
+
+    app.add_route("/v1/completions", echo, methods=["POST"])
+    build = app.build_middleware_stack
+    app.build_middleware_stack = (  # type: ignore[method-assign]
+        lambda: HotRoutes(build(), {"/v1/completions": echo}, app.exception_handlers, MAX_BODY))
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for part in (b"a" * 10, b"b" * 10):
+            yield part
+
+    async with serving(FrontDoor(app)) as url, httpx.AsyncClient(base_url=url) as http:
+        r = await http.post("/v1/completions", content=b"first")  # the app builds its stack
+        assert r.text == "echo:first"
+        calls = app.calls
+        r = await http.post("/v1/completions", content=pieces())  # a body in two messages
+        assert (r.status_code, r.text) == (200, "echo:" + "a" * 10 + "b" * 10)
+        r = await http.post("/v1/completions", content=b"x" * (MAX_BODY + 1))
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert app.calls == calls  # neither went through FastAPI.__call__
+        r = await http.get("/v1/completions")
+        assert r.status_code == 405 and "error" in r.json()
+        assert app.calls == calls + 1
