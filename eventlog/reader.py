@@ -259,7 +259,10 @@ class StreamReader:
         # held the loop for a while has not let the heartbeats in the socket reach us yet.
         remaining = self._last_activity + self.liveness - time.monotonic()
         try:
-            await asyncio.wait_for(self._wake.wait(), max(remaining, self.idle_heartbeat))
+            # A timeout scope rather than wait_for: no task per wait (one per message at low
+            # load, when each message arrives on its own).
+            async with asyncio.timeout(max(remaining, self.idle_heartbeat)):
+                await self._wake.wait()
         except TimeoutError:
             if time.monotonic() - self._last_activity >= self.liveness:
                 self._need_reset = f"no heartbeat for {self.liveness:.1f}s"
