@@ -273,7 +273,7 @@ class Run:
         try:
             return await self._open()
         except DecisionNotRecorded as exc:
-            self.give_up = (f"the request could not continue on another engine: {exc}")
+            self.give_up = f"the request could not continue on another engine: {exc}"
             return 503, b"", ""
 
     async def open_first(self) -> Response | None:
