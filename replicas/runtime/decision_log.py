@@ -90,7 +90,7 @@ class RecordState(StrEnum):
 class DecisionRecord:
     """One decision's append as its request sees it (``Routed.record``)."""
 
-    __slots__ = ("cause", "future", "request_id", "started", "state")
+    __slots__ = ("cause", "future", "landed", "request_id", "started", "state")
 
     def __init__(self, request_id: str, future: asyncio.Future[int], started: float) -> None:
         self.request_id = request_id
@@ -98,6 +98,7 @@ class DecisionRecord:
         self.started = started  # time.monotonic() of the submission
         self.state = RecordState.PENDING
         self.cause: BaseException | None = None
+        self.landed = False  # the append's outcome has been taken into account
 
     @property
     def refused(self) -> bool:
@@ -141,6 +142,8 @@ class DecisionLog:
             if left > 0:
                 # asyncio.wait: the append's future is not cancelled when the wait ends.
                 await asyncio.wait((fut,), timeout=left)
+        if fut.done() and not record.landed:
+            self._landed(record, fut)  # done in this very loop turn: its callback is still due
         if record.state is RecordState.PENDING and not fut.done():
             now = time.monotonic()
             if self.grace > 0 and (self.health.unrecorded_since is None
@@ -160,6 +163,9 @@ class DecisionLog:
     # --- outcomes ---------------------------------------------------------------------------
 
     def _landed(self, record: DecisionRecord, fut: asyncio.Future[int]) -> None:
+        if record.landed:
+            return
+        record.landed = True
         exc: BaseException | None = (asyncio.CancelledError() if fut.cancelled()
                                      else fut.exception())
         health = self.health
