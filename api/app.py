@@ -322,7 +322,10 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     async def ready() -> Response:
         decisions = replica.decision_log.view(time.monotonic())
         if taking_requests(decisions):
-            return _json_response({"ready": True, "replica_id": replica.replica_id})
+            body: dict[str, object] = {"ready": True, "replica_id": replica.replica_id}
+            if decisions["unrecorded_for_s"] is not None:  # serving through an election
+                body["decision_log"] = decisions
+            return _json_response(body)
         return _json_response({"ready": False, "replica_id": replica.replica_id,
                                "lag": replica.lag(), "decision_log": decisions}, status=503)
 
