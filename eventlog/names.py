@@ -23,6 +23,10 @@ HOP_SEPARATOR = "~"
 PREFILL_SUFFIX = "prefill"
 PREFILL_HOP = -1
 
+# The key of a disaggregated request's KV transfer handle in the ``jetrouter`` extension of the
+# decode hop's body: the router writes it (api/forward/), the engine reads it (workers/handoff.py).
+TRANSFER_KEY = "kv_transfer"
+
 
 def hop_request_id(base_id: str, hop: int) -> str:
     """The request id of hop ``hop`` (1, 2, ...) of request ``base_id``."""

@@ -27,9 +27,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from eventlog.hashing import tokens_hashes
+from eventlog.names import TRANSFER_KEY
 from workers.openai_shapes import BadRequest, error_body, parse_request, usage
-
-TRANSFER_KEY = "kv_transfer"
 
 
 def transferred_tokens(ext: dict[str, Any], prompt: list[int], block_size: int) -> int:

@@ -29,7 +29,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from eventlog.appender import Appender, AppendFailed
-from eventlog.connect import NatsConnectFatal, NatsOptions, connect
+from eventlog.connect import NatsOptions
 from eventlog.events import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -38,8 +38,8 @@ from eventlog.events import (
     WorkerRegistered,
     WorkerRetired,
 )
-from eventlog.names import KV, Names
-from eventlog.streams import ensure_streams
+from eventlog.names import Names
+from workers.kv_link import connect_kv_stream
 from workers.kvcache import Cleared, KvChange, Removed, Stored
 
 log = logging.getLogger(__name__)
@@ -230,30 +230,8 @@ class KvPublisher:
             self._nc = None
 
     async def _connect(self) -> Appender:
-        delay = 0.2
-        while True:
-            nc = None
-            try:
-                nc = await connect(self.nats, name=f"jetrouter-worker-{self.worker_id}",
-                                   max_reconnect_attempts=-1, reconnect_time_wait=0.5)
-                js = nc.jetstream()
-                await ensure_streams(js, self.names, kinds=(KV,))
-                break
-            except NatsConnectFatal as exc:
-                # Checked at start-up (workers/cli.py); credentials changed since: keep trying
-                # slowly, saying why, rather than dying with the engine still serving.
-                log.error("%s; retrying in 5 s", exc)
-                await asyncio.sleep(5.0)
-                continue
-            except Exception as exc:
-                log.warning("NATS %s not usable yet (%r); retrying in %.1fs",
-                            self.nats_url, exc, delay)
-                if nc is not None:
-                    with contextlib.suppress(Exception):
-                        await nc.close()
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-        assert nc is not None
+        nc, js = await connect_kv_stream(self.nats, self.names,
+                                         name=f"jetrouter-worker-{self.worker_id}")
         self._nc = nc
         await nc.subscribe(self.names.reannounce_subject(self.worker_id), cb=self._on_reannounce)
         await nc.subscribe(self.names.reannounce_subject("all"), cb=self._on_reannounce)

@@ -29,11 +29,8 @@ import msgspec
 
 from api.forward.engine import DONE_EVENT, HopFailed, HopFailure, sse_data
 from api.openai_schema import ParsedRequest
+from eventlog.names import TRANSFER_KEY
 from replicas.runtime.replica import Routed
-
-# The key of a disaggregated request's KV transfer handle in the ``jetrouter`` extension of the
-# decode hop's body (api/forward/prefill.py; workers/handoff.py reads it).
-TRANSFER_KEY = "kv_transfer"
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 COMPLETIONS_PATH = "/v1/completions"

@@ -29,12 +29,11 @@ from typing import Any
 
 import msgspec
 
-from api.forward.continuation import TRANSFER_KEY
 from api.forward.engine import HopFailure, classify
 from api.upstream import UpstreamError, UpstreamPool
 from eventlog.errors import JetrouterError
 from eventlog.events import Outcome
-from eventlog.names import prefill_request_id
+from eventlog.names import TRANSFER_KEY, prefill_request_id
 from replicas.core import disagg
 from replicas.runtime.replica import (
     DecisionNotRecorded,

@@ -34,11 +34,10 @@ from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from eventlog.appender import Appender, AppendFailed
-from eventlog.connect import NatsConnectFatal, NatsOptions, connect
+from eventlog.connect import NatsOptions
 from eventlog.errors import JetrouterError
 from eventlog.events import Event, Role, WorkerRegistered, WorkerRetired
 from eventlog.names import KV, Names
-from eventlog.streams import ensure_streams
 from workers.bridge.decode import BadPayload, EngineStored, decode_payload
 from workers.bridge.engine_http import EngineHttp, EngineUnavailable, MetricsView
 from workers.bridge.monitor import EngineMonitor
@@ -51,6 +50,7 @@ from workers.bridge.resume import (
 )
 from workers.bridge.translate import CacheMirror, Translator
 from workers.bridge.zmqio import Frame, LiveFeed, ReplayUnavailable, replay
+from workers.kv_link import connect_kv_stream
 from workers.publisher import MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, block_count
 
 log = logging.getLogger(__name__)
@@ -129,25 +129,8 @@ class Bridge:
     # --- start-up ----------------------------------------------------------------------------
 
     async def _connect_nats(self) -> None:
-        delay = 0.2
-        options = self.s.nats.with_servers(self.s.nats_url)
-        while True:
-            try:
-                nc = await connect(options, name=f"jetrouter-bridge-{self.s.worker_id}",
-                                   max_reconnect_attempts=-1, reconnect_time_wait=0.5)
-                js = nc.jetstream()
-                # Only the KV stream: an engine identity may see no other (eventlog/natsconf.py).
-                await ensure_streams(js, self.names, kinds=(KV,))
-                break
-            except NatsConnectFatal as exc:
-                # Checked at start-up (workers/bridge/cli.py); changed since: say why, slowly.
-                log.error("%s; retrying in 5 s", exc)
-                await asyncio.sleep(5.0)
-            except Exception as exc:
-                log.warning("NATS %s not usable yet (%r); retrying in %.1fs",
-                            self.s.nats_url, exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        nc, js = await connect_kv_stream(self.s.nats.with_servers(self.s.nats_url), self.names,
+                                         name=f"jetrouter-bridge-{self.s.worker_id}")
         self.nc = nc
         self.appender = Appender(js)
 
