@@ -3,8 +3,11 @@ linear one, as the scheduler charges them (virtual time, no sleeping)."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
+from workers import cli as worker_cli
 from workers.perf_model import polynomial_decode_ms, polynomial_prefill_ms
 from workers.scheduler import EngineConfig, EngineCore
 
@@ -52,3 +55,18 @@ def test_cached_prefix_is_free_and_speedup_divides() -> None:
     assert out.prefill_tokens == 16
     assert out.duration == pytest.approx(
         (polynomial_prefill_ms(16) + polynomial_decode_ms(3 * 16, 64 * 16)) / 1000 / 4)
+
+
+def _worker_settings(argv: list[str]) -> EngineConfig:
+    p = argparse.ArgumentParser()
+    worker_cli.add_arguments(p)
+    return worker_cli.settings_from_args(p.parse_args(argv)).engine
+
+
+def test_worker_flags_choose_the_model_and_refuse_linear_constants_without_it() -> None:
+    assert _worker_settings([]).perf_model == "polynomial"
+    linear = _worker_settings(["--perf-model", "linear", "--decode-ms-base", "20"])
+    assert (linear.perf_model, linear.decode_ms_base, linear.prefill_ms_per_token) == \
+        ("linear", 20.0, EngineConfig().prefill_ms_per_token)
+    with pytest.raises(ValueError, match="--decode-ms-base sets the linear step-time model"):
+        _worker_settings(["--decode-ms-base", "20"])
