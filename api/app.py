@@ -304,16 +304,31 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     async def health() -> Response:
         return _json_response({"status": "ok", "replica_id": replica.replica_id})
 
-    @app.get("/ready")
-    async def ready() -> Response:
+    def taking_requests(decisions: dict[str, object]) -> bool:
         # Not ready while routing decisions cannot be recorded (a load balancer then sends
         # traffic to replicas that can); it turns ready again after a quiet window or at the
         # first decision recorded, so that traffic finds out when JetStream takes appends again.
+        return replica.ready and bool(decisions["ok"])
+
+    @app.get("/ready")
+    async def ready() -> Response:
         decisions = replica.decision_log.view(time.monotonic())
-        if replica.ready and decisions["ok"]:
+        if taking_requests(decisions):
             return _json_response({"ready": True, "replica_id": replica.replica_id})
         return _json_response({"ready": False, "replica_id": replica.replica_id,
                                "lag": replica.lag(), "decision_log": decisions}, status=503)
+
+    @app.get("/ready/balancer")
+    async def ready_for_balancer() -> Response:
+        # The same readiness in the status codes HAProxy's `http-check disable-on-404` reads:
+        # 200 ready; 404 alive but not taking new requests (starting, draining, decisions
+        # refused) - drained, its streams kept. Only a replica that does not answer at all
+        # (dead, paused, stuck) is marked down, and then its sessions may be cut
+        # (deploy/haproxy.cfg). A 503 here would count as down and cut healthy streams.
+        if taking_requests(replica.decision_log.view(time.monotonic())):
+            return _json_response({"ready": True, "replica_id": replica.replica_id})
+        return _json_response({"ready": False, "alive": True, "draining": replica.draining,
+                               "replica_id": replica.replica_id}, status=404)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

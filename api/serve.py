@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import secrets
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -108,14 +110,36 @@ def run(args: argparse.Namespace, *, extra_routers: Sequence[RouterFactory] = ()
 
 
 class DrainingServer(uvicorn.Server):
-    """On SIGTERM/SIGINT: /ready turns 503 at once (load balancers stop sending), new requests
-    are refused, in-flight ones finish; the lease is released on the way out."""
+    """On SIGTERM/SIGINT: drain while still listening, then shut down.
+
+    /ready turns 503 and /ready/balancer 404 at once, new requests get 503 + Retry-After, and
+    in-flight ones finish. The listening socket stays open meanwhile, so a load balancer's
+    health check keeps getting an answer: it sees "alive, not ready" and drains the replica
+    instead of "no answer", which `on-marked-down shutdown-sessions` would answer by cutting
+    the very streams the drain protects. When no request is left in flight, or after
+    --graceful-shutdown-timeout, uvicorn's own shutdown closes the socket; what is still
+    running then is cancelled at once. A second signal skips the rest of the drain."""
 
     def __init__(self, config: uvicorn.Config, replica: Replica) -> None:
         super().__init__(config)
         self.replica = replica
+        self.drain_timeout = float(config.timeout_graceful_shutdown or 0)
+        self.drain_deadline: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.replica.draining = True
         self.replica.ready = False
+        if self.drain_deadline is None and not self.should_exit and self.started:
+            self._captured_signals.append(sig)  # re-raised on the way out, as uvicorn does
+            self.drain_deadline = time.monotonic() + self.drain_timeout
+            return
         super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_deadline is not None and not self.should_exit:
+            left = self.drain_deadline - time.monotonic()
+            if not self.server_state.tasks or left <= 0:
+                # Whatever is still running gets only the drain time that is left.
+                self.config.timeout_graceful_shutdown = max(0, math.ceil(left))
+                self.should_exit = True
+        return await super().on_tick(counter)

@@ -135,9 +135,15 @@ def _haproxy_seconds(value: str) -> float:
     return int(m.group(1)) * unit[m.group(2)]
 
 
+# 200 ready, 404 alive but not taking new requests (api/app.py): a balancer drains on 404 and
+# can then cut the sessions of a replica that does not answer at all.
+BALANCER_CHECK = "/ready/balancer"
+
+
 def parse_haproxy(text: str) -> HAProxyConfig:
     """Bind ports and backend servers of an HAProxy config, and what breaks the brief's needs:
-    health check on /ready, connect failures retried elsewhere, streams not held back."""
+    health check on /ready/balancer (a draining replica kept, a paused one cut), connect
+    failures retried elsewhere, streams not held back."""
     cfg = HAProxyConfig()
     sections: list[tuple[str, list[list[str]]]] = []
     for raw in text.splitlines():
@@ -171,12 +177,16 @@ def parse_haproxy(text: str) -> HAProxyConfig:
             if "check" not in w and not any("check" in d for d in default_server):
                 cfg.problems.append(f"server {w[1]} is not health-checked (add `check`)")
         check = last.get("option httpchk", [])
-        send = last.get("http-check", [])
+        send = next((w for w in reversed(scope) if w[:2] == ["http-check", "send"]), [])
         uris = [x for x in check[2:] if x.startswith("/")]
         if "uri" in send:
             uris.append(send[send.index("uri") + 1])
-        if not uris or uris[-1] != "/ready":
-            cfg.problems.append("backend health check does not GET /ready (option httpchk)")
+        if not uris or uris[-1] != BALANCER_CHECK:
+            cfg.problems.append(f"backend health check does not GET {BALANCER_CHECK} "
+                                "(option httpchk)")
+        elif not any(w[:2] == ["http-check", "disable-on-404"] for w in scope):
+            cfg.problems.append("a draining or starting replica answers its check 404 and is "
+                                "marked down: add `http-check disable-on-404`")
         retries = last.get("retries", ["retries", "3"])
         retry_on = last.get("retry-on", ["retry-on", "conn-failure"])
         if int(retries[1]) < 1 or "conn-failure" not in retry_on[1:]:
@@ -202,10 +212,21 @@ def parse_haproxy(text: str) -> HAProxyConfig:
         for w in servers:
             words = [x for d in default_server for x in d[1:]] + w[3:]
             opts = {k: v for k, v in zip(words, [*words[1:], ""], strict=True)}
-            out = _haproxy_seconds(opts.get("inter", "2s")) * int(opts.get("fall", "3") or 3)
-            if out > 1.5:
-                cfg.problems.append(f"server {w[1]}: a dead replica stays in rotation ~{out:g} s "
-                                    "(inter x fall; want <= 1.5 s)")
+            inter = _haproxy_seconds(opts.get("inter", "2s"))
+            fall = int(opts.get("fall", "3") or 3)
+            if inter * fall > 1.5:
+                cfg.problems.append(f"server {w[1]}: a dead replica stays in rotation "
+                                    f"~{inter * fall:g} s (inter x fall; want <= 1.5 s)")
+            # A paused replica accepts the check's connect and never answers: each failed check
+            # costs inter + `timeout check` (inter alone when that is unset).
+            check = last.get("timeout check")
+            paused = (inter + (_haproxy_seconds(check[2]) if check else inter)) * fall
+            if paused > 2.0:
+                cfg.problems.append(f"server {w[1]}: a paused replica is marked down only after "
+                                    f"~{paused:g} s ((inter + timeout check) x fall; want <= 2 s)")
+            if opts.get("on-marked-down") != "shutdown-sessions":
+                cfg.problems.append(f"server {w[1]}: requests on a paused replica hang until "
+                                    "`timeout server`: add `on-marked-down shutdown-sessions`")
         server_timeout = last.get("timeout server", ["timeout", "server", "0"])
         if _haproxy_seconds(server_timeout[2]) < 60:
             cfg.problems.append("`timeout server` under 60 s cuts long streamed generations")

@@ -100,6 +100,9 @@ async def test_full_router_stream_refuses_with_503_and_nothing_diverges(
             # A full stream is a limit, not a hiccup: the server's answer is the reason (it is
             # not retried until --decision-append-timeout runs out).
             assert "maximum bytes exceeded" in view["last_error"], view
+            # To a balancer: alive, not ready (drain it, keep its streams), not down.
+            balancer = await h.get(r0 + "/ready/balancer")
+            assert balancer.status_code == 404 and balancer.json()["alive"] is True
             assert await metric(h, r0, "jetrouter_decisions_not_recorded_total") == 3
             assert await metric(h, r0, "jetrouter_decision_log_ok") == 0
             logged = cluster.children["r0"].log_path.read_text()
@@ -131,6 +134,7 @@ async def test_full_router_stream_refuses_with_503_and_nothing_diverges(
             await js.update_stream(info.config.evolve(max_bytes=-1))
             assert (await h.post(r0 + "/v1/completions", json=BODY)).status_code == 200
             assert (await h.get(r0 + "/ready")).status_code == 200
+            assert (await h.get(r0 + "/ready/balancer")).status_code == 200
             assert await metric(h, r0, "jetrouter_decision_log_ok") == 1
             await converged(h, cluster)
         finally:

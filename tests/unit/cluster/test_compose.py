@@ -70,8 +70,17 @@ MUTATIONS = [
                  id="lb-backend-missing"),
     pytest.param("deploy/haproxy.cfg", "server r2 r2:8000", "server r2 r2:9000",
                  "backend server r2:9000, but r2 listens on [8000]", id="lb-backend-wrong-port"),
-    pytest.param("deploy/haproxy.cfg", "option httpchk GET /ready", "option httpchk GET /health",
-                 "backend health check does not GET /ready", id="lb-checks-wrong-path"),
+    pytest.param("deploy/haproxy.cfg", "option httpchk GET /ready/balancer",
+                 "option httpchk GET /ready",
+                 "backend health check does not GET /ready/balancer", id="lb-checks-wrong-path"),
+    pytest.param("deploy/haproxy.cfg", "    http-check disable-on-404\n", "",
+                 "add `http-check disable-on-404`", id="lb-404-marks-down"),
+    pytest.param("deploy/haproxy.cfg", " on-marked-down shutdown-sessions", "",
+                 "server r2: requests on a paused replica hang until `timeout server`",
+                 id="lb-paused-replica-sessions-kept"),
+    pytest.param("deploy/haproxy.cfg", "timeout check 500ms", "timeout check 2s",
+                 "server r3: a paused replica is marked down only after ~4.5 s",
+                 id="lb-slow-check-timeout"),
     pytest.param("deploy/haproxy.cfg", "    option redispatch 1\n", "",
                  "retries stay on the failed replica", id="lb-no-redispatch"),
     pytest.param("compose.yaml", "nats2: {condition: service_healthy}",
@@ -264,8 +273,9 @@ def test_haproxy_defaults_are_inherited_and_overridden() -> None:
         "    http-request disable-l7-retry if METH_POST\n"
         "frontend f\n    bind *:9000  # comment\n    default_backend b\n"
         "backend b\n    timeout server 5m\n    compression algo gzip\n"
-        "    option httpchk\n    http-check send meth GET uri /ready\n"
-        "    default-server inter 250ms fall 2\n"
+        "    option httpchk\n    http-check send meth GET uri /ready/balancer\n"
+        "    http-check disable-on-404\n    timeout check 200ms\n"
+        "    default-server inter 250ms fall 2 on-marked-down shutdown-sessions\n"
         "    server a a:1 check\n    server c c:2\n")
     assert cfg.bind_ports == [9000]
     assert cfg.servers == [("a", 1), ("c", 2)]
