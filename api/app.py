@@ -94,6 +94,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     applied_seen: dict[tuple[str, str, str], int] = {}
     snapshots_seen = [0]
     replication_seen = [0.0]
+    unrecorded_seen = {"served": 0, "recorded_late": 0, "lost": 0}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -154,6 +155,15 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                            f"{MAX_SESSION_ID} characters.", param=SESSION_HEADER)
         return SessionRequest(header, "bind", cfg.session_ttl_secs)
 
+    def not_recorded(endpoint: str, exc: DecisionNotRecorded, request_id: str) -> Response:
+        metrics.rejections.labels(reason=Rejection.DECISION_NOT_RECORDED).inc()
+        metrics.count_request(endpoint, "rejected")
+        return error_response(
+            503, f"{exc}; this request was not served, retry it (on another replica if "
+            "one is available)", type="service_unavailable",
+            headers={**replica_headers(replica.replica_id, None, request_id),
+                     "retry-after": "1"})
+
     async def handle(endpoint: str, request: Request) -> Response:
         received, started = time.time(), time.perf_counter()
         raw = await request.body()
@@ -194,20 +204,13 @@ def create_app(replica: Replica, config: AppConfig | None = None,
             return error_response(503, str(exc), type="service_unavailable",
                                   headers=base_headers())
         except DecisionNotRecorded as exc:
-            metrics.rejections.labels(reason=Rejection.DECISION_NOT_RECORDED).inc()
-            metrics.count_request(endpoint, "rejected")
-            return error_response(
-                503, f"{exc}; this request was not served, retry it (on another replica if "
-                "one is available)", type="service_unavailable",
-                headers={**replica_headers(replica.replica_id, None, request_id),
-                         "retry-after": "1"})
+            return not_recorded(endpoint, exc, request_id)
         except AllWorkersBusy:
             metrics.rejections.labels(reason=Rejection.BUSY).inc()
             metrics.count_request(endpoint, "rejected")
             resp = overloaded_response()
             resp.headers.update(base_headers())
             return resp
-        metrics.observe_overhead(routed.timings)
         metrics.input_tokens.observe(routed.isl_tokens)
         if routed.total_blocks:
             metrics.kv_hit_rate.observe(routed.overlap_blocks / routed.total_blocks)
@@ -218,7 +221,12 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         closing = session is not None and session.action == "close"
         if session is not None and not closing and routed.sticky in ("open", "repin"):
             await engine_sessions.open(routed.worker_url, session.session_id)
-        resp = await forwarder.forward(endpoint, parsed, raw, routed, transfer)
+        try:
+            # Starts the engine request at once; answers once the decision is recorded.
+            resp = await forwarder.forward(endpoint, parsed, raw, routed, transfer)
+        except DecisionNotRecorded as exc:
+            return not_recorded(endpoint, exc, request_id)
+        metrics.observe_overhead(routed.timings)  # "record" is in by now, unless still retried
         if closing and routed.sticky == "pinned":  # the engine it was opened on
             engine_sessions.close_after(resp, routed.worker_url, session.session_id)
         if parsed.extra_fields:
@@ -314,7 +322,10 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     async def ready() -> Response:
         decisions = replica.decision_log.view(time.monotonic())
         if taking_requests(decisions):
-            return _json_response({"ready": True, "replica_id": replica.replica_id})
+            body: dict[str, object] = {"ready": True, "replica_id": replica.replica_id}
+            if decisions["unrecorded_for_s"] is not None:  # serving through an election
+                body["decision_log"] = decisions
+            return _json_response(body)
         return _json_response({"ready": False, "replica_id": replica.replica_id,
                                "lag": replica.lag(), "decision_log": decisions}, status=503)
 
@@ -374,6 +385,12 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                 metrics.breaker_state.labels(worker=w).set(replica.health_board.breaker_gauge(w))
         metrics.inflight.set(len(state.load))
         metrics.sticky_sessions.set(len(state.sessions))
+        decisions = replica.decision_log
+        for label, n in (("served", decisions.served_unrecorded),
+                         ("recorded_late", decisions.recorded_late), ("lost", decisions.lost)):
+            if n > unrecorded_seen[label]:
+                metrics.decisions_unrecorded.labels(state=label).inc(n - unrecorded_seen[label])
+                unrecorded_seen[label] = n
         metrics.decision_log_ok.set(0 if replica.decision_log.failing(time.monotonic()) else 1)
 
     app.include_router(admin_router(replica, cfg))

@@ -145,7 +145,12 @@ DURABILITY = Group(
            at_least=0),
     Option("decision-append-timeout", float, 15.0,
            "seconds a request waits for JetStream to acknowledge its routing decision (retries "
-           "included) before it is refused with 503", above=0),
+           "included) before it is refused with 503 (with a grace: the longest spell of "
+           "serving requests whose decisions are not acknowledged yet)", above=0),
+    Option("decision-record-grace", float, 1.0,
+           "seconds after which a request whose routing decision is neither acknowledged nor "
+           "refused is served anyway while the append is retried (a stream leader election); "
+           "0 waits for the acknowledgement (strict)", at_least=0),
     Option("stream-max-bytes", int,
            help="size limit of each stream in bytes (default: unlimited, or what the stream "
                 "already has); a full stream refuses appends (discard new)", above=0),

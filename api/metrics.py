@@ -97,6 +97,12 @@ class RouterMetrics:
             f"{p}_decisions_not_recorded",
             "Routing decisions JetStream refused or did not acknowledge in time; each one's "
             "request was answered 503 (reason: refused | timeout)", ["reason"], registry=reg)
+        self.decisions_unrecorded = Counter(
+            f"{p}_decisions_served_unrecorded",
+            "Requests served before JetStream acknowledged their routing decision (past "
+            "--decision-record-grace, e.g. during a stream leader election): state=served counts "
+            "them all, recorded_late those whose decision landed afterwards, lost those whose "
+            "append failed for good", ["state"], registry=reg)
         self.decision_log_ok = Gauge(
             f"{p}_decision_log_ok",
             "0 while recent routing decisions could not be recorded (/ready is 503), else 1",

@@ -101,7 +101,7 @@ async def run_chaos(scenarios: Sequence[str], t: Timing, data_dir: Path,
 # --- report --------------------------------------------------------------------------------
 
 HEADER = ("scenario", "victim", "ok", "failed", "in-flight@fault", "failed not in flight",
-          "events lost", "recovery s", "phantom gone s", "digests equal")
+          "events lost", "serving gap s", "recovery s", "phantom gone s", "digests equal")
 
 
 def _cells(r: ScenarioResult) -> list[str]:
@@ -111,9 +111,10 @@ def _cells(r: ScenarioResult) -> list[str]:
     phantom = (f"{r.phantom_cleared_s:.1f}" if r.phantom_cleared_s is not None
                else f"NO ({r.phantom_left} left)")
     digests = "yes" if r.digests_equal else ("no" if r.converged else "not converged")
+    gap = "-" if r.serving_gap_s is None else f"{r.serving_gap_s:.1f}"
     return [r.scenario, r.victim, str(r.requests_ok), str(r.requests_failed),
             str(r.in_flight_at_fault), str(r.failed_not_in_flight), str(r.events_lost),
-            recovery, phantom, digests]
+            gap, recovery, phantom, digests]
 
 
 def format_row(r: ScenarioResult) -> str:

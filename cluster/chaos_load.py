@@ -72,6 +72,11 @@ class LoadDriver:
     def ok_request_ids(self) -> set[str]:
         return {s.request_id for s in self.sent if s.ok and s.request_id}
 
+    def first_answer_after(self, t: float) -> float | None:
+        """When the first request sent at or after ``t`` was answered 200 (monotonic; None: no
+        such request): the end of the serving gap a fault at ``t`` opened."""
+        return min((s.ended for s in self.sent if s.ok and s.started >= t), default=None)
+
     def in_flight_during(self, start: float, end: float) -> list[Sent]:
         return [s for s in self.sent if s.in_flight_during(start, end)]
 

@@ -69,6 +69,10 @@ class ScenarioResult:
     stream_holes: dict[str, int] = field(default_factory=dict)
     acked_routed_missing: int = 0
     resume_s: float | None = None  # nats-kill: replicas applying new events while a node is down
+    # From the fault to the first answer (200) of a request sent after it: how long new
+    # requests went unserved (a request sent during a stream leader election waits for it
+    # unless --decision-record-grace lets it through).
+    serving_gap_s: float | None = None
     recovery_s: float | None = None
     phantom_cleared_s: float | None = None  # None: still there at the deadline
     phantom_left: int = 0
@@ -483,6 +487,9 @@ async def run_scenario(name: str, probe: Probe, follower: RouterFollower, t: Tim
         await asyncio.sleep(t.settle_s)  # steady load after recovery is part of the scenario
     finally:
         await load.stop()
+    answered = load.first_answer_after(res.fault_at or t_fault)
+    if answered is not None:
+        res.serving_gap_s = round(answered - (res.fault_at or t_fault), 2)
     t_stop = time.monotonic()
     bound = t.replica_timeout + t.phantom_slack
     cleared = await wait_for(lambda: _no_load(probe, baseline), bound, interval=0.25)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import nats.errors
 from nats.js import JetStreamContext
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -41,6 +42,7 @@ DEFAULT_LEDGER_RETENTION = 7 * 86400.0
 # How long the ledger may trail the stream to save transactions; the admin views read it, no
 # routing decision does.
 DEFAULT_BATCH_WINDOW = 0.1
+MAX_READ_RETRY_DELAY = 2.0  # a stream leader election lasts 4-9 s (design notes)
 
 
 class View(Protocol):
@@ -260,11 +262,14 @@ class ProjectionFeeder:
 
     async def _read(self, kind: str, start: int, queue: asyncio.Queue[Message | _Jump]) -> None:
         stream = self._names.stream(kind)
+        delay = self.retry_delay
         while True:
             reader = StreamReader(self._js, stream, start_seq=start)
             try:
                 async for seq, batch in reader:
                     await queue.put((seq, batch))
+                    start = seq + 1
+                    delay = self.retry_delay
                 return
             except StartPurged as exc:
                 log.warning("projection of %s: %s; the views lose that history", stream, exc)
@@ -273,12 +278,27 @@ class ProjectionFeeder:
                 start = exc.first_seq
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # connection closed for good: nothing more will arrive
-                log.exception("projection reader for %s stopped", stream)
-                self.stats[kind].failures.append(repr(exc))
+            except nats.errors.ConnectionClosedError as exc:  # closed for good: nothing more
+                log.warning("projection reader for %s stopped: the NATS connection is closed",
+                            stream)
+                self._remember(kind, exc)
                 return
+            except Exception as exc:
+                # A NATS server lost and the stream electing a leader makes consumer creation
+                # and stream info time out for seconds; the ledger must go on after it, from
+                # the next message it has not queued yet.
+                log.warning("projection reader for %s: %r; reading again from %d in %.2fs",
+                            stream, exc, start, delay)
+                self._remember(kind, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, MAX_READ_RETRY_DELAY)
             finally:
                 await reader.close()
+
+    def _remember(self, kind: str, exc: BaseException) -> None:
+        failures = self.stats[kind].failures
+        failures.append(repr(exc))
+        del failures[:-20]
 
     async def _write(self, kind: str, queue: asyncio.Queue[Message | _Jump]) -> None:
         window = self.batch_window if kind in self.batched_kinds else 0.0

@@ -13,6 +13,10 @@ decisions, both ``RequestRouted`` events on the router stream (replicas/core/dis
 2. the **decode decision**, under the request's own id: the chosen engine receives the handle in
    the forwarded body (``"jetrouter": {"kv_transfer": ...}``) and streams the answer.
 
+The prefill engine is called while the prefill decision's append is on its way; its answer is
+used only once the decision is recorded (``Replica.recorded``): a refused one ends the hop
+``not_routed`` and the request is answered 503, like a refused decode decision.
+
 If no prefill engine can take the request (none registered and healthy, all busy) or the prefill
 hop fails (refused connection, 5xx, a malformed answer), the request falls back to aggregated
 serving on a decode engine, as Dynamo's router does. A client that goes away during the prefill
@@ -112,7 +116,14 @@ class PrefillRouter:
         """Run the prefill hop; its handle, or None (hop ended as ``error``) when it failed."""
         outcome, cached = Outcome.CANCELLED, -1
         try:
-            answer = await self._call(pre, req)
+            try:
+                answer = await self._call(pre, req)  # while the decision's append is acked
+            finally:
+                try:
+                    await self.replica.recorded(pre)
+                except DecisionNotRecorded:
+                    outcome = Outcome.NOT_ROUTED  # the request is answered 503
+                    raise
             transfer = answer.get(TRANSFER_KEY)
             if not isinstance(transfer, dict):
                 raise PrefillFailed(PrefillProblem.BAD_ANSWER,

@@ -1,10 +1,14 @@
 """One client request through all its hops: the hop lifecycle and the migration policy.
 
 Everything a hop does on the router stream happens here, in three methods: :meth:`Run._start_hop`
-(the routing decision is already appended), :meth:`Run._first_token` (``PrefillCompleted``, once)
-and :meth:`Run._end_hop` (exactly one ``RequestFinished``, so the load the hop charged is freed
-whatever happens). When an engine fails a hop, :meth:`Run._next_hop` is the whole migration
-policy: the limit, the engines excluded, the hop id, and how the failed hop ends.
+(the routing decision is already submitted), :meth:`Run._first_token` (``PrefillCompleted``,
+once) and :meth:`Run._end_hop` (exactly one ``RequestFinished``, so the load the hop charged is
+freed whatever happens). A hop's engine request starts while its decision's append is still on
+its way to JetStream; :meth:`Run._open` waits for the decision only once the engine answered, so
+nothing reaches the client before the decision is recorded (or served through an election), and
+a refused decision cancels the engine request (``not_routed``). When an engine fails a hop,
+:meth:`Run._next_hop` is the whole migration policy: the limit, the engines excluded, the hop id,
+and how the failed hop ends.
 """
 
 from __future__ import annotations
@@ -35,7 +39,13 @@ from api.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from eventlog.events import Outcome
 from eventlog.names import hop_request_id
 from replicas.core.load import output_blocks
-from replicas.runtime.replica import Replica, Routed, RouteRequest, RoutingError
+from replicas.runtime.replica import (
+    DecisionNotRecorded,
+    Replica,
+    Routed,
+    RouteRequest,
+    RoutingError,
+)
 
 log = logging.getLogger("jetrouter.forward")
 
@@ -118,7 +128,7 @@ class Run:
     # --- a hop's lifecycle on the router stream -------------------------------------------------
 
     def _start_hop(self, routed: Routed, plan: HopPlan) -> Hop:
-        """The hop's decision is on the stream already (``Replica.route`` appended it)."""
+        """The hop's decision is on its way to the stream (``Replica.route`` submitted it)."""
         self.plan = plan
         return self.cont.start_hop(routed, plan)
 
@@ -211,17 +221,32 @@ class Run:
     # --- hops -----------------------------------------------------------------------------------
 
     async def _open(self) -> EarlyAnswer | None:
-        """Open hops until one answers 200 (None, ``self.resp`` set), or return the answer the
-        client gets instead: an engine's 4xx, or our 502."""
+        """Open hops until one answers 200 and its decision is recorded (None, ``self.resp``
+        set), or return the answer the client gets instead: an engine's 4xx, or our 502.
+        Raises :class:`DecisionNotRecorded` when JetStream refused the hop's decision: the
+        engine request is closed (cancelled) and the hop ended ``not_routed``."""
         while True:
-            url = self.hop.routed.worker_url.rstrip("/") + self.plan.path
+            hop = self.hop
+            record = hop.routed.record
+            if record is not None and record.refused:  # known before the engine is asked
+                self._refused(hop)
+                await self.ctx.replica.recorded(hop.routed)  # raises DecisionNotRecorded
+            url = hop.routed.worker_url.rstrip("/") + self.plan.path
             try:
                 resp = await open_upstream(self.ctx.pool, url, self.plan.body,
-                                           self.hop.request_id)
+                                           hop.request_id)
             except HopFailed as failure:
                 if await self._next_hop(failure):
                     continue
                 return 502, upstream_error_body(self.give_up or ""), "application/json"
+            try:
+                # Usually acknowledged already: the append ran while the engine answered.
+                await self.ctx.replica.recorded(hop.routed)
+            except BaseException as exc:
+                resp.close()  # the engine sees its client go and cancels the request
+                if isinstance(exc, DecisionNotRecorded):
+                    self._refused(hop)
+                raise
             if resp.status_code == 200:
                 self.resp = resp
                 return None
@@ -237,10 +262,27 @@ class Run:
             self._end_hop(self.hop, Outcome.ERROR)
             return resp.status_code, body, resp.headers.get("content-type", "application/json")
 
+    def _refused(self, hop: Hop) -> None:
+        """JetStream refused ``hop``'s decision: the hop ends ``not_routed`` (its finish follows
+        the decision on the subject, closing it wherever it did land)."""
+        self._end_hop(hop, Outcome.NOT_ROUTED)
+
+    async def _open_next(self) -> EarlyAnswer | None:
+        """:meth:`_open` for a hop after the client has seen the response start: a refused
+        decision ends the request with an error event instead of a 503."""
+        try:
+            return await self._open()
+        except DecisionNotRecorded as exc:
+            self.give_up = f"the request could not continue on another engine: {exc}"
+            return 503, b"", ""
+
     async def open_first(self) -> Response | None:
         """Open the first working hop; a Response when the request ends before streaming."""
         try:
             early = await self._open()
+        except DecisionNotRecorded:
+            self.request_done = True  # counted by its caller, as a rejection (nothing was sent)
+            raise
         except BaseException:
             self._end_hop(self.hop, Outcome.CANCELLED)
             self._end_request(Outcome.CANCELLED)
@@ -284,7 +326,7 @@ class Run:
                     return
                 early: EarlyAnswer | None
                 if await self._next_hop(failure):
-                    early = await self._open()
+                    early = await self._open_next()
                 else:
                     early = 502, b"", ""
                 if early is not None:

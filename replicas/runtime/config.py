@@ -42,6 +42,10 @@ class ReplicaConfig:
     # Longest a request waits for its routing decision to be acknowledged (retries included)
     # before it is refused with 503; covers a stream leader election after a NATS node loss.
     decision_append_timeout: float = 15.0
+    # A request whose decision is neither acknowledged nor refused this long is served anyway,
+    # its append retried under the same msg id (a stream leader election); 0: wait for the
+    # acknowledgement up to decision_append_timeout, else 503 (replicas/runtime/decision_log.py).
+    decision_record_grace: float = 1.0
     stream_max_bytes: int | None = None  # per stream; None leaves the streams' limit as it is
     # Credentials and TLS (eventlog/connect.py); its servers are ignored: nats_url names them.
     nats: NatsOptions = field(default_factory=NatsOptions)

@@ -1,11 +1,13 @@
-"""The request dispatcher: decide → count in the overlay → append the decision → hand back.
+"""The request dispatcher: decide → count in the overlay → submit the decision's append → hand back.
 
-Routing decisions are appended to the router stream before the request is proxied, so a replica
-killed mid-request leaves a trace every peer can account for (design.md §7). A decision counts
-in this replica's load at once (`replicas.core.overlay`) and is reconciled when it comes back
-from the stream, when JetStream refuses it, or when the request finishes first. With a queue
-threshold, requests wait in the router queue while every worker is busy and are released in
-policy order as load frees up.
+Routing decisions are appended to the router stream before anything of the request reaches its
+client, so a replica killed mid-request leaves a trace every peer can account for (design.md
+§7). `route` does not wait for the append: the request goes to its engine at once and waits for
+its decision (`recorded`, `replicas.runtime.decision_log`) only before it answers the client. A
+decision counts in this replica's load at once (`replicas.core.overlay`) and is reconciled when
+it comes back from the stream, when JetStream refuses it, or when the request finishes first.
+With a queue threshold, requests wait in the router queue while every worker is busy and are
+released in policy order as load frees up.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from eventlog import events as ev
-from eventlog.appender import AppendFailed
 from eventlog.names import ROUTER
 from replicas.core import disagg
 from replicas.core.candidates import (
@@ -37,45 +38,15 @@ from replicas.core.selection import BusyThresholds, Candidate, Decision, Overloa
 from replicas.core.sticky import SessionRequest, StickyOverlay, session_events, sticky_target
 from replicas.runtime.background import Background
 from replicas.runtime.config import ReplicaConfig
+from replicas.runtime.decision_log import (
+    DecisionLog,
+    DecisionLogHealth,
+    DecisionRecord,
+    describe,
+)
 from replicas.runtime.port import ReplicaPort
 
 log = logging.getLogger("jetrouter.replica")
-
-
-class DecisionNotRecorded(RoutingError):
-    """JetStream refused the routing decision's append or did not ack it in time: the request
-    is not served (docs/design-notes.md, "when JetStream says no")."""
-
-    def __init__(self, request_id: str, cause: BaseException) -> None:
-        super().__init__(f"the routing decision could not be recorded ({describe(cause)})")
-        self.request_id = request_id
-        self.cause = cause
-
-
-def describe(exc: BaseException) -> str:
-    cause = getattr(exc, "cause", None) or exc  # AppendFailed carries the server's answer
-    if isinstance(cause, TimeoutError):
-        return "no acknowledgement from JetStream in time"
-    text = str(cause).strip() or type(cause).__name__
-    return f"{type(cause).__name__}: {text}"[:300]
-
-
-@dataclass(slots=True)
-class DecisionLogHealth:
-    """What /ready, metrics and logs say about recording routing decisions on this replica."""
-
-    failures: int = 0          # decisions refused or timed out since start
-    last_error: str | None = None
-    last_failure_at: float | None = None  # time.monotonic()
-    failing_since: float | None = None    # wall time of the first failure of the current run
-    recent_window: float = 5.0  # seconds a failure keeps /ready at 503 without a success
-
-    def failing(self, now: float) -> bool:
-        return self.last_failure_at is not None and now - self.last_failure_at < self.recent_window
-
-    def view(self, now: float) -> dict[str, object]:
-        return {"ok": not self.failing(now), "failures": self.failures,
-                "last_error": self.last_error, "failing_since": self.failing_since}
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +84,8 @@ class Routed:
     session_events: list[ev.Event] = field(default_factory=list)
     sticky: str | None = None  # "pinned" (went to its session's engine), "open", "repin"
     session: SessionRequest | None = None  # the request's session, for its migrated hops
+    # The decision's append (Dispatcher.recorded waits for it); None: nothing to wait for.
+    record: DecisionRecord | None = None
 
 
 _Queued = tuple[RouteRequest, "asyncio.Future[Routed]"]
@@ -127,12 +100,12 @@ class Dispatcher:
         self.selector = Selector(config.routing)
         self.overlay = Overlay()
         self.sticky = StickyOverlay()  # pins routed here and not yet applied from the stream
-        self.decision_log = DecisionLogHealth()
+        self.decisions = DecisionLog(port.replica_id, grace=config.decision_record_grace,
+                                     timeout=config.decision_append_timeout,
+                                     settle=self.settle)
         # Set when the load may have dropped (a router or control event applied): the queue
         # dispatcher re-judges then.
         self.load_changed = asyncio.Event()
-        # (reason) -> None: the HTTP layer's counter of decisions JetStream did not take.
-        self.on_decision_refused: Callable[[str], None] | None = None
         self._queue: RequestQueue[_Queued] = RequestQueue(config.queue_policy)
         # Output counts waiting to be appended as OutputProgress, per request: one append in
         # flight per request at a time, carrying the newest count when it goes.
@@ -148,6 +121,19 @@ class Dispatcher:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+
+    @property
+    def decision_log(self) -> DecisionLogHealth:
+        return self.decisions.health
+
+    @property
+    def on_decision_refused(self) -> Callable[[str], None] | None:
+        """(reason) -> None: the HTTP layer's counter of decisions JetStream did not take."""
+        return self.decisions.on_refused
+
+    @on_decision_refused.setter
+    def on_decision_refused(self, hook: Callable[[str], None] | None) -> None:
+        self.decisions.on_refused = hook
 
     # --- deciding --------------------------------------------------------------------------
 
@@ -238,7 +224,8 @@ class Dispatcher:
     # --- routing ---------------------------------------------------------------------------
 
     async def route(self, req: RouteRequest) -> Routed:
-        """Decide, count the decision in our load at once, append it, hand back the worker."""
+        """Decide, count the decision in our load at once, submit its append and hand back the
+        worker without waiting for the acknowledgement (:meth:`recorded` waits for it)."""
         if self.config.queue_threshold is not None and self._must_queue(req):
             fut: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
             self._queue.push((req, fut), arrival=time.monotonic(),
@@ -257,54 +244,30 @@ class Dispatcher:
             if req.session is not None:
                 await self._catch_up_router()
             routed = self._prepare(req)
+        # Submitted now, in this order, so nothing of this request precedes its decision on
+        # the subject; acknowledged while the request is on its way to the engine.
+        port = self.port
+        events = [routed.event, *routed.session_events]
         recording = time.perf_counter()
-        try:
-            # A timeout scope rather than wait_for: no extra task per routed request.
-            async with asyncio.timeout(self.config.decision_append_timeout):
-                await self._append([routed.event, *routed.session_events]
-                                   if routed.session_events else routed.event,
-                                   f"{req.request_id}.routed")
-        except (AppendFailed, TimeoutError) as exc:
-            self.settle(req.request_id)  # the overlay must not keep what the log refused
-            self._decision_refused(req.request_id, exc)
-            raise DecisionNotRecorded(req.request_id, exc) from exc
-        except BaseException:
-            self.settle(req.request_id)
-            raise
-        # Time for JetStream to acknowledge the decision (not part of "total", the decision).
-        routed.timings["record"] = time.perf_counter() - recording
-        if self.decision_log.last_failure_at is not None:
-            log.warning("replica %s records routing decisions again (after %d refused)",
-                        self.port.replica_id, self.decision_log.failures)
-            self.decision_log.last_failure_at = None
-            self.decision_log.failing_since = None
+        future = port.submit(port.names.router_subject(port.replica_id), events,
+                             f"{req.request_id}.routed")
+        routed.record = self.decisions.track(req.request_id, future)
+        timings = routed.timings
+
+        def acknowledged(f: asyncio.Future[int]) -> None:
+            # Time for JetStream to acknowledge the decision (not part of "total", the decision).
+            if not f.cancelled() and f.exception() is None:
+                timings["record"] = time.perf_counter() - recording
+
+        future.add_done_callback(acknowledged)
         return routed
 
-    def _decision_refused(self, request_id: str, exc: BaseException) -> None:
-        """Count and log a decision JetStream did not take, and make sure it never counts:
-        an append that timed out may still land later, so a RequestFinished follows it (same
-        subject and connection, hence after it on the stream); if the decision never landed,
-        that finish is a no-op for every replica."""
-        health = self.decision_log
-        why = describe(exc)
-        reason = "timeout" if isinstance(exc, TimeoutError) or isinstance(
-            getattr(exc, "cause", None), TimeoutError) else "refused"
-        health.failures += 1
-        health.last_error = why
-        health.last_failure_at = time.monotonic()
-        rid = self.port.replica_id
-        if health.failing_since is None:
-            health.failing_since = time.time()
-            log.error("replica %s: JetStream did not take the routing decision of %s (%s); "
-                      "refusing requests with 503 until it does", rid, request_id, why)
-        else:
-            log.warning("replica %s: routing decision of %s not recorded (%s)", rid,
-                        request_id, why)
-        if self.on_decision_refused is not None:
-            self.on_decision_refused(reason)
-        self._background.spawn(self._append(
-            ev.RequestFinished(request_id, ev.Outcome.NOT_ROUTED, 0, time.time()),
-            f"{request_id}.finished"))
+    async def recorded(self, routed: Routed) -> None:
+        """Until ``routed``'s decision is recorded, or served unrecorded past the grace (an
+        election); raises :class:`DecisionNotRecorded` when JetStream refused it. Its caller
+        must then send nothing to the client and end the request as ``not_routed``."""
+        if routed.record is not None:
+            await self.decisions.wait(routed.record)
 
     def prefill_completed(self, request_id: str) -> None:
         self._append_later(ev.PrefillCompleted(request_id, time.time()))

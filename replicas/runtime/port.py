@@ -6,6 +6,7 @@ and a test can stand a real `RouterState` and a real appender behind it without 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Protocol
 
 from eventlog import events as ev
@@ -40,6 +41,13 @@ class ReplicaPort(Protocol):
         """Append one event (or several, as one message: they apply together) to a stream
         subject; the stream's sequence number. ``msg_id`` None: a fresh one (no deduplication
         against earlier appends)."""
+        ...
+
+    def submit(self, subject: str, events: list[ev.Event],
+               msg_id: str) -> asyncio.Future[int]:
+        """Queue ``events`` for one append now, in call order with every other event queued on
+        ``subject``, and hand back the future of its sequence without waiting (a routing
+        decision's append runs while its request goes to the engine)."""
         ...
 
     async def stream_end(self, kind: str) -> int:

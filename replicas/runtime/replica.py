@@ -42,13 +42,8 @@ from replicas.core.selection import BusyThresholds
 from replicas.core.state import RouterState
 from replicas.runtime.background import Background
 from replicas.runtime.config import ReplicaConfig
-from replicas.runtime.dispatcher import (
-    DecisionLogHealth,
-    DecisionNotRecorded,
-    Dispatcher,
-    Routed,
-    RouteRequest,
-)
+from replicas.runtime.decision_log import DecisionLogHealth, DecisionNotRecorded
+from replicas.runtime.dispatcher import Dispatcher, Routed, RouteRequest
 from replicas.runtime.follower import StreamFollower
 from replicas.runtime.leader import Leader
 from replicas.runtime.liveness import Liveness
@@ -133,6 +128,16 @@ class Replica:
             return max(seqs)
         mid = msg_id or f"{self.replica_id}.{time.time_ns()}.{self.rng.getrandbits(32)}"
         return await self.log.append(subject, event if isinstance(event, list) else [event], mid)
+
+    def submit(self, subject: str, events: list[ev.Event],
+               msg_id: str) -> asyncio.Future[int]:
+        """Queue ``events`` now (as one message where they fit) and hand back the future of
+        their append without waiting: on our group-committed router subject the message's own
+        id is used; elsewhere ``msg_id``."""
+        if self.router_log is not None and subject == self.router_log.subject:
+            futures = [self.router_log.submit(e) for e in events]
+            return futures[0] if len(futures) == 1 else _joined(futures)
+        return asyncio.ensure_future(self.append(subject, events, msg_id))
 
     async def stream_end(self, kind: str) -> int:
         assert self.log is not None
@@ -411,8 +416,15 @@ class Replica:
     # --- requests ------------------------------------------------------------------------------
 
     async def route(self, req: RouteRequest) -> Routed:
-        """Decide, count the decision in our load at once, append it, hand back the worker."""
+        """Decide, count the decision in our load at once, submit its append, hand back the
+        worker; :meth:`recorded` waits for the append before the client sees anything."""
         return await self.dispatcher.route(req)
+
+    async def recorded(self, routed: Routed) -> None:
+        """Raises ``DecisionNotRecorded`` when JetStream refused the decision (then nothing may
+        reach the client and the request ends ``not_routed``); returns once it is recorded or
+        served unrecorded through a stream leader election."""
+        await self.dispatcher.recorded(routed)
 
     def prefill_completed(self, request_id: str) -> None:
         self.dispatcher.prefill_completed(request_id)
@@ -438,3 +450,26 @@ class Replica:
         seq = await self.append(self.names.control_subject("snapshot-threshold"),
                                 ev.SnapshotThresholdSet(threshold, time.time()), None)
         await self.wait_applied(CONTROL, seq)
+
+
+def _joined(futures: list[asyncio.Future[int]]) -> asyncio.Future[int]:
+    """One future for several appends: the highest sequence once all are in, or the first
+    failure."""
+    joined: asyncio.Future[int] = futures[0].get_loop().create_future()
+    seqs: list[int] = []
+
+    def one_done(f: asyncio.Future[int]) -> None:
+        if joined.done():
+            return
+        if f.cancelled():
+            joined.set_exception(asyncio.CancelledError())
+        elif (exc := f.exception()) is not None:
+            joined.set_exception(exc)
+        else:
+            seqs.append(f.result())
+            if len(seqs) == len(futures):
+                joined.set_result(max(seqs))
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    return joined

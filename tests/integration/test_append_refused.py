@@ -1,5 +1,6 @@
-"""When JetStream says no to a routing decision: the request is refused with 503, the refusal is
-visible in /ready, Prometheus metrics and the log, the decision exists in no replica's state
+"""When JetStream says no to a routing decision: the request is refused with 503 (the engine
+request it started meanwhile is cancelled), the refusal is visible in /ready, Prometheus metrics
+and the log, the decision exists in no replica's state
 (the deciding replica's optimistic overlay dropped it), and replicas stay equal.
 
 Real processes on real nats-servers: a router stream that is full (a byte limit with "discard
@@ -89,9 +90,20 @@ async def test_full_router_stream_refuses_with_503_and_nothing_diverges(
             # Full: not one more byte fits.
             await js.update_stream(info.config.evolve(max_bytes=max(info.state.bytes, 1)))
             last_seq = info.state.last_seq
+            engine = cluster.worker_urls[0]
+            served = await metric(h, engine, 'jetrouter_worker_requests_total{endpoint="'
+                                  'completions",outcome="ok"}')
             refused = []
+            long_body = {**BODY, "max_tokens": 400}  # still running when the refusal is known
             for _ in range(3):
-                refused.append(assert_refused(await h.post(r0 + "/v1/completions", json=BODY)))
+                # The engine request starts while the decision is on its way to JetStream.
+                refused.append(assert_refused(await h.post(r0 + "/v1/completions",
+                                                           json=long_body)))
+            # ...and is cancelled when JetStream refuses it: the engine served none of them.
+            await until(lambda: metric(h, engine, "jetrouter_worker_http_requests_in_flight"),
+                        lambda n: n == 0, what="engine requests cancelled")
+            assert await metric(h, engine, 'jetrouter_worker_requests_total{endpoint="'
+                                'completions",outcome="ok"}') == served
             # Visible: /ready, metrics, admin state, the log.
             ready = await h.get(r0 + "/ready")
             assert ready.status_code == 503
@@ -147,11 +159,12 @@ async def test_full_router_stream_refuses_with_503_and_nothing_diverges(
 async def test_lost_quorum_refuses_after_the_timeout_and_recovers(
         tmp_path: Path) -> None:
     """A 3-node NATS cluster with two nodes SIGKILLed: the R3 router stream cannot commit, so
-    decisions time out (--decision-append-timeout) and are refused; once the nodes are back,
-    decisions are recorded again and the replicas agree."""
+    decisions time out (--decision-append-timeout, strict: no --decision-record-grace) and are
+    refused; once the nodes are back, decisions are recorded again and the replicas agree."""
     async with LocalCluster(replicas=2, workers=1, data_dir=tmp_path, namespace="nq",
                             nats_cluster=3,
-                            router_args=["--decision-append-timeout", "2"]) as c:
+                            router_args=["--decision-append-timeout", "2",
+                                         "--decision-record-grace", "0"]) as c:
         r0 = c.router_urls[0]
         async with httpx.AsyncClient(timeout=30) as h:
             await until(lambda: states(h, c), lambda ss: all(s["workers"] == 1 for s in ss),

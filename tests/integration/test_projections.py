@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from eventlog import events as ev
 from eventlog.appender import Appender
 from eventlog.names import CONTROL, KV, ROUTER, Names, split_hop
+from eventlog.streams import ensure_streams
 from snapshots.db import Tracking, default_url
 from snapshots.projections import ProjectionFeeder, Projections
 from tests.waiting import until
@@ -445,3 +446,31 @@ async def test_an_older_database_gains_the_new_columns(tmp_path: Path) -> None:
 
 def _fields(e: ev.RequestRouted) -> dict[str, Any]:
     return {f: getattr(e, f) for f in e.__struct_fields__}
+
+
+async def test_feeder_started_while_nats_is_away_reads_once_it_is_back(
+    tmp_path: Path, nats_server: Any, nats_connect: Any
+) -> None:
+    """The ledger keeps following after JetStream was unreachable when its reader (re)started:
+    a NATS server lost makes stream info and consumer creation time out for seconds, and the
+    projector child must go on after it rather than stop for good."""
+    names = Names("jr")
+    nc = await nats_connect(nats_server.url)
+    context = nc.jetstream(timeout=1.0)
+    await ensure_streams(context, names)
+    appender = Appender(context)
+    await appender.append(names.router_subject("r1"), [routed("before", 1.0)], "m-before")
+
+    nats_server.kill()
+    p = await opened(tmp_path / "a")
+    feeder = ProjectionFeeder(context, names, p, retry_delay=0.05)
+    await feeder.start()
+    try:
+        await until(lambda: feeder.stats[ROUTER].failures, bool, what="a failed read")
+        nats_server.restart(timeout=60, graceful=False)
+        await until(lambda: p.request("before"), lambda v: v is not None, timeout=60)
+        await appender.append(names.router_subject("r1"), [routed("after", 2.0)], "m-after")
+        await until(lambda: p.request("after"), lambda v: v is not None, timeout=60)
+    finally:
+        await feeder.stop()
+        await p.close()

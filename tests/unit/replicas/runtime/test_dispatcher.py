@@ -1,10 +1,13 @@
 """The request dispatcher on its own, behind a port with a real RouterState and a recording
-appender (no NATS): decide → count in the overlay → append; the stream reconciles; a refused
-append is a `DecisionNotRecorded`, never counted, followed by a `not_routed` finish."""
+appender (no NATS): decide → count in the overlay → submit the append; the stream reconciles; a
+refused append is a `DecisionNotRecorded` from `recorded`, never counted; an append neither
+acknowledged nor refused within the grace is served and lands later, exactly once."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 
 import pytest
 
@@ -15,7 +18,9 @@ from replicas.core.routing_errors import NoWorkers
 from replicas.core.state import RouterState, StateConfig
 from replicas.runtime.background import Background
 from replicas.runtime.config import ReplicaConfig
-from replicas.runtime.dispatcher import DecisionNotRecorded, Dispatcher, RouteRequest
+from replicas.runtime.decision_log import DecisionNotRecorded
+from replicas.runtime.dispatcher import Dispatcher, RouteRequest
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(10)
 BS = 16
@@ -53,6 +58,11 @@ class Port:
     def append_later(self, subject: str, event: ev.Event) -> None:
         self.appended.append((subject, event, None))
 
+    def submit(self, subject: str, events: list[ev.Event],
+               msg_id: str) -> asyncio.Future[int]:
+        return asyncio.ensure_future(
+            self.append(subject, events[0] if len(events) == 1 else events, msg_id))
+
     async def wait_ready(self, timeout: float | None = None) -> None:
         return None
 
@@ -60,9 +70,9 @@ class Port:
         return None
 
 
-def _dispatcher(port: Port) -> tuple[Dispatcher, Background]:
+def _dispatcher(port: Port, **flags: float) -> tuple[Dispatcher, Background]:
     bg = Background()
-    cfg = ReplicaConfig("r1", "", state=StateConfig(block_size=BS), seed=1)
+    cfg = ReplicaConfig("r1", "", state=StateConfig(block_size=BS), seed=1, **flags)
     return Dispatcher(port, cfg, random.Random(1), bg), bg
 
 
@@ -72,6 +82,8 @@ async def test_a_decision_counts_at_once_and_until_the_stream_has_it() -> None:
     d, _ = _dispatcher(port)
     routed = await d.route(RouteRequest("q1", "m", TOKENS))
     assert (routed.worker_id, routed.worker_url, routed.total_blocks) == ("w", "http://w", 4)
+    await d.recorded(routed)
+    assert "record" in routed.timings
     subject, event, msg_id = port.appended[-1]
     assert subject == "jr.router.r1" and msg_id == "q1.routed" and event == routed.event
     assert d.pending_decisions() == 1
@@ -88,28 +100,93 @@ async def test_a_decision_counts_at_once_and_until_the_stream_has_it() -> None:
 async def test_a_refused_decision_is_not_counted_and_is_closed_as_not_routed() -> None:
     port = Port()
     port.state.apply(KV, 1, [ev.WorkerRegistered("w", "http://w", "m", BS, 1000, 8192, 1.0)])
-    d, bg = _dispatcher(port)
+    d, _ = _dispatcher(port)
     refused: list[str] = []
     d.on_decision_refused = refused.append
     port.refuse = True
+    routed = await d.route(RouteRequest("q1", "m", TOKENS))
+    assert d.pending_decisions() == 1  # counted until JetStream answers
     with pytest.raises(DecisionNotRecorded, match="maximum bytes exceeded"):
-        await d.route(RouteRequest("q1", "m", TOKENS))
+        await d.recorded(routed)
     assert d.pending_decisions() == 0 and d.overlay.prefill_tokens(("w", 0)) == 0
     assert refused == ["refused"] and d.decision_log.failures == 1
+    assert port.appended == []
+    # Its owner (the forwarder) ends it: the not_routed finish follows on the same subject.
     port.refuse = False
-    await bg.wait(timeout=5)
-    (_, finish, msg_id), = port.appended
+    d.finished("q1", "not_routed", 0)
+    (_, finish, _), = port.appended
     assert isinstance(finish, ev.RequestFinished) and finish.outcome == "not_routed"
-    assert msg_id == "q1.finished"
-    await d.route(RouteRequest("q2", "m", TOKENS))  # recorded again: the failure run ends
+    await d.recorded(await d.route(RouteRequest("q2", "m", TOKENS)))  # the failure run ends
     assert d.decision_log.last_failure_at is None
+
+
+class SlowPort(Port):
+    """Holds every RequestRouted append until the test opens the gate (an election)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def append(self, subject: str, event: ev.Event | list[ev.Event],
+                     msg_id: str | None) -> int:
+        if isinstance(event, ev.RequestRouted):
+            await self.gate.wait()
+        return await super().append(subject, event, msg_id)  # type: ignore[arg-type]
+
+
+async def test_a_slow_decision_is_served_after_the_grace_and_lands_once_later() -> None:
+    port = SlowPort()
+    port.state.apply(KV, 1, [ev.WorkerRegistered("w", "http://w", "m", BS, 1000, 8192, 1.0)])
+    d, _ = _dispatcher(port, decision_record_grace=0.05, decision_append_timeout=60.0)
+    first = await d.route(RouteRequest("q1", "m", TOKENS))
+    await d.recorded(first)  # returns past the grace: served, the append still waiting
+    health = d.decision_log
+    assert health.served_unrecorded == 1 and health.unrecorded_since is not None
+    assert health.view(0.0)["ok"] is True  # not refusing: /ready stays up
+    # In the spell a later decision does not wait the grace again (it queues behind).
+    await d.recorded(await d.route(RouteRequest("q2", "m", TOKENS)))
+    assert health.served_unrecorded == 2 and port.appended == []
+    assert d.pending_decisions() == 2  # still counted here until the stream has them
+    port.gate.set()  # the election is over: each lands, once
+    await until(lambda: health.recorded_late, lambda n: n == 2)
+    # (this stand-in port keeps no order; the group commit does: tests/integration)
+    assert sorted((e.request_id, mid) for _, e, mid in port.appended) == [("q1", "q1.routed"),
+                                                                          ("q2", "q2.routed")]
+    assert health.unrecorded_since is None and health.lost == 0 and health.failures == 0
+
+
+async def test_strict_mode_refuses_a_decision_not_acknowledged_in_time() -> None:
+    port = SlowPort()
+    port.state.apply(KV, 1, [ev.WorkerRegistered("w", "http://w", "m", BS, 1000, 8192, 1.0)])
+    d, _ = _dispatcher(port, decision_record_grace=0.0, decision_append_timeout=0.05)
+    routed = await d.route(RouteRequest("q1", "m", TOKENS))
+    with pytest.raises(DecisionNotRecorded, match="in time"):
+        await d.recorded(routed)
+    assert d.pending_decisions() == 0 and d.decision_log.served_unrecorded == 0
+    port.gate.set()
+    await until(lambda: port.appended, lambda a: len(a) == 1)  # landed late: the finish closes it
+
+
+async def test_a_spell_longer_than_the_timeout_turns_back_to_refusals() -> None:
+    port = SlowPort()
+    port.state.apply(KV, 1, [ev.WorkerRegistered("w", "http://w", "m", BS, 1000, 8192, 1.0)])
+    d, _ = _dispatcher(port, decision_record_grace=0.02, decision_append_timeout=0.1)
+    await d.recorded(await d.route(RouteRequest("q1", "m", TOKENS)))  # served: the spell starts
+    spell = d.decision_log.unrecorded_since
+    assert spell is not None
+    await until(time.monotonic, lambda now: now - spell > 0.1)
+    with pytest.raises(DecisionNotRecorded):
+        await d.recorded(await d.route(RouteRequest("q2", "m", TOKENS)))
+    assert d.decision_log.failures == 1 and d.decision_log.served_unrecorded == 1
+    port.gate.set()
+    await until(lambda: d.decision_log.unrecorded_since, lambda s: s is None)
 
 
 async def test_finishing_first_reconciles_and_appends_the_finish() -> None:
     port = Port()
     port.state.apply(KV, 1, [ev.WorkerRegistered("w", "http://w", "m", BS, 1000, 8192, 1.0)])
     d, bg = _dispatcher(port)
-    await d.route(RouteRequest("q1", "m", TOKENS))
+    await d.recorded(await d.route(RouteRequest("q1", "m", TOKENS)))
     d.finished("q1", "ok", 12)
     assert d.pending_decisions() == 0
     await bg.wait(timeout=5)

@@ -148,8 +148,9 @@ async def test_a_decision_the_log_refuses_is_not_served_and_does_not_count(
     replica = await start_replica("r1")
     await log.ensure_streams(NAMES, max_bytes=0, kinds=(ROUTER,))  # the router stream is full
 
+    routed = await replica.route(RouteRequest("q1", MODEL, PROMPT))
     with pytest.raises(DecisionNotRecorded):
-        await replica.route(RouteRequest("q1", MODEL, PROMPT))
+        await replica.recorded(routed)
 
     assert replica.pending_decisions() == 0
     assert replica.decision_log.failures == 1
