@@ -21,7 +21,8 @@ to the decode engine's first token; ITL is measured on every run.
 So a gap between kv and round-robin here is the cost model's doing, not the machine's; a run of
 1,000 requests takes seconds and is deterministic. Run (``jetrouter bench routesim`` is the same):
 ``python -m bench.routesim --max-requests 1000 --max-output-tokens 32 --weights 1,8
---queue-weight 1 --speedup 4 --prefill-ms-per-token 0.8``.
+--queue-weight 1 --speedup 4``; ``--perf-model linear --prefill-ms-per-token 0.8`` replays the
+engine model the earlier design notes measured with.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from replicas.core import disagg
 from replicas.core.load import ActiveLoad, OutputTracking, output_blocks
 from replicas.core.prefill_model import PREFILL_LOAD_MODELS, PrefillLoadModel
 from replicas.core.selection import Candidate, Decision, RoutingConfig, Selector
+from workers.perf_model import LINEAR, PERF_MODELS
 from workers.scheduler import EngineConfig, EngineCore, SimRequest
 
 PREFILL_SUFFIX = prefill_request_id("")  # what a prefill hop's id ends with
@@ -98,6 +100,7 @@ class SimResult:
                                    if self.prompt_tokens else 0.0),
             "ttft_p50_ms": 1000 * (percentile(self.ttft_s, 50) or 0.0),
             "ttft_p90_ms": 1000 * (percentile(self.ttft_s, 90) or 0.0),
+            "ttft_p99_ms": 1000 * (percentile(self.ttft_s, 99) or 0.0),
             "itl_p50_ms": 1000 * (percentile(self.itl_s, 50) or 0.0),
             "itl_p90_ms": 1000 * (percentile(self.itl_s, 90) or 0.0),
             "itl_p99_ms": 1000 * (percentile(self.itl_s, 99) or 0.0),
@@ -293,10 +296,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache per worker, in trace blocks (default 1000)")
     p.add_argument("--kv-cache-block-size", type=int, default=16)
     defaults = EngineConfig()
-    p.add_argument("--prefill-ms-per-token", type=float, default=defaults.prefill_ms_per_token,
-                   help="engine prefill cost; the trace bench shrinks a 512-token block to 32 "
-                        "tokens, so 16x the default (0.8) keeps real prefill times")
-    p.add_argument("--decode-ms-base", type=float, default=defaults.decode_ms_base)
+    p.add_argument("--perf-model", choices=PERF_MODELS, default=defaults.perf_model,
+                   help="the engines' step-time model (workers/perf_model.py; default "
+                        "%(default)s: Dynamo's mocker)")
+    p.add_argument("--prefill-ms-per-token", type=float, default=None,
+                   help=f"--perf-model linear: prefill cost (default "
+                        f"{defaults.prefill_ms_per_token}); the trace bench shrinks a 512-token "
+                        f"block to 32 tokens, so 16x the default (0.8) keeps real prefill times")
+    p.add_argument("--decode-ms-base", type=float, default=None,
+                   help=f"--perf-model linear: cost of every step (default "
+                        f"{defaults.decode_ms_base})")
     p.add_argument("--disaggregated", type=int, default=0, metavar="P",
                    help="also run kv with the first P workers as prefill engines and the rest "
                         "as decode engines (same workers, same total capacity)")
@@ -318,9 +327,13 @@ def run(args: argparse.Namespace) -> int:
                      max_requests=args.max_requests)
     block = args.kv_cache_block_size
     gpu_blocks = -(-args.cache_trace_blocks * args.trace_block_tokens // block)
+    linear = {name: getattr(args, name) for name in ("prefill_ms_per_token", "decode_ms_base")
+              if getattr(args, name) is not None}
+    if linear and args.perf_model != LINEAR:
+        raise SystemExit("--prefill-ms-per-token / --decode-ms-base set the linear step-time "
+                         "model: add --perf-model linear")
     engine = EngineConfig(num_gpu_blocks=gpu_blocks, block_size=block,
-                          prefill_ms_per_token=args.prefill_ms_per_token,
-                          decode_ms_base=args.decode_ms_base)
+                          perf_model=args.perf_model, **linear)
     capacity = cluster_capacity_blocks(workers=args.workers, gpu_blocks_per_worker=gpu_blocks,
                                        engine_block_size=block,
                                        trace_block_tokens=args.trace_block_tokens)
@@ -350,7 +363,8 @@ def run(args: argparse.Namespace) -> int:
                 label += f" {model}"
             print(f"{label:21} hit {s['engine_hit']:6.1%} ({s['engine_hit'] / ideal:6.1%} of "
                   f"ideal; best offered {s['best_available_hit']:6.1%})  TTFT p50 "
-                  f"{s['ttft_p50_ms']:7.1f} ms p90 {s['ttft_p90_ms']:7.1f} ms  ITL p50 "
+                  f"{s['ttft_p50_ms']:7.1f} ms p90 {s['ttft_p90_ms']:7.1f} p99 "
+                  f"{s['ttft_p99_ms']:7.1f} ms  ITL p50 "
                   f"{s['itl_p50_ms']:5.1f} p90 {s['itl_p90_ms']:5.1f} p99 {s['itl_p99_ms']:5.1f} ms"
                   f"  busiest/mean "
                   f"{s['busiest_over_mean']:.2f}  preemptions {s['preemptions']}", flush=True)

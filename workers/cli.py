@@ -15,7 +15,8 @@ from eventlog.connect import (
 from eventlog.flags import CliError, add_options
 from eventlog.model_tokenizer import load_codec
 from eventlog.names import check_token
-from workers.config import WORKER
+from workers.config import LINEAR_CONSTANTS, WORKER
+from workers.perf_model import LINEAR
 from workers.scheduler import EngineConfig
 from workers.server import WorkerSettings, serve
 
@@ -25,14 +26,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    linear = {name: getattr(args, name) for name in LINEAR_CONSTANTS
+              if getattr(args, name) is not None}
+    if linear and args.perf_model != LINEAR:
+        flag = "--" + next(iter(linear)).replace("_", "-")
+        raise ValueError(f"{flag} sets the linear step-time model: add --perf-model linear")
     engine = EngineConfig(
         num_gpu_blocks=args.num_gpu_blocks,
         block_size=args.kv_cache_block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_ms_per_token=args.prefill_ms_per_token,
-        decode_ms_base=args.decode_ms_base,
-        decode_ms_per_seq=args.decode_ms_per_seq,
+        perf_model=args.perf_model,
+        **linear,
         speedup_ratio=args.speedup_ratio,
         transfer_ms_per_block=args.transfer_ms_per_block,
     )

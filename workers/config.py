@@ -10,6 +10,7 @@ from __future__ import annotations
 from eventlog.connect import NAMESPACE, NATS_SECURITY
 from eventlog.events import Role
 from eventlog.flags import Group, Option, find
+from workers.perf_model import PERF_MODELS
 from workers.scheduler import EngineConfig
 
 _ENGINE = EngineConfig()
@@ -49,11 +50,21 @@ ENGINE_MODEL = Group(
     Option("max-num-seqs", int, _ENGINE.max_num_seqs, "max running requests"),
     Option("max-num-batched-tokens", int, _ENGINE.max_num_batched_tokens,
            "token budget per step, chunked prefill"),
-    Option("prefill-ms-per-token", float, _ENGINE.prefill_ms_per_token,
-           "prefill cost per uncached prompt token"),
-    Option("decode-ms-base", float, _ENGINE.decode_ms_base, "fixed cost of every step"),
-    Option("decode-ms-per-seq", float, _ENGINE.decode_ms_per_seq,
-           "extra step cost per decoding request"),
+    Option("perf-model", default=_ENGINE.perf_model, choices=PERF_MODELS,
+           help="step-time model (workers/perf_model.py): polynomial = Dynamo's mocker (prefill "
+                "4.21e-7*T^2 + 0.01518*T + 16.5 ms for T uncached tokens, decode "
+                "-25.74*u^2 + 54.01*u + 5.74 ms at KV usage u); linear = the three constants "
+                "below"),
+    # The linear model's constants: None = its default, refused with the polynomial model.
+    Option("prefill-ms-per-token", float, None,
+           f"--perf-model linear: prefill cost per uncached prompt token "
+           f"(default {_ENGINE.prefill_ms_per_token})", at_least=0),
+    Option("decode-ms-base", float, None,
+           f"--perf-model linear: fixed cost of every step (default {_ENGINE.decode_ms_base})",
+           at_least=0),
+    Option("decode-ms-per-seq", float, None,
+           f"--perf-model linear: extra step cost per decoding request "
+           f"(default {_ENGINE.decode_ms_per_seq})", at_least=0),
     Option("speedup-ratio", float, _ENGINE.speedup_ratio, "divide every simulated time by this"),
     Option("transfer-ms-per-block", float, _ENGINE.transfer_ms_per_block,
            "cost of receiving one KV block from a prefill engine (disaggregated serving)",
@@ -63,6 +74,7 @@ ENGINE_MODEL = Group(
            "max_tokens of chat requests that give none (completions default to 16 like OpenAI)"),
 )
 
+LINEAR_CONSTANTS = ("prefill_ms_per_token", "decode_ms_base", "decode_ms_per_seq")
 WORKER = (PROCESS, ENGINE_MODEL, NATS_SECURITY)
 """Every option of `jetrouter worker`, in the order `--help` shows them."""
 

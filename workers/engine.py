@@ -5,12 +5,12 @@ changes to the publisher *at once* (so the event feed follows the cache's own or
 which a re-announce snapshot relies on), wait out the simulated step time (the wait IS the
 simulation), then deliver the step's tokens to the waiting HTTP handlers.
 
-What a step costs in simulated time is the core's business (:mod:`workers.scheduler`: a decode
-step ``decode_ms_base + decode_ms_per_seq`` per decoding sequence, plus ``prefill_ms_per_token``
-per uncached prompt token, all divided by ``speedup_ratio``). This driver makes wall-clock time
-follow it, including steps shorter than the event loop's timer resolution (about a millisecond:
-``--speedup-ratio 10`` makes a decode step 0.8 ms, which sleeping it on its own would stretch to
-1.2 ms or more):
+What a step costs in simulated time is the core's business (:mod:`workers.scheduler` with
+:mod:`workers.perf_model`: by default Dynamo mocker's polynomial, a prefill term for the step's
+uncached prompt tokens plus a decode term when it emits tokens, divided by ``speedup_ratio``).
+This driver makes wall-clock time follow it, including steps shorter than the event loop's timer
+resolution (about a millisecond: ``--speedup-ratio 10`` makes an empty-cache decode step 0.57 ms,
+which sleeping it on its own would stretch to 1.1 ms or more):
 
 * steps are scheduled by **absolute deadlines**: a step ends at its start + its duration, and the
   next step starts at that deadline, not at "now" — a wake-up that comes late is made up by the

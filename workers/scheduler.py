@@ -11,14 +11,14 @@ One step, like vLLM v1's unified scheduler with chunked prefill:
    released, it goes back to the head of the queue and later re-prefills, mostly from cache);
 2. then waiting requests, first come first served, while the budget, ``max_num_seqs`` and free
    blocks allow (a request that cannot get its blocks waits, and so does everything behind it).
-Step time = ``decode_ms_base + decode_ms_per_seq * decoding_seqs + prefill_ms_per_token *
-prefill_tokens``, divided by ``speedup_ratio``. Cached prefix tokens cost nothing: they are never
-scheduled. When a request's computed tokens reach its context length it emits one token.
-
-With the defaults: a decode step costs 8 ms + 0.05 ms per decoding request (one token each), and
-prefill 0.05 ms per uncached prompt token (20k tokens/s), chunked by ``max_num_batched_tokens``;
-a step mixing both pays the sum. ``--speedup-ratio 10`` makes a lone decode step 0.805 ms; the
-driver honours sub-millisecond steps (:mod:`workers.engine`).
+Step time is :mod:`workers.perf_model`'s, divided by ``speedup_ratio``: by default Dynamo's
+mocker polynomial (prefill ``4.209989e-7·T² + 1.518344e-2·T + 16.50142`` ms for the ``T`` uncached
+prompt tokens of the step, plus ``max(1, -25.74·u² + 54.01·u + 5.74)`` ms when a token is emitted,
+``u`` the share of the KV cache pinned by running requests), or ``perf_model="linear"``:
+``decode_ms_base + decode_ms_per_seq * decoding_seqs + prefill_ms_per_token * prefill_tokens``.
+Cached prefix tokens cost nothing: they are never scheduled. When a request's computed tokens
+reach its context length it emits one token. The driver honours sub-millisecond steps
+(:mod:`workers.engine`).
 
 Disaggregated serving: a request admitted with ``transferred_tokens`` (its prompt's KV blocks
 handed over by a prefill engine) counts those tokens as computed without prefill; the step pays
@@ -36,6 +36,14 @@ from eventlog.errors import JetrouterError
 from eventlog.hashing import tokens_hashes
 from workers.generation import ContextState, next_token, wrong_token
 from workers.kvcache import Block, KVCache, KvChange
+from workers.perf_model import (
+    LINEAR,
+    PERF_MODELS,
+    POLYNOMIAL,
+    linear_step_ms,
+    polynomial_decode_ms,
+    polynomial_prefill_ms,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +52,8 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    perf_model: str = POLYNOMIAL  # workers.perf_model: the step-time model
+    # The linear model's constants (unused by the polynomial model).
     prefill_ms_per_token: float = 0.05
     decode_ms_base: float = 8.0
     decode_ms_per_seq: float = 0.05
@@ -61,10 +71,24 @@ class EngineConfig:
             raise ValueError("speedup_ratio must be positive")
         if not self.transfer_ms_per_block >= 0:
             raise ValueError("transfer_ms_per_block must be >= 0")
+        if self.perf_model not in PERF_MODELS:
+            raise ValueError(f"perf_model must be one of {', '.join(PERF_MODELS)}")
 
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
-        ms = (self.decode_ms_base + self.decode_ms_per_seq * decode_seqs
-              + self.prefill_ms_per_token * prefill_tokens)
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int, *, emits: bool = True,
+                     active_blocks: int = 0) -> float:
+        """Simulated seconds of a step computing ``prefill_tokens`` uncached prompt tokens and
+        ``decode_seqs`` decoding requests; ``emits``: some request emits a token in it;
+        ``active_blocks``: KV blocks pinned by running requests (the polynomial's decode cost)."""
+        if self.perf_model == LINEAR:
+            ms = linear_step_ms(prefill_tokens, decode_seqs,
+                                prefill_ms_per_token=self.prefill_ms_per_token,
+                                decode_ms_base=self.decode_ms_base,
+                                decode_ms_per_seq=self.decode_ms_per_seq)
+        else:
+            ms = polynomial_prefill_ms(prefill_tokens)
+            if emits:
+                ms += polynomial_decode_ms(active_blocks * self.block_size,
+                                           self.num_gpu_blocks * self.block_size)
         return ms / 1000.0 / self.speedup_ratio
 
 
@@ -158,7 +182,10 @@ class EngineCore:
         plan = self._schedule()
         prefill = sum(n for req, n in plan if not req.decoding())
         decode = sum(1 for req, _ in plan if req.decoding())
-        duration = self.config.step_seconds(prefill, decode) if plan else 0.0
+        emits = any(req.num_computed + n >= len(req.tokens) for req, n in plan)
+        duration = self.config.step_seconds(
+            prefill, decode, emits=emits, active_blocks=self.cache.stats().pinned) if plan \
+            else 0.0
         if self._receiving:
             duration += (self.config.transfer_ms_per_block * self._receiving / 1000.0
                          / self.config.speedup_ratio)

@@ -193,7 +193,8 @@ async def test_hang_stops_tokens_until_cleared(worker: WorkerProcess) -> None:
 async def test_slow_multiplies_step_time() -> None:
     # speedup 1, 20 ms steps: 10 tokens take >= 0.2 s normally, >= 1 s at factor 5 (sleep-bound
     # lower limits, not performance figures).
-    with WorkerProcess(["--decode-ms-base", "20", "--prefill-ms-per-token", "0"]) as proc:
+    with WorkerProcess(["--perf-model", "linear", "--decode-ms-base", "20",
+                        "--prefill-ms-per-token", "0"]) as proc:
         await _fault(proc.url, action="slow", factor=5)
         c = client(proc.url)
         start = time.monotonic()
@@ -224,7 +225,7 @@ async def test_crash_after_tokens_streams_exactly_n_then_dies() -> None:
 
 
 async def test_sigterm_finishes_in_flight_then_exits_zero() -> None:
-    with WorkerProcess(["--decode-ms-base", "10"]) as proc:
+    with WorkerProcess(["--perf-model", "linear", "--decode-ms-base", "10"]) as proc:
         c = client(proc.url)
         prompt = "finish me"
         stream = await c.completions.create(model="jetrouter-sim", prompt=prompt,

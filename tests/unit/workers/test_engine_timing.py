@@ -12,8 +12,9 @@ from workers.engine import Engine
 from workers.scheduler import EngineConfig
 
 STEP = 0.0006  # every step: 6 ms / speedup 10
-CFG = EngineConfig(num_gpu_blocks=256, block_size=16, prefill_ms_per_token=0.0,
-                   decode_ms_base=6.0, decode_ms_per_seq=0.0, speedup_ratio=10.0)
+CFG = EngineConfig(num_gpu_blocks=256, block_size=16, perf_model="linear",
+                   prefill_ms_per_token=0.0, decode_ms_base=6.0, decode_ms_per_seq=0.0,
+                   speedup_ratio=10.0)
 
 
 class VirtualClock:

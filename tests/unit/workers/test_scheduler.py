@@ -11,7 +11,8 @@ from workers.kvcache import Removed, Stored
 from workers.scheduler import EngineConfig, EngineCore, RequestTooLarge, SimRequest
 
 CFG = EngineConfig(num_gpu_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
-                   prefill_ms_per_token=0.05, decode_ms_base=8.0, decode_ms_per_seq=0.05)
+                   perf_model="linear", prefill_ms_per_token=0.05, decode_ms_base=8.0,
+                   decode_ms_per_seq=0.05)
 
 
 def ms(prefill_tokens: int, decode_seqs: int, cfg: EngineConfig = CFG) -> float:
