@@ -127,13 +127,17 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
         return d.threshold if d is not None else replica.state.snapshot_threshold
 
     async def leader_call(verb: str, payload: dict[str, Any]) -> dict[str, Any]:
-        from replicas.runtime.leader import NoLeader
+        from replicas.runtime.leader import LeaderOperationFailed, NoLeader
 
         try:
             return await durability().request(verb, payload)
         except NoLeader as exc:
             raise ApiError(503, f"{exc}; retry in a few seconds",
                            type="service_unavailable") from None
+        except LeaderOperationFailed as exc:
+            # Not a bug in the request: JetStream refused or timed out a write (a NATS node
+            # lost, a bucket removed). Say what failed; the admin decides whether to retry.
+            raise ApiError(503, str(exc), type="service_unavailable") from None
 
     @router.post("/admin/snapshot")
     async def admin_snapshot(request: Request) -> Response:

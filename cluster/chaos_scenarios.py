@@ -361,9 +361,20 @@ async def fault_cold_start(probe: Probe, t: Timing, res: ScenarioResult) -> Call
         [], Awaitable[bool]]:
     leader = await probe.leader()
     if leader is not None:  # cold start *from a snapshot*: make sure a recent one exists
-        r = await probe.http.post(probe.c.children[leader].url + "/admin/snapshot",
-                                  headers=probe.auth, timeout=60)
-        res.notes.append(f"snapshot before restart: HTTP {r.status_code}")
+        # A 503 (a write JetStream timed out after an earlier scenario's NATS node loss) is
+        # worth another try: the point is to restart from a recent snapshot.
+        deadline = time.monotonic() + 30.0
+        attempts = 0
+        while True:
+            attempts += 1
+            r = await probe.http.post(probe.c.children[leader].url + "/admin/snapshot",
+                                      headers=probe.auth, timeout=60)
+            if r.status_code != 503 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1.0)  # pacing between admin retries, not synchronisation
+        detail = "" if r.status_code == 200 else f" ({r.text[:200]})"
+        res.notes.append(f"snapshot before restart: HTTP {r.status_code} after {attempts} "
+                         f"attempt(s){detail}")
     res.victim = "all replicas"
     res.fault_at = res.fault_end = time.monotonic()
     old = {n: probe.c.kill(n, signal.SIGKILL) for n in probe.replicas}

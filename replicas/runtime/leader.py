@@ -46,6 +46,16 @@ class NoLeader(JetrouterError):
     """No replica holds the lease (or it did not answer) — try again shortly."""
 
 
+class LeaderOperationFailed(JetrouterError, RuntimeError):
+    """The leader took a snapshot or reset request and it failed there (JetStream timed out or
+    refused a write, the bucket is gone, ...): the message names the operation and the cause."""
+
+    def __init__(self, verb: str, cause: str) -> None:
+        super().__init__(f"the {verb} failed on the leader: {cause}")
+        self.verb = verb
+        self.cause = cause
+
+
 class Leader:
     """Every durable replica has one: it runs for the lease, and does the work below only while
     it holds it (other replicas' admin requests reach the holder over core NATS)."""
@@ -235,7 +245,13 @@ class Leader:
     async def request(self, verb: str, payload: dict[str, Any], timeout: float = 30.0
                       ) -> dict[str, Any]:
         if self.is_leader:
-            return await self._run(verb, payload)
+            try:
+                return await self._run(verb, payload)
+            except (NoLeader, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                log.exception("%s request failed", verb)
+                raise LeaderOperationFailed(verb, f"{type(exc).__name__}: {exc}") from exc
         try:
             msg = await self.nc.request(self._subject(verb), json.dumps(payload).encode(),
                                         timeout=timeout)
@@ -243,7 +259,7 @@ class Leader:
             raise NoLeader(f"no leader answered the {verb} request: {type(exc).__name__}") from None
         answer = json.loads(msg.data)
         if "error" in answer:
-            raise RuntimeError(answer["error"])
+            raise LeaderOperationFailed(verb, str(answer["error"]))
         return answer
 
     async def _run(self, verb: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -258,7 +274,7 @@ class Leader:
             return  # only the leader answers; others stay silent so the request reaches it
         try:
             answer = await self._run(verb, json.loads(msg.data or b"{}"))
-        except Exception as exc:  # reported to the asking replica, which returns 500
+        except Exception as exc:  # reported to the asking replica (LeaderOperationFailed)
             log.exception("%s request failed", verb)
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         await msg.respond(json.dumps(answer).encode())
