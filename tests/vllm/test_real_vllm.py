@@ -28,6 +28,7 @@ from eventlog.events import (
 )
 from eventlog.names import KV, Names
 from tests.waiting import until
+from workers.bridge.zmqio import ReplayUnavailable, replay
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800),
               pytest.mark.asyncio(loop_scope="module")]
@@ -158,6 +159,14 @@ class EngineTap:
                     held.difference_update(event.block_hashes)
         return start, held
 
+    async def unseen(self, replay_endpoint: str) -> int:
+        """How many batches the engine's replay buffer holds after the last one this tap has
+        received: 0 once the tap has everything the engine published so far. Our SUB lags the
+        engine (its publisher thread, then our event loop), so an HTTP response can be back
+        before the KV events of its own steps have reached us."""
+        start = max((seq for seq, _ in self.batches), default=-1) + 1
+        return len(await replay(self.ctx, replay_endpoint, start, timeout=10.0))
+
     async def close(self) -> None:
         self.task.cancel()
         self.sock.close(0)
@@ -213,6 +222,17 @@ async def stream_view(nats_url: str, namespace: str, worker_id: str) \
         await nc.close()
 
 
+def view_diff(truth: set[int], held: set[int], published: list[int], covered: set[int]) -> str:
+    """What the stream's view lacks or has extra against the engine's, in sizes and samples."""
+    missing, extra = sorted(truth - held), sorted(held - truth)
+    absent = sorted(set(published) - covered)
+    return (f"JR_KV holds {len(held)} blocks, the engine {len(truth)}: "
+            f"{len(missing)} missing {missing[:8]}, {len(extra)} extra {extra[:8]}; "
+            f"engine seqs published {published[:1]}..{published[-1:]} ({len(published)}), "
+            f"on the stream {min(covered, default=None)}..{max(covered, default=None)} "
+            f"({len(covered)}), not on it: {absent[:20]}")
+
+
 async def test_bridge_sigkilled_under_load_loses_nothing(vllm_cluster: Any) -> None:
     cluster = vllm_cluster
     engine = cluster.engines[0]
@@ -251,13 +271,25 @@ async def test_bridge_sigkilled_under_load_loses_nothing(vllm_cluster: Any) -> N
                         what="15 requests while the bridge is dead")
             bridge.start()
             await asyncio.gather(*load)
-        clear_seq, truth = tap.blocks_since_last_clear()
-        published = sorted({seq for seq, _ in tap.batches if seq > clear_seq})
 
-        async def agree() -> tuple[set[int], set[int]]:
-            return await stream_view(cluster.nats_url, cluster.namespace, worker_id)
-        covered, _ = await until(agree, lambda v: v[1] == truth, timeout=120,
-                                 what="JR_KV holds exactly what the engine holds", interval=1.0)
+        # Both sides are read afresh on every try: the engine's truth is what our tap has once it
+        # holds every batch the engine's replay buffer holds (the engine is idle by now).
+        async def agree() -> tuple[int, set[int], list[int], set[int], set[int]]:
+            unseen = await tap.unseen(engine.kv_replay)
+            clear_seq, truth = tap.blocks_since_last_clear()
+            published = sorted({seq for seq, _ in tap.batches if seq > clear_seq})
+            covered, held = await stream_view(cluster.nats_url, cluster.namespace, worker_id)
+            return unseen, truth, published, covered, held
+        try:
+            _, truth, published, covered, _ = await until(
+                agree, lambda v: v[0] == 0 and v[1] == v[4], timeout=120,
+                what="JR_KV holds exactly what the engine holds", interval=1.0,
+                tolerate=(ReplayUnavailable,))
+        except AssertionError:
+            unseen, truth, published, covered, held = await agree()
+            raise AssertionError(f"our tap lacks {unseen} engine batches; "
+                                 + view_diff(truth, held, published, covered)
+                                 + f"\nbridge log:\n{bridge.log_tail(40)}") from None
         # Every batch the engine published after the clear reached the stream, including those
         # published while the bridge was dead (it asked the engine's replay socket for them).
         assert set(published) <= covered, sorted(set(published) - covered)
