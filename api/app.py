@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -428,14 +429,21 @@ def object_body(raw: bytes) -> dict[str, object]:
     return body
 
 
+MAX_THRESHOLD_INT = 2**63 - 1
+
+
 def _optional_number(body: dict[str, object], key: str, lo: float, hi: float | None, *,
                      integer: bool = False) -> float | int | None:
     if key not in body or body[key] is None:
         return None
     v = body[key]
     ok = isinstance(v, int) if integer else isinstance(v, int | float)
-    if isinstance(v, bool) or not ok or v < lo or (hi is not None and v > hi):  # type: ignore[operator]
-        rng = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
+    # The value travels in a router-stream event: an integer must fit in 64 bits and a
+    # number must be finite, or the event cannot be encoded (found by the HTTP fuzz tests).
+    top = MAX_THRESHOLD_INT if hi is None else hi
+    if (isinstance(v, bool) or not ok or not math.isfinite(v)  # type: ignore[arg-type]
+            or v < lo or v > top):  # type: ignore[operator]
+        rng = f"between {lo} and {top}"
         kind = "an integer" if integer else "a number"
         raise ApiError(400, f"`{key}` must be {kind} {rng}", param=key)
-    return v  # type: ignore[return-value]
+    return v if integer else float(v)  # type: ignore[arg-type]
