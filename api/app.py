@@ -31,6 +31,7 @@ from api.session_control import EngineSessions
 from api.shed import Shedder
 from api.tokenizer import Tokenizer, load_model_tokenizer
 from eventlog.appender import AppendFailed
+from eventlog.events import MAX_COUNT, MAX_RATIO
 from replicas.core.health import STATUS_GAUGE
 from replicas.core.shedding import PriorityTier
 from replicas.core.sticky import SessionRequest
@@ -289,8 +290,9 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         if not isinstance(model, str) or not model:
             raise ApiError(400, "`model` is required and must be a string", param="model")
         decode = _optional_number(body, "active_decode_blocks_threshold", 0.0, 1.0)
-        tokens = _optional_number(body, "active_prefill_tokens_threshold", 0, None, integer=True)
-        frac = _optional_number(body, "active_prefill_tokens_threshold_frac", 0.0, None)
+        tokens = _optional_number(body, "active_prefill_tokens_threshold", 0, MAX_COUNT,
+                                  integer=True)
+        frac = _optional_number(body, "active_prefill_tokens_threshold_frac", 0.0, MAX_RATIO)
         keys = ("active_decode_blocks_threshold", "active_prefill_tokens_threshold",
                 "active_prefill_tokens_threshold_frac")
         if any(k in body for k in keys):
@@ -429,21 +431,18 @@ def object_body(raw: bytes) -> dict[str, object]:
     return body
 
 
-MAX_THRESHOLD_INT = 2**63 - 1
-
-
-def _optional_number(body: dict[str, object], key: str, lo: float, hi: float | None, *,
+def _optional_number(body: dict[str, object], key: str, lo: float, hi: float, *,
                      integer: bool = False) -> float | int | None:
     if key not in body or body[key] is None:
         return None
     v = body[key]
     ok = isinstance(v, int) if integer else isinstance(v, int | float)
-    # The value travels in a router-stream event: an integer must fit in 64 bits and a
-    # number must be finite, or the event cannot be encoded (found by the HTTP fuzz tests).
-    top = MAX_THRESHOLD_INT if hi is None else hi
+    # The value travels in a router-stream event, whose bounds (eventlog/events.py) every
+    # replica checks when it reads it: past them the event could not be encoded (a 500, found
+    # by the HTTP fuzz tests) or would be skipped as malformed everywhere.
     if (isinstance(v, bool) or not ok or not math.isfinite(v)  # type: ignore[arg-type]
-            or v < lo or v > top):  # type: ignore[operator]
-        rng = f"between {lo} and {top}"
+            or v < lo or v > hi):  # type: ignore[operator]
+        rng = f"between {lo} and {hi:g}"
         kind = "an integer" if integer else "a number"
         raise ApiError(400, f"`{key}` must be {kind} {rng}", param=key)
     return v if integer else float(v)  # type: ignore[arg-type]

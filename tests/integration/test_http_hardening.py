@@ -246,6 +246,9 @@ async def test_busy_threshold_numbers_an_event_cannot_carry_are_400(cluster: Loc
                          ("active_prefill_tokens_threshold", "18446744073709551616")):
             body = f'{{"model": "{MODEL}", "{key}": {raw}}}'
             assert_openai_error(await h.post(url, content=body, headers=auth), 400, key)
+        r = await h.put(cluster.router_urls[0] + "/admin/snapshot-threshold",
+                        content='{"threshold": 18446744073709551616}', headers=auth)
+        assert_openai_error(r, 400, "threshold")
         # Past a double's range: the JSON itself is refused.
         body = f'{{"model": "{MODEL}", "active_prefill_tokens_threshold_frac": 1e400}}'
         assert_openai_error(await h.post(url, content=body, headers=auth), 400)
