@@ -12,6 +12,7 @@ from fastapi.responses import Response
 
 from api.errors import ApiError
 from api.openai_schema import decode_json
+from eventlog.events import MAX_COUNT
 from replicas.runtime.replica import Replica
 
 _json = msgspec.json.Encoder()
@@ -169,9 +170,9 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
         check_admin(request)
         body = decode_json(await request.body())
         value = body.get("threshold") if isinstance(body, dict) else None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
             raise ApiError(400, "`threshold` must be a positive integer (messages between "
-                           "snapshots)", param="threshold")
+                           f"snapshots) up to {MAX_COUNT}", param="threshold")
         await replica.set_snapshot_threshold(value)
         return _json_response({"threshold": threshold()})
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -30,6 +31,7 @@ from api.session_control import EngineSessions
 from api.shed import Shedder
 from api.tokenizer import Tokenizer, load_model_tokenizer
 from eventlog.appender import AppendFailed
+from eventlog.events import MAX_COUNT, MAX_RATIO
 from replicas.core.health import STATUS_GAUGE
 from replicas.core.shedding import PriorityTier
 from replicas.core.sticky import SessionRequest
@@ -288,8 +290,9 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         if not isinstance(model, str) or not model:
             raise ApiError(400, "`model` is required and must be a string", param="model")
         decode = _optional_number(body, "active_decode_blocks_threshold", 0.0, 1.0)
-        tokens = _optional_number(body, "active_prefill_tokens_threshold", 0, None, integer=True)
-        frac = _optional_number(body, "active_prefill_tokens_threshold_frac", 0.0, None)
+        tokens = _optional_number(body, "active_prefill_tokens_threshold", 0, MAX_COUNT,
+                                  integer=True)
+        frac = _optional_number(body, "active_prefill_tokens_threshold_frac", 0.0, MAX_RATIO)
         keys = ("active_decode_blocks_threshold", "active_prefill_tokens_threshold",
                 "active_prefill_tokens_threshold_frac")
         if any(k in body for k in keys):
@@ -428,14 +431,18 @@ def object_body(raw: bytes) -> dict[str, object]:
     return body
 
 
-def _optional_number(body: dict[str, object], key: str, lo: float, hi: float | None, *,
+def _optional_number(body: dict[str, object], key: str, lo: float, hi: float, *,
                      integer: bool = False) -> float | int | None:
     if key not in body or body[key] is None:
         return None
     v = body[key]
     ok = isinstance(v, int) if integer else isinstance(v, int | float)
-    if isinstance(v, bool) or not ok or v < lo or (hi is not None and v > hi):  # type: ignore[operator]
-        rng = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
+    # The value travels in a router-stream event, whose bounds (eventlog/events.py) every
+    # replica checks when it reads it: past them the event could not be encoded (a 500, found
+    # by the HTTP fuzz tests) or would be skipped as malformed everywhere.
+    if (isinstance(v, bool) or not ok or not math.isfinite(v)  # type: ignore[arg-type]
+            or v < lo or v > hi):  # type: ignore[operator]
+        rng = f"between {lo} and {hi:g}"
         kind = "an integer" if integer else "a number"
         raise ApiError(400, f"`{key}` must be {kind} {rng}", param=key)
-    return v  # type: ignore[return-value]
+    return v if integer else float(v)  # type: ignore[arg-type]

@@ -20,13 +20,18 @@ from eventlog.errors import JetrouterError
 # within struct's signed 64-bit packing, hashes as unsigned 64-bit (the snapshot's columns),
 # timestamps finite and non-negative (a NaN or infinite ``ts`` would poison event time).
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
-Count = Annotated[int, msgspec.Meta(ge=0, lt=2**53)]
-Seq = Annotated[int, msgspec.Meta(ge=0, lt=2**53)]
+# The largest integer / ratio an event may carry (JSON readers elsewhere hold numbers as
+# doubles); the HTTP API refuses larger ones with a 400 instead of appending an event that
+# every replica would skip as malformed.
+MAX_COUNT = 2**53 - 1
+MAX_RATIO = 1e12
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+Seq = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=2**16)]
 Hash = Annotated[int, msgspec.Meta(ge=0)]  # msgpack carries at most 2**64 - 1
 Ts = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
-Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
+Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_RATIO)]
 Priority = Annotated[int, msgspec.Meta(ge=-(2**31), lt=2**31)]
 
 BlockPair = tuple[Hash, Hash]
@@ -226,7 +231,7 @@ class BusyThresholdsSet(_Event, frozen=True, tag=True):
 
 
 class SnapshotThresholdSet(_Event, frozen=True, tag=True):
-    threshold: Annotated[int, msgspec.Meta(ge=1, lt=2**53)]
+    threshold: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
     ts: Ts
 
 

@@ -233,3 +233,25 @@ async def test_busy_threshold_post_needs_the_admin_token_when_configured(
         r = await h.post(url, json=body, headers={"authorization": f"Bearer {token}"})
         assert r.status_code == 200 and r.json()["active_decode_blocks_threshold"] == 0.9
         assert (await h.get(url)).status_code == 200  # reading stays open
+
+
+async def test_busy_threshold_numbers_an_event_cannot_carry_are_400(cluster: LocalCluster) -> None:
+    """Thresholds travel in a router-stream event: a number past 64 bits (or one that is not
+    finite) is the client's mistake, answered 400, never a 500 from encoding the event."""
+    url = cluster.router_urls[0] + "/busy_threshold"
+    auth = {"authorization": f"Bearer {cluster.admin_token}",
+            "content-type": "application/json"}
+    async with httpx.AsyncClient(timeout=30) as h:
+        for key, raw in (("active_prefill_tokens_threshold_frac", "18446744073709551616"),
+                         ("active_prefill_tokens_threshold", "18446744073709551616")):
+            body = f'{{"model": "{MODEL}", "{key}": {raw}}}'
+            assert_openai_error(await h.post(url, content=body, headers=auth), 400, key)
+        r = await h.put(cluster.router_urls[0] + "/admin/snapshot-threshold",
+                        content='{"threshold": 18446744073709551616}', headers=auth)
+        assert_openai_error(r, 400, "threshold")
+        # Past a double's range: the JSON itself is refused.
+        body = f'{{"model": "{MODEL}", "active_prefill_tokens_threshold_frac": 1e400}}'
+        assert_openai_error(await h.post(url, content=body, headers=auth), 400)
+        r = await h.post(url, json={"model": MODEL, "active_prefill_tokens_threshold_frac": 3},
+                         headers=auth)
+        assert r.status_code == 200 and r.json()["active_prefill_tokens_threshold_frac"] == 3.0
