@@ -52,7 +52,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 from nats.js.object_store import ObjectStore
 
 from eventlog.errors import JetrouterError
@@ -68,6 +68,7 @@ _MAX_CHUNK = 8 * 1024 * 1024
 _CHUNK_HEADROOM = 4096  # max_payload counts headers too
 _FETCH_BATCH = 16
 _FETCH_TIMEOUT = 10.0
+_FETCH_ATTEMPTS = 4
 
 
 class SnapshotMeta(msgspec.Struct, frozen=True):
@@ -259,7 +260,23 @@ class SnapshotStore:
     async def _fetch_all(self, subject: str, deliver: DeliverPolicy, expected: int | None = None
                          ) -> list[bytes]:
         """Every message on ``subject`` through an ephemeral pull consumer (served by the stream
-        leader, so a fresh write is always seen). ``expected`` guards against missing chunks."""
+        leader, so a fresh write is always seen). ``expected`` guards against missing chunks.
+
+        A fresh consumer on a replicated bucket can answer its first pull with 503 while it is
+        still being placed (seen on a loaded 3-node cluster); each attempt uses a new consumer,
+        so trying again is safe."""
+        for attempt in range(_FETCH_ATTEMPTS):
+            try:
+                return await self._fetch_once(subject, deliver, expected)
+            except ServiceUnavailableError:
+                if attempt == _FETCH_ATTEMPTS - 1:
+                    raise
+                log.info("snapshot bucket %s: pull answered 503; trying again", self.bucket)
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    async def _fetch_once(self, subject: str, deliver: DeliverPolicy, expected: int | None
+                          ) -> list[bytes]:
         config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=deliver,
                                 inactive_threshold=30.0, mem_storage=True)
         sub = await self.js.pull_subscribe(subject, stream=self.stream, config=config,
