@@ -458,11 +458,25 @@ class LocalCluster:
             if self._stopping.is_set():
                 return
             backoff = min(backoff * 2, BACKOFF_MAX)
+            self._move_if_port_taken(child)
             await self._spawn(child)
             child.restarts += 1
             if self._stopping.is_set():  # stop() ran while we were spawning
                 self._signal(child, signal.SIGTERM)
             self._write_cluster_json()
+
+    def _move_if_port_taken(self, child: Child) -> None:
+        """A child on a port `up` picked (no --base-port) whose port another process took while
+        it was down comes back on a fresh port: restarting it on the taken one would fail every
+        time. cluster.json and the child's own announcement carry the new URL."""
+        port = int(child.url.rsplit(":", 1)[1])
+        if self.base_port is not None or not port_in_use(port):
+            return
+        fresh = nats_server.free_port()
+        log.warning("%s: port %d is taken by another process; restarting it on port %d",
+                    child.name, port, fresh)
+        child.url = f"http://127.0.0.1:{fresh}"
+        self._finish_argv(child)
 
     async def _probe(self, client: httpx.AsyncClient, child: Child) -> bool:
         if not child.running:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -53,25 +54,62 @@ def find_nats_server() -> str:
     )
 
 
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that was free a moment ago (the OS picks it; tiny race, fine on loopback)."""
+# Ports this process has handed out: never handed out twice, so two servers planned one after the
+# other cannot both be given a port that neither has bound yet.
+_HANDED_OUT: set[int] = set()
+_PICK_ATTEMPTS = 200
+_LISTEN_FLOOR = 10_000
+
+
+def _listen_range() -> tuple[int, int] | None:
+    """Ports below the kernel's ephemeral range, where listeners are safe from theft: a port in
+    that range, freed for a moment (a server restarting), can be taken by any outgoing
+    connection's automatic bind, and then the server cannot come back on it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return (_LISTEN_FLOOR, low - 1) if low - _LISTEN_FLOOR >= 2_000 else None
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _kernel_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that was free a moment ago, for a server to listen on: drawn at random below
+    the ephemeral range when the kernel says where that is (else the kernel picks one), never
+    one this process handed out before."""
+    span = _listen_range()
+    if span is not None:
+        draw = random.SystemRandom()
+        for _ in range(_PICK_ATTEMPTS):
+            port = draw.randint(*span)
+            if port not in _HANDED_OUT and _bindable(host, port):
+                _HANDED_OUT.add(port)
+                return port
+    for _ in range(_PICK_ATTEMPTS):
+        port = _kernel_port(host)
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError(f"no free TCP port found on {host}")
+
+
 def free_ports(count: int) -> list[int]:
-    """Ports the kernel hands out now; all sockets are held until every port is chosen."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((LOOPBACK, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """`count` distinct free ports (see `free_port`)."""
+    return [free_port() for _ in range(count)]
 
 
 def _http_json(url: str, timeout: float = 0.5) -> tuple[int, Any]:

@@ -138,6 +138,49 @@ async def test_local_cluster_restarts_a_killed_worker_and_stops_cleanly(tmp_path
 
 
 @needs_serve
+async def test_a_child_whose_port_was_taken_while_down_comes_back_on_a_fresh_port(
+        tmp_path: Path) -> None:
+    async with LocalCluster(replicas=1, workers=1, data_dir=tmp_path / "jr", namespace="upport",
+                            ready_timeout=45.0, stop_timeout=10.0) as cluster:
+        old_url = cluster.worker_urls[0]
+        port = int(old_url.rsplit(":", 1)[1])
+        cluster.kill("w0", signal.SIGKILL)
+        thief = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            # Another process's socket takes the port the moment the dead engine lets go of it.
+            await wait_until(lambda: _bound(thief, port), 20.0, "w0's port to be free")
+            thief.listen()
+            await wait_until(lambda: cluster.worker_urls[0] != old_url, 20.0,
+                             "w0 to be given a fresh port")
+            await cluster.wait_ready(["w0"], timeout=30.0)
+            assert cluster.children["w0"].restarts == 1
+            doc = json.loads((tmp_path / "jr" / "cluster.json").read_text())
+            assert doc["workers"][0]["url"] == cluster.worker_urls[0]
+            async with httpx.AsyncClient(timeout=5.0) as client:
+                # The replica learns the new address from the engine's registration.
+                async def served_by_w0() -> int:
+                    r = await client.post(cluster.router_urls[0] + "/v1/completions",
+                                          json={"model": "jetrouter-sim", "prompt": [1, 2, 3],
+                                                "max_tokens": 1})
+                    return r.status_code
+
+                deadline = time.monotonic() + 30.0
+                while await served_by_w0() != 200:
+                    assert time.monotonic() < deadline, "no request served after the move"
+                    await asyncio.sleep(0.1)
+        finally:
+            thief.close()
+
+
+def _bound(sock: socket.socket, port: int) -> bool:
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    return True
+
+
+@needs_serve
 def test_up_command_exits_0_on_sigterm_and_leaves_nothing(tmp_path: Path) -> None:
     data_dir = tmp_path / "jr"
     out_path, err_path = tmp_path / "up.out", tmp_path / "up.err"
