@@ -164,6 +164,11 @@ class LeaderLease:
                 log.info("lease %s: %s resumed its lease", self.bucket, self.holder)
                 return True
             return False
+        except KeyNotFoundError:
+            # nats-py's create, refused because the key exists, reads the key back to see whether
+            # it is only a delete marker; a key that expired in between makes that read fail.
+            # The key is gone now, so nobody holds the lease: the caller's next round may win it.
+            return False
         self._won(revision, sent_at)
         return True
 

@@ -108,8 +108,11 @@ async def test_shared_prefix_sticks_to_its_worker_and_fresh_load_spreads(
     async with httpx.AsyncClient(timeout=30) as h:
         async with h.stream("POST", cluster.router_urls[0] + "/v1/completions",
                             json={"model": MODEL, "prompt": list(range(5000, 5800)),
-                                  "max_tokens": 300, "stream": True}) as a:
+                                  "max_tokens": 1500, "stream": True}) as a:
             wa = a.headers["x-jetrouter-worker"]
+            # The other replica decides on what it has applied: wait until it sees wa loaded.
+            await until(lambda: worker_load(h, cluster.router_urls[1], cluster),
+                        lambda load: load.get(wa, (0, 0)) != (0, 0))
             r = await h.post(cluster.router_urls[1] + "/v1/completions",
                              json={"model": MODEL, "prompt": list(range(9000, 9800)),
                                    "max_tokens": 1})
