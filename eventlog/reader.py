@@ -13,6 +13,12 @@ client's ``fetch``) so that it alone decides what counts as progress:
   the server also recreate the consumer from ``last_seq + 1`` (with backoff while the server is
   away), so a server restart or a dead cluster node costs neither duplicates nor gaps.
 
+A reader that may trail the stream a little (``linger`` > 0: the projector, which commits in
+windows anyway) is not woken once per message at low load: caught up, it asks for *one* message;
+once that one came it waits ``linger`` seconds, then takes everything the stream gathered
+meanwhile in one ``no_wait`` pull (which the server ends with a 404 when it runs dry), and asks
+for one message again. The first message of a quiet spell is yielded at once.
+
 A message that does not decode is yielded as ``(seq, [])``: the sequence still advances. So is a
 message whose events speak for another worker or replica than its subject names
 (:mod:`eventlog.binding`), counted in ``forged``.
@@ -21,6 +27,7 @@ message whose events speak for another worker or replica than its subject names
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -81,6 +88,7 @@ class StreamReader:
         idle_heartbeat: float = 1.0,
         expires: float = 30.0,
         create_timeout: float = 2.0,
+        linger: float = 0.0,
     ) -> None:
         if start_seq < 1:
             raise ValueError(f"start_seq must be >= 1, got {start_seq}")
@@ -96,6 +104,7 @@ class StreamReader:
         self.expires = max(expires, 2 * idle_heartbeat)
         self.create_timeout = create_timeout
         self.liveness = 3 * idle_heartbeat
+        self.linger = max(0.0, linger)
 
         self.last_seq = start_seq - 1
         self.pending = 0
@@ -119,6 +128,10 @@ class StreamReader:
         self._sub: Subscription | None = None
         self._consumer: str | None = None
         self._request_left = 0
+        # With `linger`: whether the next pull takes everything there is (no_wait) rather than
+        # waiting for one message, and whether a linger is due before it.
+        self._draining = True
+        self._linger_due = False
         self._expect_cseq = 1
         self._last_activity = time.monotonic()
         self._need_reset: str | None = None
@@ -204,6 +217,8 @@ class StreamReader:
             return None
         self._expect_cseq += 1
         self._request_left -= 1
+        if self._request_left == 0 and self.linger > 0 and not self._draining:
+            self._draining = self._linger_due = True  # the one message of a quiet spell came
         if sseq <= self.last_seq:
             return None
         if sseq != self.last_seq + 1:
@@ -235,6 +250,7 @@ class StreamReader:
             return
         if status in _STATUS_REQUEST_DONE:  # the pull request expired or ran dry
             self._request_left = 0
+            self._draining = False  # caught up (with `linger`: wait for one message next)
             return
         # 409 consumer deleted / leadership change / server shutdown, 503 no responders, ...
         self._need_reset = f"status {status} {headers.get('Description', '')}".strip()
@@ -249,6 +265,13 @@ class StreamReader:
         """Keep one pull request open and wait for the inbox; declare the consumer dead after
         ``liveness`` seconds without a message or heartbeat."""
         if self._request_left <= 0:
+            if self._linger_due:
+                self._linger_due = False
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.linger):  # let the stream gather more
+                        await self._closed_evt.wait()
+                if self._closed:
+                    return
             await self._pull()
             if self._need_reset is not None:
                 return
@@ -268,11 +291,18 @@ class StreamReader:
                 self._need_reset = f"no heartbeat for {self.liveness:.1f}s"
 
     async def _pull(self) -> None:
-        request = {
-            "batch": self.batch,
-            "expires": int(self.expires * 1e9),
-            "idle_heartbeat": int(self.idle_heartbeat * 1e9),
-        }
+        batch = self.batch
+        request: dict[str, object]
+        if self.linger > 0 and self._draining:
+            request = {"batch": batch, "no_wait": True}
+        else:
+            if self.linger > 0:
+                batch = 1
+            request = {
+                "batch": batch,
+                "expires": int(self.expires * 1e9),
+                "idle_heartbeat": int(self.idle_heartbeat * 1e9),
+            }
         subject = f"{self._api_prefix}.CONSUMER.MSG.NEXT.{self.stream}.{self._consumer}"
         assert self._sub is not None
         try:
@@ -280,7 +310,7 @@ class StreamReader:
         except Exception as exc:  # reconnecting with a full buffer, closed connection, ...
             self._need_reset = f"pull request failed: {exc!r}"
             return
-        self._request_left = self.batch
+        self._request_left = batch
         self._last_activity = time.monotonic()
 
     # --- consumer lifecycle --------------------------------------------------------------------
@@ -337,6 +367,8 @@ class StreamReader:
         self._consumer = info.name
         self._reconnects_seen = self._reconnects()
         self._request_left = 0
+        self._draining = True  # catch up first
+        self._linger_due = False
         self._expect_cseq = 1
         self._last_activity = time.monotonic()
 

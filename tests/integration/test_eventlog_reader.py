@@ -13,6 +13,7 @@ from eventlog.events import BlocksStored, Event
 from eventlog.names import Names
 from eventlog.reader import StartPurged, StreamReader
 from eventlog.server import NatsServer
+from tests.waiting import until
 
 NAMES = Names("jr")
 KV = NAMES.stream("kv")
@@ -162,3 +163,40 @@ async def test_consumer_deleted_under_the_reader_is_recreated(js):
         await append_range(appender, range(6, 9))
         assert [seq for seq, _ in await follower] == [6, 7, 8]
         assert reader.resets >= 1
+
+
+async def test_a_lingering_reader_takes_a_quiet_spell_s_later_messages_in_one_pull(js):
+    _, context = js
+    appender = Appender(context)
+    await append_range(appender, range(1, 4))
+    async with StreamReader(context, KV, batch=2, linger=2.0) as reader:
+        assert [seq for seq, _ in await take(reader, 3)] == [1, 2, 3]  # replay: no linger
+        follower = asyncio.create_task(take(reader, 6))
+        await append_range(appender, range(4, 5))
+        # The first message of a quiet spell comes at once...
+        await until(lambda: reader.last_seq == 4, timeout=30, what="message 4 read",
+                    interval=0.01)
+        await append_range(appender, range(5, 10))
+        # ...the next ones wait on the server for the linger, then come in one go (in pulls
+        # of `batch`, as many as it takes), in order, without gaps.
+        assert reader.last_seq == 4
+        live = await follower
+        assert [seq for seq, _ in live] == list(range(4, 10))
+        assert event_ids(live) == list(range(4, 10))
+        assert reader.resets == 0
+        closing = asyncio.create_task(take(reader, 1))  # caught up: one message asked for
+        await append_range(appender, range(10, 11))
+        assert [seq for seq, _ in await closing] == [10]
+    assert reader.resets == 0
+
+
+async def test_close_ends_a_lingering_reader_at_once(js):
+    _, context = js
+    appender = Appender(context)
+    reader = StreamReader(context, KV, linger=60.0)
+    await append_range(appender, range(1, 2))
+    assert [seq for seq, _ in await take(reader, 1)] == [1]
+    waiting = asyncio.create_task(take(reader, 1))
+    await append_range(appender, range(2, 3))  # lingers 60 s before pulling this one
+    await reader.close()
+    assert await asyncio.wait_for(waiting, 5) == []
