@@ -195,8 +195,11 @@ async def test_close_ends_a_lingering_reader_at_once(js):
     appender = Appender(context)
     reader = StreamReader(context, KV, linger=60.0)
     await append_range(appender, range(1, 2))
-    assert [seq for seq, _ in await take(reader, 1)] == [1]
-    waiting = asyncio.create_task(take(reader, 1))
-    await append_range(appender, range(2, 3))  # lingers 60 s before pulling this one
+    assert [seq for seq, _ in await take(reader, 1)] == [1]  # caught up
+    follower = asyncio.create_task(take(reader, 1))
+    await append_range(appender, range(2, 3))
+    assert [seq for seq, _ in await follower] == [2]  # a quiet spell's first: at once
+    waiting = asyncio.create_task(take(reader, 1))  # lingers 60 s before pulling again
+    await append_range(appender, range(3, 4))
     await reader.close()
     assert await asyncio.wait_for(waiting, 5) == []
