@@ -15,11 +15,11 @@ the killed replica and in flight between the signal and its reaping, or in fligh
 fault on any replica for the other faults (a dead engine's request fails only if every migration
 failed too, which the report shows).
 
-Leak check: the RSS of every long-lived process is read after a warm-up cycle without faults and
-again at the end. Kill faults spare one *sentinel* replica and engine (``r0``, ``w0``) so that at
-least those live through the whole soak (``nats-kill`` always takes the router stream's leader,
-the hard case); processes restarted during the soak are reported with both figures but not
-judged.
+Leak check: the RSS of every long-lived process is read after a warm-up without faults, once no
+process grew more than 1% over 30 s (at most 5 minutes), and again at the end. Kill faults spare
+one *sentinel* replica and engine (``r0``, ``w0``) so that at least those live through the whole
+soak (``nats-kill`` always takes the router stream's leader, the hard case); processes restarted
+during the soak are reported with both figures but not judged.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ class SoakReport:
     cycles: list[Cycle] = field(default_factory=list)
     p99_by_window: list[tuple[int, int, float | None]] = field(default_factory=list)
     rss: dict[str, dict[str, Any]] = field(default_factory=dict)
+    warmup_s: float = 0.0  # load without faults before the RSS baseline
+    warmup_levelled: bool = False  # every RSS had levelled off when the baseline was taken
     requests_ok: int = 0
     requests_failed: int = 0
     failed_not_excused: int = 0
@@ -147,6 +149,47 @@ def long_lived(probe: Probe) -> dict[str, int]:
 
 def memory(probe: Probe) -> dict[str, tuple[int, int | None]]:
     return {name: (pid, rss_kib(pid)) for name, pid in long_lived(probe).items()}
+
+
+# A fresh process grows for minutes under load (its allocator's arenas, the caches and state that
+# the traffic fills) and then levels off; the leak check measures from there, so the baseline is
+# taken once no process grew more than WARMUP_SETTLED_PCT over one WARMUP_SAMPLE_S sample.
+WARMUP_MAX_S = 300.0
+WARMUP_SAMPLE_S = 30.0
+WARMUP_SETTLED_PCT = 1.0
+
+
+def grew(before: dict[str, tuple[int, int | None]],
+         after: dict[str, tuple[int, int | None]]) -> float:
+    """The largest RSS growth in percent of any process alive (the same pid) in both readings."""
+    most = 0.0
+    for name, (pid, kib) in after.items():
+        pid0, kib0 = before.get(name, (None, None))
+        if pid0 == pid and kib and kib0:
+            most = max(most, 100.0 * (kib - kib0) / kib0)
+    return most
+
+
+async def warm_up(probe: Probe, t: Timing, concurrency: int,
+                  max_s: float) -> tuple[dict[str, tuple[int, int | None]], bool]:
+    """Load without faults until every process's memory has levelled off (or `max_s` passed);
+    returns the RSS baseline of the leak check and whether it had levelled off."""
+    warm = LoadDriver(probe.c.router_urls, concurrency=concurrency)
+    warm.start(probe.http)
+    deadline = time.monotonic() + max_s
+    try:
+        await wait_for(lambda: asyncio.sleep(0, warm.ok >= 10 * t.warmup_requests), 120)
+        sample = min(WARMUP_SAMPLE_S, max_s / 3)
+        last = memory(probe)
+        while time.monotonic() + sample <= deadline:
+            await asyncio.sleep(sample)  # the sampling period of the reading, not a sync
+            now = memory(probe)
+            if grew(last, now) <= WARMUP_SETTLED_PCT:
+                return now, True
+            last = now
+        return memory(probe), False
+    finally:
+        await warm.stop()
 
 
 # --- faults -------------------------------------------------------------------------------------
@@ -279,21 +322,20 @@ def _p99(values: Sequence[float]) -> float | None:
 
 async def run_soak(probe: Probe, follower: RouterFollower, t: Timing, *, duration: float,
                    fault_interval: float = 60.0, seed: int | None = None,
-                   concurrency: int = 4, progress: Any = None) -> SoakReport:
+                   concurrency: int = 4, progress: Any = None,
+                   warmup_s: float | None = None) -> SoakReport:
     seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
     window = min(300.0, duration / 6) if duration >= 60 else duration
     report = SoakReport(duration, fault_interval, window, seed)
+    t_warm = time.monotonic()
     all_sent: list[Sent] = []
     if not await healthy_baseline(probe, t.recovery_timeout):
         raise RuntimeError("chaos cluster not healthy before the soak")
 
-    # Warm-up: load without faults, then the RSS baseline.
-    warm = LoadDriver(probe.c.router_urls, concurrency=concurrency)
-    warm.start(probe.http)
-    await wait_for(lambda: asyncio.sleep(0, warm.ok >= 10 * t.warmup_requests), 120)
-    await warm.stop()
-    rss_start = memory(probe)
+    rss_start, report.warmup_levelled = await warm_up(
+        probe, t, concurrency, min(WARMUP_MAX_S, duration / 6) if warmup_s is None else warmup_s)
+    report.warmup_s = round(time.monotonic() - t_warm, 1)
     t0 = time.monotonic()
     kinds = fault_kinds(probe)
     index = 0
@@ -376,7 +418,9 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 
 def format_report(r: SoakReport) -> str:
-    out = [f"soak: {r.duration_s:.0f}s, a fault every ~{r.fault_interval_s:.0f}s, seed {r.seed}",
+    out = [f"soak: {r.duration_s:.0f}s, a fault every ~{r.fault_interval_s:.0f}s, seed {r.seed}"
+           f" (RSS baseline after {r.warmup_s:.0f}s of warm-up load: "
+           + ("levelled off)" if r.warmup_levelled else "still growing at the warm-up's end)"),
            "", *_table(
                ("requests ok", "failed", "failed not in flight on a killed process",
                 "events lost", "quiet points with equal digests"),
