@@ -62,7 +62,6 @@ class GroupCommit:
         self._prefill: dict[str, _Queued] = {}  # request id -> its queued PrefillCompleted
         self._urgent = False
         self._task: asyncio.Task[None] | None = None
-        self._starting = False  # a drain task was created and has not run its first step
         self._timer: asyncio.TimerHandle | None = None
         self._sent = 0
         self.messages = 0  # messages appended (acked)
@@ -103,7 +102,6 @@ class GroupCommit:
                 self._timer.cancel()
                 self._timer = None
             self._task = loop.create_task(self._drain())
-            self._starting = True
         elif self._timer is None:
             self._timer = loop.call_later(self.linger, self._linger_expired)
 
@@ -111,23 +109,8 @@ class GroupCommit:
         self._timer = None
         if self._queue and (self._task is None or self._task.done()):
             self._task = asyncio.get_running_loop().create_task(self._drain())
-            self._starting = True
-
-    async def sent(self) -> None:
-        """Until what is queued now is written to the NATS connection, when its message goes
-        out at once (no publish in flight). The drain task started for it hands the message to
-        the NATS client in its first step, and the client's flusher task writes it to the socket
-        one loop turn later: two turns of the loop. A routing decision's request waits for this
-        before it writes to its engine: on a machine with few cores, a request written first
-        wakes the engine, which then competes with the publish and with the server that
-        acknowledges it. Returns at once when a publish is in flight (what is queued waits
-        for its acknowledgement anyway) or no drain is starting."""
-        if self._starting:
-            await asyncio.sleep(0)  # the drain's first step: the message goes to the client
-            await asyncio.sleep(0)  # the client's flusher writes it
 
     async def _drain(self) -> None:
-        self._starting = False
         while self._queue:
             self._urgent = False
             taken, payload = self._take()

@@ -233,8 +233,6 @@ class Run:
                 self._refused(hop)
                 await self.ctx.replica.recorded(hop.routed)  # raises DecisionNotRecorded
             url = hop.routed.worker_url.rstrip("/") + self.plan.path
-            # The decision's publish goes out before the engine is woken (Dispatcher.decision_sent).
-            await self.ctx.replica.decision_sent(hop.routed)
             try:
                 resp = await open_upstream(self.ctx.pool, url, self.plan.body,
                                            hop.request_id)

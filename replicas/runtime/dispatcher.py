@@ -262,18 +262,6 @@ class Dispatcher:
         future.add_done_callback(acknowledged)
         return routed
 
-    async def decision_sent(self, routed: Routed) -> None:
-        """Until ``routed``'s decision, submitted by :meth:`route`, is written to the NATS
-        connection when its message goes out at once (no publish in flight on the subject):
-        the request then writes to its engine right after, not before. Measured at concurrency
-        1 on a 2-core machine, the acknowledgement came ~1.2 ms sooner that way: a request
-        written first woke the engine, which took the cores from the publish and from the
-        server acknowledging it (docs/design-notes.md, note 53)."""
-        record = routed.record
-        if record is not None and not record.future.done():
-            port = self.port
-            await port.submitted_sent(port.names.router_subject(port.replica_id))
-
     async def recorded(self, routed: Routed) -> None:
         """Until ``routed``'s decision is recorded, or served unrecorded past the grace (an
         election); raises :class:`DecisionNotRecorded` when JetStream refused it. Its caller

@@ -50,12 +50,6 @@ class ReplicaPort(Protocol):
         decision's append runs while its request goes to the engine)."""
         ...
 
-    async def submitted_sent(self, subject: str) -> None:
-        """Until what was just submitted on ``subject`` is written to the NATS connection, when
-        its message goes out at once (``eventlog.group_commit.GroupCommit.sent``); at once
-        otherwise."""
-        ...
-
     async def stream_end(self, kind: str) -> int:
         """The last sequence of stream ``kind`` now (one round trip to the server)."""
         ...

@@ -139,10 +139,6 @@ class Replica:
             return futures[0] if len(futures) == 1 else _joined(futures)
         return asyncio.ensure_future(self.append(subject, events, msg_id))
 
-    async def submitted_sent(self, subject: str) -> None:
-        if self.router_log is not None and subject == self.router_log.subject:
-            await self.router_log.sent()
-
     async def stream_end(self, kind: str) -> int:
         assert self.log is not None
         _, last = await self.log.bounds(self.names.stream(kind))
@@ -423,11 +419,6 @@ class Replica:
         """Decide, count the decision in our load at once, submit its append, hand back the
         worker; :meth:`recorded` waits for the append before the client sees anything."""
         return await self.dispatcher.route(req)
-
-    async def decision_sent(self, routed: Routed) -> None:
-        """Until ``routed``'s decision is on its way to JetStream when it goes out at once
-        (:meth:`Dispatcher.decision_sent`)."""
-        await self.dispatcher.decision_sent(routed)
 
     async def recorded(self, routed: Routed) -> None:
         """Raises ``DecisionNotRecorded`` when JetStream refused the decision (then nothing may

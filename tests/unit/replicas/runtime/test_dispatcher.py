@@ -63,9 +63,6 @@ class Port:
         return asyncio.ensure_future(
             self.append(subject, events[0] if len(events) == 1 else events, msg_id))
 
-    async def submitted_sent(self, subject: str) -> None:
-        return None
-
     async def wait_ready(self, timeout: float | None = None) -> None:
         return None
 
