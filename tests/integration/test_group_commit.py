@@ -86,19 +86,3 @@ async def test_a_message_holds_at_most_max_events(js) -> None:
     assert last == 4  # 3 + 3 + 3 + 1
     assert [e for _, e in await stream_events(context, last)] == sent
 
-
-async def test_sent_returns_once_a_message_going_out_at_once_is_written(js) -> None:
-    nc, context = js
-    log = GroupCommit(Appender(context), NAMES.router_subject("a"), "a.boot5")
-    before = nc.stats["out_msgs"]
-    first = log.submit(routed(1))
-    assert nc.stats["out_msgs"] == before  # queued: the drain has not run yet
-    await log.sent()
-    # Handed to the NATS client (counted) and written by its flusher (nothing pending).
-    assert nc.stats["out_msgs"] == before + 1
-    assert nc._pending_data_size == 0
-    # With that publish in flight the next event waits for its acknowledgement: no wait here.
-    second = log.submit(routed(2))
-    await log.sent()
-    assert nc.stats["out_msgs"] == before + 1
-    assert await asyncio.wait_for(asyncio.gather(first, second), 10) == [1, 2]
