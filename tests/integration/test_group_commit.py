@@ -85,4 +85,3 @@ async def test_a_message_holds_at_most_max_events(js) -> None:
     _, last = await stream_bounds(context, ROUTER)
     assert last == 4  # 3 + 3 + 3 + 1
     assert [e for _, e in await stream_events(context, last)] == sent
-
