@@ -111,7 +111,8 @@ async def test_reader_and_appender_survive_losing_the_stream_leader(
     nc = await nats_connect(nats_cluster.url)
     js = nc.jetstream()
     await ensure_streams(js, NAMES)
-    appender = Appender(js, timeout=1.0, attempts=20)
+    # Retry for up to a minute: on a loaded machine the two survivors took ~30 s to elect once.
+    appender = Appender(js, timeout=1.0, attempts=1000, backoff_max=0.5, retry_window=60.0)
     await fill(appender, range(1, 21))
     follower = Follower(js)
     await follower.until(20, timeout=10)
@@ -121,7 +122,7 @@ async def test_reader_and_appender_survive_losing_the_stream_leader(
     nats_cluster.kill([s.server_name for s in nats_cluster.servers].index(leader))
     # The next append waits out the election (no stream leader: retried); the reader's pull
     # requests go unanswered until then and it recreates its consumer on the new leader.
-    reading = asyncio.create_task(follower.until(40, timeout=25))
+    reading = asyncio.create_task(follower.until(40, timeout=70))
     await fill(appender, range(21, 41))
     await reading
     await follower.reader.close()
