@@ -47,6 +47,7 @@ from nats.js.errors import APIError, BucketNotFoundError
 from nats.js.kv import KeyValue
 
 from eventlog import events as ev
+from eventlog.appender import is_transient
 from eventlog.names import Names
 from eventlog.streams import cluster_size_hint
 from replicas.core.divergence import (
@@ -70,6 +71,11 @@ def heartbeat_subject(names: Names, replica_id: str = "*") -> str:
 
 
 log = logging.getLogger("jetrouter.liveness")
+
+# How long a starting replica keeps asking JetStream for its heartbeat bucket (longer than a
+# stream leader election, 4-9 s, and a fresh cluster's settling), and its backoff bounds.
+BUCKET_BIND_WINDOW = 60.0
+BUCKET_RETRY_MIN, BUCKET_RETRY_MAX = 0.1, 2.0
 
 
 def liveness_subject(names: Names, event: ev.Event) -> str:
@@ -162,7 +168,7 @@ class Liveness:
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._kv = await self._bucket()
+        self._kv = await self._bucket_when_reachable()
         self._sub = await self.nc.subscribe(self.names.load_subject(), cb=self._on_gauge)
         self._hb_sub = await self.nc.subscribe(heartbeat_subject(self.names),
                                                cb=self._on_heartbeat)
@@ -197,6 +203,23 @@ class Liveness:
         if delete_key and self._kv is not None:
             with contextlib.suppress(Exception):
                 await self._kv.delete(self.replica_id)
+
+    async def _bucket_when_reachable(self) -> KeyValue:
+        """`_bucket`, asked again while JetStream's answer is a transient failure: a cluster
+        that has just started (or lost a node) times its API requests out for a few seconds
+        while it settles, and a replica that exited over that would only be restarted into it."""
+        delay = BUCKET_RETRY_MIN
+        deadline = time.monotonic() + BUCKET_BIND_WINDOW
+        while True:
+            try:
+                return await self._bucket()
+            except Exception as exc:
+                if not is_transient(exc) or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("binding heartbeat bucket %s failed (%s); retrying in %.2fs",
+                            self.names.replicas_bucket, type(exc).__name__, delay)
+            await asyncio.sleep(delay)  # backoff between attempts, not a synchronisation
+            delay = min(delay * 2, BUCKET_RETRY_MAX)
 
     async def _bucket(self) -> KeyValue:
         """Bind to the heartbeat bucket, creating it if absent. Whoever creates it first sets

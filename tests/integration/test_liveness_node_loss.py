@@ -121,3 +121,29 @@ async def test_a_dead_nats_server_makes_no_live_peer_look_stale(
     assert [r.declared for r in replicas] == [[], [], []]
     for rep in replicas:
         assert set(await rep.live.peers()) == set(IDS) - {rep.rid}
+
+
+async def test_liveness_started_while_jetstream_has_no_quorum_binds_once_it_is_back(
+        nats_cluster: NatsCluster) -> None:
+    """A replica starting into a cluster that cannot answer JetStream yet (two of three servers
+    down: no meta leader) keeps asking instead of exiting, and starts once they are back."""
+    survivor = nats_cluster.urls[0]
+    nats_cluster.kill(1)
+    nats_cluster.kill(2)
+    nc = await nats.connect(servers=[survivor], reconnect_time_wait=0.2,
+                            max_reconnect_attempts=-1, connect_timeout=2)
+    rep = Replica("A", nc, leader=False)
+    try:
+        starting = asyncio.create_task(rep.live.start())
+        # The first bind attempts fail while quorum is gone: the start is still pending.
+        await until(lambda: rep.live._kv is None and not starting.done(), timeout=10)
+        await asyncio.to_thread(nats_cluster.restart, 1)
+        await asyncio.to_thread(nats_cluster.restart, 2)
+        await asyncio.wait_for(starting, 60)
+        kv = rep.live._kv
+        assert kv is not None
+        await until(lambda: kv.get("A"), lambda entry: bool(entry.value), timeout=30,
+                    what="its heartbeat in the bucket", tolerate=(Exception,))
+    finally:
+        await rep.live.stop()
+        await nc.close()

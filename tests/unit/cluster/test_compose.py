@@ -19,6 +19,7 @@ from packaging.utils import canonicalize_name
 
 from cluster.checkconfig import (
     check_compose,
+    dockerfile_copied,
     dockerfile_instructions,
     main,
     parse_haproxy,
@@ -108,6 +109,18 @@ MUTATIONS = [
                  '"--nats-url", "nats://nats9:4222"]\n  w2',
                  "service w1: --nats-url nats://nats9:4222 names no NATS service",
                  id="nats-url-unknown-host"),
+    pytest.param("compose.yaml", "x-nats-urls:", "name: jetrouter\nx-nats-urls:",
+                 "compose.yaml: top-level `name:` makes docker-compose 1.29",
+                 id="project-name-key"),
+    pytest.param("compose.yaml", '    network_mode: "service:r2-net"\n', "",
+                 "service r2: behind the balancer its address dies with its container",
+                 id="replica-owns-its-address"),
+    pytest.param("compose.yaml", "aliases: [r3]", "aliases: [router3]",
+                 "service r3-net: r3 runs in its network, but no alias r3 points there",
+                 id="replica-anchor-without-alias"),
+    pytest.param("compose.yaml", 'network_mode: "service:r1-net"', 'network_mode: "service:r9-net"',
+                 "service r1: network_mode service:r9-net: no such service",
+                 id="replica-anchor-missing"),
     pytest.param("compose.yaml", "  r1-data:\n", "",
                  "service r1: volume r1-data is not declared", id="volume-undeclared"),
     pytest.param("compose.yaml", "image: nats:2.10-alpine", "image: nats:2.10",
@@ -119,6 +132,9 @@ MUTATIONS = [
                  id="dockerfile-entrypoint"),
     pytest.param("deploy/Dockerfile", "USER jetrouter\n", "",
                  "deploy/Dockerfile: the image runs as root", id="dockerfile-root"),
+    pytest.param("deploy/Dockerfile", "COPY cluster cluster\n", "",
+                 "deploy/Dockerfile: packages cluster of pyproject.toml are not copied",
+                 id="dockerfile-misses-a-package"),
     pytest.param("deploy/grafana/dashboards/jetrouter.json", "jetrouter_stream_lag",
                  "jetrouter_stream_lagg", "no metric jetrouter_stream_lagg",
                  id="dashboard-unknown-metric"),
@@ -131,7 +147,7 @@ MUTATIONS = [
                  "  image: jetrouter:local\n  build: {context: ., dockerfile: deploy/Dockerfile}\n",
                  "services r1, r2, r3, w1, w2, w3, w4, vllm1-bridge all build 'jetrouter:local'",
                  id="every-service-builds-the-image"),
-    pytest.param("compose.yaml", "    <<: *replica\n    pull_policy: never\n", "    <<: *replica\n",
+    pytest.param("compose.yaml", '"service:r2-net"\n    pull_policy: never\n', '"service:r2-net"\n',
                  "service r2: runs 'jetrouter:local', built by r1, without `pull_policy: never`",
                  id="image-user-would-pull"),
     pytest.param("compose.yaml",
@@ -257,6 +273,25 @@ def test_dockerfile_instructions_read_the_last_stage() -> None:
             "CMD serve --port 1\n")
     assert dockerfile_instructions(text) == {"USER": ["app"], "ENTRYPOINT": ["jetrouter"],
                                              "CMD": ["/bin/sh", "-c", "serve --port 1"]}
+
+
+def test_dockerfile_copied_reads_context_sources_of_every_stage() -> None:
+    text = ("FROM a AS build\nCOPY pyproject.toml README.md ./\nCOPY --chown=1:1 api/ api\n"
+            'ADD ["workers", "/src/workers"]\nFROM b\nCOPY --from=build /wheels /tmp\n'
+            "COPY ./cluster \\\n  /src/cluster\n")
+    assert dockerfile_copied(text) == {"pyproject.toml", "README.md", "api", "workers",
+                                       "cluster"}
+
+
+def test_dockerignore_is_read_by_both_builders_and_keeps_environments_out() -> None:
+    """deploy/Dockerfile builds with the repository as its context. `<Dockerfile>.dockerignore`
+    is read by BuildKit only (and wins over .dockerignore there); the classic builder (Docker
+    20.10, docker-compose 1.29) reads .dockerignore alone, and without it sends .venv and
+    .venv-vllm (hundreds of MB to GB) on every `up --build`."""
+    assert not (ROOT / "deploy" / "Dockerfile.dockerignore").exists()
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert {".git", ".venv", ".venv-*", ".jetrouter", "tests"} <= ignored
 
 
 def test_nats_flags() -> None:
