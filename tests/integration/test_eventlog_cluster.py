@@ -14,11 +14,11 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from eventlog.appender import Appender
+from eventlog.appender import Appender, AppendFailed
 from eventlog.events import BlocksStored
 from eventlog.names import Names
 from eventlog.reader import StreamReader
-from eventlog.server import NatsCluster
+from eventlog.server import NatsCluster, NatsServer, _http_json
 from eventlog.streams import ensure_streams
 
 NAMES = Names("jr")
@@ -75,6 +75,17 @@ class Follower:
         await asyncio.wait_for(read(), timeout)
 
 
+def _stream_view(server: NatsServer) -> str:
+    status, doc = _http_json(server.monitor_url + "/jsz?streams=true&raft=true")
+    if status != 200 or not isinstance(doc, dict):
+        return f"monitor {status}"
+    for account in doc.get("account_details") or []:
+        for stream in account.get("stream_detail") or []:
+            if stream.get("name") == KV:
+                return str(stream.get("cluster"))
+    return "no KV stream"
+
+
 async def fill(appender: Appender, ids: range) -> None:
     for i in ids:
         await appender.append(SUBJECT, [stored(i)], msg_id=f"w1-{i}")
@@ -123,7 +134,12 @@ async def test_reader_and_appender_survive_losing_the_stream_leader(
     # The next append waits out the election (no stream leader: retried); the reader's pull
     # requests go unanswered until then and it recreates its consumer on the new leader.
     reading = asyncio.create_task(follower.until(40, timeout=70))
-    await fill(appender, range(21, 41))
+    try:
+        await fill(appender, range(21, 41))
+    except AppendFailed as exc:  # seen once on a loaded machine: say what the cluster looked like
+        views = {s.server_name: (s.running, _stream_view(s)) for s in nats_cluster.servers}
+        raise AssertionError(f"{exc}; killed {leader}; meta leader "
+                             f"{nats_cluster.meta_leader()}; per server: {views}") from exc
     await reading
     await follower.reader.close()
     assert follower.seqs == list(range(1, 41))
