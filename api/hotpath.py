@@ -31,7 +31,6 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.head_merge import HeadWithFirstBody
 from api.http_limits import BodySizeLimit
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -90,8 +89,7 @@ class FrontDoor:
     :class:`HotRoutes` once the app has built its stack, skipping ``FastAPI.__call__`` (which
     asks OpenTelemetry, through ``os.environ``, whether to trace, on every request) and
     ``Starlette.__call__``; everything else, and everything before the first request, goes to
-    the app as it would. Their response's head goes out with its first body bytes, in one socket
-    write (:mod:`api.head_merge`)."""
+    the app as it would."""
 
     def __init__(self, app: Starlette) -> None:
         self.app = app
@@ -102,7 +100,7 @@ class FrontDoor:
         if type(hot) is HotRoutes and self._direct and scope["type"] == "http" \
                 and scope["method"] == "POST" and scope["path"] in hot.routes:
             scope["app"] = self.app  # what Starlette.__call__ would have set
-            await hot(scope, receive, HeadWithFirstBody.for_send(send))
+            await hot(scope, receive, send)
         else:
             await self.app(scope, receive, send)
 
