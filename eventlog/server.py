@@ -397,6 +397,7 @@ class NatsCluster:
                 and None not in leaders
                 and all(map(_healthy, live))
                 and self._leader_sees_current(live)
+                and all(self._routed_to_all(s, live) for s in live)
             ):
                 return
             if time.monotonic() > deadline:
@@ -420,6 +421,18 @@ class NatsCluster:
         meta = (leader.jsz() or {}).get("meta_cluster") or {}
         current = {r.get("name") for r in meta.get("replicas") or [] if r.get("current")}
         return all(s.server_name in current for s in live if s is not leader)
+
+    @staticmethod
+    def _routed_to_all(server: NatsServer, live: list[NatsServer]) -> bool:
+        """``server`` has a route to every other live node. Until it has, the INFO it sends a
+        connecting client lists fewer cluster members (``connect_urls``), and a client that
+        sizes new streams by that list (`eventlog.streams.cluster_size_hint`) would create
+        them with too few replicas."""
+        status, doc = _http_json(server.monitor_url + "/routez")
+        if status != 200 or not isinstance(doc, dict):
+            return False
+        peers = {r.get("remote_name") or r.get("remote_id") for r in doc.get("routes") or []}
+        return len(peers - {None}) >= len(live) - 1
 
     def meta_leader(self) -> str | None:
         """Server name of the current JetStream meta leader, as seen by the first live node."""
