@@ -144,11 +144,16 @@ async def test_a_child_whose_port_was_taken_while_down_comes_back_on_a_fresh_por
                             ready_timeout=45.0, stop_timeout=10.0) as cluster:
         old_url = cluster.worker_urls[0]
         port = int(old_url.rsplit(":", 1)[1])
-        cluster.kill("w0", signal.SIGKILL)
         thief = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # As a server would: its connections' TIME_WAIT on the port does not keep us off it.
+        thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        cluster.kill("w0", signal.SIGKILL)
         try:
-            # Another process's socket takes the port the moment the dead engine lets go of it.
-            await wait_until(lambda: _bound(thief, port), 20.0, "w0's port to be free")
+            # Another socket takes the port the moment the dead engine lets go of it. This
+            # waits WITHOUT yielding to the event loop on purpose: the cluster's supervisor runs
+            # on this loop, so it cannot restart w0 on its old port before the port is taken.
+            # The kernel frees the port when the process dies, which needs nothing from us.
+            wait_for(lambda: _bound(thief, port), 20.0, "w0's port to be free")
             thief.listen()
             await wait_until(lambda: cluster.worker_urls[0] != old_url, 20.0,
                              "w0 to be given a fresh port")
