@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -16,13 +17,11 @@ from dataclasses import dataclass
 import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
-from starlette.types import ASGIApp
 
 from api.admin import admin_router, require_admin
 from api.config import option
 from api.errors import ApiError, error_response, install_error_handlers, overloaded_response
 from api.forward import Forwarder, replica_headers
-from api.hotpath import HotRoutes, read_body
 from api.http_limits import BodySizeLimit
 from api.metrics import Rejection, RouterMetrics
 from api.nvext_response import NvextFields, add_to_response
@@ -32,6 +31,7 @@ from api.shed import Shedder
 from api.tokenizer import Tokenizer, load_model_tokenizer
 from eventlog.appender import AppendFailed
 from eventlog.events import MAX_COUNT, MAX_RATIO
+from leanhttp.hotpath import install_hot_routes, read_body
 from replicas.core.health import STATUS_GAUGE
 from replicas.core.shedding import PriorityTier
 from replicas.core.sticky import SessionRequest
@@ -243,18 +243,12 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     async def chat_completions(request: Request) -> Response:
         return await handle("chat", request)
 
-    # Plain Starlette routes for the hot path: FastAPI's dependency solving costs more than
-    # these handlers need (they read the raw body themselves). Error handlers still apply.
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    # ...and in front of the middleware stack, a short way to them (api/hotpath.py).
-    hot_routes = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
-    build_stack = app.build_middleware_stack
-
-    def build_with_hot_routes() -> ASGIApp:
-        return HotRoutes(build_stack(), hot_routes, app.exception_handlers, cfg.max_body_bytes)
-
-    app.build_middleware_stack = build_with_hot_routes  # type: ignore[method-assign]
+    # Plain Starlette routes for the hot path (FastAPI's dependency solving costs more than
+    # these handlers need: they read the raw body themselves), and in front of the middleware
+    # stack a short way to them behind the body size limit (leanhttp/hotpath.py).
+    install_hot_routes(
+        app, {"/v1/completions": completions, "/v1/chat/completions": chat_completions},
+        guard=functools.partial(BodySizeLimit, max_bytes=cfg.max_body_bytes))
 
     @app.get("/v1/models")
     async def models() -> Response:

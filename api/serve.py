@@ -79,7 +79,7 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
 def run(args: argparse.Namespace, *, extra_routers: Sequence[RouterFactory] = ()) -> int:
     """Serve until SIGTERM. ``extra_routers`` add routes to the app (tests add debug ones)."""
     from api.app import AppConfig, create_app
-    from api.hotpath import FrontDoor
+    from leanhttp.hotpath import FrontDoor
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

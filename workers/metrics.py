@@ -68,6 +68,16 @@ class WorkerMetrics:
         self.in_flight = Gauge(f"{PREFIX}_http_requests_in_flight",
                                "Inference requests being served", registry=self.registry)
         self.registry.register(_EngineCollector(engines, worker_id))
+        # Children bound once per label pair: ``labels()`` takes a lock and builds a key on
+        # every call, twice per request otherwise.
+        self._counts: dict[tuple[str, str], Callable[[], None]] = {}
+
+    def count(self, endpoint: str, outcome: str) -> None:
+        """One more inference request with this outcome."""
+        inc = self._counts.get((endpoint, outcome))
+        if inc is None:
+            inc = self._counts[endpoint, outcome] = self.requests.labels(endpoint, outcome).inc
+        inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,11 +15,11 @@ from starlette.types import Receive, Scope, Send
 from api.config import option
 from api.forward.prefill import PrefillRouter
 from api.forward.run import PREDICTED_HEADER, Run, RunContext, replica_headers
-from api.hotpath import LeanStreamingResponse
 from api.metrics import RouterMetrics
 from api.openai_schema import ParsedRequest
 from api.tokenizer import ByteTokenizer, Tokenizer
 from api.upstream import UpstreamPool
+from leanhttp.hotpath import LeanStreamingResponse
 from replicas.runtime.replica import Replica, Routed
 
 log = logging.getLogger("jetrouter.forward")

@@ -32,13 +32,13 @@ from api.forward.engine import (
     open_upstream,
     upstream_event_batches,
 )
-from api.hotpath import LastChunk
 from api.metrics import RouterMetrics
 from api.openai_schema import ParsedRequest
 from api.tokenizer import Tokenizer
 from api.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from eventlog.events import Outcome
 from eventlog.names import hop_request_id
+from leanhttp.hotpath import LastChunk
 from replicas.core.load import output_blocks
 from replicas.runtime.replica import (
     DecisionNotRecorded,

@@ -13,7 +13,7 @@ from pathlib import Path
 from eventlog.errors import JetrouterError
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("eventlog", "replicas", "snapshots", "api", "workers", "bench", "cluster")
+PACKAGES = ("eventlog", "replicas", "snapshots", "api", "workers", "bench", "cluster", "leanhttp")
 BUILTIN_EXCEPTIONS = {name for name, value in vars(builtins).items()
                       if isinstance(value, type) and issubclass(value, BaseException)}
 

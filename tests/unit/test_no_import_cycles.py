@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 
 import grimp
 
-PACKAGES = ("eventlog", "replicas", "snapshots", "api", "workers", "bench", "cluster")
+PACKAGES = ("eventlog", "replicas", "snapshots", "api", "workers", "bench", "cluster", "leanhttp")
 
 
 def cycles(edges: Mapping[str, Iterable[str]]) -> list[list[str]]:

@@ -1,4 +1,4 @@
-"""The inference routes' short way through the ASGI stack (api/hotpath.py), over a real socket
+"""The inference routes' short way through the ASGI stack (leanhttp/hotpath.py), over a real socket
 with uvicorn's httptools protocol as the replica runs it: same answers as the full stack for
 success, errors, oversized bodies and other methods; a client that hangs up mid-stream cancels
 the stream."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 
 import httpx
@@ -17,8 +18,14 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.errors import ApiError, install_error_handlers
-from api.hotpath import FrontDoor, HotRoutes, LastChunk, LeanStreamingResponse, read_body
-from api.http_limits import guarded_http_protocol
+from api.http_limits import BodySizeLimit, guarded_http_protocol
+from leanhttp.hotpath import (
+    FrontDoor,
+    LastChunk,
+    LeanStreamingResponse,
+    install_hot_routes,
+    read_body,
+)
 
 pytestmark = pytest.mark.timeout(60)
 MAX_BODY = 1024
@@ -61,13 +68,8 @@ def make_app(stream_done: asyncio.Event, stream_cancelled: asyncio.Event) -> Fas
         finally:
             stream_done.set()  # the iterator ran to its end, not just to its last yield
 
-    app.add_route("/v1/completions", echo, methods=["POST"])
-    build = app.build_middleware_stack
-
-    def build_with_hot_routes() -> ASGIApp:
-        return HotRoutes(build(), {"/v1/completions": echo}, app.exception_handlers, MAX_BODY)
-
-    app.build_middleware_stack = build_with_hot_routes  # type: ignore[method-assign]
+    install_hot_routes(app, {"/v1/completions": echo},
+                       guard=functools.partial(BodySizeLimit, max_bytes=MAX_BODY))
     return app
 
 
@@ -170,10 +172,8 @@ async def test_front_door_takes_the_hot_routes_past_the_app_and_the_rest_through
     async def echo(request: Request) -> Response:
         return Response(b"echo:" + await read_body(request), media_type="text/plain")
 
-    app.add_route("/v1/completions", echo, methods=["POST"])
-    build = app.build_middleware_stack
-    app.build_middleware_stack = (  # type: ignore[method-assign]
-        lambda: HotRoutes(build(), {"/v1/completions": echo}, app.exception_handlers, MAX_BODY))
+    install_hot_routes(app, {"/v1/completions": echo},
+                       guard=functools.partial(BodySizeLimit, max_bytes=MAX_BODY))
 
     async def pieces() -> AsyncIterator[bytes]:
         for part in (b"a" * 10, b"b" * 10):

@@ -8,8 +8,8 @@ job is to notice a client that hangs up. These two routes need none of it (they 
 body and build their responses themselves), so:
 
 * :class:`HotRoutes` sits in front of the app's middleware stack and hands ``POST`` to the
-  inference paths straight to their handlers, behind the same
-  :class:`api.http_limits.BodySizeLimit` and with the app's own exception handlers (an
+  inference paths straight to their handlers, behind the guard the app gives it (the replica's
+  is :class:`api.http_limits.BodySizeLimit`) and with the app's own exception handlers (an
   ``ApiError`` is the same JSON error; an unexpected exception is logged, answered 500 unless the
   response had started, and re-raised, as Starlette's error middleware does). Anything else —
   another method, another path, a trailing slash — takes the full stack as before.
@@ -31,10 +31,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.http_limits import BodySizeLimit
-
 Handler = Callable[[Request], Awaitable[Response]]
 ExceptionHandler = Callable[[Request, Exception], Awaitable[Response]]
+Guard = Callable[[ASGIApp], ASGIApp]  # wraps the handlers' ASGI app (e.g. a body size limit)
 
 
 class HotRoutes:
@@ -42,14 +41,14 @@ class HotRoutes:
     ``app`` (the full middleware stack)."""
 
     def __init__(self, app: ASGIApp, routes: Mapping[str, Handler],
-                 exception_handlers: Mapping[object, ExceptionHandler], max_body_bytes: int
+                 exception_handlers: Mapping[object, ExceptionHandler], guard: Guard | None = None
                  ) -> None:
         self.app = app
         self.routes = dict(routes)
         self._handlers = {k: v for k, v in exception_handlers.items()
                           if isinstance(k, type) and k is not Exception}
         self._on_unexpected = exception_handlers.get(Exception) or exception_handlers.get(500)
-        self._limited = BodySizeLimit(self._serve, max_bytes=max_body_bytes)
+        self._limited = self._serve if guard is None else guard(self._serve)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" \
@@ -82,6 +81,22 @@ class HotRoutes:
             if handler is not None:
                 return handler
         return None
+
+
+def install_hot_routes(app: Starlette, routes: Mapping[str, Handler],
+                       guard: Guard | None = None) -> None:
+    """Serve ``POST`` to each of ``routes`` (path -> handler) from ``app``: as plain Starlette
+    routes (no FastAPI dependency solving; the app's error handlers apply) and, once the app
+    builds its middleware stack, through a :class:`HotRoutes` in front of it."""
+    for path, handler in routes.items():
+        app.add_route(path, handler, methods=["POST"])
+    build_stack = app.build_middleware_stack
+    hot = dict(routes)
+
+    def build_with_hot_routes() -> ASGIApp:
+        return HotRoutes(build_stack(), hot, app.exception_handlers, guard)
+
+    app.build_middleware_stack = build_with_hot_routes  # type: ignore[method-assign]
 
 
 class FrontDoor:
