@@ -13,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
 
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
@@ -26,8 +29,12 @@ CREATE_ANSWER_WAIT = 30.0
 """Seconds stream creation keeps asking a cluster that does not answer (meta leader election)."""
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_REPLICAS = 5
+CLUSTER_REPLICAS_FLOOR = 3  # the fewest replicas a clustered server is guessed to take
+# Per NATS connection: the replica count a guessed creation had to step down to.
+_placed: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
 
 # JetStream API error codes (nats-server errors.json) that mean "this replica count cannot be
 # placed here": single server, too few peers, not enough resources.
@@ -43,17 +50,31 @@ class StreamConfigConflict(JetrouterError, RuntimeError):
 
 
 def cluster_size_hint(js: JetStreamContext) -> int:
-    """How many servers the connected NATS cluster has, from the server's INFO, capped at 5.
+    """How many replicas to give a new stream: 1 on a server outside a cluster, else the
+    member count the server gossiped at connect time (``connect_urls``), at least 3, at most 5;
+    never more than a creation on this connection could place before.
 
-    A server outside a cluster sends no ``cluster`` field: 1. A clustered one gossips every
-    member's client URL in ``connect_urls``. This is a first guess only: creation steps down when
-    the server says the count cannot be placed (see :func:`_create`).
+    The count is a first guess only: creation steps down when the server says it cannot be
+    placed (see :func:`create_placed`). It is never below 3 on a cluster because a cluster that
+    is still forming gossips fewer members than it will have (a client connected to a node that
+    has a route to one peer so far hears of two), and a stream created then would stay under-
+    replicated for good. A cluster with a member down at first start pays one placement wait
+    per process, not one per stream: what was placed is remembered for the connection.
     """
-    info = getattr(getattr(js, "_nc", None), "_server_info", None) or {}
+    nc = getattr(js, "_nc", None)
+    info = getattr(nc, "_server_info", None) or {}
+    guess = replicas_for_server(info)
+    placed = _placed.get(nc) if nc is not None else None
+    return guess if placed is None else min(guess, placed)
+
+
+def replicas_for_server(info: Mapping[str, object]) -> int:
+    """:func:`cluster_size_hint` from a server's INFO."""
     if not info.get("cluster"):
         return 1
-    urls = info.get("connect_urls") or []
-    return max(1, min(MAX_REPLICAS, len(urls) or 3))
+    urls = info.get("connect_urls")
+    members = len(urls) if isinstance(urls, list) else 0
+    return min(MAX_REPLICAS, max(CLUSTER_REPLICAS_FLOOR, members))
 
 
 def _wanted_config(names: Names, kind: str, replicas: int, duplicate_window: float,
@@ -74,10 +95,22 @@ def _wanted_config(names: Names, kind: str, replicas: int, duplicate_window: flo
 async def _create(
     js: JetStreamContext, config: StreamConfig, *, step_down: bool, placement_wait: float
 ) -> StreamInfo:
-    """Create with ``config.num_replicas``. A cluster that cannot place that many replicas yet
-    (peers still joining) is given ``placement_wait`` seconds; after that, and only when the
-    count was our guess (``step_down``), one replica fewer is tried, down to 1."""
-    wanted = config.num_replicas or 1
+    """Create with ``config.num_replicas``, as :func:`create_placed` places it."""
+    return await create_placed(
+        js, lambda replicas: js.add_stream(config.evolve(num_replicas=replicas)),
+        config.num_replicas or 1, what=f"stream {config.name}", step_down=step_down,
+        placement_wait=placement_wait)
+
+
+async def create_placed(
+    js: JetStreamContext, create: Callable[[int], Awaitable[T]], wanted: int, *, what: str,
+    step_down: bool, placement_wait: float = 5.0,
+) -> T:
+    """``create(replicas)`` with ``wanted`` replicas (a stream, or a key-value bucket's). A
+    cluster that cannot place that many yet (peers still joining) is given ``placement_wait``
+    seconds; after that, and only when the count was our guess (``step_down``), one replica
+    fewer is tried, down to 1, and the count placed caps :func:`cluster_size_hint` for ``js``'s
+    connection from then on."""
     replicas = wanted
     deadline = time.monotonic() + placement_wait
     # A cluster still electing its meta leader (just started, or busy) may not answer a create
@@ -86,7 +119,7 @@ async def _create(
     delay = 0.05
     while True:
         try:
-            info = await js.add_stream(config.evolve(num_replicas=replicas))
+            created = await create(replicas)
         except NatsTimeoutError:
             if time.monotonic() >= answer_deadline:
                 raise
@@ -106,13 +139,12 @@ async def _create(
                 raise
             continue
         if replicas != wanted:
-            log.warning(
-                "stream %s created with %d replicas (%d could not be placed)",
-                config.name,
-                replicas,
-                wanted,
-            )
-        return info
+            log.warning("%s created with %d replicas (%d could not be placed)", what, replicas,
+                        wanted)
+            nc = getattr(js, "_nc", None)
+            if nc is not None:
+                _placed[nc] = replicas
+        return created
 
 
 def _differences(have: StreamConfig, want: StreamConfig, check_replicas: bool,

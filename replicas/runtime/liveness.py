@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -49,7 +50,7 @@ from nats.js.kv import KeyValue
 from eventlog import events as ev
 from eventlog.appender import is_transient
 from eventlog.names import Names
-from eventlog.streams import cluster_size_hint
+from eventlog.streams import cluster_size_hint, create_placed
 from replicas.core.divergence import (
     Divergence,
     DivergenceDetector,
@@ -227,17 +228,19 @@ class Liveness:
         name = self.names.replicas_bucket
         with contextlib.suppress(BucketNotFoundError):
             return await self.js.key_value(name)
-        size = cluster_size_hint(self.js)
-        for replicas in dict.fromkeys((size, 1)):
-            try:
-                return await self.js.create_key_value(KeyValueConfig(
-                    bucket=name, history=1, ttl=self.bucket_ttl, storage=StorageType.FILE,
-                    replicas=replicas, description="jetrouter replica heartbeats"))
-            except APIError as exc:
-                log.warning("creating bucket %s with %d replicas failed: %s", name, replicas, exc)
-                with contextlib.suppress(BucketNotFoundError):
-                    return await self.js.key_value(name)  # created meanwhile by a peer
-        raise RuntimeError(f"cannot create or bind KV bucket {name}")
+        config = KeyValueConfig(bucket=name, history=1, ttl=self.bucket_ttl,
+                                storage=StorageType.FILE,
+                                description="jetrouter replica heartbeats")
+        try:
+            return await create_placed(
+                self.js, lambda replicas: self.js.create_key_value(dataclasses.replace(
+                    config, replicas=replicas)),
+                cluster_size_hint(self.js), what=f"KV bucket {name}", step_down=True)
+        except APIError as exc:
+            log.warning("creating bucket %s failed: %s", name, exc)
+            with contextlib.suppress(BucketNotFoundError):
+                return await self.js.key_value(name)  # created meanwhile by a peer
+            raise
 
     # --- what the replica port tells ------------------------------------------------------------
 

@@ -8,7 +8,8 @@ from nats.js.api import StorageType
 
 from eventlog.names import STREAM_KINDS, Names
 from eventlog.server import NatsCluster, NatsServer
-from eventlog.streams import ensure_streams, stream_bounds
+from eventlog.streams import cluster_size_hint, ensure_streams, stream_bounds
+from tests.waiting import until
 
 NAMES = Names("jr")
 
@@ -66,3 +67,44 @@ async def test_three_node_cluster_gets_r3(nats_cluster: NatsCluster, nats_connec
         assert again[name].config == info.config
         cluster = (await js.stream_info(name)).cluster
         assert cluster is not None and cluster.leader
+
+
+async def test_a_member_down_at_first_start_still_gets_r3(nats_cluster: NatsCluster,
+                                                          nats_connect):
+    """Three members configured, one down before any stream exists: the server a client
+    connects to then gossips two members, but the streams are still created R3 (JetStream
+    places a replica on the member that is down; it catches up when it is back), not R2 for
+    good."""
+    leader = nats_cluster.meta_leader()
+    down = next(s for s in nats_cluster.servers if s.server_name != leader)
+    down.kill()
+    live = [s for s in nats_cluster.servers if s is not down]
+
+    def leader_sees_it_gone() -> bool:
+        for s in live:
+            meta = (s.jsz() or {}).get("meta_cluster") or {}
+            if meta.get("leader") == s.server_name:
+                peer = next((r for r in meta.get("replicas") or []
+                             if r.get("name") == down.server_name), None)
+                return peer is not None and not peer.get("current")
+        return False
+
+    await until(leader_sees_it_gone, timeout=60, what="meta leader sees the member gone")
+    nc = await nats_connect(live[0].url)
+    assert len(nc._server_info.get("connect_urls") or []) < 3  # what the old guess went by
+    js = nc.jetstream()
+    infos = await asyncio.wait_for(ensure_streams(js, NAMES), 90)
+    assert {info.config.num_replicas for info in infos.values()} == {3}
+    ack = await js.publish(NAMES.kv_subject("w0"), b"x", timeout=10)
+    assert ack.seq == 1  # two of three replicas are a quorum: the stream takes appends
+
+
+async def test_a_two_member_cluster_steps_down_once(tmp_path, nats_connect):
+    """Two members: R3 cannot be placed, so the first creation steps down to R2 after its
+    placement wait, and the connection remembers it for the streams after it."""
+    with NatsCluster(2, base_dir=tmp_path / "two").start(timeout=90) as cluster:
+        js = (await nats_connect(cluster.url)).jetstream()
+        assert cluster_size_hint(js) == 3  # a cluster is never guessed smaller than three
+        infos = await asyncio.wait_for(ensure_streams(js, NAMES), 90)
+        assert {info.config.num_replicas for info in infos.values()} == {2}
+        assert cluster_size_hint(js) == 2
