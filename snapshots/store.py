@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import msgspec
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -263,15 +264,19 @@ class SnapshotStore:
         leader, so a fresh write is always seen). ``expected`` guards against missing chunks.
 
         A fresh consumer on a replicated bucket can answer its first pull with 503 while it is
-        still being placed (seen on a loaded 3-node cluster); each attempt uses a new consumer,
-        so trying again is safe."""
+        still being placed, and its creation can go unanswered within the API timeout (both seen
+        on a loaded 3-node cluster); each attempt uses a new ephemeral consumer (one created
+        without our hearing of it expires by its inactivity threshold), so trying again is
+        safe."""
         for attempt in range(_FETCH_ATTEMPTS):
             try:
                 return await self._fetch_once(subject, deliver, expected)
-            except ServiceUnavailableError:
+            except (ServiceUnavailableError, NatsTimeoutError) as exc:
                 if attempt == _FETCH_ATTEMPTS - 1:
                     raise
-                log.info("snapshot bucket %s: pull answered 503; trying again", self.bucket)
+                log.info("snapshot bucket %s: %s reading it; trying again", self.bucket,
+                         "pull answered 503" if isinstance(exc, ServiceUnavailableError)
+                         else "no answer")
                 await asyncio.sleep(0.2 * (attempt + 1))
         raise AssertionError("unreachable")
 

@@ -298,7 +298,9 @@ def test_busy_threshold_post_answers_2xx_or_openai_4xx(fleet: Fleet) -> None:
         check_answer(post(fleet, fleet.urls[replica] + "/busy_threshold", raw), "/busy_threshold")
 
     run()
-    # Clear whatever the generated bodies set, so no model is left marked busy.
+    # Clear whatever the generated bodies set, so no model is left marked busy; first let both
+    # replicas apply every threshold (one set through replica 1 may not be on replica 0 yet).
+    assert_healthy_and_equal(fleet)
     for t in fleet.http.get(fleet.urls[0] + "/busy_threshold").json()["thresholds"]:
         r = fleet.http.post(fleet.urls[0] + "/busy_threshold", json={
             "model": t["model"], "active_decode_blocks_threshold": None,
