@@ -223,6 +223,9 @@ async def inject(kind: str, probe: Probe, t: Timing, rng: random.Random, cyc: Cy
         return await _ready_again(probe, cyc.victim, old, t.recovery_timeout)
     if kind == "replica-stop":
         cyc.victim = rng.choice(probe.replicas)
+        # Stopping the leader is part of the fault space; the report says when it was, since
+        # a peer is then declared lost only once another replica has taken the lease.
+        was_leader = await probe.leader() == cyc.victim
         cyc.fault_at = time.monotonic()
         pid = probe.c.kill(cyc.victim, signal.SIGSTOP)
         try:
@@ -231,6 +234,8 @@ async def inject(kind: str, probe: Probe, t: Timing, rng: random.Random, cyc: Cy
                               t.replica_timeout + 10.0) is None:
                 cyc.notes.append(f"{cyc.victim} not shown declared lost while stopped "
                                  "(it owned nothing, or no leader)")
+            if was_leader:
+                cyc.notes.append(f"{cyc.victim} held the leader lease when stopped")
         finally:
             os.killpg(pid, signal.SIGCONT)  # the group, as it was stopped
             cyc.fault_end = time.monotonic()
