@@ -342,13 +342,24 @@ class Liveness:
         self.peers_status[rid] = PeerStatus(rid, counter, self._clock(), hb, mark=mark)
 
     def _refresh(self, *, blind: bool = False) -> None:
-        """Restart timers after a blind spell and forget replicas gone for good."""
+        """Restart timers after a blind spell, discount a shorter stall, and forget replicas
+        gone for good."""
         now = self._clock()
+        last = self._last_poll
         if self._was_blind(now, "_last_poll", self.replica_timeout) or blind:
             # We could not observe (NATS away, our loop stalled): peers' heartbeats may have been
             # lost on their way too, so nobody's lapse can be judged across the gap.
             for status in self.peers_status.values():
                 status.changed_at = max(status.changed_at, now)
+        elif last is not None and now - last > 2 * self.heartbeat_interval:
+            # A stall shorter than that (our loop starved): heartbeats that came meanwhile wait
+            # unread in our socket while this round runs first, so the time we were not reading
+            # does not count toward anyone's silence. Without this, a peer already late (its own
+            # NATS server just died, it is reconnecting) crossed the timeout during our stall
+            # and was declared lost with its heartbeat queued behind the declaration.
+            unread = now - last - self.heartbeat_interval
+            for status in self.peers_status.values():
+                status.changed_at = min(now, status.changed_at + unread)
         # Forget replicas gone for good: silent long past the timeout and nothing left owned
         # (one that still owns requests keeps its record, and so its last mark for the
         # ReplicaLost msg id).

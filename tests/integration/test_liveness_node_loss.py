@@ -19,9 +19,9 @@ from nats.aio.client import Client as NATS
 
 from eventlog import events as ev
 from eventlog.names import ROUTER, Names
-from eventlog.server import NatsCluster
+from eventlog.server import NatsCluster, NatsServer
 from replicas.core.state import RouterState
-from replicas.runtime.liveness import Liveness
+from replicas.runtime.liveness import Liveness, PeerStatus
 from tests.port_stub import PortIdentity
 from tests.waiting import until
 
@@ -146,4 +146,44 @@ async def test_liveness_started_while_jetstream_has_no_quorum_binds_once_it_is_b
                     what="its heartbeat in the bucket", tolerate=(Exception,))
     finally:
         await rep.live.stop()
+        await nc.close()
+
+
+async def test_a_stalled_leader_does_not_count_the_stall_toward_a_peer_silence(
+        nats_server: NatsServer) -> None:
+    """The leader's loop stalls for less than its blind-spell threshold while a live peer is
+    already late (its heartbeats queued, unread): the stall does not push the peer past the
+    timeout, and a peer that stays silent is still declared once it has been silent for a
+    full timeout of observed time. Rounds are driven by hand on an injected clock."""
+    now = [100.0]
+    nc = await nats.connect(nats_server.url, connect_timeout=2)
+    try:
+        leader = Replica("A", nc, leader=True)
+        leader.live = Liveness(leader, nc.jetstream(), nc, heartbeat_interval=INTERVAL,
+                               replica_timeout=TIMEOUT, worker_timeout=TIMEOUT,
+                               clock=lambda: now[0])
+        live = leader.live
+        live.peers_status["B"] = PeerStatus("B", 1, now[0], None, mark="b.1")
+
+        async def round_at(t: float) -> None:
+            now[0] = t
+            await live.peers()
+            await live._declare_lost_replicas()
+
+        t = now[0]
+        for _ in range(8):  # B heard at 100.0, then silent: 2.0 s of observed silence so far
+            t += INTERVAL
+            await round_at(t)
+        assert leader.declared == []
+        # Our loop stalls for 1.2 s (with the round's own interval, under half the timeout: not
+        # a blind spell) and wakes up with B's heartbeats unread: 3.45 s since B was heard, but
+        # B's silence counts only the 2.25 s we observed.
+        t += INTERVAL + 1.2
+        await round_at(t)
+        assert leader.declared == []
+        while t < 100.0 + TIMEOUT + 1.2 + INTERVAL:  # B stays silent: declared in the end
+            t += INTERVAL
+            await round_at(t)
+        assert "B" in leader.declared
+    finally:
         await nc.close()
