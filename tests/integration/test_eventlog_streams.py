@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import StorageType
+from nats.js.errors import NoStreamResponseError
 
 from eventlog.names import STREAM_KINDS, Names
 from eventlog.server import NatsCluster, NatsServer
@@ -95,8 +97,13 @@ async def test_a_member_down_at_first_start_still_gets_r3(nats_cluster: NatsClus
     js = nc.jetstream()
     infos = await asyncio.wait_for(ensure_streams(js, NAMES), 90)
     assert {info.config.num_replicas for info in infos.values()} == {3}
-    ack = await js.publish(NAMES.kv_subject("w0"), b"x", timeout=10)
-    assert ack.seq == 1  # two of three replicas are a quorum: the stream takes appends
+    # Two of three replicas are a quorum: the stream takes appends once its new Raft group has
+    # elected a leader (no responders until then; seconds on a loaded machine).
+    ack = await until(lambda: js.publish(NAMES.kv_subject("w0"), b"x", timeout=5,
+                                         headers={"Nats-Msg-Id": "one"}), timeout=60,
+                      what="an append acknowledged", interval=0.2,
+                      tolerate=(NoStreamResponseError, NatsTimeoutError))
+    assert ack.seq == 1
 
 
 async def test_a_two_member_cluster_steps_down_once(tmp_path, nats_connect):
