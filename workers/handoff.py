@@ -89,7 +89,7 @@ def add_prefill_route(app: FastAPI, runtime: Any) -> None:
                 handle.abort()  # the router went away: free the blocks
         bs = settings.engine.block_size
         prompt = parsed.prompt_ids
-        runtime.metrics.requests.labels("prefill", "ok").inc()
+        runtime.metrics.count("prefill", "ok")
         return JSONResponse({
             TRANSFER_KEY: {
                 "handle": f"{settings.worker_id}/{request_id}",

@@ -238,3 +238,24 @@ async def test_sigterm_finishes_in_flight_then_exits_zero() -> None:
                 got.append(chunk.choices[0].text)
         assert "".join(got) == expected_text(prompt, 60)
         assert proc.wait(20) == 0
+
+
+def _streamed_ok(text: str) -> float:
+    key = 'jetrouter_worker_requests_total{endpoint="completions",outcome="ok"} '
+    line = next((ln for ln in text.splitlines() if ln.startswith(key)), key + "0")
+    return float(line[len(key):])
+
+
+async def test_a_finished_stream_ends_with_done_and_counts_as_ok(worker: WorkerProcess) -> None:
+    """The stream's last line ends the chunked body in the same write; the code after it (the
+    outcome count) still runs."""
+    async with httpx.AsyncClient(base_url=worker.url) as http:
+        before = _streamed_ok((await http.get("/metrics")).text)
+        async with http.stream("POST", "/v1/completions",
+                               json={"prompt": "count me", "max_tokens": 3,
+                                     "stream": True}) as r:
+            body = b"".join([part async for part in r.aiter_bytes()])
+        assert r.status_code == 200
+        assert body.count(b"data: ") == 5 and body.endswith(b"data: [DONE]\n\n")
+        after = _streamed_ok((await http.get("/metrics")).text)
+        assert after == before + 1
