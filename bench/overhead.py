@@ -262,17 +262,22 @@ async def closed_loop(url: str, path: str, body: Callable[[int], bytes], concurr
 
 
 def prompt_body(model: str, prompt_chars: int, max_tokens: int, stream: bool,
-                sessions: int = 0) -> Callable[[int], bytes]:
+                sessions: int = 0, prefix_chars: int | None = None, prefixes: int = 1
+                ) -> Callable[[int], bytes]:
     """Distinct text prompts (the byte tokenizer: one token per byte) so every request hashes
-    and matches a fresh prompt, sharing a prefix like requests of one deployment do. With
-    ``sessions`` > 0 request n is a turn of sticky session ``n % sessions`` (an engine without
-    that session open ignores ``nvext``, so the direct target is unchanged)."""
-    shared = "You are a helpful assistant. " * (prompt_chars // 58 + 1)
-    shared = shared[: prompt_chars // 2]
+    and matches a fresh prompt, sharing a prefix like requests of one deployment do: the first
+    ``prefix_chars`` (default half the prompt) are one of ``prefixes`` shared prefixes (request
+    n takes prefix ``n % prefixes``), the rest is the request's own. With ``sessions`` > 0
+    request n is a turn of sticky session ``n % sessions`` (an engine without that session
+    open ignores ``nvext``, so the direct target is unchanged)."""
+    shared_chars = prompt_chars // 2 if prefix_chars is None else prefix_chars
+    base = "You are a helpful assistant. " * (shared_chars // 29 + 1)
+    shared = [(f"{k}: " + base if k else base)[:shared_chars] for k in range(prefixes)]
 
     def body(n: int) -> bytes:
-        tail = (f" request {n}: " + "lorem ipsum " * prompt_chars)[: prompt_chars - len(shared)]
-        doc: dict[str, Any] = {"model": model, "prompt": shared + tail,
+        head = shared[n % prefixes]
+        tail = (f" request {n}: " + "lorem ipsum " * prompt_chars)[: prompt_chars - len(head)]
+        doc: dict[str, Any] = {"model": model, "prompt": head + tail,
                                "max_tokens": max_tokens, "stream": stream, "temperature": 0}
         if sessions:
             doc["nvext"] = {"session_control": {"session_id": f"bench-{n % sessions}",
@@ -293,6 +298,8 @@ class OverheadOptions:
     duration: float = 10.0               # seconds per throughput target
     throughput_concurrency: int = 64
     prompt_chars: int = 512
+    prefix_chars: int | None = None      # shared part of each prompt (None: half of it)
+    prefixes: int = 1                    # distinct shared prefixes, taken in turn
     max_tokens: int = 8                  # TTFT requests (streamed)
     worker_speedup_ratio: float = 1000.0
     router_args: Sequence[str] = ()
@@ -326,9 +333,10 @@ async def measure(router_url: str, worker_url: str, pids: dict[str, int],
     """Both measurements against running servers; the report as a dict."""
     model = await _wait_for_model(router_url)
     targets = {"router": router_url, "direct": worker_url}
+    shape = {"prefix_chars": opts.prefix_chars, "prefixes": opts.prefixes}
     stream_body = prompt_body(model, opts.prompt_chars, opts.max_tokens, stream=True,
-                              sessions=opts.sessions)
-    one_token = prompt_body(model, opts.prompt_chars, 1, stream=False)
+                              sessions=opts.sessions, **shape)
+    one_token = prompt_body(model, opts.prompt_chars, 1, stream=False, **shape)
     path = "/v1/completions"
     offset = [0]
 
@@ -419,6 +427,8 @@ def _describe(opts: OverheadOptions) -> dict[str, Any]:
             "rounds": opts.rounds, "throughput_duration_s": opts.duration,
             "throughput_concurrency": opts.throughput_concurrency,
             "prompt_chars": opts.prompt_chars, "ttft_max_tokens": opts.max_tokens,
+            "prefix_chars": opts.prefix_chars if opts.prefix_chars is not None
+            else opts.prompt_chars // 2, "prefixes": opts.prefixes,
             "worker_speedup_ratio": opts.worker_speedup_ratio,
             "router_args": list(opts.router_args), "worker_args": list(opts.worker_args),
             "sessions": opts.sessions, "idle_seconds": opts.idle_seconds}
@@ -469,7 +479,10 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append("idle (no traffic), cores: "
                      + " ".join(f"{k}={v}" for k, v in r["idle_cpu_cores"].items()))
     lines += ["", "TTFT, streaming /v1/completions "
-              f"({r['options']['prompt_chars']}-token prompts, closed loop"
+              f"({r['options']['prompt_chars']}-token prompts"
+              + (f", the first {r['options']['prefix_chars']} one of "
+                 f"{r['options']['prefixes']} shared prefixes"
+                 if "prefixes" in r["options"] else "") + ", closed loop"
               + (f", turns of {r['options']['sessions']} sticky sessions"
                  if r["options"].get("sessions") else "") + ")",
               f"{'conc':>5} {'target':<7} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}  "
@@ -514,6 +527,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="connections for the throughput phase (default %(default)s)")
     p.add_argument("--prompt-chars", type=int, default=_D.prompt_chars,
                    help="prompt length in bytes = tokens (default %(default)s)")
+    p.add_argument("--prefix-chars", type=int, default=None,
+                   help="shared part of each prompt, in bytes = tokens (default: half of it)")
+    p.add_argument("--prefixes", type=int, default=_D.prefixes,
+                   help="distinct shared prefixes, taken in turn (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=_D.max_tokens,
                    help="output tokens of TTFT requests (default %(default)s)")
     p.add_argument("--worker-speedup-ratio", type=float,
@@ -540,13 +557,18 @@ def options_from_args(args: argparse.Namespace) -> OverheadOptions:
             or args.duration <= 0 or args.throughput_concurrency < 1 or args.sessions < 0:
         raise ValueError("concurrency levels, --ttft-requests, --rounds, --duration and "
                          "--throughput-concurrency must be positive")
+    if args.prefixes < 1 or args.prompt_chars < 1 or not (
+            args.prefix_chars is None or 0 <= args.prefix_chars < args.prompt_chars):
+        raise ValueError("--prefixes and --prompt-chars must be positive, and --prefix-chars "
+                         "between 0 and --prompt-chars - 1")
     return OverheadOptions(concurrency=levels, ttft_requests=args.ttft_requests,
                            rounds=args.rounds, duration=args.duration,
                            throughput_concurrency=args.throughput_concurrency,
                            prompt_chars=args.prompt_chars, max_tokens=args.max_tokens,
                            worker_speedup_ratio=args.worker_speedup_ratio,
                            router_args=tuple(args.router_arg), worker_args=tuple(args.worker_arg),
-                           sessions=args.sessions)
+                           sessions=args.sessions, prefix_chars=args.prefix_chars,
+                           prefixes=args.prefixes)
 
 
 def _run_loop(main: Awaitable[dict[str, Any]]) -> dict[str, Any]:

@@ -101,3 +101,14 @@ def test_cpu_per_request_and_children_from_proc() -> None:
     finally:
         child.communicate(b"", timeout=30)
     assert children_of(2**22 + 12345) == []  # no such process
+
+
+def test_prompts_share_one_of_k_prefixes_and_differ_after_it() -> None:
+    body = prompt_body("m", 80, 8, stream=True, prefix_chars=64, prefixes=8)
+    prompts = [json.loads(body(n))["prompt"] for n in range(17)]
+    assert all(len(p) == 80 for p in prompts)
+    assert len({p[:64] for p in prompts}) == 8  # request n takes prefix n % 8
+    assert prompts[0][:64] == prompts[8][:64] == prompts[16][:64] != prompts[1][:64]
+    assert len(set(prompts)) == 17  # every request's own part differs
+    default = prompt_body("m", 512, 8, stream=True)
+    assert json.loads(default(0))["prompt"][:256] == json.loads(default(1))["prompt"][:256]
