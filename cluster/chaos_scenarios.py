@@ -318,9 +318,9 @@ async def fault_replica_stop(probe: Probe, t: Timing, res: ScenarioResult) -> Ca
         # Longer than --replica-timeout, and until the leader has declared it lost (or a
         # generous bound, noted if it passes without a declaration).
         await asyncio.sleep(t.replica_timeout + 1.0)  # the fault's own duration, not a sync
-        lost = await wait_for(lambda: _declared_lost(probe, victim), t.replica_timeout + 10.0)
-        if lost is None:
-            res.notes.append(f"{victim} not shown declared_lost while stopped")
+        note = await await_declared_lost(probe, victim, t)
+        if note is not None:
+            res.notes.append(note)
     finally:
         os.killpg(pid, signal.SIGCONT)  # the group, as it was stopped
         res.fault_end = time.monotonic()
@@ -339,6 +339,32 @@ async def _declared_lost(probe: Probe, victim: str) -> bool:
         if any(r.get("replica_id") == victim and r.get("declared_lost") for r in rows):
             return True
     return False
+
+
+async def _owned_by(probe: Probe, victim: str) -> int:
+    """In-flight requests the other replicas see ``victim`` owning (the most any one sees)."""
+    owned = 0
+    for name in probe.replicas:
+        if name != victim:
+            rows = (await probe.get(name, "/admin/replicas"))["replicas"]
+            owned = max([owned, *(int(r.get("owned_requests", 0)) for r in rows
+                                  if r.get("replica_id") == victim)])
+    return owned
+
+
+async def await_declared_lost(probe: Probe, victim: str, t: Timing) -> str | None:
+    """Once a stopped replica has been silent past ``--replica-timeout``: wait (with a generous
+    bound) for the leader to declare it lost. Only a replica that owns in-flight requests is
+    declared (design.md §7): one whose decisions all finished, or were still in its own
+    group-commit buffer when it froze, owns nothing, and waiting for it would only pad the
+    recovery figure. Returns a note for the report, or None when it was declared."""
+    if await _declared_lost(probe, victim):
+        return None
+    if await _owned_by(probe, victim) == 0:
+        return f"{victim} owned no in-flight request while stopped: nothing to declare"
+    if await wait_for(lambda: _declared_lost(probe, victim), t.replica_timeout + 10.0) is None:
+        return f"{victim} owned in-flight requests and was not declared lost while stopped"
+    return None
 
 
 async def fault_worker_kill(probe: Probe, t: Timing, res: ScenarioResult) -> Callable[

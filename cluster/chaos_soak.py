@@ -43,7 +43,7 @@ from cluster.chaos_scenarios import (
     RouterFollower,
     Timing,
     _child_ready,
-    _declared_lost,
+    await_declared_lost,
     healthy_baseline,
     nats_cluster_of,
     until_new_events_applied,
@@ -230,10 +230,9 @@ async def inject(kind: str, probe: Probe, t: Timing, rng: random.Random, cyc: Cy
         pid = probe.c.kill(cyc.victim, signal.SIGSTOP)
         try:
             await asyncio.sleep(t.replica_timeout + 1.0)  # the fault's own length, not a sync
-            if await wait_for(lambda: _declared_lost(probe, cyc.victim),
-                              t.replica_timeout + 10.0) is None:
-                cyc.notes.append(f"{cyc.victim} not shown declared lost while stopped "
-                                 "(it owned nothing, or no leader)")
+            note = await await_declared_lost(probe, cyc.victim, t)
+            if note is not None:
+                cyc.notes.append(note)
             if was_leader:
                 cyc.notes.append(f"{cyc.victim} held the leader lease when stopped")
         finally:

@@ -343,6 +343,10 @@ class ActiveLoad:
         """Replicas that own at least one active request."""
         return {r for r, ids in self._by_replica.items() if ids}
 
+    def owned(self, replica_id: str) -> int:
+        """Active requests routed by ``replica_id``."""
+        return len(self._by_replica.get(replica_id, ()))
+
     def owner(self, request_id: str) -> str | None:
         """Replica that routed an active request."""
         req = self._requests.get(request_id)

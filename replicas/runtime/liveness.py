@@ -392,14 +392,16 @@ class Liveness:
             self._refresh()
         mine = self._snapshot()
         now = self._clock()
-        rows: list[dict[str, object]] = [_row(mine, 0.0, False) | {"self": True}]
+        owned = self.replica.state.load.owned
+        rows: list[dict[str, object]] = [
+            _row(mine, 0.0, False) | {"self": True, "owned_requests": owned(self.replica_id)}]
         for rid, p in sorted(self.peers_status.items()):
             if rid == self.replica_id or p.heartbeat is None:
                 continue
             divergent = bool(compare(mine, {rid: p.heartbeat}))
             rows.append(_row(p.heartbeat, p.age(now), divergent) | {
                 "live": p.age(now) < self.replica_timeout, "revision": p.revision,
-                "declared_lost": p.declared_lost})
+                "declared_lost": p.declared_lost, "owned_requests": owned(rid)})
         return rows
 
     # --- leader duty: replicas -----------------------------------------------------------------

@@ -170,6 +170,9 @@ async def test_heartbeats_lost_replica_declared_once_and_comeback_starts_clean(
         await until(lambda: all(len(x.state.load) == 3 for x in (a, b, c)))
         await rounds_pass([a, c], 2)
         assert await lost(check) == []  # everyone heartbeating: nobody is lost
+        view = {r["replica_id"]: r for r in await a.live.view()}
+        assert (view["A"]["owned_requests"], view["B"]["owned_requests"],
+                view["C"]["owned_requests"]) == (1, 2, 0)
 
         await b.crash()
         t0 = time.monotonic()
@@ -185,6 +188,7 @@ async def test_heartbeats_lost_replica_declared_once_and_comeback_starts_clean(
         view = {r["replica_id"]: r for r in await a.live.view()}
         assert view["A"]["self"] and view["C"]["live"] and not view["C"]["divergent"]
         assert not view["B"]["live"] and view["B"]["age_s"] > TIMEOUT  # type: ignore[operator]
+        assert view["B"]["owned_requests"] == 0  # its requests were freed with the declaration
         # one or both leaders appended it (whoever applied the other's first had nothing left)
         assert 1 <= a.live.declared_lost.count("B") + c.live.declared_lost.count("B") <= 2
 
