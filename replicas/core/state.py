@@ -26,6 +26,7 @@ import xxhash
 from eventlog import events as ev
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS
 from replicas.core import disagg
+from replicas.core.ended import EndedRequests
 from replicas.core.index import PrefixIndex
 from replicas.core.load import ActiveLoad, OutputTracking
 from replicas.core.prefill_model import PrefillLoadModel
@@ -109,11 +110,10 @@ class RouterState:
         self.stats = ApplyStats()
         # (routed ts, request_id) of active requests, for expiry in event time.
         self._expiry: list[tuple[float, str]] = []
-        # Ended requests (id -> routed ts), kept as long as the request could still be live, so a
-        # RequestRouted delivered again (a retry that escaped the stream's dedup window) does not
-        # bring back phantom load. Past request_max_age it would expire at once anyway.
-        self._ended: dict[str, float] = {}
-        self._ended_expiry: list[tuple[float, str]] = []
+        # Ended requests, kept as long as the request could still be live, so a RequestRouted
+        # delivered again (a retry that escaped the stream's dedup window) does not bring back
+        # phantom load. Past request_max_age it would expire at once anyway.
+        self._ended = EndedRequests()
         self._routed_ts: dict[str, float] = {}
 
     # --- applying --------------------------------------------------------------------------
@@ -153,10 +153,7 @@ class RouterState:
             if self.load.finish(request_id):
                 self._end((request_id,))
                 self.stats.bump(ROUTER, "RequestExpired", "ok")
-        ended = self._ended_expiry
-        while ended and ended[0][0] < bound:
-            _, request_id = heapq.heappop(ended)
-            self._ended.pop(request_id, None)
+        self._ended.expire(bound)
         if self.config.approximate:
             self.index.expire(self.now)
         if len(self.sessions):
@@ -258,10 +255,7 @@ class RouterState:
 
     def _end(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
-            if request_id not in self._ended:
-                ts = self._routed_ts.pop(request_id, self.now)
-                self._ended[request_id] = ts
-                heapq.heappush(self._ended_expiry, (ts, request_id))
+            self._ended.add(request_id, self._routed_ts.pop(request_id, self.now))
 
     def _request_routed(self, e: ev.RequestRouted) -> str:
         if e.request_id in self._ended:
@@ -366,7 +360,6 @@ class RouterState:
         self._expiry.clear()
         self._routed_ts.clear()
         self._ended.clear()
-        self._ended_expiry.clear()
         self.last_event_id.clear()
         self.out_of_sync.clear()
         return "ok"
@@ -438,7 +431,10 @@ class RouterState:
             "sessions": self.sessions.to_plain(),
             # Only live entries: finished requests linger in the heap until they age out.
             "expiry": sorted(x for x in self._expiry if self.load.request(x[1]) is not None),
-            "ended": dict(self._ended),
+            # Replicas of earlier versions read "ended" (id -> routed ts): left empty for them,
+            # they only miss the duplicate guard for what ended before the snapshot.
+            "ended": {},
+            "ended_buckets": self._ended.to_plain(),
             "snapshot_floor": dict(self.snapshot_floor),
         }
 
@@ -471,10 +467,9 @@ class RouterState:
         state._expiry = [tuple(x) for x in doc["expiry"]]  # type: ignore[misc]
         heapq.heapify(state._expiry)
         state._routed_ts = {rid: ts for ts, rid in state._expiry}
-        state._ended = dict(doc["ended"])
+        state._ended = (EndedRequests.from_plain(doc["ended_buckets"]) if "ended_buckets" in doc
+                        else EndedRequests.from_ids(doc["ended"]))  # older blobs: id -> ts
         state.snapshot_floor = dict(doc.get("snapshot_floor", {}))  # absent in older blobs
-        state._ended_expiry = [(ts, rid) for rid, ts in state._ended.items()]
-        heapq.heapify(state._ended_expiry)
         return state
 
 
