@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefixes", type=int, default=8, help="shared prompt prefixes")
     p.add_argument("--max-tokens", type=int, default=1, help="output tokens per request")
     p.add_argument("--router-args", default="", help="extra `jetrouter serve` arguments")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="keep each cluster's data and logs in DIR/r<N> (default: a temporary "
+                        "dir, removed at the end)")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
 
 
@@ -253,6 +256,10 @@ async def run_one(replicas: int, args: argparse.Namespace, root: Path) -> dict[s
             lambda ss: (len({json.dumps(s["positions"], sort_keys=True) for s in ss}) == 1
                         and all(max(s["lag"].values()) == 0 and s["active_requests"] == 0
                                 for s in ss)), 60.0)
+        # A replica that exited and was restarted (at start-up or under load) is a fault the
+        # figures must not hide: its requests failed over and its CPU counters restarted.
+        exits = {c.name: c.exits for c in cluster.children.values()
+                 if c.kind == "replica" and c.exits}
     per_replica = []
     for name in sorted(pids):
         own = cpu1[name][0] - cpu0[name][0]
@@ -281,6 +288,8 @@ async def run_one(replicas: int, args: argparse.Namespace, root: Path) -> dict[s
         "nats_cpu_cores": round((other1["nats"] - other0["nats"]) / window, 2),
         "digests_equal": bool(digests) and len(set(digests.values())) == 1
                          and len(digests) == replicas,
+        "replica_exits": exits,
+        "logs": str(data / "logs"),
     }
 
 
@@ -291,7 +300,10 @@ async def run_scale(args: argparse.Namespace, log: Any = None) -> dict[str, Any]
         counts = []
     if not counts or min(counts) < 1:
         raise CliError("--replicas must list positive replica counts, e.g. 1,2,4")
-    root = Path(tempfile.mkdtemp(prefix="jetrouter-scale-"))
+    keep = args.data_dir is not None
+    if keep:
+        args.data_dir.mkdir(parents=True, exist_ok=True)
+    root = args.data_dir if keep else Path(tempfile.mkdtemp(prefix="jetrouter-scale-"))
     runs = []
     try:
         for n in counts:
@@ -299,7 +311,11 @@ async def run_scale(args: argparse.Namespace, log: Any = None) -> dict[str, Any]
                 log(f"bench scale: {n} replica(s) ...")
             runs.append(await run_one(n, args, root))
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
+    if not keep:
+        for r in runs:
+            r.pop("logs")
     return {
         "runs": runs,
         "config": {k: getattr(args, k) for k in (
@@ -328,6 +344,12 @@ def format_report(result: dict[str, Any]) -> str:
                  for r in result["runs"] if r["replicas"] > 1]
     lines.append("replication CPU per peer router event (us), per replica: "
                  + ("; ".join(per_event) or "-"))
+    for r in result["runs"]:
+        if r.get("replica_exits"):
+            where = f" (logs: {r['logs']})" if "logs" in r else " (--data-dir keeps the logs)"
+            lines.append(f"replica exits with {r['replicas']} replica(s): "
+                         + ", ".join(f"{n} x{k}" for n, k in sorted(r["replica_exits"].items()))
+                         + where)
     return "\n".join(lines)
 
 

@@ -25,11 +25,14 @@ from nats.js.errors import APIError, NotFoundError
 from eventlog.errors import JetrouterError
 from eventlog.names import STREAM_KINDS, Names
 
-CREATE_ANSWER_WAIT = 30.0
-"""Seconds stream creation keeps asking a cluster that does not answer (meta leader election)."""
+API_ANSWER_WAIT = 30.0
+"""Seconds a stream lookup, creation or update keeps asking a cluster that does not answer: one
+whose JetStream meta leader is still being elected (just started, or a member still starting)
+times requests out rather than refusing them."""
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_SAY_EVERY = 5.0
 
 MAX_REPLICAS = 5
 CLUSTER_REPLICAS_FLOOR = 3  # the fewest replicas a clustered server is guessed to take
@@ -102,6 +105,27 @@ async def _create(
         placement_wait=placement_wait)
 
 
+async def answered(call: Callable[[], Awaitable[T]], *, what: str,
+                   wait: float = API_ANSWER_WAIT) -> T:
+    """``call()``, an idempotent JetStream API request, asked again while the cluster does not
+    answer it, for up to ``wait`` seconds. No pause in between: each unanswered attempt has
+    already waited out the request's own timeout."""
+    start = time.monotonic()
+    deadline = start + wait
+    said = 0.0  # when the last warning was logged: one every _SAY_EVERY seconds, not per attempt
+    while True:
+        try:
+            return await call()
+        except NatsTimeoutError:
+            now = time.monotonic()
+            if now >= deadline:
+                raise
+            if not said or now - said >= _SAY_EVERY:
+                said = now
+                log.warning("%s: no answer from JetStream for %.1f s (meta leader not elected "
+                            "yet?); asking again for up to %.0f s", what, now - start, wait)
+
+
 async def create_placed(
     js: JetStreamContext, create: Callable[[int], Awaitable[T]], wanted: int, *, what: str,
     step_down: bool, placement_wait: float = 5.0,
@@ -115,7 +139,7 @@ async def create_placed(
     deadline = time.monotonic() + placement_wait
     # A cluster still electing its meta leader (just started, or busy) may not answer a create
     # in time; creating an identical stream again is a no-op, so the request is simply repeated.
-    answer_deadline = time.monotonic() + CREATE_ANSWER_WAIT
+    answer_deadline = time.monotonic() + API_ANSWER_WAIT
     delay = 0.05
     while True:
         try:
@@ -178,15 +202,14 @@ async def _reconcile(
     if not diffs:
         return info
     log.info("updating stream %s: %s", have.name, "; ".join(diffs))
-    return await js.update_stream(
-        have.evolve(
-            subjects=want.subjects,
-            duplicate_window=want.duplicate_window,
-            num_replicas=want.num_replicas if check_replicas else have.num_replicas,
-            discard=DiscardPolicy.NEW,
-            max_bytes=want.max_bytes if check_max_bytes else have.max_bytes,
-        )
+    updated = have.evolve(
+        subjects=want.subjects,
+        duplicate_window=want.duplicate_window,
+        num_replicas=want.num_replicas if check_replicas else have.num_replicas,
+        discard=DiscardPolicy.NEW,
+        max_bytes=want.max_bytes if check_max_bytes else have.max_bytes,
     )
+    return await answered(lambda: js.update_stream(updated), what=f"update of stream {have.name}")
 
 
 async def ensure_stream(
@@ -198,9 +221,10 @@ async def ensure_stream(
     max_bytes_given: bool = False,
 ) -> StreamInfo:
     """Create ``config.name`` or bring the existing stream in line with ``config``."""
-    assert config.name is not None
+    name = config.name
+    assert name is not None
     try:
-        info = await js.stream_info(config.name)
+        info = await answered(lambda: js.stream_info(name), what=f"lookup of stream {name}")
     except NotFoundError:
         try:
             return await _create(
@@ -210,7 +234,7 @@ async def ensure_stream(
             if exc.err_code != _ERR_NAME_IN_USE:
                 raise
             # Another process created it between our lookup and our create: reconcile with it.
-            info = await js.stream_info(config.name)
+            info = await answered(lambda: js.stream_info(name), what=f"lookup of stream {name}")
     return await _reconcile(js, info, config, replicas_given, max_bytes_given)
 
 

@@ -6,17 +6,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def test_bench_scale_smallest_size_reports_every_figure() -> None:
+def test_bench_scale_smallest_size_reports_every_figure(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "api.cli", "bench", "scale", "--json", "--replicas", "1",
          "--workers", "1", "--nats-cluster", "1", "--load-processes", "1", "--concurrency", "2",
-         "--duration", "1", "--warmup", "0.5"],
+         "--duration", "1", "--warmup", "0.5", "--data-dir", str(tmp_path / "kept")],
         capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -30,6 +31,10 @@ def test_bench_scale_smallest_size_reports_every_figure() -> None:
     assert replica["cpu_cores"] > 0
     assert replica["replication_share"] == 0.0  # no peers: nothing to replicate
     assert result["config"]["nats_cluster"] == 1 and result["machine"]["cpu_count"] >= 1
+    assert run["replica_exits"] == {}  # no replica died and was restarted
+    # --data-dir keeps the cluster's logs, where a replica exit would be explained
+    assert Path(run["logs"]) == tmp_path / "kept" / "r1" / "logs"
+    assert (Path(run["logs"]) / "r0.log").stat().st_size > 0
 
 
 def test_bench_scale_rejects_a_bad_replica_list() -> None:

@@ -115,3 +115,28 @@ async def test_a_two_member_cluster_steps_down_once(tmp_path, nats_connect):
         infos = await asyncio.wait_for(ensure_streams(js, NAMES), 90)
         assert {info.config.num_replicas for info in infos.values()} == {2}
         assert cluster_size_hint(js) == 2
+
+
+async def test_streams_wait_for_a_cluster_still_electing_its_meta_leader(tmp_path, nats_connect,
+                                                                         caplog):
+    """A process started before its cluster has a JetStream meta leader (one member of three up:
+    no quorum) gets no answer to its stream lookup. It asks again instead of failing its
+    start-up, and creates R3 streams once the other members are up."""
+    cluster = NatsCluster(3, base_dir=tmp_path / "forming")  # started one member at a time
+    try:
+        first, *others = cluster.servers
+        first.launch()
+        first.wait_ready(30, jetstream=False)
+        js = (await nats_connect(first.url)).jetstream(timeout=0.5)
+        with caplog.at_level("WARNING", logger="eventlog.streams"):
+            task = asyncio.create_task(ensure_streams(js, NAMES))
+            await until(lambda: "no answer from JetStream" in caplog.text or task.done(),
+                        timeout=30, what="a lookup left unanswered")
+            assert not task.done(), task  # still waiting for a meta leader, not failed
+            for server in others:
+                server.launch()
+            infos = await asyncio.wait_for(task, 90)
+    finally:
+        cluster.cleanup()
+    assert "lookup of stream" in caplog.text
+    assert {info.config.num_replicas for info in infos.values()} == {3}
