@@ -73,6 +73,9 @@ class SimOptions:
     assume_kv_reuse: bool = True
     prefill_load_model: str = "none"     # --router-prefill-load-model
     track_output_blocks: bool = False    # --router-track-output-blocks (osl: the output cap)
+    # Requests sharing a trace timestamp arrive this far apart, in trace order (0: all at once,
+    # before any engine plans a step; real clients and routers hand a burst over one by one).
+    burst_spacing_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -185,8 +188,12 @@ def simulate(records: Sequence[TraceRecord], opts: SimOptions) -> SimResult:
         fleet.kick(w, t)
 
     res = SimResult(opts.mode, [], [], 0, 0, 0, 0, 0)
+    previous, nth = None, 0
     for i, rec in enumerate(records):
-        fleet.push(rec.timestamp_ms / 1000.0 / opts.speedup, "arrive", i)
+        nth = nth + 1 if rec.timestamp_ms == previous else 0
+        previous = rec.timestamp_ms
+        fleet.push(rec.timestamp_ms / 1000.0 / opts.speedup + nth * opts.burst_spacing_s,
+                   "arrive", i)
 
     while fleet.events:
         t, _, kind, payload = heapq.heappop(fleet.events)
@@ -315,6 +322,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-load-models", default="none",
                    help="comma-separated --router-prefill-load-model values to compare "
                         "(none, linear)")
+    p.add_argument("--burst-spacing-ms", type=float, default=0.0,
+                   help="requests sharing a trace timestamp arrive this many ms apart (default "
+                        "0: all before the engines plan their next step)")
     p.add_argument("--track-output-blocks", action="store_true",
                    help="--router-track-output-blocks, each request's osl its output cap")
 
@@ -354,7 +364,8 @@ def run(args: argparse.Namespace) -> int:
                               max_output_tokens=args.max_output_tokens or None, engine=engine,
                               prefill_queue_weight=args.queue_weight, prefill_workers=split,
                               assume_kv_reuse=args.assume_kv_reuse, prefill_load_model=model,
-                              track_output_blocks=args.track_output_blocks)
+                              track_output_blocks=args.track_output_blocks,
+                              burst_spacing_s=args.burst_spacing_ms / 1000.0)
             s = simulate(records, opts).summary(args.workers - split if split else args.workers)
             label = f"{mode} w={wgt:g}" if mode == "kv" else mode
             if split:

@@ -66,3 +66,23 @@ def test_disaggregated_run_prefills_on_prefill_engines_and_decodes_on_the_others
     assert (a.ttft_s, a.worker_of, a.itl_s) == (b.ttft_s, b.worker_of, b.itl_s)
     no_reuse = run("kv", prefill_workers=1, assume_kv_reuse=False)
     assert len(no_reuse.ttft_s) == len(workload())
+
+
+def test_burst_spacing_lets_the_first_of_a_burst_start_a_step_alone() -> None:
+    """Two requests with one timestamp on one engine: arriving together they share the first
+    step (same TTFT); 1 ms apart, the second waits for the first one's step to end."""
+    from bench.trace import TraceRecord
+
+    burst = [TraceRecord(timestamp_ms=0, input_length=64, output_length=4, hash_ids=(i,))
+             for i in (1, 2)]
+
+    def ttfts(spacing_s: float) -> list[float]:
+        opts = routesim.SimOptions(mode="round-robin", workers=1, trace_block_tokens=64,
+                                   max_output_tokens=4, engine=ENGINE, burst_spacing_s=spacing_s)
+        return routesim.simulate(burst, opts).ttft_s
+
+    together, apart = ttfts(0.0), ttfts(0.001)
+    assert together[0] == together[1]
+    step = together[0]
+    assert apart[0] < step  # the first now prefills alone: a smaller step
+    assert apart[1] > apart[0] + step / 2  # the second waited out the first one's step
