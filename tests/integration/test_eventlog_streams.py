@@ -11,6 +11,8 @@ from nats.js.errors import NoStreamResponseError
 from eventlog.names import STREAM_KINDS, Names
 from eventlog.server import NatsCluster, NatsServer
 from eventlog.streams import cluster_size_hint, ensure_streams, stream_bounds
+from snapshots.lease import LeaderLease
+from snapshots.store import SnapshotStore
 from tests.waiting import until
 
 NAMES = Names("jr")
@@ -117,11 +119,12 @@ async def test_a_two_member_cluster_steps_down_once(tmp_path, nats_connect):
         assert cluster_size_hint(js) == 2
 
 
-async def test_streams_wait_for_a_cluster_still_electing_its_meta_leader(tmp_path, nats_connect,
-                                                                         caplog):
+async def test_start_up_lookups_wait_for_a_cluster_still_electing_its_meta_leader(
+        tmp_path, nats_connect, caplog):
     """A process started before its cluster has a JetStream meta leader (one member of three up:
-    no quorum) gets no answer to its stream lookup. It asks again instead of failing its
-    start-up, and creates R3 streams once the other members are up."""
+    no quorum) gets no answer to its stream lookups: the event streams', the leader lease
+    bucket's, the snapshot bucket's. It asks again instead of failing its start-up, and
+    creates them R3 once the other members are up."""
     cluster = NatsCluster(3, base_dir=tmp_path / "forming")  # started one member at a time
     try:
         first, *others = cluster.servers
@@ -129,14 +132,19 @@ async def test_streams_wait_for_a_cluster_still_electing_its_meta_leader(tmp_pat
         first.wait_ready(30, jetstream=False)
         js = (await nats_connect(first.url)).jetstream(timeout=0.5)
         with caplog.at_level("WARNING", logger="eventlog.streams"):
-            task = asyncio.create_task(ensure_streams(js, NAMES))
-            await until(lambda: "no answer from JetStream" in caplog.text or task.done(),
-                        timeout=30, what="a lookup left unanswered")
-            assert not task.done(), task  # still waiting for a meta leader, not failed
+            tasks = [asyncio.create_task(ensure_streams(js, NAMES)),
+                     asyncio.create_task(LeaderLease(js, NAMES, "r0", ttl=3.0)._bucket()),
+                     asyncio.create_task(SnapshotStore(js, NAMES).ensure())]
+            await until(lambda: caplog.text.count("no answer from JetStream") >= 3
+                        or any(t.done() for t in tasks), timeout=30,
+                        what="every lookup left unanswered")
+            assert not any(t.done() for t in tasks), tasks  # waiting, not failed
             for server in others:
                 server.launch()
-            infos = await asyncio.wait_for(task, 90)
+            infos, _, _ = await asyncio.wait_for(asyncio.gather(*tasks), 90)
+        replicas = {(await js.stream_info(name)).config.num_replicas
+                    for name in (f"KV_{NAMES.leases_bucket}", f"OBJ_{NAMES.snapshot_bucket}")}
     finally:
         cluster.cleanup()
-    assert "lookup of stream" in caplog.text
     assert {info.config.num_replicas for info in infos.values()} == {3}
+    assert replicas == {3}
