@@ -289,7 +289,7 @@ async def run_one(replicas: int, args: argparse.Namespace, root: Path) -> dict[s
         "digests_equal": bool(digests) and len(set(digests.values())) == 1
                          and len(digests) == replicas,
         "replica_exits": exits,
-        "logs": str(data / "logs"),
+        **({"logs": str(data / "logs")} if args.data_dir is not None else {}),
     }
 
 
@@ -313,9 +313,6 @@ async def run_scale(args: argparse.Namespace, log: Any = None) -> dict[str, Any]
     finally:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
-    if not keep:
-        for r in runs:
-            r.pop("logs")
     return {
         "runs": runs,
         "config": {k: getattr(args, k) for k in (

@@ -126,6 +126,11 @@ async def answered(call: Callable[[], Awaitable[T]], *, what: str,
                             "yet?); asking again for up to %.0f s", what, now - start, wait)
 
 
+async def lookup_stream(js: JetStreamContext, name: str) -> StreamInfo:
+    """``js.stream_info(name)``, :func:`answered`: NotFoundError when it does not exist."""
+    return await answered(lambda: js.stream_info(name), what=f"lookup of stream {name}")
+
+
 async def create_placed(
     js: JetStreamContext, create: Callable[[int], Awaitable[T]], wanted: int, *, what: str,
     step_down: bool, placement_wait: float = 5.0,
@@ -137,17 +142,11 @@ async def create_placed(
     connection from then on."""
     replicas = wanted
     deadline = time.monotonic() + placement_wait
-    # A cluster still electing its meta leader (just started, or busy) may not answer a create
-    # in time; creating an identical stream again is a no-op, so the request is simply repeated.
-    answer_deadline = time.monotonic() + API_ANSWER_WAIT
     delay = 0.05
     while True:
         try:
-            created = await create(replicas)
-        except NatsTimeoutError:
-            if time.monotonic() >= answer_deadline:
-                raise
-            continue
+            # Creating an identical stream again is a no-op, so an unanswered create is repeated.
+            created = await answered(lambda n=replicas: create(n), what=f"creation of {what}")
         except APIError as exc:
             if exc.err_code not in _PLACEMENT_ERRORS or replicas == 1:
                 raise
@@ -224,7 +223,7 @@ async def ensure_stream(
     name = config.name
     assert name is not None
     try:
-        info = await answered(lambda: js.stream_info(name), what=f"lookup of stream {name}")
+        info = await lookup_stream(js, name)
     except NotFoundError:
         try:
             return await _create(
@@ -234,7 +233,7 @@ async def ensure_stream(
             if exc.err_code != _ERR_NAME_IN_USE:
                 raise
             # Another process created it between our lookup and our create: reconcile with it.
-            info = await answered(lambda: js.stream_info(name), what=f"lookup of stream {name}")
+            info = await lookup_stream(js, name)
     return await _reconcile(js, info, config, replicas_given, max_bytes_given)
 
 

@@ -36,7 +36,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFound
 from nats.js.kv import KeyValue
 
 from eventlog.names import Names
-from eventlog.streams import answered, cluster_size_hint, ensure_stream
+from eventlog.streams import cluster_size_hint, ensure_stream, lookup_stream
 
 log = logging.getLogger("jetrouter.lease")
 
@@ -77,8 +77,7 @@ class LeaderLease:
             if self._kv is None:
                 stream = f"KV_{self.bucket}"
                 try:
-                    info = await answered(lambda: self.js.stream_info(stream),
-                                          what=f"lookup of stream {stream}")
+                    info = await lookup_stream(self.js, stream)
                 except NotFoundError:
                     info = await ensure_stream(self.js, self._stream_config(stream),
                                                replicas_given=False)

@@ -58,7 +58,7 @@ from nats.js.object_store import ObjectStore
 
 from eventlog.errors import JetrouterError
 from eventlog.names import Names
-from eventlog.streams import answered, cluster_size_hint, ensure_stream
+from eventlog.streams import cluster_size_hint, ensure_stream, lookup_stream
 
 log = logging.getLogger("jetrouter.snapshots")
 
@@ -194,8 +194,7 @@ class SnapshotStore:
         async with self._ready_lock:
             if self._obs is None:
                 try:
-                    await answered(lambda: self.js.stream_info(self.stream),
-                                   what=f"lookup of stream {self.stream}")
+                    await lookup_stream(self.js, self.stream)
                 except NotFoundError:
                     config = StreamConfig(
                         name=self.stream,
