@@ -225,6 +225,8 @@ def _add_trace_arguments(p: argparse.ArgumentParser, suppress: bool) -> None:
         help="send ignore_eos (vLLM) so real engines produce output_length tokens")
     add("--label", default=None, help="name of the run in the report (default: router mode)")
     add("--out", type=Path, default=None, help="write the report as JSON here")
+    add("--requests-out", type=Path, default=None,
+        help="write every request (arrival, TTFT, worker, cached tokens, ...) here as JSON lines")
     add("--no-progress", action="store_true", default=False, help="no progress line on stderr")
     add("--cache-blocks", type=int, default=None,
         help="fleet cache size in trace blocks for the ideal hit rate with --url "
@@ -436,6 +438,9 @@ async def _run_trace(args: argparse.Namespace) -> int:
     if args.out is not None:
         report.write_json(args.out, summaries, workload)
         print(f"report written to {args.out}", file=sys.stderr)
+    if args.requests_out is not None:
+        count = report.write_requests(args.requests_out, runs)
+        print(f"{count} requests written to {args.requests_out}", file=sys.stderr)
     return 0 if any(s["requests"]["ok"] for s in summaries) else 1
 
 

@@ -206,3 +206,23 @@ def write_json(path: Path | str, summaries: Sequence[Mapping[str, Any]],
         payload["ratios"] = {"of": f"{summaries[1]['label']}/{summaries[0]['label']}",
                              **comparison_ratios(summaries[0], summaries[1])}
     Path(path).write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+
+
+# Per-request fields written by ``write_requests``; inter-token gaps are left out (a
+# 128-token answer would make each line ~2 kB) and summarised by the report instead.
+REQUEST_FIELDS = ("index", "outcome", "status", "scheduled_s", "queued_s", "ttft_s", "e2e_s",
+                  "output_tokens", "sent_prompt_tokens", "prompt_tokens", "cached_tokens",
+                  "predicted_tokens", "worker", "replica", "url", "failovers", "error")
+
+
+def write_requests(path: Path | str, runs: Sequence[RunResult]) -> int:
+    """Every request of every run as one JSON line (``run`` is the run's label), in arrival
+    order: which requests made a tail, and where they went. Returns the number of lines."""
+    lines = []
+    for run in runs:
+        for record in sorted(run.records, key=lambda r: r.index):
+            row = {"run": run.label}
+            row.update((name, getattr(record, name)) for name in REQUEST_FIELDS)
+            lines.append(json.dumps(row))
+    Path(path).write_text("".join(line + "\n" for line in lines))
+    return len(lines)

@@ -163,11 +163,12 @@ async def test_http_503_is_rejected(fake_router: FakeRouter) -> None:
 def test_bench_command_with_url_prints_and_saves_report(
         fake_router: FakeRouter, dead_url: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "report.json"
+    out, per_request = tmp_path / "report.json", tmp_path / "requests.jsonl"
     code = jetrouter_main(["bench", "--url", f"{dead_url},{fake_router.url}", "--generate",
                            "--gen-sessions", "3", "--gen-turns", "2", "--gen-rate", "200",
                            "--gen-think", "0.01", "--max-output-tokens", "3", "--no-progress",
-                           "--cache-blocks", "100", "--out", str(out)])
+                           "--cache-blocks", "100", "--out", str(out),
+                           "--requests-out", str(per_request)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "workload" in printed and "TTFT p50" in printed and "ideal hit (fleet LRU)" in printed
@@ -178,6 +179,13 @@ def test_bench_command_with_url_prints_and_saves_report(
     assert saved["workload"]["generator"]["sessions"] == 3
     assert run["ideal"]["finite"]["capacity_blocks"] == 100
     assert run["prefix_hit"]["engine_rate"] > 0
+    rows = [json.loads(line) for line in per_request.read_text().splitlines()]
+    assert [r["index"] for r in rows] == list(range(6))
+    assert {r["run"] for r in rows} == {"run"} and {r["outcome"] for r in rows} == {OK}
+    assert all(r["url"] == fake_router.url and r["worker"] and r["status"] == 200 for r in rows)
+    # half the requests started on the dead URL and failed over to the live one
+    assert sum(r["failovers"] for r in rows) == 3
+    assert all(0 < r["ttft_s"] <= r["e2e_s"] for r in rows)
 
 
 def test_bench_trace_subcommand_reads_a_trace_file(
