@@ -16,9 +16,16 @@ compress and 0.9 s to inflate — restore speed matters more than bytes (figures
 Writing uses the stock nats-py ``ObjectStore.put`` with chunks as large as the server's
 ``max_payload`` allows (fewer acked publishes). Reading does *not* use ``ObjectStore.get``: it
 reads through a push consumer with flow control and concatenates ``bytes`` chunk by chunk
-(quadratic), ~0.8 s for 18 MB and 1.6-6.6 s for 50 MB. Here an ephemeral pull consumer on the
-stream leader fetches the chunks in batches and joins them once: ~0.05 s for 18 MB, ~0.15 s for
-50 MB. The wire layout stays the standard object-store one, so ``nats object`` tools still work.
+(quadratic), ~0.8 s for 18 MB and 1.6-6.6 s for 50 MB. Here an ephemeral pull consumer fetches
+the chunks in batches and joins them once: ~0.05 s for 18 MB, ~0.15 s for 50 MB. The wire layout
+stays the standard object-store one, so ``nats object`` tools still work.
+
+Reads must see the newest write from any node. The server places an ephemeral R1 consumer on
+any replica of the stream, not only on its leader (one time in three on a 3-node cluster,
+measured), and a follower may not have stored a write that the leader has already acknowledged.
+So the listing asks the stream leader (stream info with a subject filter, then each object's
+last meta message: both answered by the leader only), and a chunk read that finds fewer chunks
+than the meta names is asked again on a fresh consumer before the snapshot counts as corrupt.
 
 Deleting purges the object's chunks and then its meta subject (no tombstone left behind, so the
 bucket does not accumulate one meta message per snapshot ever taken). A crash in between leaves a
@@ -260,8 +267,9 @@ class SnapshotStore:
 
     async def _fetch_all(self, subject: str, deliver: DeliverPolicy, expected: int | None = None
                          ) -> list[bytes]:
-        """Every message on ``subject`` through an ephemeral pull consumer (served by the stream
-        leader, so a fresh write is always seen). ``expected`` guards against missing chunks.
+        """Every message on ``subject`` through an ephemeral pull consumer. ``expected`` guards
+        against missing chunks: the consumer may sit on a follower that has not stored the
+        newest chunks yet, so a short count is asked again before it is reported.
 
         A fresh consumer on a replicated bucket can answer its first pull with 503 while it is
         still being placed, and its creation can go unanswered within the API timeout (both seen
@@ -271,12 +279,12 @@ class SnapshotStore:
         for attempt in range(_FETCH_ATTEMPTS):
             try:
                 return await self._fetch_once(subject, deliver, expected)
-            except (ServiceUnavailableError, NatsTimeoutError) as exc:
+            except (ServiceUnavailableError, NatsTimeoutError, _ShortRead) as exc:
                 if attempt == _FETCH_ATTEMPTS - 1:
                     raise
                 log.info("snapshot bucket %s: %s reading it; trying again", self.bucket,
                          "pull answered 503" if isinstance(exc, ServiceUnavailableError)
-                         else "no answer")
+                         else exc if isinstance(exc, _ShortRead) else "no answer")
                 await asyncio.sleep(0.2 * (attempt + 1))
         raise AssertionError("unreachable")
 
@@ -305,13 +313,18 @@ class SnapshotStore:
                 await self.js.delete_consumer(self.stream, sub._consumer)
 
     async def _infos(self) -> list[ObjectInfo]:
-        """The latest meta of every object in the bucket (deleted tombstones excluded)."""
+        """The latest meta of every object in the bucket (deleted tombstones excluded), as the
+        stream leader has them (module doc: a consumer could read a lagging follower)."""
         await self.ensure()
-        raw = await self._fetch_all(f"$O.{self.bucket}.M.>", DeliverPolicy.LAST_PER_SUBJECT)
+        stream = await self.js.stream_info(self.stream, subjects_filter=f"$O.{self.bucket}.M.>")
         infos = []
-        for data in raw:
+        for subject in sorted(stream.state.subjects or ()):
             try:
-                info = ObjectInfo.from_response(json.loads(data))
+                data = (await self.js.get_last_msg(self.stream, subject)).data
+            except NotFoundError:
+                continue  # deleted since the subject list was read
+            try:
+                info = ObjectInfo.from_response(json.loads(data or b""))
             except (ValueError, TypeError, KeyError):
                 log.error("snapshot bucket %s holds an unreadable object meta", self.bucket)
                 continue

@@ -3,11 +3,14 @@ delete, a 50 MB blob, and a real encoded RouterState."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
 import logging
+import os
 import random
+import signal
 import zlib
 from collections.abc import Awaitable, Callable
 
@@ -211,3 +214,28 @@ async def test_cluster_bucket_is_replicated_and_readable_from_any_node(
     assert (await reader.status())["replicas"] == 3
     loaded = await reader.load_newest_valid()
     assert loaded is not None and loaded[0] == meta and loaded[1] == data
+
+
+async def test_listing_is_answered_by_the_stream_leader_alone(
+        nats_cluster: NatsCluster, nats_connect: Connect) -> None:
+    """The listing must not depend on a consumer, which the server may place on a follower
+    that lacks the newest write: with both followers paused it still lists from the leader."""
+    first = await nats_connect(nats_cluster[0].url)
+    writer = SnapshotStore(first.jetstream(), NAMES)  # type: ignore[attr-defined]
+    meta = await put(writer, b"listed")
+    info = await writer.js.stream_info(writer.stream)
+    leader = next(s for s in nats_cluster if s.server_name == info.cluster.leader)
+    followers = [s for s in nats_cluster if s is not leader]
+    nc = await nats_connect(leader.url)
+    store = SnapshotStore(nc.jetstream(timeout=2.0), NAMES)  # type: ignore[attr-defined]
+    await store.ensure()
+    for server in followers:
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        listed = await asyncio.wait_for(store.list(), 30)
+    finally:
+        for server in followers:
+            assert server.proc is not None
+            os.kill(server.proc.pid, signal.SIGCONT)
+    assert [m.snapshot_id for m in listed] == [meta.snapshot_id]
