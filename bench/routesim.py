@@ -235,8 +235,12 @@ def simulate(records: Sequence[TraceRecord], opts: SimOptions) -> SimResult:
         elif kind == "step":
             w = payload
             out = fleet.cores[w].step()
-            fleet.push(t + out.duration, "done", (w, out))
-        else:  # "done": the step's tokens reach the router (prefill done, finished)
+            fleet.push(t + out.tokens_at, "tokens", (w, out))
+            fleet.push(t + out.duration, "done", w)
+        elif kind == "done":  # the step's tail is over: the engine plans its next step
+            fleet.stepping[payload] = False
+            fleet.kick(payload, t)
+        else:  # "tokens": the step's tokens reach the router (prefill done, finished)
             w, out = payload
             for req, _token in out.emitted:
                 rid = req.request_id
@@ -260,8 +264,6 @@ def simulate(records: Sequence[TraceRecord], opts: SimOptions) -> SimResult:
                     decode(req.request_id.removesuffix(PREFILL_SUFFIX), t)
                 else:
                     arrival.pop(req.request_id, None)
-            fleet.stepping[w] = False
-            fleet.kick(w, t)
     return res
 
 

@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from workers.faults import FaultState
 from workers.kvcache import KvChange
-from workers.scheduler import EngineConfig, EngineCore, SimRequest
+from workers.scheduler import EngineConfig, EngineCore, SimRequest, StepOutcome
 
 log = logging.getLogger(__name__)
 
@@ -193,23 +193,37 @@ class Engine:
                 deadline = mark = now  # a busy period starts now
             elif now - deadline > self.max_lag:
                 deadline = now  # stalled: resume from now (the stall still counts as wall time)
-            deadline += out.duration * self.faults.slow_factor
-            ahead = deadline - now
-            await self._sleep(ahead if ahead >= self.min_sleep else 0.0)
+            start = deadline
+            deadline = start + out.duration * self.faults.slow_factor
+            tokens_at = start + out.tokens_at * self.faults.slow_factor
+            if tokens_at < deadline:  # tokens out, then the step's tail (polynomial decode)
+                await self._sleep_until(tokens_at, now)
+                self._deliver(out)
+                await self._sleep_until(deadline, clock())
+            else:
+                await self._sleep_until(deadline, now)
+                self._deliver(out)
             done = clock()
             self.wall_seconds += done - mark
             mark = done
-            for req, token in out.emitted:
-                handle: RequestHandle = req.tag
-                if handle.aborted:
-                    continue
-                handle.delivered += 1
-                if handle.delivered == 1:
-                    self.cached_tokens_total += handle.cached_tokens
-                handle._push(token)
-                self.output_tokens_total += 1
-            for req in out.finished:
-                req.tag._push(_END)
+
+    async def _sleep_until(self, when: float, now: float) -> None:
+        """Sleep only when ahead by a timer tick or more; otherwise yield once (module doc)."""
+        ahead = when - now
+        await self._sleep(ahead if ahead >= self.min_sleep else 0.0)
+
+    def _deliver(self, out: StepOutcome) -> None:
+        for req, token in out.emitted:
+            handle: RequestHandle = req.tag
+            if handle.aborted:
+                continue
+            handle.delivered += 1
+            if handle.delivered == 1:
+                self.cached_tokens_total += handle.cached_tokens
+            handle._push(token)
+            self.output_tokens_total += 1
+        for req in out.finished:
+            req.tag._push(_END)
 
     def _publish(self, changes: list[KvChange]) -> None:
         if changes and self.on_kv_changes is not None:

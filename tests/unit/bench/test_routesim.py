@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from bench import routesim
 from bench.trace import GeneratorParams, generate
 from workers.scheduler import EngineConfig
@@ -86,3 +88,18 @@ def test_burst_spacing_lets_the_first_of_a_burst_start_a_step_alone() -> None:
     step = together[0]
     assert apart[0] < step  # the first now prefills alone: a smaller step
     assert apart[1] > apart[0] + step / 2  # the second waited out the first one's step
+
+
+def test_a_lone_prompt_gets_its_first_token_after_its_prefill_part() -> None:
+    """As on the engine: a step's tokens are out when its prefill part is done; the decode part
+    only delays the next step (the second token)."""
+    from bench.trace import TraceRecord
+    from workers.perf_model import polynomial_prefill_ms
+
+    lone = [TraceRecord(timestamp_ms=0, input_length=512, output_length=2, hash_ids=(7,))]
+    opts = routesim.SimOptions(mode="round-robin", workers=1, trace_block_tokens=512,
+                               max_output_tokens=2, engine=ENGINE)
+    res = routesim.simulate(lone, opts)
+    assert len(res.ttft_s) == 1
+    assert res.ttft_s[0] == pytest.approx(polynomial_prefill_ms(512) / 1000)
+    assert len(res.itl_s) == 1 and res.itl_s[0] > 0.005  # one decode part, at least 5.74 ms

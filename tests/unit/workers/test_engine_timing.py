@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from workers.engine import Engine
+from workers.perf_model import polynomial_decode_ms, polynomial_prefill_ms
 from workers.scheduler import EngineConfig
 
 STEP = 0.0006  # every step: 6 ms / speedup 10
@@ -19,7 +20,8 @@ CFG = EngineConfig(num_gpu_blocks=256, block_size=16, perf_model="linear",
 
 class VirtualClock:
     """A clock that moves only when the driver sleeps: each sleep of d > 0 ends ``late``
-    seconds after it was due (a millisecond timer), a sleep of 0 just yields."""
+    seconds after it was due (a millisecond timer), a sleep of 0 just yields. Every sleep
+    yields first, so a token delivered before it is read at the time it was delivered."""
 
     def __init__(self, late: float) -> None:
         self.now = 0.0
@@ -32,10 +34,10 @@ class VirtualClock:
 
     async def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
+        await asyncio.sleep(0)  # consumers of tokens delivered so far read them at "now"
         if seconds > 0:
             self.now += seconds + self.late + self.stall_next
             self.stall_next = 0.0
-        await asyncio.sleep(0)
 
 
 async def _run(engine: Engine, clock: VirtualClock, prompt_len: int, max_tokens: int
@@ -121,3 +123,22 @@ async def test_the_slow_fault_stretches_the_schedule(clock: VirtualClock) -> Non
     assert engine.busy_seconds == pytest.approx(100 * STEP)  # simulated time, before the fault
     assert clock.now >= 100 * STEP * 4 - engine.min_sleep
     assert clock.now <= 100 * STEP * 4 + engine.min_sleep + clock.late + 1e-12
+
+
+async def test_polynomial_first_token_is_out_after_the_prefill_part(clock: VirtualClock) -> None:
+    """Dynamo's mocker order: a step's tokens go out when its prefill part is done, then the
+    decode part is waited out before the next step, so token 2 comes one decode part later."""
+    cfg = EngineConfig(num_gpu_blocks=256, block_size=16)  # the polynomial model
+    engine = Engine(cfg, sleep=clock.sleep, clock=clock.time)
+    engine.start()
+    try:
+        times = await _run(engine, clock, prompt_len=800, max_tokens=2)
+    finally:
+        await engine.stop()
+    prefill = polynomial_prefill_ms(800) / 1000
+    decode = polynomial_decode_ms(50 * 16, 256 * 16) / 1000  # 800 / 16 prompt blocks pinned
+    # each wake-up is at most one timer tick + the clock's lateness behind its deadline
+    slack = engine.min_sleep + clock.late + 1e-9
+    assert prefill - slack <= times[0] <= prefill + slack
+    assert times[1] - times[0] >= decode - slack
+    assert engine.busy_seconds == pytest.approx(clock.now, abs=2 * slack)

@@ -41,9 +41,20 @@ def test_a_step_pays_prefill_of_its_uncached_tokens_and_decode_only_when_it_emit
     pinned = 7  # ceil(100 / 16) prompt blocks
     assert second.duration == pytest.approx(
         (polynomial_prefill_ms(36) + polynomial_decode_ms(pinned * 16, 64 * 16)) / 1000)
+    # the mocker's order: the step's tokens are out once its prefill part is done
+    assert first.tokens_at == first.duration
+    assert second.tokens_at == pytest.approx(polynomial_prefill_ms(36) / 1000)
     third = core.step()  # a pure decode step: no prefill term
     assert third.prefill_tokens == 0
     assert third.duration == pytest.approx(polynomial_decode_ms(pinned * 16, 64 * 16) / 1000)
+    assert third.tokens_at == 0.0
+
+
+def test_the_linear_model_sends_tokens_at_the_end_of_the_step() -> None:
+    core = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=16, perf_model="linear"))
+    core.add("r", list(range(40)), max_tokens=2)
+    for out in (core.step(), core.step()):
+        assert len(out.emitted) == 1 and out.tokens_at == out.duration > 0
 
 
 def test_cached_prefix_is_free_and_speedup_divides() -> None:
