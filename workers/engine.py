@@ -3,7 +3,9 @@
 A single task loops: plan and apply a step on the pure :class:`EngineCore`, hand its KV-cache
 changes to the publisher *at once* (so the event feed follows the cache's own order of changes,
 which a re-announce snapshot relies on), wait out the simulated step time (the wait IS the
-simulation), then deliver the step's tokens to the waiting HTTP handlers.
+simulation), then deliver the step's tokens to the waiting HTTP handlers. With the polynomial
+model the tokens go out once the step's prefill part is done and the decode part is waited out
+after them, as Dynamo's mocker does (``StepOutcome.tokens_at``).
 
 What a step costs in simulated time is the core's business (:mod:`workers.scheduler` with
 :mod:`workers.perf_model`: by default Dynamo mocker's polynomial, a prefill term for the step's
@@ -196,13 +198,10 @@ class Engine:
             start = deadline
             deadline = start + out.duration * self.faults.slow_factor
             tokens_at = start + out.tokens_at * self.faults.slow_factor
-            if tokens_at < deadline:  # tokens out, then the step's tail (polynomial decode)
-                await self._sleep_until(tokens_at, now)
-                self._deliver(out)
+            await self._sleep_until(tokens_at, now)
+            self._deliver(out)
+            if tokens_at < deadline:  # the step's tail after its tokens (polynomial decode)
                 await self._sleep_until(deadline, clock())
-            else:
-                await self._sleep_until(deadline, now)
-                self._deliver(out)
             done = clock()
             self.wall_seconds += done - mark
             mark = done

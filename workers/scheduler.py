@@ -76,31 +76,26 @@ class EngineConfig:
             raise ValueError(f"perf_model must be one of {', '.join(PERF_MODELS)}")
 
     def step_seconds(self, prefill_tokens: int, decode_seqs: int, *, emits: bool = True,
-                     active_blocks: int = 0) -> float:
+                     active_blocks: int = 0) -> tuple[float, float]:
         """Simulated seconds of a step computing ``prefill_tokens`` uncached prompt tokens and
-        ``decode_seqs`` decoding requests; ``emits``: some request emits a token in it;
-        ``active_blocks``: KV blocks pinned by running requests (the polynomial's decode cost)."""
+        ``decode_seqs`` decoding requests, as (until its tokens are out, after that);
+        ``emits``: some request emits a token in it; ``active_blocks``: KV blocks pinned by
+        running requests (the polynomial's decode cost).
+
+        The polynomial's decode term comes after the tokens: Dynamo's mocker (1.6.1, measured:
+        a lone uncached prompt's first token comes 2.9-3.9 ms after the polynomial's prefill
+        time, not after prefill + decode) sends a step's tokens when its prefill part is done
+        and then waits out the decode part. The linear model charges one undivided step."""
         if self.perf_model == LINEAR:
             ms = linear_step_ms(prefill_tokens, decode_seqs,
                                 prefill_ms_per_token=self.prefill_ms_per_token,
                                 decode_ms_base=self.decode_ms_base,
                                 decode_ms_per_seq=self.decode_ms_per_seq)
-        else:
-            ms = polynomial_prefill_ms(prefill_tokens)
-        return ms / 1000.0 / self.speedup_ratio + self.after_tokens_seconds(
-            emits=emits, active_blocks=active_blocks)
-
-    def after_tokens_seconds(self, *, emits: bool, active_blocks: int) -> float:
-        """The end of a step that comes after its tokens are out: the polynomial's decode term.
-        Dynamo's mocker (1.6.1, measured: a lone uncached prompt's first token comes 2.9-3.9 ms
-        after the polynomial's prefill time, not after prefill + decode) sends a step's tokens
-        when its prefill part is done and then waits out the decode part. The linear model
-        charges one undivided step: 0."""
-        if self.perf_model == LINEAR or not emits:
-            return 0.0
-        ms = polynomial_decode_ms(active_blocks * self.block_size,
-                                  self.num_gpu_blocks * self.block_size)
-        return ms / 1000.0 / self.speedup_ratio
+            return ms / 1000.0 / self.speedup_ratio, 0.0
+        after = polynomial_decode_ms(active_blocks * self.block_size,
+                                     self.num_gpu_blocks * self.block_size) if emits else 0.0
+        scale = 1000.0 * self.speedup_ratio
+        return polynomial_prefill_ms(prefill_tokens) / scale, after / scale
 
 
 @dataclass(eq=False)
@@ -195,11 +190,10 @@ class EngineCore:
         prefill = sum(n for req, n in plan if not req.decoding())
         decode = sum(1 for req, _ in plan if req.decoding())
         emits = any(req.num_computed + n >= len(req.tokens) for req, n in plan)
-        pinned = self.cache.stats().pinned
-        duration = self.config.step_seconds(prefill, decode, emits=emits,
-                                            active_blocks=pinned) if plan else 0.0
-        after_tokens = self.config.after_tokens_seconds(emits=emits, active_blocks=pinned) \
-            if plan else 0.0
+        until_tokens, after_tokens = self.config.step_seconds(
+            prefill, decode, emits=emits, active_blocks=self.cache.stats().pinned) if plan \
+            else (0.0, 0.0)
+        duration = until_tokens + after_tokens
         if self._receiving:
             duration += (self.config.transfer_ms_per_block * self._receiving / 1000.0
                          / self.config.speedup_ratio)

@@ -5,6 +5,8 @@ time, a stall is not raced through. No real sleeping, no timed assertions."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -40,6 +42,15 @@ class VirtualClock:
             self.stall_next = 0.0
 
 
+@contextlib.asynccontextmanager
+async def running(engine: Engine) -> AsyncIterator[Engine]:
+    engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
 async def _run(engine: Engine, clock: VirtualClock, prompt_len: int, max_tokens: int
                ) -> list[float]:
     """Submit one request; the virtual times at which its tokens reached the consumer."""
@@ -62,11 +73,8 @@ def clock() -> VirtualClock:
 async def test_sub_millisecond_steps_keep_their_rate_despite_late_wakeups(
         clock: VirtualClock) -> None:
     engine = Engine(CFG, sleep=clock.sleep, clock=clock.time)
-    engine.start()
-    try:
+    async with running(engine):
         times = await _run(engine, clock, prompt_len=16, max_tokens=200)
-    finally:
-        await engine.stop()
     assert engine.steps == 200 and engine.busy_seconds == pytest.approx(200 * STEP)
     # One timer wake-up late at most, not 200 of them (sleeping each step: 200 * 1.3 ms).
     assert clock.now <= 200 * STEP + engine.min_sleep + clock.late + 1e-12
@@ -80,14 +88,11 @@ async def test_sub_millisecond_steps_keep_their_rate_despite_late_wakeups(
 
 async def test_an_idle_engine_banks_no_time(clock: VirtualClock) -> None:
     engine = Engine(CFG, sleep=clock.sleep, clock=clock.time)
-    engine.start()
-    try:
+    async with running(engine):
         await _run(engine, clock, prompt_len=16, max_tokens=50)
         clock.now += 5.0  # idle for five seconds
         start = clock.now
         times = await _run(engine, clock, prompt_len=16, max_tokens=50)
-    finally:
-        await engine.stop()
     # The second request's steps are timed from its own start, not from the idle gap.
     assert times[-1] - start >= 50 * STEP - engine.min_sleep - 1e-12
     assert all(t - start >= k * STEP - engine.min_sleep - 1e-12
@@ -96,12 +101,9 @@ async def test_an_idle_engine_banks_no_time(clock: VirtualClock) -> None:
 
 async def test_a_stall_longer_than_max_lag_resumes_from_now(clock: VirtualClock) -> None:
     engine = Engine(CFG, sleep=clock.sleep, clock=clock.time, max_lag=0.1)
-    engine.start()
-    try:
+    async with running(engine):
         clock.stall_next = 0.5  # the first real sleep wakes half a second late
         await _run(engine, clock, prompt_len=16, max_tokens=400)
-    finally:
-        await engine.stop()
     stalled_at = next(i for i, s in enumerate(clock.sleeps) if s > 0)
     after = clock.sleeps[stalled_at + 1:]
     # Not a burst of 0.5 s / 0.6 ms zero-length steps: the schedule restarts and sleeps again.
@@ -115,11 +117,8 @@ async def test_a_stall_longer_than_max_lag_resumes_from_now(clock: VirtualClock)
 async def test_the_slow_fault_stretches_the_schedule(clock: VirtualClock) -> None:
     engine = Engine(CFG, sleep=clock.sleep, clock=clock.time)
     engine.faults.slow_factor = 4.0
-    engine.start()
-    try:
+    async with running(engine):
         await _run(engine, clock, prompt_len=16, max_tokens=100)
-    finally:
-        await engine.stop()
     assert engine.busy_seconds == pytest.approx(100 * STEP)  # simulated time, before the fault
     assert clock.now >= 100 * STEP * 4 - engine.min_sleep
     assert clock.now <= 100 * STEP * 4 + engine.min_sleep + clock.late + 1e-12
@@ -130,11 +129,8 @@ async def test_polynomial_first_token_is_out_after_the_prefill_part(clock: Virtu
     decode part is waited out before the next step, so token 2 comes one decode part later."""
     cfg = EngineConfig(num_gpu_blocks=256, block_size=16)  # the polynomial model
     engine = Engine(cfg, sleep=clock.sleep, clock=clock.time)
-    engine.start()
-    try:
+    async with running(engine):
         times = await _run(engine, clock, prompt_len=800, max_tokens=2)
-    finally:
-        await engine.stop()
     prefill = polynomial_prefill_ms(800) / 1000
     decode = polynomial_decode_ms(50 * 16, 256 * 16) / 1000  # 800 / 16 prompt blocks pinned
     # each wake-up is at most one timer tick + the clock's lateness behind its deadline
