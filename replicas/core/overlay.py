@@ -53,6 +53,10 @@ class Overlay:
         self._pending: dict[str, PendingDecision] = {}
         self._prefill: dict[WorkerKey, int] = {}
         self._decode: dict[WorkerKey, int] = {}
+        # Pending decisions per rank: a rank's sums may be 0 while decisions are still pending
+        # on it (a prompt fully cached and already running there adds nothing), so only this
+        # count says when its entries can go.
+        self._count: dict[WorkerKey, int] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -65,22 +69,27 @@ class Overlay:
         self._pending[request_id] = p
         self._prefill[p.worker] = self._prefill.get(p.worker, 0) + p.prefill_tokens
         self._decode[p.worker] = self._decode.get(p.worker, 0) + p.new_blocks
+        self._count[p.worker] = self._count.get(p.worker, 0) + 1
 
     def reconcile(self, request_id: str) -> None:
         """The decision is in the state now (or never will be): stop counting it here."""
         p = self._pending.pop(request_id, None)
         if p is None:
             return
-        self._prefill[p.worker] -= p.prefill_tokens
-        self._decode[p.worker] -= p.new_blocks
-        if not self._prefill[p.worker] and not self._decode[p.worker]:
-            del self._prefill[p.worker], self._decode[p.worker]
+        left = self._count[p.worker] - 1
+        if left:
+            self._count[p.worker] = left
+            self._prefill[p.worker] -= p.prefill_tokens
+            self._decode[p.worker] -= p.new_blocks
+        else:
+            del self._count[p.worker], self._prefill[p.worker], self._decode[p.worker]
 
     def clear(self) -> None:
         """A reset re-reads the streams from its cut: nothing pending survives it."""
         self._pending.clear()
         self._prefill.clear()
         self._decode.clear()
+        self._count.clear()
 
     def prefill_tokens(self, worker: WorkerKey) -> int:
         return self._prefill.get(worker, 0)
