@@ -46,6 +46,9 @@ class StickyOverlay:
         self._by_session: dict[str, WorkerKey | None] = {}
 
     def routed(self, request_id: str, session: SessionRequest, worker: WorkerKey) -> None:
+        # A request id decided again (a retry under the same id) counts once: its earlier
+        # decision must not keep the session it named known here for ever.
+        self.settled(request_id)
         closing = session.action == "close"
         self._by_request[request_id] = (session.session_id, worker, closing)
         self._by_session[session.session_id] = None if closing else worker
