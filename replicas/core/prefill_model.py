@@ -61,9 +61,9 @@ class WorkerPrefill:
     def __init__(self) -> None:
         self.done: list[Completion] = []  # min-heap: the oldest kept completion first
         self.digest = 0  # sum of the kept completions' mixes
-        # Modeled prefills still pending: ids, and (routed ts, id) oldest first, where entries
-        # of requests that left are dropped lazily.
-        self.pending_ids: set[str] = set()
+        # Modeled prefills still pending: id -> routed ts, and (routed ts, id) oldest first,
+        # where entries of requests that left (or started again later) are dropped lazily.
+        self.pending_ids: dict[str, float] = {}
         self.pending: list[tuple[float, str]] = []
         self._rate: tuple[float | None] | None = None  # cached throughput (None: stale)
         self._start: tuple[tuple[float, str], float] | None = None  # cached (anchor, start)
@@ -97,17 +97,19 @@ class WorkerPrefill:
 
     def start(self, request_id: str, ts: float) -> None:
         """A modeled prefill was routed to the rank at ``ts``."""
-        self.pending_ids.add(request_id)
+        self.pending_ids[request_id] = ts
         heapq.heappush(self.pending, (ts, request_id))
 
     def leave(self, request_id: str) -> None:
         """A modeled prefill left (first token, finish, loss)."""
-        self.pending_ids.discard(request_id)
+        self.pending_ids.pop(request_id, None)
 
     def anchor(self) -> tuple[float, str] | None:
         """(routed ts, id) of the oldest pending modeled prefill."""
-        pending = self.pending
-        while pending and pending[0][1] not in self.pending_ids:
+        pending, live = self.pending, self.pending_ids
+        # An entry is stale once its request left, or started again with another routed ts
+        # (its newest start is the one that counts).
+        while pending and live.get(pending[0][1]) != pending[0][0]:
             heapq.heappop(pending)
         return pending[0] if pending else None
 
