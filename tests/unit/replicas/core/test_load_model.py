@@ -1,0 +1,124 @@
+"""The in-flight load against a plain model: whatever sequence of routed, prefill completed,
+output progress, finished and replica lost, each worker rank's prefill tokens, distinct decode
+blocks, weighted output blocks and owners are those of the requests still active, and the digest
+is that of the same requests added afresh and of the state restored from its snapshot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from replicas.core.index import WorkerKey
+from replicas.core.load import MILLI, ActiveLoad, OutputTracking, output_block_milli
+
+IDS = st.sampled_from([f"r{i}" for i in range(6)])
+REPLICAS = st.sampled_from(["A", "B"])
+RANKS: list[WorkerKey] = [("w0", 0), ("w0", 1), ("w1", 0)]
+# A block's sequence hash stands for its whole prefix, so a request holds a prefix of a chain;
+# chains that share their first blocks make requests share blocks (held once per rank).
+CHAINS = [[0, 1, 2, 3, 4], [0, 1, 5, 6], [7, 8, 9]]
+HASHES = st.builds(lambda chain, n: chain[:n], st.sampled_from(CHAINS), st.integers(0, 5))
+TRACKING = st.one_of(st.none(), st.builds(OutputTracking, st.integers(0, 40), st.just(4),
+                                          st.sampled_from([0, 10, 100])))
+
+
+@dataclass
+class Request:
+    replica: str
+    worker: WorkerKey
+    prefill: int
+    hashes: list[int]
+    ts: float
+    output: OutputTracking | None
+    done: bool = False
+    generated: int = 0
+
+
+class LoadMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.load = ActiveLoad()
+        self.model: dict[str, Request] = {}
+
+    @rule(request_id=IDS, replica=REPLICAS, worker=st.sampled_from(RANKS),
+          prefill=st.one_of(st.just(0), st.integers(0, 500)), hashes=HASHES,
+          ts=st.integers(0, 9).map(float), output=TRACKING)
+    def add(self, request_id: str, replica: str, worker: WorkerKey, prefill: int,
+            hashes: list[int], ts: float, output: OutputTracking | None) -> None:
+        added = self.load.add(request_id, replica, worker, prefill, hashes, ts, output=output)
+        assert added == (request_id not in self.model)
+        if added:
+            self.model[request_id] = Request(replica, worker, prefill, hashes, ts, output)
+
+    @rule(request_id=IDS)
+    def prefill_completed(self, request_id: str) -> None:
+        req = self.model.get(request_id)
+        assert self.load.prefill_completed(request_id) == (req is not None and not req.done)
+        if req is not None:
+            req.done = True
+
+    @rule(request_id=IDS, generated=st.integers(0, 60))
+    def output_progress(self, request_id: str, generated: int) -> None:
+        req = self.model.get(request_id)
+        advances = (req is not None and req.output is not None and generated > req.generated)
+        assert self.load.output_progress(request_id, generated) == advances
+        if advances:
+            req.generated = generated  # type: ignore[union-attr]
+
+    @rule(request_id=IDS)
+    def finish(self, request_id: str) -> None:
+        assert self.load.finish(request_id) == (self.model.pop(request_id, None) is not None)
+
+    @rule(replica=REPLICAS)
+    def replica_lost(self, replica: str) -> None:
+        owned = sorted(r for r, req in self.model.items() if req.replica == replica)
+        assert self.load.replica_lost(replica) == owned
+        for request_id in owned:
+            del self.model[request_id]
+
+    @rule()
+    def restore_from_snapshot(self) -> None:
+        restored = ActiveLoad.from_plain(self.load.to_plain())
+        assert restored.digest == self.load.digest
+        self.load = restored
+
+    @invariant()
+    def per_rank_sums_match_the_active_requests(self) -> None:
+        assert len(self.load) == len(self.model)
+        assert self.load.workers() == {req.worker for req in self.model.values()}
+        for worker in RANKS:
+            mine = [req for req in self.model.values() if req.worker == worker]
+            assert self.load.active_prefill_tokens(worker) == sum(
+                req.prefill for req in mine if not req.done)
+            held = {h for req in mine for h in req.hashes}
+            milli = sum(output_block_milli(req.output, req.generated)
+                        for req in mine if req.output is not None)
+            assert self.load.active_decode_blocks(worker) == len(held) + milli / MILLI
+            for query in [*CHAINS, []]:
+                prefix = 0
+                while prefix < len(query) and query[prefix] in held:
+                    prefix += 1
+                assert self.load.active_prefix_len(worker, query) == prefix
+        for replica in ("A", "B"):
+            assert self.load.owned(replica) == sum(
+                req.replica == replica for req in self.model.values())
+
+    @invariant()
+    def digest_is_that_of_the_same_requests_added_afresh(self) -> None:
+        fresh = ActiveLoad()
+        for request_id, req in sorted(self.model.items(), reverse=True):
+            fresh.add(request_id, req.replica, req.worker, req.prefill, req.hashes, req.ts,
+                      output=req.output)
+            if req.done:
+                fresh.prefill_completed(request_id)
+            if req.generated:
+                fresh.output_progress(request_id, req.generated)
+        assert fresh.digest == self.load.digest
+
+
+LoadMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=30,
+                                         deadline=None)
+TestLoadModel = LoadMachine.TestCase
