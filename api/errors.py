@@ -122,6 +122,12 @@ def sse_error(message: str, status: int = 502) -> bytes:
     return b"data: " + upstream_error_body(message, status) + b"\n\n"
 
 
+def sse_internal_error(message: str) -> bytes:
+    """A fault of the router itself in a stream already under way, as one SSE event (OpenAI's
+    ``server_error`` with status 500): the client reads an error, not a cut body."""
+    return b"data: " + encoded_error_body(500, message, type="server_error", code=500) + b"\n\n"
+
+
 def retry_after_header(retry_after: float) -> str:
     # HTTP's Retry-After takes whole seconds; round up so clients never come back too early.
     return str(max(1, math.ceil(retry_after)))

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 from fastapi.responses import Response
 
-from api.errors import error_response, sse_error, upstream_error_body
+from api.errors import error_response, sse_error, sse_internal_error, upstream_error_body
 from api.forward.continuation import Continuation, Hop, HopPlan, with_transfer
 from api.forward.engine import (
     DONE_EVENT,
@@ -125,6 +125,7 @@ class Run:
         self.give_up: str | None = None     # why we stopped trying (for the client)
         self.first_worker: str | None = None  # the engine whose answer started the response
         self.request_done = False
+        self.router_fault = False  # the router itself failed (not an engine): a 500, not a 502
 
     # --- a hop's lifecycle on the router stream -------------------------------------------------
 
@@ -296,8 +297,10 @@ class Run:
         return Response(body, status_code=status, media_type=ctype)
 
     async def events(self) -> AsyncIterator[bytes]:
-        """The client's SSE stream, migrating across hops as engines fail."""
+        """The client's SSE stream, migrating across hops as engines fail. A fault of the
+        router's own while streaming ends the stream with an error event and ``[DONE]``."""
         outcome = Outcome.ERROR
+        ended = False  # the body's last chunk went out: nothing may follow it
         try:
             while True:
                 assert self.resp is not None
@@ -324,6 +327,7 @@ class Run:
                 if failure is None or self.cont.complete:
                     # Every token is in (a break after the last one is not worth a new hop).
                     outcome = Outcome.OK
+                    ended = True
                     yield LastChunk(self.cont.tail())
                     return
                 early: EarlyAnswer | None
@@ -333,15 +337,30 @@ class Run:
                     early = 502, b"", ""
                 if early is not None:
                     self.give_up = self.give_up or _describe(early)
-                    yield sse_error(self.give_up)
-                    yield DONE_EVENT
+                    ended = True
+                    yield LastChunk(sse_error(self.give_up) + DONE_EVENT)
                     return
         except (asyncio.CancelledError, GeneratorExit):
             outcome = Outcome.CANCELLED
             raise
+        except Exception:
+            # The response head (status 200) is out, so an answer of 500 is no longer
+            # possible: the client gets the failure as an error event and a complete body,
+            # which OpenAI's clients raise as an APIError, instead of a cut chunked body.
+            log.exception("request %s: the router failed while streaming the response",
+                          self.base.request_id)
+            self.give_up = self.give_up or "the router failed while streaming the response"
+            self.router_fault = True
+            if not ended:
+                yield LastChunk(sse_internal_error(self.give_up) + DONE_EVENT)
         finally:
-            self._end_hop(self.hop, outcome)
-            self._end_request(outcome)
+            try:
+                self._end_hop(self.hop, outcome)
+                self._end_request(outcome)
+            except Exception:
+                # The body is complete by now; a fault in the bookkeeping after it must not
+                # reach the server as an error of a response that already ended.
+                log.exception("request %s: ending the request failed", self.base.request_id)
             await self._close()
 
     def _on_events(self, events: list[tuple[bytes, bytes | None]]
@@ -384,6 +403,9 @@ class Run:
         if self.request_done and self.give_up is None and self.cont.complete:
             return Response(msgspec.json.encode(self.cont.response_body()),
                             media_type="application/json", headers=headers)
+        if self.router_fault:
+            return error_response(500, self.give_up or "the router failed", type="server_error",
+                                  headers=headers)
         return error_response(502, self.give_up or "the inference engine failed",
                               type="upstream_error", headers=headers)
 
