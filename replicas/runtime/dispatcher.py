@@ -293,10 +293,12 @@ class Dispatcher:
 
     def finished(self, request_id: str, outcome: str, output_tokens: int,
                  cached_tokens: int = -1) -> None:
-        self.settle(request_id)
-        self._progress.pop(request_id, None)  # the finish frees the output blocks anyway
+        # The finish goes to the stream first: every replica frees the request's load by it,
+        # whatever happens to this replica's own bookkeeping below.
         self._append_later(
             ev.RequestFinished(request_id, outcome, output_tokens, time.time(), cached_tokens))
+        self._progress.pop(request_id, None)  # the finish frees the output blocks anyway
+        self.settle(request_id)
 
     def _append_later(self, event: ev.Event) -> None:
         port = self.port
