@@ -22,7 +22,7 @@ So a gap between kv and round-robin here is the cost model's doing, not the mach
 1,000 requests takes seconds and is deterministic. Run (``jetrouter bench routesim`` is the same):
 ``python -m bench.routesim --max-requests 1000 --max-output-tokens 32 --weights 1,8
 --queue-weight 1 --speedup 4``; ``--perf-model linear --prefill-ms-per-token 0.8`` replays the
-engine model the earlier design notes measured with.
+engine model that docs/decisions/0039 to 0046 were measured with.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ import msgspec
 from eventlog.errors import JetrouterError
 
 # Bounds every decoded event must respect. Anything else on a stream is malformed: counted and
-# skipped by every replica alike, never applied (design-notes: "absurd events"). They keep each
+# skipped by every replica alike, never applied
+# (docs/decisions/0022-absurd-events-are-malformed.md). They keep each
 # value inside what the state can hold — sizes below 2**53 so that sums of them stay exact and
 # within struct's signed 64-bit packing, hashes as unsigned 64-bit (the snapshot's columns),
 # timestamps finite and non-negative (a NaN or infinite ``ts`` would poison event time).

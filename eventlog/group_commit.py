@@ -10,7 +10,8 @@ one publish round trip.
 
 * **Exactly once, per message.** A message's id is ``<id_prefix>.<n>`` (``n`` counts this
   writer's messages; the prefix names one writer incarnation), and a retried publish of the same
-  message reuses it, so the stream's duplicate window applies it once (design-notes point 3).
+  message reuses it, so the stream's duplicate window applies it once
+  (docs/decisions/0003-apply-whole-messages.md).
 * **Order.** Messages go out one after the other on one subject, so events keep the order in
   which they were appended, also across a failed message.
 * **Lazy events** (``urgent=False``: a prefill completion, a request's end) do not start a

@@ -13,7 +13,8 @@ STREAM_KINDS: tuple[str, ...] = (KV, ROUTER, CONTROL)
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 ANY = "*"  # the one-token wildcard: subscriptions and permissions cover every id
 
-# A migrated request's later hops are routed under ``<request_id>~<n>`` (design-notes 8); the
+# A migrated request's later hops are routed under ``<request_id>~<n>``
+# (docs/decisions/0008-decisions-carry-candidates-and-hop-ids.md); the
 # decision ledger groups them back by the base id.
 HOP_SEPARATOR = "~"
 

@@ -13,7 +13,8 @@ streams are per account); each identity gets publish/subscribe permissions from 
   and lease KV buckets, the snapshot object store, and the JetStream API calls on the jetrouter
   streams only
   (no stream deletion, nothing outside jetrouter's streams). Because any replica may become the
-  leader, it also holds rights one would rather not give (docs/design-notes.md lists them):
+  leader, it also holds rights one would rather not give
+  (docs/decisions/0025-nats-trust-boundary-by-role.md lists them):
   ``ReplicaLost`` on *other* replicas' router subjects, ``WorkerRetired`` on engines' KV
   subjects, purging the streams (snapshot → purge), ``<ns>.control.reset`` (the leader carries
   out ``POST /admin/reset``), and creating/updating the jetrouter streams (set-up at start).

@@ -89,7 +89,8 @@ def _wanted_config(names: Names, kind: str, replicas: int, duplicate_window: flo
         num_replicas=replicas,
         duplicate_window=duplicate_window,
         # A full stream refuses the append (the writer sees it) instead of silently dropping
-        # its oldest events, which replicas and snapshots may still need (design-notes).
+        # its oldest events, which replicas and snapshots may still need
+        # (docs/decisions/0024-stream-limits-discard-new.md).
         discard=DiscardPolicy.NEW,
         max_bytes=max_bytes if max_bytes is not None else -1,
     )

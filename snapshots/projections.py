@@ -45,7 +45,8 @@ DEFAULT_LEDGER_RETENTION = 7 * 86400.0
 # How long the ledger may trail the stream to save transactions; the admin views read it, no
 # routing decision does.
 DEFAULT_BATCH_WINDOW = 0.1
-MAX_READ_RETRY_DELAY = 2.0  # a stream leader election lasts 4-9 s (design notes)
+# A stream leader election lasts 4-9 s (docs/decisions/0031-election-is-the-floor.md).
+MAX_READ_RETRY_DELAY = 2.0
 
 
 class View(Protocol):

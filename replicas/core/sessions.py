@@ -1,4 +1,5 @@
-"""Sticky sessions: which engine each open session is pinned to (design-notes: sticky sessions).
+"""Sticky sessions: which engine each open session is pinned to
+(docs/decisions/0041-sticky-sessions-replicated-pins.md).
 
 A pin is replicated state like the load: it is set by a ``SessionPinned`` event on the router
 stream (in the same message as the decision that chose the engine) and removed by a

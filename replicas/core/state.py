@@ -225,7 +225,7 @@ class RouterState:
             return skip
         if e.medium is not None:
             # An offloaded tier (CPU, disk): carried on the stream, not indexed, so only device
-            # blocks count for overlap (design-notes: storage tiers).
+            # blocks count for overlap (docs/decisions/0017-only-device-tier-blocks-count.md).
             return "other_tier"
         return self.index.store((e.worker_id, e.dp_rank), e.parent_hash, e.blocks)
 

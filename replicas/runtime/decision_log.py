@@ -9,12 +9,13 @@ round trip overlaps the engine's first token instead of preceding it. Three outc
 * **refused** — JetStream said no (a limit: stream or account full, message too large), or, in
   strict mode (``grace`` 0), no acknowledgement within ``timeout``: the request is answered 503
   with nothing shown to the client, its engine request is cancelled, and its owner ends it as
-  ``not_routed`` (docs/design-notes.md, "when JetStream says no");
+  ``not_routed`` (docs/decisions/0023-refuse-unrecorded-decisions.md);
 * **served unrecorded** — neither within ``grace`` (a stream leader election after a NATS node
   died): the request is served anyway while the same message keeps being retried under its
-  msg id, so it lands once, late, in stream order (docs/design-notes.md, "serving through an
-  election"). A spell of this longer than ``timeout`` (JetStream gone for longer than an
-  election: no quorum) turns back to refusals, so unrecorded load cannot pile up for ever.
+  msg id, so it lands once, late, in stream order (serving through an election:
+  docs/decisions/0051-decision-append-beside-engine.md). A spell of this longer than
+  ``timeout`` (JetStream gone for longer than an election: no quorum) turns back to refusals, so
+  unrecorded load cannot pile up for ever.
 
 No I/O here: the append's future comes from the replica's port; the clock is read only to time
 the waits and spells.
@@ -36,7 +37,7 @@ log = logging.getLogger("jetrouter.replica")
 
 class DecisionNotRecorded(RoutingError):
     """JetStream refused the routing decision's append or did not ack it in time: the request
-    is not served (docs/design-notes.md, "when JetStream says no")."""
+    is not served (docs/decisions/0023-refuse-unrecorded-decisions.md)."""
 
     def __init__(self, request_id: str, cause: BaseException) -> None:
         super().__init__(f"the routing decision could not be recorded ({describe(cause)})")
@@ -215,8 +216,8 @@ class DecisionLog:
         """Count and log a decision JetStream did not take, and make sure it never counts here.
         Its request's owner ends it as ``not_routed``: that ``RequestFinished`` follows the
         decision on the same subject, so if an append that timed out lands after all, the
-        finish closes it on every replica; if it never landed, the finish is a no-op (note 22
-        of docs/design-notes.md)."""
+        finish closes it on every replica; if it never landed, the finish is a no-op
+        (docs/decisions/0022-absurd-events-are-malformed.md)."""
         record.state = RecordState.REFUSED
         record.cause = exc
         self._settle(record.request_id)  # the overlay must not keep what the log refused

@@ -123,7 +123,8 @@ async def test_reader_and_appender_survive_losing_the_stream_leader(
     js = nc.jetstream()
     infos = await ensure_streams(js, NAMES)
     # An R2 stream loses its quorum with the leader's node: appends could never resume. (Streams
-    # came out R2 when the client connected while the cluster was still forming: design note 57.)
+    # came out R2 when the client connected while the cluster was still forming:
+    # docs/decisions/0057-stream-replicas-never-below-three.md.)
     assert {info.config.num_replicas for info in infos.values()} == {3}
     # Retry for up to a minute: on a loaded machine the two survivors took ~30 s to elect once.
     appender = Appender(js, timeout=1.0, attempts=1000, backoff_max=0.5, retry_window=60.0)
