@@ -44,6 +44,7 @@ from replicas.runtime.decision_log import (
     DecisionRecord,
     describe,
 )
+from replicas.runtime.log_outage import LogOutage
 from replicas.runtime.port import ReplicaPort
 
 log = logging.getLogger("jetrouter.replica")
@@ -100,9 +101,15 @@ class Dispatcher:
         self.selector = Selector(config.routing)
         self.overlay = Overlay()
         self.sticky = StickyOverlay()  # pins routed here and not yet applied from the stream
+        # Degraded mode (replicas/runtime/log_outage.py): while the event log is unavailable,
+        # decisions are counted in the overlay only, and neither they nor their follow-up
+        # events are appended.
+        self.outage = LogOutage(port.replica_id, after_disconnect=config.log_outage_after,
+                                after_unacknowledged=config.decision_append_timeout)
         self.decisions = DecisionLog(port.replica_id, grace=config.decision_record_grace,
                                      timeout=config.decision_append_timeout,
-                                     settle=self.settle)
+                                     settle=self.settle, outage=self.outage)
+        self._unlogged: set[str] = set()  # request ids routed in degraded mode, still running
         # Set when the load may have dropped (a router or control event applied): the queue
         # dispatcher re-judges then.
         self.load_changed = asyncio.Event()
@@ -244,6 +251,12 @@ class Dispatcher:
             if req.session is not None:
                 await self._catch_up_router()
             routed = self._prepare(req)
+        if self.outage.degraded(time.monotonic()):
+            # The log cannot take it: serve on the overlay's count alone (released when the
+            # request finishes), and append nothing for this request.
+            self.outage.skipped_decision()
+            self._unlogged.add(req.request_id)
+            return routed
         # Submitted now, in this order, so nothing of this request precedes its decision on
         # the subject; acknowledged while the request is on its way to the engine.
         port = self.port
@@ -270,11 +283,16 @@ class Dispatcher:
             await self.decisions.wait(routed.record)
 
     def prefill_completed(self, request_id: str) -> None:
+        if request_id in self._unlogged:
+            self.outage.skipped_followup()
+            return
         self._append_later(ev.PrefillCompleted(request_id, time.time()))
 
     def output_progress(self, request_id: str, output_tokens: int) -> None:
         """A tracked request crossed an output block boundary. Appends coalesce: while one is
         on its way, later counts wait and only the newest follows it."""
+        if request_id in self._unlogged:
+            return  # its decision was never appended: nothing on the stream to progress
         waiting = request_id in self._progress
         self._progress[request_id] = output_tokens
         if not waiting:
@@ -295,6 +313,10 @@ class Dispatcher:
                  cached_tokens: int = -1) -> None:
         self.settle(request_id)
         self._progress.pop(request_id, None)  # the finish frees the output blocks anyway
+        if request_id in self._unlogged:
+            self._unlogged.discard(request_id)  # the overlay released its load just above
+            self.outage.skipped_followup()
+            return
         self._append_later(
             ev.RequestFinished(request_id, outcome, output_tokens, time.time(), cached_tokens))
 
@@ -311,6 +333,8 @@ class Dispatcher:
         a pin another replica appended for the previous turn (acknowledged before that turn's
         answer reached the client) is seen here. One stream-info round trip; on failure or
         timeout the turn is routed with what this replica has."""
+        if self.outage.degraded(time.monotonic()):
+            return  # no server to ask: asking would only delay the turn
         try:
             last = await asyncio.wait_for(self.port.stream_end(ROUTER), timeout)
             await self.port.wait_applied(ROUTER, last, timeout)
