@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from replicas.core.routing_errors import RoutingError
-from replicas.runtime.log_outage import LogOutage
+from replicas.runtime.log_outage import LogOutage, LogUnavailable
 
 log = logging.getLogger("jetrouter.replica")
 
@@ -253,7 +253,8 @@ class DecisionLog:
             health.failing_since = time.time()
             log.error("replica %s: JetStream did not take the routing decision of %s (%s); "
                       "refusing requests with 503 until it does", rid, record.request_id, why)
-        else:
+        elif not isinstance(getattr(exc, "cause", None), LogUnavailable):
+            # (in degraded mode the outage's transition lines say it once, not per request)
             log.warning("replica %s: routing decision of %s not recorded (%s)", rid,
                         record.request_id, why)
         if self.on_refused is not None:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from eventlog import events as ev
+from eventlog.appender import AppendFailed
 from eventlog.names import ROUTER
 from replicas.core import disagg
 from replicas.core.candidates import (
@@ -44,7 +45,7 @@ from replicas.runtime.decision_log import (
     DecisionRecord,
     describe,
 )
-from replicas.runtime.log_outage import LogOutage
+from replicas.runtime.log_outage import LogOutage, LogUnavailable
 from replicas.runtime.port import ReplicaPort
 
 log = logging.getLogger("jetrouter.replica")
@@ -251,15 +252,22 @@ class Dispatcher:
             if req.session is not None:
                 await self._catch_up_router()
             routed = self._prepare(req)
+        port = self.port
         if self.outage.degraded(time.monotonic()):
             # The log cannot take it: serve on the overlay's count alone (released when the
             # request finishes), and append nothing for this request.
-            self.outage.skipped_decision()
             self._unlogged.add(req.request_id)
+            if self.config.decision_record_grace > 0:
+                self.outage.skipped_decision()
+                return routed
+            # Strict mode: refused at once (recorded() raises), never served unrecorded.
+            refused: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            refused.set_exception(AppendFailed(port.names.router_subject(port.replica_id),
+                                               f"{req.request_id}.routed", LogUnavailable()))
+            routed.record = self.decisions.track(req.request_id, refused)
             return routed
         # Submitted now, in this order, so nothing of this request precedes its decision on
         # the subject; acknowledged while the request is on its way to the engine.
-        port = self.port
         events = [routed.event, *routed.session_events]
         recording = time.perf_counter()
         future = port.submit(port.names.router_subject(port.replica_id), events,

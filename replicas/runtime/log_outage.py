@@ -11,6 +11,9 @@ election can last — the replica enters **degraded mode**:
   would pile up memory and replay, after the outage, load that ended long ago. They are counted
   (``not_appended``); the events that would have followed them (prefill completed, progress,
   finished) are skipped too (``followups_skipped``);
+* with ``--decision-record-grace 0`` (strict: never serve a request whose decision is not
+  recorded) the operator chose refusals over serving unrecorded, so decisions are refused at
+  once instead (503, `/ready` 503), not after waiting on an append that cannot succeed;
 * `/ready` stays 200 with ``"degraded": true`` (the replica can serve; see `api/app.py`),
   `/admin/state` shows :meth:`LogOutage.view`, metrics carry the flag and the counts, and one
   log line marks each transition (never one per request).
@@ -33,10 +36,19 @@ import logging
 import time
 from collections.abc import Callable
 
+from eventlog.errors import JetrouterError
+
 log = logging.getLogger("jetrouter.replica")
 
 DISCONNECTED = "NATS connection lost"
 UNACKNOWLEDGED = "JetStream acknowledged no append"
+
+
+class LogUnavailable(JetrouterError, ConnectionError):
+    """Degraded mode: an append that is not even tried (it cannot succeed now)."""
+
+    def __init__(self) -> None:
+        super().__init__("the event log is unavailable (degraded mode)")
 
 
 class LogOutage:

@@ -33,7 +33,6 @@ from tenacity import AsyncRetrying, retry_if_not_exception_type, stop_after_dela
 from eventlog import events as ev
 from eventlog.appender import Appender, AppendFailed
 from eventlog.connect import NatsConnectFatal, connect
-from eventlog.errors import JetrouterError
 from eventlog.group_commit import GroupCommit
 from eventlog.jetstream_log import JetStreamLog
 from eventlog.log import EventLog
@@ -50,7 +49,7 @@ from replicas.runtime.dispatcher import Dispatcher, Routed, RouteRequest
 from replicas.runtime.follower import StreamFollower
 from replicas.runtime.leader import Leader
 from replicas.runtime.liveness import Liveness
-from replicas.runtime.log_outage import LogOutage
+from replicas.runtime.log_outage import LogOutage, LogUnavailable
 from replicas.runtime.replication_cost import ReplicationCost
 from snapshots.store import SnapshotStore
 
@@ -136,8 +135,7 @@ class Replica:
         if self.outage.degraded(time.monotonic()):
             # A config change, a snapshot's record, a health change: no at once rather than
             # after the appender's 20 s of retries (an admin call answers 503).
-            raise AppendFailed(subject, mid, LogUnavailable("the event log is unavailable "
-                                                            "(degraded mode)"))
+            raise AppendFailed(subject, mid, LogUnavailable())
         return await self.log.append(subject, event if isinstance(event, list) else [event], mid)
 
     def submit(self, subject: str, events: list[ev.Event],
@@ -498,10 +496,6 @@ class Replica:
         seq = await self.append(self.names.control_subject("snapshot-threshold"),
                                 ev.SnapshotThresholdSet(threshold, time.time()), None)
         await self.wait_applied(CONTROL, seq)
-
-
-class LogUnavailable(JetrouterError, ConnectionError):
-    """The replica is in degraded mode: an append is not even tried."""
 
 
 def _joined(futures: list[asyncio.Future[int]]) -> asyncio.Future[int]:

@@ -195,6 +195,20 @@ async def test_a_spell_longer_than_the_timeout_is_degraded_mode_not_refusals() -
     assert d.decision_log.unrecorded_since is None
 
 
+async def test_strict_mode_in_degraded_mode_refuses_at_once_and_appends_nothing() -> None:
+    port = Port()
+    port.state.apply(KV, 1, [ev.WorkerRegistered("w", "http://w", "m", BS, 1000, 8192, 1.0)])
+    d, bg = _dispatcher(port, decision_record_grace=0.0, decision_append_timeout=60.0)
+    d.outage.connection_lost(time.monotonic() - 60.0)  # every NATS server gone for a minute
+    routed = await d.route(RouteRequest("q1", "m", TOKENS))
+    with pytest.raises(DecisionNotRecorded, match="unavailable"):
+        await asyncio.wait_for(d.recorded(routed), 1.0)  # no waiting on the append
+    assert d.pending_decisions() == 0 and d.outage.not_appended == 0
+    d.finished("q1", "not_routed", 0)
+    await bg.wait(timeout=5)
+    assert port.appended == []
+
+
 async def test_finishing_first_reconciles_and_appends_the_finish() -> None:
     port = Port()
     port.state.apply(KV, 1, [ev.WorkerRegistered("w", "http://w", "m", BS, 1000, 8192, 1.0)])
