@@ -51,6 +51,7 @@ from replicas.runtime.leader import Leader
 from replicas.runtime.liveness import Liveness
 from replicas.runtime.log_outage import LogOutage, LogUnavailable
 from replicas.runtime.replication_cost import ReplicationCost
+from replicas.runtime.reseed import log_lost, reseed
 from snapshots.store import SnapshotStore
 
 if TYPE_CHECKING:  # imported when configured: it loads SQLAlchemy
@@ -257,18 +258,49 @@ class Replica:
     async def _watch_log(self, interval: float = 0.5, probe_timeout: float = 2.0) -> None:
         """Enter degraded mode on time when no request comes to notice it, and leave it once
         connected and JetStream answers (a stream-info call on our router stream)."""
-        assert self.log is not None
-        outage, stream = self.outage, self.names.stream(ROUTER)
+        outage = self.outage
+        lost_rounds = 0
         while True:
             await asyncio.sleep(interval)  # a periodic check, not a synchronisation
             if not outage.degraded(time.monotonic()) or not outage.connected:
+                lost_rounds = 0
                 continue
             try:
-                await asyncio.wait_for(self.log.bounds(stream), probe_timeout)
+                lost = await asyncio.wait_for(self._log_lost(), probe_timeout)
+                # Lost is judged on two rounds in a row: a server still loading its streams
+                # from disk must not pass for one that lost them.
+                lost_rounds = lost_rounds + 1 if lost else 0
+                if lost_rounds == 1:
+                    continue
+                if lost:
+                    await self._reseed()
             except Exception as exc:  # still unavailable: try again next round
                 log.debug("event log probe: %r", exc)
                 continue
             outage.log_answered(time.monotonic())
+
+    async def _log_lost(self) -> bool:
+        assert self.log is not None
+        if self.js is None:  # an in-memory log: it cannot lose its streams under us
+            await self.log.bounds(self.names.stream(ROUTER))
+            return False
+        return await log_lost(self.js, self.names, dict(self.state.positions))
+
+    async def _reseed(self) -> None:
+        """NATS came back without its streams (`replicas.runtime.reseed`)."""
+        store = self.follower.snapshots
+        assert self.js is not None and self.nc is not None
+        if store is None:
+            raise RuntimeError("the event log was lost and this replica has no snapshot store")
+        done = await reseed(self.js, self.nc, self.names, store, self.state,
+                            self.config.state, self.replica_id,
+                            max_bytes=self.config.stream_max_bytes)
+        if done.loaded is not None:
+            await self.follower.reseat(done.loaded)
+        if self.leader is not None:
+            self.leader.lease.reopen()
+        if self.liveness is not None:
+            await self.liveness.reopen_bucket()
 
     def _divergence(self, d: object) -> None:
         if self.on_divergence is not None:
