@@ -1,16 +1,20 @@
-"""The whole of NATS down, then back with its data: a real nats-server SIGKILLed under a cluster
-of real replica and engine processes, requests through the official openai client.
+"""The whole of NATS down, then back with its data (or without: its store wiped): a real
+nats-server SIGKILLed under a cluster of real replica and engine processes, requests through the
+official openai client.
 
 While it is down every request still succeeds (degraded mode: routing on the state the replicas
 have), `/ready` stays 200 and says ``degraded``, `/admin/state` and the metrics count decisions
 not appended. Restarted on the same port with the same store, the replicas reconnect, leave
 degraded mode, catch up to equal digests, and no load is left charged anywhere once the traffic
-has stopped (every finish of a decision that did land, landed too)."""
+has stopped (every finish of a decision that did land, landed too). Restarted with an empty
+store, one replica re-creates the streams from its state, the others follow, and every engine
+re-announces its cache."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,7 +23,10 @@ import openai
 import pytest
 
 from cluster.up import LocalCluster
+from eventlog import events as ev
+from eventlog.names import Names
 from eventlog.server import NatsServer
+from eventlog.streams import stream_bounds
 from tests.chaos.conftest import MODEL, until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
@@ -70,7 +77,25 @@ async def outage_cluster(nats_server: NatsServer, tmp_path: Path
 
 async def test_all_of_nats_killed_then_back_with_its_data(
         nats_server: NatsServer, outage_cluster: LocalCluster) -> None:
-    c = outage_cluster
+    await outage_then_back(nats_server, outage_cluster, wipe=False)
+
+
+async def test_all_of_nats_killed_then_back_empty_is_reseeded(
+        nats_server: NatsServer, outage_cluster: LocalCluster, nats_connect) -> None:
+    await outage_then_back(nats_server, outage_cluster, wipe=True)
+    # Every engine re-announced its cache on the re-created KV stream.
+    js = (await nats_connect(nats_server.url)).jetstream()
+    stream = Names("jr").stream("kv")
+    first, last = await stream_bounds(js, stream)
+    cleared = set()
+    for seq in range(first, last + 1):
+        msg = await js.get_msg(stream, seq)
+        cleared |= {e.worker_id for e in ev.decode_batch(msg.data)
+                    if isinstance(e, ev.AllBlocksCleared)}
+    assert cleared == {"w0", "w1"}
+
+
+async def outage_then_back(nats_server: NatsServer, c: LocalCluster, *, wipe: bool) -> None:
     auth = {"authorization": f"Bearer {c.admin_token}"}
     replicas = c.router_urls
     restarts = {n: ch.restarts for n, ch in c.children.items()}
@@ -109,6 +134,9 @@ async def test_all_of_nats_killed_then_back_with_its_data(
         assert "jetrouter_event_log_degraded 1.0" in metrics
         assert "jetrouter_decisions_not_appended_total" in metrics
 
+        if wipe:  # the volume lost: nothing of the streams, buckets or snapshots survives
+            shutil.rmtree(nats_server.store_dir)
+            nats_server.store_dir.mkdir()
         await asyncio.to_thread(nats_server.start, 60)  # same port, same store dir
 
         def recovered(ss: list[dict]) -> bool:
