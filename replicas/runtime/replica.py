@@ -9,7 +9,8 @@ connect → ensure streams → (load the newest snapshot) → replay each stream
 * `leader.Leader` does the leader-only work (lease, snapshots, purge, reset, canaries);
 * `liveness.Liveness` heartbeats and, while leading, declares lost replicas and dead workers;
 * `log_outage.LogOutage` says whether the log can take appends (degraded mode while it cannot:
-  the connection callbacks and a watchdog here feed it).
+  the connection callbacks here and `log_watchdog.LogWatchdog` feed it; the watchdog also
+  re-seeds a log NATS lost, `reseed`).
 
 They see the replica only through `port.ReplicaPort`, which `Replica` implements.
 """
@@ -50,8 +51,8 @@ from replicas.runtime.follower import StreamFollower
 from replicas.runtime.leader import Leader
 from replicas.runtime.liveness import Liveness
 from replicas.runtime.log_outage import LogOutage, LogUnavailable
+from replicas.runtime.log_watchdog import LogWatchdog
 from replicas.runtime.replication_cost import ReplicationCost
-from replicas.runtime.reseed import log_lost, reseed
 from snapshots.store import SnapshotStore
 
 if TYPE_CHECKING:  # imported when configured: it loads SQLAlchemy
@@ -108,7 +109,7 @@ class Replica:
         self._applied = asyncio.Event()  # some event was applied (wait_applied re-checks)
         self._reannounce_asked: set[str] = set()
         self._refused_logged: set[str] = set()
-        self._watchdog: asyncio.Task[None] | None = None
+        self.watchdog: LogWatchdog | None = None
 
     # --- the port the adapters see (replicas.runtime.port.ReplicaPort) -------------------------
 
@@ -195,8 +196,10 @@ class Replica:
         self._check_ready()
         self.follower.start()
         self.dispatcher.start()
-        if self.nc is not None:
-            self._watchdog = asyncio.create_task(self._watch_log(), name="log-watchdog")
+        if self.nc is not None and self.js is not None:
+            self.watchdog = LogWatchdog(self.outage, self.js, self.nc, self.names,
+                                        self.follower, cfg, reopen=self._reopen_buckets)
+            self.watchdog.start()
         if cfg.database_url:
             await self._start_projections(cfg.database_url)
         if self.leader is not None:
@@ -255,48 +258,9 @@ class Replica:
     async def _reconnected(self) -> None:
         self.outage.connection_back()
 
-    async def _watch_log(self, interval: float = 0.5, probe_timeout: float = 2.0) -> None:
-        """Enter degraded mode on time when no request comes to notice it, and leave it once
-        connected and JetStream answers (a stream-info call on our router stream)."""
-        outage = self.outage
-        lost_rounds = 0
-        while True:
-            await asyncio.sleep(interval)  # a periodic check, not a synchronisation
-            if not outage.degraded(time.monotonic()) or not outage.connected:
-                lost_rounds = 0
-                continue
-            try:
-                lost = await asyncio.wait_for(self._log_lost(), probe_timeout)
-                # Lost is judged on two rounds in a row: a server still loading its streams
-                # from disk must not pass for one that lost them.
-                lost_rounds = lost_rounds + 1 if lost else 0
-                if lost_rounds == 1:
-                    continue
-                if lost:
-                    await self._reseed()
-            except Exception as exc:  # still unavailable: try again next round
-                log.debug("event log probe: %r", exc)
-                continue
-            outage.log_answered(time.monotonic())
-
-    async def _log_lost(self) -> bool:
-        assert self.log is not None
-        if self.js is None:  # an in-memory log: it cannot lose its streams under us
-            await self.log.bounds(self.names.stream(ROUTER))
-            return False
-        return await log_lost(self.js, self.names, dict(self.state.positions))
-
-    async def _reseed(self) -> None:
-        """NATS came back without its streams (`replicas.runtime.reseed`)."""
-        store = self.follower.snapshots
-        assert self.js is not None and self.nc is not None
-        if store is None:
-            raise RuntimeError("the event log was lost and this replica has no snapshot store")
-        done = await reseed(self.js, self.nc, self.names, store, self.state,
-                            self.config.state, self.replica_id,
-                            max_bytes=self.config.stream_max_bytes)
-        if done.loaded is not None:
-            await self.follower.reseat(done.loaded)
+    async def _reopen_buckets(self) -> None:
+        """NATS lost its storage and the log was re-seeded: the lease and heartbeat buckets are
+        opened (so created) again."""
         if self.leader is not None:
             self.leader.lease.reopen()
         if self.liveness is not None:
@@ -327,10 +291,8 @@ class Replica:
 
     async def stop(self) -> None:
         self.ready = False
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog
+        if self.watchdog is not None:
+            await self.watchdog.stop()
         if self.liveness is not None:
             with contextlib.suppress(Exception):
                 await self.liveness.stop()
