@@ -9,8 +9,8 @@ directories wiped (``--restart empty``), or not at all (``--restart none``). Pri
 (before, during, after the outage), requests ok and failed and what `/ready` said, and after the
 restart how long until every replica left degraded mode and their digests agreed.
 
-This is the figure issue-style reports quote ("N of M requests failed while NATS was down"),
-made repeatable; the pass/fail checks live in `jetrouter chaos` and the tests.
+It gives the figure an operator asks for ("N of M requests failed while NATS was down") in a
+repeatable way; the pass/fail checks live in `jetrouter chaos` and the tests.
 """
 
 from __future__ import annotations
