@@ -81,6 +81,8 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
             # Decisions routed here and not yet seen back from the stream (optimistic overlay).
             "pending_decisions": replica.pending_decisions(),
             "decision_log": replica.decision_log.view(time.monotonic()),
+            # Degraded mode: whether the event log takes appends, and what was not appended.
+            "event_log": replica.outage.view(time.monotonic()),
             # Decoding + applying other replicas' router messages (bench scale's share).
             "replication": replica.replication.view(),
         })

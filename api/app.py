@@ -96,7 +96,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     applied_seen: dict[tuple[str, str, str], int] = {}
     snapshots_seen = [0]
     replication_seen = [0.0]
-    unrecorded_seen = {"served": 0, "recorded_late": 0, "lost": 0}
+    unrecorded_seen = {"served": 0, "recorded_late": 0, "lost": 0, "not_appended": 0}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -317,11 +317,20 @@ def create_app(replica: Replica, config: AppConfig | None = None,
 
     @app.get("/ready")
     async def ready() -> Response:
-        decisions = replica.decision_log.view(time.monotonic())
+        now = time.monotonic()
+        decisions = replica.decision_log.view(now)
         if taking_requests(decisions):
             body: dict[str, object] = {"ready": True, "replica_id": replica.replica_id}
             if decisions["unrecorded_for_s"] is not None:  # serving through an election
                 body["decision_log"] = decisions
+            # Degraded (the event log is unavailable: replicas/runtime/log_outage.py) is still
+            # 200. The replica serves every request on the state it has, and so does every
+            # other replica cut off from the same NATS: a load balancer that took degraded
+            # replicas out would take out the whole fleet and turn a logging outage into an
+            # inference outage. The detail is for operators and monitors.
+            if replica.outage.degraded(now):
+                body["degraded"] = True
+                body["event_log"] = replica.outage.view(now)
             return _json_response(body)
         return _json_response({"ready": False, "replica_id": replica.replica_id,
                                "lag": replica.lag(), "decision_log": decisions}, status=503)
@@ -389,6 +398,12 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                 metrics.decisions_unrecorded.labels(state=label).inc(n - unrecorded_seen[label])
                 unrecorded_seen[label] = n
         metrics.decision_log_ok.set(0 if replica.decision_log.failing(time.monotonic()) else 1)
+        outage = replica.outage
+        metrics.event_log_degraded.set(1 if outage.degraded(time.monotonic()) else 0)
+        if outage.not_appended > unrecorded_seen["not_appended"]:
+            metrics.decisions_not_appended.inc(outage.not_appended
+                                               - unrecorded_seen["not_appended"])
+            unrecorded_seen["not_appended"] = outage.not_appended
 
     app.include_router(admin_router(replica, cfg))
     for make_router in extra_routers:

@@ -67,7 +67,8 @@ ROUTING = Group(
            "weight of the request's own uncached prefill blocks (Dynamo: 1.0)", at_least=0),
     Option("router-prefill-queue-weight", float, 1.0,
            "weight of a worker's already-queued prefill blocks (Dynamo's formula uses the "
-           "overlap weight here too; docs/design-notes.md)", at_least=0),
+           "overlap weight here too; docs/decisions/0012-cost-model-split-prefill-weight.md)",
+           at_least=0),
     Option("kv-cache-block-size", int, 16, "tokens per KV block (must match the engines)",
            above=0, aliases=("--router-block-size",)),
     Option("no-router-kv-events", bool, True, dest="router_kv_events",

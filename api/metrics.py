@@ -107,6 +107,15 @@ class RouterMetrics:
             f"{p}_decision_log_ok",
             "0 while recent routing decisions could not be recorded (/ready is 503), else 1",
             registry=reg)
+        self.event_log_degraded = Gauge(
+            f"{p}_event_log_degraded",
+            "1 while the event log (NATS JetStream) is unavailable and this replica routes in "
+            "degraded mode on the state it has (/ready stays 200 with degraded: true), else 0",
+            registry=reg)
+        self.decisions_not_appended = Counter(
+            f"{p}_decisions_not_appended",
+            "Routing decisions served in degraded mode without being appended to the event log; "
+            "their load was counted on this replica only", registry=reg)
         self.queue_depth = Gauge(f"{p}_queue_depth",
                                  "Requests held in the priority queue waiting for capacity",
                                  registry=reg)

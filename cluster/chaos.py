@@ -22,7 +22,9 @@ from typing import Any
 
 import httpx
 
+from cluster.chaos_outage import OUTAGE_FAULTS, OUTAGE_SCENARIOS
 from cluster.chaos_scenarios import (
+    FAULTS,
     SCENARIOS,
     Probe,
     RouterFollower,
@@ -32,6 +34,9 @@ from cluster.chaos_scenarios import (
 )
 from cluster.up import LocalCluster
 from eventlog.connect import connect
+
+ALL_SCENARIOS = (*SCENARIOS, *OUTAGE_SCENARIOS)
+ALL_FAULTS = {**FAULTS, **OUTAGE_FAULTS}
 
 
 def cluster_args(t: Timing) -> tuple[list[str], list[str]]:
@@ -81,7 +86,7 @@ class ChaosSession:
 
     async def run(self, name: str, t: Timing) -> ScenarioResult:
         assert self.probe is not None and self.follower is not None
-        return await run_scenario(name, self.probe, self.follower, t)
+        return await run_scenario(name, self.probe, self.follower, t, faults=ALL_FAULTS)
 
 
 async def run_chaos(scenarios: Sequence[str], t: Timing, data_dir: Path,
@@ -154,9 +159,9 @@ def verdict(results: Sequence[ScenarioResult]) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", action="append", choices=SCENARIOS, default=None,
+    p.add_argument("--scenario", action="append", choices=ALL_SCENARIOS, default=None,
                    help="run only this scenario (repeatable; default: all, in order: "
-                   + ", ".join(SCENARIOS) + ")")
+                   + ", ".join(ALL_SCENARIOS) + ")")
     p.add_argument("--short", action="store_true",
                    help="shorter warm-up, outage and settle times (the CI variant)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT",
@@ -217,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
             return asyncio.run(run_soak_cluster(args, t, args.data_dir))
         with tempfile.TemporaryDirectory(prefix="jetrouter-soak-") as tmp:
             return asyncio.run(run_soak_cluster(args, t, Path(tmp)))
-    scenarios = args.scenario or list(SCENARIOS)
+    scenarios = args.scenario or list(ALL_SCENARIOS)
     if args.data_dir is not None:
         args.data_dir.mkdir(parents=True, exist_ok=True)
         results = asyncio.run(run_chaos(scenarios, t, args.data_dir))

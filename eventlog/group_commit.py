@@ -20,6 +20,11 @@ one publish round trip.
   into it (``prefill_ts``): one event instead of two, with the same effect on every replica's
   state (a finish frees the prefill tokens of a request whose prefill never completed).
 * **Size.** A message holds at most ``max_events`` events and about ``max_bytes`` bytes.
+* **Holding through an outage.** While ``hold()`` says so (the writer knows the log is down:
+  its replica is in degraded mode), a message whose append failed for a passing reason is sent
+  again under the same id instead of failing its events. Dropping it would lose for good the
+  ``RequestFinished`` of requests whose ``RequestRouted`` did land, and every replica would
+  charge their load until it aged out; held, the message lands once NATS is back, in order.
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 
 from eventlog import events as ev
-from eventlog.appender import Appender
+from eventlog.appender import Appender, AppendFailed, is_transient
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +56,7 @@ class GroupCommit:
 
     def __init__(self, appender: Appender, subject: str, id_prefix: str, *,
                  max_events: int = 256, max_bytes: int = 256 * 1024,
-                 linger: float = 0.002) -> None:
+                 linger: float = 0.002, hold: Callable[[], bool] | None = None) -> None:
         if max_events < 1 or max_bytes < 1:
             raise ValueError("max_events and max_bytes must be positive")
         self._appender = appender
@@ -59,6 +65,8 @@ class GroupCommit:
         self.max_events = max_events
         self.max_bytes = max_bytes
         self.linger = linger
+        self.hold = hold
+        self.held = 0  # times a failed message was kept and sent again (see "Holding")
         self._queue: list[_Queued] = []
         self._prefill: dict[str, _Queued] = {}  # request id -> its queued PrefillCompleted
         self._urgent = False
@@ -120,7 +128,7 @@ class GroupCommit:
             self._sent += 1
             msg_id = f"{self._prefix}.{self._sent}"
             try:
-                seq = await self._appender.append_raw(self.subject, payload, msg_id)
+                seq = await self._append_held(payload, msg_id)
             except asyncio.CancelledError:
                 for item in taken:
                     _settle(item.future, exc=asyncio.CancelledError())
@@ -138,6 +146,20 @@ class GroupCommit:
         if self._queue and self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.linger,
                                                                self._linger_expired)
+
+    async def _append_held(self, payload: bytes, msg_id: str) -> int:
+        """One message's append; while ``hold()`` is true a passing failure is retried under
+        the same msg id (applied once), with a backoff capped at 2 s."""
+        delay = 0.25
+        while True:
+            try:
+                return await self._appender.append_raw(self.subject, payload, msg_id)
+            except AppendFailed as exc:
+                if self.hold is None or not self.hold() or not is_transient(exc.cause):
+                    raise
+            self.held += 1
+            await asyncio.sleep(delay)  # backoff between two tries of one message
+            delay = min(delay * 2, 2.0)
 
     def _take(self) -> tuple[list[_Queued], bytes]:
         """The next message: queued items from the front, within the size limits."""

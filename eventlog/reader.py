@@ -323,14 +323,22 @@ class StreamReader:
             log.info("stream %s: resuming after seq %d (%s)", self.stream, self.last_seq, reason)
         await self._drop_consumer(wait=False)
         delay = 0.05
+        failures = 0
         while not self._closed and not self._nc.is_closed:
             try:
                 await self._create_consumer()
                 self._need_reset = None
+                if failures > 1:
+                    log.warning("stream %s: consumer created after %d failed attempts",
+                                self.stream, failures)
                 return
             except Exception as exc:
                 await self._drop_consumer(wait=False)
-                log.warning(
+                failures += 1
+                # One warning per spell, not four a second for as long as NATS is away (a
+                # whole-NATS outage lasts as long as it lasts); the retries go to debug.
+                log.log(
+                    logging.WARNING if failures == 1 else logging.DEBUG,
                     "stream %s: cannot create consumer yet (%r); retry in %.2fs",
                     self.stream,
                     exc,

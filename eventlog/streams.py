@@ -268,6 +268,24 @@ async def ensure_streams(
     return result
 
 
+async def recreate_stream(js: JetStreamContext, names: Names, kind: str, first_seq: int, *,
+                          duplicate_window: float = 120.0, max_bytes: int | None = None
+                          ) -> tuple[StreamInfo, bool]:
+    """Create stream ``kind`` again after NATS lost it (its storage gone), numbering from
+    ``first_seq``: a replica that applied sequences up to ``first_seq - 1`` of the lost stream
+    must never see those numbers reused for other events. Returns ``(info, created here)``;
+    when another process created it first, its info as it is (its first sequence may differ)."""
+    config = _wanted_config(names, kind, cluster_size_hint(js), duplicate_window, max_bytes)
+    try:
+        info = await _create(js, config.evolve(first_seq=first_seq), step_down=True,
+                             placement_wait=5.0)
+        return info, True
+    except APIError as exc:
+        if exc.err_code != _ERR_NAME_IN_USE:
+            raise
+    return await lookup_stream(js, names.stream(kind)), False
+
+
 async def stream_bounds(js: JetStreamContext, stream: str) -> tuple[int, int]:
     """``(first_seq, last_seq)`` of ``stream``; an empty stream has ``first_seq == last_seq + 1``
     once it has held messages, and ``(0, 0)`` before that."""

@@ -92,6 +92,11 @@ class LeaderLease:
                                     js=self.js, direct=bool(info.config.allow_direct))
             return self._kv
 
+    def reopen(self) -> None:
+        """NATS lost its storage (the bucket is gone): open, and so create, it again on next use
+        instead of writing to a bucket that no longer exists."""
+        self._kv = None
+
     def _stream_config(self, stream: str) -> StreamConfig:
         """The KV layout nats-py's ``create_key_value`` builds, with history 1 and max age TTL."""
         return StreamConfig(

@@ -219,6 +219,11 @@ class SnapshotStore:
                 self._obs = ObjectStore(name=self.bucket, stream=self.stream, js=self.js)
             return self._obs
 
+    def reopen(self) -> None:
+        """NATS lost its storage (the bucket is gone): open, and so create, it again on next
+        use."""
+        self._obs = None
+
     def _chunk_size(self) -> int:
         nc = getattr(self.js, "_nc", None)
         max_payload = int(getattr(nc, "max_payload", 0) or 1024 * 1024)

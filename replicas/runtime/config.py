@@ -46,6 +46,10 @@ class ReplicaConfig:
     # its append retried under the same msg id (a stream leader election); 0: wait for the
     # acknowledgement up to decision_append_timeout, else 503 (replicas/runtime/decision_log.py).
     decision_record_grace: float = 1.0
+    # Seconds without any NATS connection after which the event log counts as unavailable and
+    # the replica routes in degraded mode (replicas/runtime/log_outage.py). Losing one node of
+    # a NATS cluster costs a reconnect to another within a second, well under this.
+    log_outage_after: float = 3.0
     stream_max_bytes: int | None = None  # per stream; None leaves the streams' limit as it is
     # Credentials and TLS (eventlog/connect.py); its servers are ignored: nats_url names them.
     nats: NatsOptions = field(default_factory=NatsOptions)

@@ -14,8 +14,12 @@ round trip overlaps the engine's first token instead of preceding it. Three outc
   died): the request is served anyway while the same message keeps being retried under its
   msg id, so it lands once, late, in stream order (serving through an election:
   docs/decisions/0051-decision-append-beside-engine.md). A spell of this longer than
-  ``timeout`` (JetStream gone for longer than an election: no quorum) turns back to refusals, so
-  unrecorded load cannot pile up for ever.
+  ``timeout`` (JetStream gone for longer than an election: no quorum, or every NATS server
+  down) puts the replica in degraded mode (``replicas.runtime.log_outage``,
+  docs/decisions/0061-degraded-mode-when-nats-is-gone.md): requests are still served, and new
+  decisions are no longer appended at all, so nothing piles up behind an append that cannot
+  succeed. Only strict mode
+  (``grace`` 0) refuses a decision for being late.
 
 No I/O here: the append's future comes from the replica's port; the clock is read only to time
 the waits and spells.
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from replicas.core.routing_errors import RoutingError
+from replicas.runtime.log_outage import LogOutage, LogUnavailable
 
 log = logging.getLogger("jetrouter.replica")
 
@@ -111,7 +116,7 @@ class DecisionLog:
     and what a refusal undoes (``settle(request_id)``: drop the decision from the overlay)."""
 
     def __init__(self, replica_id: str, *, grace: float, timeout: float,
-                 settle: Callable[[str], None]) -> None:
+                 settle: Callable[[str], None], outage: LogOutage | None = None) -> None:
         if grace < 0 or timeout <= 0:
             raise ValueError("grace must be >= 0 and timeout > 0")
         self.replica_id = replica_id
@@ -119,6 +124,8 @@ class DecisionLog:
         self.timeout = timeout
         self.health = DecisionLogHealth()
         self._settle = settle
+        self.outage = outage or LogOutage(replica_id, after_unacknowledged=timeout)
+        self.outage.listeners.append(self._outage_changed)
         # (reason) -> None: the HTTP layer's counter of decisions JetStream did not take.
         self.on_refused: Callable[[str], None] | None = None
 
@@ -137,7 +144,8 @@ class DecisionLog:
             # being retried (one in flight per subject): waiting out the grace again gains
             # nothing, so it is served at once.
             limit = self.grace if self.grace > 0 else self.timeout
-            if self._serving_unrecorded(time.monotonic()):
+            now = time.monotonic()
+            if self._serving_unrecorded(now) or (self.grace > 0 and self.outage.degraded(now)):
                 limit = 0.0
             left = record.started + limit - time.monotonic()
             if left > 0:
@@ -147,9 +155,14 @@ class DecisionLog:
             self._landed(record, fut)  # done in this very loop turn: its callback is still due
         if record.state is RecordState.PENDING and not fut.done():
             now = time.monotonic()
-            if self.grace > 0 and (self.health.unrecorded_since is None
-                                   or self._serving_unrecorded(now)):
+            if self.grace > 0:
+                # Late is not refused: the request is served and its message keeps being
+                # retried. A spell longer than ``timeout`` means the log is unavailable, not
+                # electing: degraded mode (new decisions stop being appended).
                 self._served_unrecorded(record, now)
+                spell = self.health.unrecorded_since
+                if spell is not None:
+                    self.outage.unacknowledged_for(now - spell)
                 return
             self._refuse(record, TimeoutError())
         if record.state is RecordState.REFUSED:
@@ -157,9 +170,9 @@ class DecisionLog:
             raise DecisionNotRecorded(record.request_id, record.cause)
 
     def _serving_unrecorded(self, now: float) -> bool:
-        """In an unrecorded spell that has not outlasted ``timeout``."""
-        spell = self.health.unrecorded_since
-        return self.grace > 0 and spell is not None and now - spell < self.timeout
+        """In an unrecorded spell (its length is judged by the outage: past ``timeout`` it is
+        degraded mode, and requests are still served)."""
+        return self.grace > 0 and self.health.unrecorded_since is not None
 
     # --- outcomes ---------------------------------------------------------------------------
 
@@ -180,6 +193,8 @@ class DecisionLog:
             self._refuse(record, exc)
         elif record.state is RecordState.SERVED_UNRECORDED:
             health.lost += 1
+            if self.outage.degraded_since is not None:
+                return  # counted; the outage's own log lines say what happened, once
             log.error("replica %s: the routing decision of %s, already served, was never "
                       "recorded (%s)", self.replica_id, record.request_id, describe(exc))
 
@@ -200,6 +215,13 @@ class DecisionLog:
             health.unrecorded_since = None
             health.spell_served = 0
 
+    def _outage_changed(self, degraded: bool) -> None:
+        """Degraded mode ends: a new unacknowledged spell is timed from the next late decision,
+        not from before the outage."""
+        if not degraded:
+            self.health.unrecorded_since = None
+            self.health.spell_served = 0
+
     def _served_unrecorded(self, record: DecisionRecord, now: float) -> None:
         record.state = RecordState.SERVED_UNRECORDED
         health = self.health
@@ -209,8 +231,8 @@ class DecisionLog:
             health.unrecorded_since = now
             log.warning("replica %s: JetStream has not acknowledged the routing decision of %s "
                         "within %.2f s; serving requests while their decisions are retried "
-                        "(for at most %.1f s)", self.replica_id, record.request_id, self.grace,
-                        self.timeout)
+                        "(degraded mode after %.1f s)", self.replica_id, record.request_id,
+                        self.grace, self.timeout)
 
     def _refuse(self, record: DecisionRecord, exc: BaseException) -> None:
         """Count and log a decision JetStream did not take, and make sure it never counts here.
@@ -233,7 +255,8 @@ class DecisionLog:
             health.failing_since = time.time()
             log.error("replica %s: JetStream did not take the routing decision of %s (%s); "
                       "refusing requests with 503 until it does", rid, record.request_id, why)
-        else:
+        elif not isinstance(getattr(exc, "cause", None), LogUnavailable):
+            # (in degraded mode the outage's transition lines say it once, not per request)
             log.warning("replica %s: routing decision of %s not recorded (%s)", rid,
                         record.request_id, why)
         if self.on_refused is not None:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from eventlog import events as ev
+from eventlog.appender import AppendFailed
 from eventlog.names import ROUTER
 from replicas.core import disagg
 from replicas.core.candidates import (
@@ -44,6 +45,7 @@ from replicas.runtime.decision_log import (
     DecisionRecord,
     describe,
 )
+from replicas.runtime.log_outage import LogOutage, LogUnavailable
 from replicas.runtime.port import ReplicaPort
 
 log = logging.getLogger("jetrouter.replica")
@@ -100,9 +102,15 @@ class Dispatcher:
         self.selector = Selector(config.routing)
         self.overlay = Overlay()
         self.sticky = StickyOverlay()  # pins routed here and not yet applied from the stream
+        # Degraded mode (replicas/runtime/log_outage.py): while the event log is unavailable,
+        # decisions are counted in the overlay only, and neither they nor their follow-up
+        # events are appended.
+        self.outage = LogOutage(port.replica_id, after_disconnect=config.log_outage_after,
+                                after_unacknowledged=config.decision_append_timeout)
         self.decisions = DecisionLog(port.replica_id, grace=config.decision_record_grace,
                                      timeout=config.decision_append_timeout,
-                                     settle=self.settle)
+                                     settle=self.settle, outage=self.outage)
+        self._unlogged: set[str] = set()  # request ids routed in degraded mode, still running
         # Set when the load may have dropped (a router or control event applied): the queue
         # dispatcher re-judges then.
         self.load_changed = asyncio.Event()
@@ -244,9 +252,22 @@ class Dispatcher:
             if req.session is not None:
                 await self._catch_up_router()
             routed = self._prepare(req)
+        port = self.port
+        if self.outage.degraded(time.monotonic()):
+            # The log cannot take it: serve on the overlay's count alone (released when the
+            # request finishes), and append nothing for this request.
+            self._unlogged.add(req.request_id)
+            if self.config.decision_record_grace > 0:
+                self.outage.skipped_decision()
+                return routed
+            # Strict mode: refused at once (recorded() raises), never served unrecorded.
+            refused: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            refused.set_exception(AppendFailed(port.names.router_subject(port.replica_id),
+                                               f"{req.request_id}.routed", LogUnavailable()))
+            routed.record = self.decisions.track(req.request_id, refused)
+            return routed
         # Submitted now, in this order, so nothing of this request precedes its decision on
         # the subject; acknowledged while the request is on its way to the engine.
-        port = self.port
         events = [routed.event, *routed.session_events]
         recording = time.perf_counter()
         future = port.submit(port.names.router_subject(port.replica_id), events,
@@ -270,11 +291,16 @@ class Dispatcher:
             await self.decisions.wait(routed.record)
 
     def prefill_completed(self, request_id: str) -> None:
+        if request_id in self._unlogged:
+            self.outage.skipped_followup()
+            return
         self._append_later(ev.PrefillCompleted(request_id, time.time()))
 
     def output_progress(self, request_id: str, output_tokens: int) -> None:
         """A tracked request crossed an output block boundary. Appends coalesce: while one is
         on its way, later counts wait and only the newest follows it."""
+        if request_id in self._unlogged:
+            return  # its decision was never appended: nothing on the stream to progress
         waiting = request_id in self._progress
         self._progress[request_id] = output_tokens
         if not waiting:
@@ -293,11 +319,17 @@ class Dispatcher:
 
     def finished(self, request_id: str, outcome: str, output_tokens: int,
                  cached_tokens: int = -1) -> None:
-        # The finish goes to the stream first: every replica frees the request's load by it,
-        # whatever happens to this replica's own bookkeeping below.
-        self._append_later(
-            ev.RequestFinished(request_id, outcome, output_tokens, time.time(), cached_tokens))
         self._progress.pop(request_id, None)  # the finish frees the output blocks anyway
+        if request_id in self._unlogged:
+            # Decided while the log was down: nothing of it is on the stream, so nothing ends
+            # there; the overlay releases its load below.
+            self._unlogged.discard(request_id)
+            self.outage.skipped_followup()
+        else:
+            # The finish goes to the stream first: every replica frees the request's load by
+            # it, whatever happens to this replica's own bookkeeping below.
+            self._append_later(ev.RequestFinished(request_id, outcome, output_tokens,
+                                                  time.time(), cached_tokens))
         self.settle(request_id)
 
     def _append_later(self, event: ev.Event) -> None:
@@ -313,6 +345,8 @@ class Dispatcher:
         a pin another replica appended for the previous turn (acknowledged before that turn's
         answer reached the client) is seen here. One stream-info round trip; on failure or
         timeout the turn is routed with what this replica has."""
+        if self.outage.degraded(time.monotonic()):
+            return  # no server to ask: asking would only delay the turn
         try:
             last = await asyncio.wait_for(self.port.stream_end(ROUTER), timeout)
             await self.port.wait_applied(ROUTER, last, timeout)

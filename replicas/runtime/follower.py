@@ -107,6 +107,16 @@ class StreamFollower:
                     meta.snapshot_id, candidate.positions, why)
         return True
 
+    async def reseat(self, state: RouterState) -> None:
+        """Replace the state with a seed snapshot's (NATS lost its streams and another replica
+        re-created them: `replicas.runtime.reseed`) and follow on from its positions."""
+        await self.stop()
+        self.state = state
+        self.restores += 1
+        self.stream_last = dict(state.positions)
+        self._listener.stream_rewound()
+        self.start()
+
     # --- following ---------------------------------------------------------------------------
 
     async def _supervise(self) -> None:

@@ -205,6 +205,10 @@ class Liveness:
             with contextlib.suppress(Exception):
                 await self._kv.delete(self.replica_id)
 
+    async def reopen_bucket(self) -> None:
+        """NATS lost its storage: bind (and so create) the heartbeat bucket again."""
+        self._kv = await self._bucket()
+
     async def _bucket_when_reachable(self) -> KeyValue:
         """`_bucket`, asked again while JetStream's answer is a transient failure: a cluster
         that has just started (or lost a node) times its API requests out for a few seconds

@@ -7,7 +7,10 @@ connect → ensure streams → (load the newest snapshot) → replay each stream
   (`eventlog.log.EventLog`: JetStream, or the in-memory log in tests; replay, follow, rewind);
 * `dispatcher.Dispatcher` turns requests into decisions (decide → overlay → append);
 * `leader.Leader` does the leader-only work (lease, snapshots, purge, reset, canaries);
-* `liveness.Liveness` heartbeats and, while leading, declares lost replicas and dead workers.
+* `liveness.Liveness` heartbeats and, while leading, declares lost replicas and dead workers;
+* `log_outage.LogOutage` says whether the log can take appends (degraded mode while it cannot:
+  the connection callbacks here and `log_watchdog.LogWatchdog` feed it; the watchdog also
+  re-seeds a log NATS lost, `reseed`).
 
 They see the replica only through `port.ReplicaPort`, which `Replica` implements.
 """
@@ -29,7 +32,7 @@ from nats.js import JetStreamContext
 from tenacity import AsyncRetrying, retry_if_not_exception_type, stop_after_delay, wait_exponential
 
 from eventlog import events as ev
-from eventlog.appender import Appender
+from eventlog.appender import Appender, AppendFailed
 from eventlog.connect import NatsConnectFatal, connect
 from eventlog.group_commit import GroupCommit
 from eventlog.jetstream_log import JetStreamLog
@@ -47,6 +50,8 @@ from replicas.runtime.dispatcher import Dispatcher, Routed, RouteRequest
 from replicas.runtime.follower import StreamFollower
 from replicas.runtime.leader import Leader
 from replicas.runtime.liveness import Liveness
+from replicas.runtime.log_outage import LogOutage, LogUnavailable
+from replicas.runtime.log_watchdog import LogWatchdog
 from replicas.runtime.replication_cost import ReplicationCost
 from snapshots.store import SnapshotStore
 
@@ -104,6 +109,7 @@ class Replica:
         self._applied = asyncio.Event()  # some event was applied (wait_applied re-checks)
         self._reannounce_asked: set[str] = set()
         self._refused_logged: set[str] = set()
+        self.watchdog: LogWatchdog | None = None
 
     # --- the port the adapters see (replicas.runtime.port.ReplicaPort) -------------------------
 
@@ -123,10 +129,15 @@ class Replica:
         assert self.log is not None
         events = event if isinstance(event, list) else [event]
         if self.router_log is not None and subject == self.router_log.subject:
+            # Held through an outage by the group commit (it must land: a finish, a progress).
             futures = [self.router_log.submit(e) for e in events]
             seqs = await asyncio.gather(*futures)
             return max(seqs)
         mid = msg_id or f"{self.replica_id}.{time.time_ns()}.{self.rng.getrandbits(32)}"
+        if self.outage.degraded(time.monotonic()):
+            # A config change, a snapshot's record, a health change: no at once rather than
+            # after the appender's 20 s of retries (an admin call answers 503).
+            raise AppendFailed(subject, mid, LogUnavailable())
         return await self.log.append(subject, event if isinstance(event, list) else [event], mid)
 
     def submit(self, subject: str, events: list[ev.Event],
@@ -185,6 +196,10 @@ class Replica:
         self._check_ready()
         self.follower.start()
         self.dispatcher.start()
+        if self.nc is not None and self.js is not None:
+            self.watchdog = LogWatchdog(self.outage, self.js, self.nc, self.names,
+                                        self.follower, cfg, reopen=self._reopen_buckets)
+            self.watchdog.start()
         if cfg.database_url:
             await self._start_projections(cfg.database_url)
         if self.leader is not None:
@@ -211,7 +226,9 @@ class Replica:
             with attempt:
                 self.nc = await connect(self.config.nats_options, name=self.replica_id,
                                         max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                        connect_timeout=2)
+                                        connect_timeout=2,
+                                        disconnected_cb=self._disconnected,
+                                        reconnected_cb=self._reconnected)
         assert self.nc is not None
         self.js = js = self.nc.jetstream()
         jetstream = JetStreamLog(js)
@@ -224,9 +241,30 @@ class Replica:
                                                       backoff_max=0.25, retry_window=20.0)
         self.log = jetstream
         self.router_log = GroupCommit(self.appender, self.names.router_subject(self.replica_id),
-                                      f"{self.replica_id}.{self._boot}")
+                                      f"{self.replica_id}.{self._boot}",
+                                      hold=lambda: self.outage.degraded_since is not None)
         cfg = self.config
         return SnapshotStore(js, self.names, keep=cfg.snapshot_keep) if cfg.durable else None
+
+    # --- degraded mode (log_outage.LogOutage) --------------------------------------------------
+
+    @property
+    def outage(self) -> LogOutage:
+        return self.dispatcher.outage
+
+    async def _disconnected(self) -> None:
+        self.outage.connection_lost(time.monotonic())
+
+    async def _reconnected(self) -> None:
+        self.outage.connection_back()
+
+    async def _reopen_buckets(self) -> None:
+        """NATS lost its storage and the log was re-seeded: the lease and heartbeat buckets are
+        opened (so created) again."""
+        if self.leader is not None:
+            self.leader.lease.reopen()
+        if self.liveness is not None:
+            await self.liveness.reopen_bucket()
 
     def _divergence(self, d: object) -> None:
         if self.on_divergence is not None:
@@ -253,6 +291,8 @@ class Replica:
 
     async def stop(self) -> None:
         self.ready = False
+        if self.watchdog is not None:
+            await self.watchdog.stop()
         if self.liveness is not None:
             with contextlib.suppress(Exception):
                 await self.liveness.stop()

@@ -10,7 +10,12 @@ from nats.js.errors import NoStreamResponseError
 
 from eventlog.names import STREAM_KINDS, Names
 from eventlog.server import NatsCluster, NatsServer
-from eventlog.streams import cluster_size_hint, ensure_streams, stream_bounds
+from eventlog.streams import (
+    cluster_size_hint,
+    ensure_streams,
+    recreate_stream,
+    stream_bounds,
+)
 from snapshots.lease import LeaderLease
 from snapshots.store import SnapshotStore
 from tests.waiting import until
@@ -148,3 +153,17 @@ async def test_start_up_lookups_wait_for_a_cluster_still_electing_its_meta_leade
         cluster.cleanup()
     assert {info.config.num_replicas for info in infos.values()} == {3}
     assert replicas == {3}
+
+
+async def test_a_lost_stream_is_recreated_numbering_on_from_where_it_was(
+        nats_server: NatsServer, nats_connect) -> None:
+    """NATS came back empty: the stream is created again starting at the sequence after the
+    last one a replica applied, so no number is reused; a second creator finds it as made."""
+    js = (await nats_connect(nats_server.url)).jetstream()
+    info, created = await recreate_stream(js, NAMES, "router", 42)
+    assert created and info.config.subjects == [NAMES.subjects("router")]
+    assert info.state.first_seq == 42 and info.state.messages == 0
+    ack = await js.publish(NAMES.router_subject("r0"), b"x")
+    assert ack.seq == 42
+    info, created = await recreate_stream(js, NAMES, "router", 7)
+    assert not created and await stream_bounds(js, NAMES.stream("router")) == (42, 42)

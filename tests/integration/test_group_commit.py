@@ -85,3 +85,23 @@ async def test_a_message_holds_at_most_max_events(js) -> None:
     _, last = await stream_bounds(context, ROUTER)
     assert last == 4  # 3 + 3 + 3 + 1
     assert [e for _, e in await stream_events(context, last)] == sent
+
+
+async def test_a_held_message_outlives_the_server_and_lands_once(nats_server, js) -> None:
+    """While its writer says the log is down (``hold``), a message whose append failed is sent
+    again under its id instead of failing: it lands once, in order, when the server is back
+    (same port, same store)."""
+    _, context = js
+    appender = Appender(context, timeout=0.3, attempts=1000, backoff_max=0.1, retry_window=0.5)
+    down = {"hold": True}
+    log = GroupCommit(appender, NAMES.router_subject("a"), "a.boot1", hold=lambda: down["hold"])
+    assert await asyncio.wait_for(log.append(routed(0)), 10) == 1
+    nats_server.kill()
+    pending = [asyncio.ensure_future(log.append(routed(i))) for i in (1, 2)]
+    await until(lambda: log.held, lambda n: n >= 2, timeout=20, what="the message held")
+    assert not any(p.done() for p in pending)  # neither failed nor landed
+    await asyncio.to_thread(nats_server.start, 30)
+    seqs = await asyncio.wait_for(asyncio.gather(*pending), 30)
+    _, last = await stream_bounds(context, ROUTER)
+    assert [e for _, e in await stream_events(context, last)] == [routed(i) for i in range(3)]
+    assert seqs == [last, last]

@@ -167,7 +167,10 @@ async def test_strict_mode_refuses_a_decision_not_acknowledged_in_time() -> None
     await until(lambda: port.appended, lambda a: len(a) == 1)  # landed late: the finish closes it
 
 
-async def test_a_spell_longer_than_the_timeout_turns_back_to_refusals() -> None:
+async def test_a_spell_longer_than_the_timeout_is_degraded_mode_not_refusals() -> None:
+    """JetStream silent for longer than an election can last: requests keep being served; new
+    decisions are counted here only and nothing of them is appended; the log answering again
+    ends degraded mode."""
     port = SlowPort()
     port.state.apply(KV, 1, [ev.WorkerRegistered("w", "http://w", "m", BS, 1000, 8192, 1.0)])
     d, _ = _dispatcher(port, decision_record_grace=0.02, decision_append_timeout=0.1)
@@ -175,11 +178,35 @@ async def test_a_spell_longer_than_the_timeout_turns_back_to_refusals() -> None:
     spell = d.decision_log.unrecorded_since
     assert spell is not None
     await until(time.monotonic, lambda now: now - spell > 0.1)
-    with pytest.raises(DecisionNotRecorded):
-        await d.recorded(await d.route(RouteRequest("q2", "m", TOKENS)))
-    assert d.decision_log.failures == 1 and d.decision_log.served_unrecorded == 1
-    port.gate.set()
-    await until(lambda: d.decision_log.unrecorded_since, lambda s: s is None)
+    await d.recorded(await d.route(RouteRequest("q2", "m", TOKENS)))  # served, not refused
+    assert d.outage.degraded(time.monotonic())
+    assert d.decision_log.failures == 0 and d.decision_log.served_unrecorded == 2
+    q3 = await d.route(RouteRequest("q3", "m", TOKENS))
+    assert q3.record is None  # not submitted: nothing to wait for
+    await d.recorded(q3)
+    assert d.outage.not_appended == 1 and d.pending_decisions() == 3  # its load counts here
+    d.finished("q3", "ok", 5)
+    assert d.pending_decisions() == 2 and d.outage.followups_skipped == 1
+    port.gate.set()  # the log is back: what was submitted before lands, once
+    await until(lambda: d.decision_log.recorded_late, lambda n: n == 2)
+    assert {e.request_id for _, e, _ in port.appended} == {"q1", "q2"}  # nothing of q3
+    d.outage.log_answered(time.monotonic())
+    assert not d.outage.degraded(time.monotonic()) and d.outage.last_outage_s is not None
+    assert d.decision_log.unrecorded_since is None
+
+
+async def test_strict_mode_in_degraded_mode_refuses_at_once_and_appends_nothing() -> None:
+    port = Port()
+    port.state.apply(KV, 1, [ev.WorkerRegistered("w", "http://w", "m", BS, 1000, 8192, 1.0)])
+    d, bg = _dispatcher(port, decision_record_grace=0.0, decision_append_timeout=60.0)
+    d.outage.connection_lost(time.monotonic() - 60.0)  # every NATS server gone for a minute
+    routed = await d.route(RouteRequest("q1", "m", TOKENS))
+    with pytest.raises(DecisionNotRecorded, match="unavailable"):
+        await asyncio.wait_for(d.recorded(routed), 1.0)  # no waiting on the append
+    assert d.pending_decisions() == 0 and d.outage.not_appended == 0
+    d.finished("q1", "not_routed", 0)
+    await bg.wait(timeout=5)
+    assert port.appended == []
 
 
 async def test_finishing_first_reconciles_and_appends_the_finish() -> None:
