@@ -38,6 +38,7 @@ from leanhttp.hotpath import (
     install_hot_routes,
     read_body,
 )
+from workers.choices import MAX_CHOICES, serve_choices
 from workers.engine import Engine, RequestHandle
 from workers.faults import FaultState, crash_now
 from workers.handoff import add_prefill_route, transferred_tokens
@@ -214,6 +215,16 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
         rank = ext.get("dp_rank")
         engine = runtime.pick_engine(rank if isinstance(rank, int) else None)
         request_id = parsed.request_id or uuid.uuid4().hex
+        n = body.get("n")
+        if n is not None and n != 1:  # several choices: workers/choices.py
+            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+                return _error(400, f"n must be an integer in [1, {MAX_CHOICES}]", param="n")
+            runtime.metrics.count(endpoint, "ok")
+            return await serve_choices(
+                engine, request_id, parsed, n,
+                ResponseShaper(("chatcmpl-" if chat else "cmpl-") + request_id, settings.model,
+                               chat),
+                {"x-request-id": request_id, "x-jetrouter-worker": settings.worker_id})
         transferred = transferred_tokens(ext, parsed.prompt_ids, settings.engine.block_size)
         try:
             handle = engine.submit(request_id, parsed.prompt_ids, parsed.max_tokens,

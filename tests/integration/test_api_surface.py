@@ -1,0 +1,143 @@
+"""The API surface beyond one prompt, one choice: ``n > 1``, several prompts on /v1/completions,
+embeddings, tokenize/detokenize, the Responses API (stored-response affinity across replicas and
+a replica SIGKILL) and Anthropic's Messages. A real nats-server, 2 router replicas and 2
+simulated engines as real processes, over real sockets, with the official clients."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+
+from cluster.up import LocalCluster
+from eventlog import tokens
+from tests.waiting import until
+from workers.generation import expected_tokens
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
+MODEL = "jetrouter-sim"
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
+    data = tmp_path_factory.mktemp("surface")
+    async with LocalCluster(replicas=2, workers=2, data_dir=Path(data), namespace="surface",
+                            worker_args=["--num-gpu-blocks", "2048"]) as c:
+        async with httpx.AsyncClient() as h:
+            for url in c.router_urls:  # every replica has applied both registrations
+                await until(lambda url=url: workers(h, c, url), lambda ws: len(ws) == 2)
+        yield c
+
+
+def admin(c: LocalCluster) -> dict[str, str]:
+    return {"authorization": f"Bearer {c.admin_token}"}
+
+
+async def workers(h: httpx.AsyncClient, c: LocalCluster, url: str) -> dict[str, Any]:
+    r = await h.get(f"{url}/admin/workers", headers=admin(c))
+    return {w["worker_id"]: w for w in r.json()["workers"]}
+
+
+def clients(c: LocalCluster) -> list[openai.AsyncOpenAI]:
+    return [openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            for url in c.router_urls]
+
+
+def expected_text(prompt: str | list[int], n: int) -> str:
+    ids = tokens.encode(prompt) if isinstance(prompt, str) else prompt
+    return tokens.decode(expected_tokens(ids, n))
+
+
+# --- n > 1 ----------------------------------------------------------------------------------
+
+
+async def test_n_choices_from_one_engine_chat_and_completions(cluster: LocalCluster) -> None:
+    for client in clients(cluster):
+        r = await client.completions.create(model=MODEL, prompt="tell me", max_tokens=5, n=3)
+        assert sorted(c.index for c in r.choices) == [0, 1, 2]
+        assert {c.text for c in r.choices} == {expected_text("tell me", 5)}
+        assert r.usage is not None and r.usage.completion_tokens == 15
+        messages = [{"role": "user", "content": "two answers please"}]
+        chat = await client.chat.completions.create(model=MODEL, messages=messages,
+                                                    max_tokens=4, n=2)
+        want = tokens.decode(expected_tokens(tokens.encode(tokens.chat_prompt(messages)), 4))
+        assert [c.index for c in chat.choices] == [0, 1]
+        assert all(c.message.content == want for c in chat.choices)
+
+
+async def test_n_choices_streamed(cluster: LocalCluster) -> None:
+    client = clients(cluster)[1]
+    texts: dict[int, str] = {}
+    stream = await client.completions.create(model=MODEL, prompt="stream me", max_tokens=6, n=2,
+                                             stream=True, stream_options={"include_usage": True})
+    usage = None
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+        usage = chunk.usage or usage
+    assert texts == {0: expected_text("stream me", 6), 1: expected_text("stream me", 6)}
+    assert usage is not None and usage.completion_tokens == 12
+    deltas: dict[int, str] = {}
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hey"}], max_tokens=3, n=3,
+        stream=True)
+    async for chunk in chat:
+        for c in chunk.choices:
+            deltas[c.index] = deltas.get(c.index, "") + (c.delta.content or "")
+    assert sorted(deltas) == [0, 1, 2] and len(set(deltas.values())) == 1
+
+
+async def test_a_bad_n_is_a_400(cluster: LocalCluster) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        await clients(cluster)[0].completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                                     n=0)
+    assert info.value.body["param"] == "n"  # type: ignore[index]
+
+
+# --- several prompts on /v1/completions -----------------------------------------------------
+
+
+async def test_batched_prompts_are_routed_apart_and_merged(cluster: LocalCluster) -> None:
+    prompts = ["first prompt", "the second one", "and a third"]
+    for client in clients(cluster):
+        raw = await client.completions.with_raw_response.create(
+            model=MODEL, prompt=prompts, max_tokens=4, n=2)
+        r = raw.parse()
+        assert len(raw.headers["x-jetrouter-request-id"].split(",")) == 3
+        assert [c.index for c in r.choices] == list(range(6))
+        for c in r.choices:
+            assert c.text == expected_text(prompts[c.index // 2], 4)
+        assert r.usage is not None and r.usage.completion_tokens == 24
+        assert r.usage.prompt_tokens == sum(len(tokens.encode(p)) for p in prompts)
+    ids = [[5, 6, 7, 8], [9, 10, 11]]
+    r = await clients(cluster)[0].completions.create(model=MODEL, prompt=ids, max_tokens=3)
+    assert [c.text for c in r.choices] == [expected_text(p, 3) for p in ids]
+
+
+async def test_batched_prompts_streamed(cluster: LocalCluster) -> None:
+    prompts = ["alpha beta", "gamma delta"]
+    stream = await clients(cluster)[1].completions.create(
+        model=MODEL, prompt=prompts, max_tokens=5, stream=True,
+        stream_options={"include_usage": True})
+    texts: dict[int, str] = {}
+    ids: set[str] = set()
+    usage = None
+    async for chunk in stream:
+        ids.add(chunk.id)
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+        usage = chunk.usage or usage
+    assert texts == {0: expected_text(prompts[0], 5), 1: expected_text(prompts[1], 5)}
+    assert len(ids) == 1
+    assert usage is not None and usage.completion_tokens == 10
+
+
+async def test_a_bad_prompt_in_a_batch_refuses_the_whole_request(cluster: LocalCluster) -> None:
+    with pytest.raises(openai.BadRequestError):
+        await clients(cluster)[0].completions.create(model=MODEL, prompt=["fine", ""],
+                                                     max_tokens=2)
