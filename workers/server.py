@@ -50,6 +50,7 @@ from workers.openai_shapes import (
     parse_request,
     usage,
 )
+from workers.pooling_routes import add_pooling_routes
 from workers.publisher import KvPublisher
 from workers.scheduler import EngineConfig
 
@@ -259,6 +260,7 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
                              "/v1/chat/completions": chat_completions})
 
     add_prefill_route(app, runtime)
+    add_pooling_routes(app, runtime)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

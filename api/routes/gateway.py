@@ -24,7 +24,7 @@ from api.forward.continuation import with_transfer
 from api.forward.passthrough import Passthrough
 from api.metrics import Rejection, RouterMetrics
 from api.nvext_response import NvextFields, add_to_response
-from api.openai_schema import MAX_SESSION_ID, MAX_TOKEN_COUNT, ParsedRequest
+from api.openai_schema import MAX_SESSION_ID, MAX_TOKEN_COUNT, ParsedRequest, decode_json
 from api.session_control import EngineSessions
 from api.shed import Shedder
 from api.tokenizer import Tokenizer
@@ -208,3 +208,22 @@ class Gateway:
                 parsed.extra_fields, routed, self.replica.replica_id,
                 self.replica.config.state.block_size, received, started, routing_s))
         return resp
+
+
+def request_object(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body, or ApiError 400."""
+    body = decode_json(raw)
+    if not isinstance(body, dict):
+        raise ApiError(400, "Invalid request body: expected a JSON object.")
+    return body
+
+
+def model_of(body: dict[str, Any], *, required: bool = True) -> str | None:
+    model = body.get("model")
+    if model is None and not required:
+        return None
+    if model is None:
+        raise ApiError(400, "You must provide a model parameter.", param="model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "Invalid 'model': expected a non-empty string.", param="model")
+    return model

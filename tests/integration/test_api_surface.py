@@ -141,3 +141,87 @@ async def test_a_bad_prompt_in_a_batch_refuses_the_whole_request(cluster: LocalC
     with pytest.raises(openai.BadRequestError):
         await clients(cluster)[0].completions.create(model=MODEL, prompt=["fine", ""],
                                                      max_tokens=2)
+
+
+# --- embeddings -------------------------------------------------------------------------------
+
+
+async def test_embeddings_through_both_replicas(cluster: LocalCluster) -> None:
+    texts = ["an apple a day", "keeps the doctor away", "an apple a day"]
+    results = []
+    for client in clients(cluster):
+        raw = await client.embeddings.with_raw_response.create(model=MODEL, input=texts)
+        r = raw.parse()
+        assert raw.headers["x-jetrouter-worker"] in await _worker_ids(cluster)
+        assert [d.index for d in r.data] == [0, 1, 2]
+        assert r.usage.prompt_tokens == sum(len(tokens.encode(t)) for t in texts)
+        vectors = [d.embedding for d in r.data]
+        assert vectors[0] == vectors[2] != vectors[1]  # deterministic per input
+        assert abs(sum(v * v for v in vectors[0]) - 1.0) < 1e-4
+        results.append(vectors)
+    assert results[0] == results[1]  # whichever engine answered
+    one = await clients(cluster)[0].embeddings.create(model=MODEL, input=[1, 2, 3],
+                                                      encoding_format="float", dimensions=8)
+    assert len(one.data) == 1 and len(one.data[0].embedding) == 8
+
+
+async def _worker_ids(c: LocalCluster) -> set[str]:
+    async with httpx.AsyncClient() as h:
+        return set(await workers(h, c, c.router_urls[0]))
+
+
+async def test_embeddings_do_not_chase_cached_blocks_and_free_their_load(
+        cluster: LocalCluster) -> None:
+    lure = list(range(300, 300 + 16 * 100))
+    async with httpx.AsyncClient(timeout=30) as h:
+        ws = await workers(h, cluster, cluster.router_urls[0])
+        holder = sorted(ws)[0]
+        r = await h.post(ws[holder]["url"] + "/v1/completions",
+                         json={"model": MODEL, "prompt": lure, "max_tokens": 1})
+        assert r.status_code == 200
+        for url in cluster.router_urls:
+            await until(lambda url=url: workers(h, cluster, url),
+                        lambda ws: ws[holder]["cached_blocks"] >= 100)
+        # A chat with that prefix goes where it is cached; an embedding of it does not care.
+        for client in clients(cluster):
+            raw = await client.completions.with_raw_response.create(
+                model=MODEL, prompt=[*lure, 1], max_tokens=1)
+            assert raw.headers["x-jetrouter-worker"] == holder
+            raw = await client.embeddings.with_raw_response.create(model=MODEL, input=lure)
+            assert raw.headers["x-jetrouter-worker"] != holder
+        for url in cluster.router_urls:  # every decision's load is freed everywhere
+            await until(lambda url=url: workers(h, cluster, url),
+                        lambda ws: all(w["active_prefill_tokens"] == 0 for w in ws.values()))
+
+
+async def test_embeddings_errors(cluster: LocalCluster) -> None:
+    client = clients(cluster)[1]
+    with pytest.raises(openai.NotFoundError):
+        await client.embeddings.create(model="no-such-model", input="x")
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.embeddings.create(model=MODEL, input=[])
+    assert info.value.body["param"] == "input"  # type: ignore[index]
+
+
+# --- tokenize / detokenize (forwarded: this cluster has no --model-path) ------------------------
+
+
+async def test_tokenize_and_detokenize_forwarded_to_an_engine(cluster: LocalCluster) -> None:
+    async with httpx.AsyncClient(timeout=30) as h:
+        for url in cluster.router_urls:
+            r = await h.post(url + "/tokenize", json={"model": MODEL, "prompt": "héllo"})
+            assert r.status_code == 200, r.text
+            assert r.json()["tokens"] == tokens.encode("héllo")
+            assert r.json()["count"] == len(tokens.encode("héllo"))
+            assert r.headers["x-jetrouter-worker"]  # an engine answered
+            chat = await h.post(url + "/tokenize", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+            assert chat.json()["tokens"] == tokens.encode(
+                tokens.chat_prompt([{"role": "user", "content": "hi"}]))
+            back = await h.post(url + "/detokenize",
+                                json={"model": MODEL, "tokens": r.json()["tokens"]})
+            assert back.json() == {"prompt": "héllo"}
+        missing = await h.post(cluster.router_urls[0] + "/tokenize",
+                               json={"model": "nope", "prompt": "x"})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == \
+            "model_not_found"
