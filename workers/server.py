@@ -52,6 +52,7 @@ from workers.openai_shapes import (
 )
 from workers.pooling_routes import add_pooling_routes
 from workers.publisher import KvPublisher
+from workers.responses_routes import add_responses_route
 from workers.scheduler import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -261,6 +262,7 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
 
     add_prefill_route(app, runtime)
     add_pooling_routes(app, runtime)
+    add_responses_route(app, runtime)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

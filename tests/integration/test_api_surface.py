@@ -5,6 +5,11 @@ simulated engines as real processes, over real sockets, with the official client
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,12 +26,13 @@ from workers.generation import expected_tokens
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 MODEL = "jetrouter-sim"
+NAMESPACE = "surface"
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
     data = tmp_path_factory.mktemp("surface")
-    async with LocalCluster(replicas=2, workers=2, data_dir=Path(data), namespace="surface",
+    async with LocalCluster(replicas=2, workers=2, data_dir=Path(data), namespace=NAMESPACE,
                             worker_args=["--num-gpu-blocks", "2048"]) as c:
         async with httpx.AsyncClient() as h:
             for url in c.router_urls:  # every replica has applied both registrations
@@ -225,3 +231,154 @@ async def test_tokenize_and_detokenize_forwarded_to_an_engine(cluster: LocalClus
                                json={"model": "nope", "prompt": "x"})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == \
             "model_not_found"
+
+
+# --- the Responses API ------------------------------------------------------------------------
+
+
+def chat_text(messages: list[dict[str, str]], n: int) -> str:
+    return tokens.decode(expected_tokens(tokens.encode(tokens.chat_prompt(messages)), n))
+
+
+def lure_text(start: int, blocks: int = 40) -> str:
+    return "".join(chr(33 + (start + i) % 90) for i in range(16 * blocks))
+
+
+async def cache_chat_on(c: LocalCluster, engine: str, text: str) -> None:
+    """Put a user turn of ``text`` in ``engine``'s cache (sent to it directly), known to both
+    replicas: KV routing would send a conversation starting with it there."""
+    async with httpx.AsyncClient(timeout=30) as h:
+        ws = await workers(h, c, c.router_urls[0])
+        r = await h.post(ws[engine]["url"] + "/v1/chat/completions",
+                         json={"model": MODEL, "max_tokens": 1,
+                               "messages": [{"role": "user", "content": text}]})
+        assert r.status_code == 200
+        want = len(text) // 16 - 1
+        for url in c.router_urls:
+            await until(lambda url=url: workers(h, c, url),
+                        lambda ws: ws[engine]["cached_blocks"] >= want)
+
+
+async def lure_on_other_engine(c: LocalCluster, avoid: str, start: int) -> str:
+    async with httpx.AsyncClient(timeout=30) as h:
+        other = next(w for w in sorted(await workers(h, c, c.router_urls[0])) if w != avoid)
+    text = lure_text(start)
+    await cache_chat_on(c, other, text)
+    return text
+
+
+async def test_responses_stream_and_not_through_both_replicas(cluster: LocalCluster) -> None:
+    messages = [{"role": "system", "content": "be terse"}, {"role": "user", "content": "hello"}]
+    for client in clients(cluster):
+        r = await client.responses.create(model=MODEL, instructions="be terse", input="hello",
+                                          max_output_tokens=6)
+        assert r.output_text == chat_text(messages, 6)
+        assert r.usage is not None and r.usage.output_tokens == 6
+        assert r.id.startswith("resp_")
+        stream = await client.responses.create(model=MODEL, instructions="be terse",
+                                               input="hello", max_output_tokens=5, stream=True)
+        deltas, done = [], None
+        async for ev in stream:
+            if ev.type == "response.output_text.delta":
+                deltas.append(ev.delta)
+            elif ev.type == "response.completed":
+                done = ev.response
+        assert "".join(deltas) == chat_text(messages, 5)
+        assert done is not None and done.output_text == "".join(deltas)
+
+
+async def test_a_follow_up_lands_on_the_storing_engine_from_either_replica(
+        cluster: LocalCluster) -> None:
+    c0, c1 = clients(cluster)
+    first = await c0.responses.with_raw_response.create(model=MODEL, input="remember 42",
+                                                         max_output_tokens=3)
+    home, first_id = first.headers["x-jetrouter-worker"], first.parse().id
+    lure = await lure_on_other_engine(cluster, home, 7)
+    previous = first_id
+    for i, client in enumerate([c1, c0, c1]):
+        stream = i == 2
+        raw = await client.responses.with_raw_response.create(
+            model=MODEL, input=f"{lure} what was it? {i}", previous_response_id=previous,
+            max_output_tokens=3, stream=stream)
+        assert raw.headers["x-jetrouter-worker"] == home
+        if stream:
+            events = [ev async for ev in raw.parse()]
+            assert events[-1].type == "response.completed"
+            previous = events[-1].response.id
+        else:
+            previous = raw.parse().id
+    # Without previous_response_id the same prompt goes where its blocks are.
+    raw = await c0.responses.with_raw_response.create(model=MODEL, input=f"{lure} fresh",
+                                                       max_output_tokens=2)
+    assert raw.headers["x-jetrouter-worker"] != home
+
+
+async def test_unknown_and_unstored_previous_responses_are_404(cluster: LocalCluster) -> None:
+    c0, c1 = clients(cluster)
+    with pytest.raises(openai.NotFoundError) as info:
+        await c0.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
+    assert info.value.body["code"] == "previous_response_not_found"  # type: ignore[index]
+    unstored = await c0.responses.create(model=MODEL, input="forget me", store=False,
+                                         max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        await c1.responses.create(model=MODEL, input="y", previous_response_id=unstored.id)
+    with pytest.raises(openai.BadRequestError):
+        await c1.responses.create(model=MODEL, input=[])
+
+
+async def test_a_follow_up_whose_engine_left_gets_a_clear_error(cluster: LocalCluster,
+                                                                tmp_path: Path) -> None:
+    """An engine outside the cluster's supervision (so it stays gone once stopped)."""
+    urls = cluster.router_urls
+    with open(tmp_path / "wr.log", "wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "api.cli", "worker", "--worker-id", "wr", "--port", "0",
+            "--nats-url", cluster.nats_url, "--namespace", NAMESPACE,
+            "--num-gpu-blocks", "2048", stdout=out, stderr=subprocess.STDOUT)
+    try:
+        async with httpx.AsyncClient(timeout=30) as h:
+            for url in urls:
+                await until(lambda url=url: workers(h, cluster, url), lambda ws: "wr" in ws)
+            prompt = lure_text(5, blocks=60)
+            await cache_chat_on(cluster, "wr", prompt)
+            first = await clients(cluster)[0].responses.with_raw_response.create(
+                model=MODEL, input=prompt, max_output_tokens=2)
+            assert first.headers["x-jetrouter-worker"] == "wr"
+            proc.send_signal(signal.SIGTERM)  # graceful: WorkerRetired first
+            await proc.wait()
+            for url in urls:
+                await until(lambda url=url: workers(h, cluster, url), lambda ws: "wr" not in ws)
+            for client in clients(cluster):
+                with pytest.raises(openai.NotFoundError) as info:
+                    await client.responses.create(model=MODEL, input="and then?",
+                                                  previous_response_id=first.parse().id)
+                err = info.value.body
+                assert err["code"] == "previous_response_engine_gone"  # type: ignore[index]
+                assert "wr" in err["message"]  # type: ignore[index]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+
+
+async def test_z_a_follow_up_survives_a_sigkill_of_the_replica_that_routed_it(
+        cluster: LocalCluster) -> None:
+    """Runs last (kills a replica; the cluster restarts it)."""
+    c0, c1 = clients(cluster)
+    first = await c0.responses.with_raw_response.create(model=MODEL, input="keep this",
+                                                         max_output_tokens=2)
+    home, first_id = first.headers["x-jetrouter-worker"], first.parse().id
+    lure = await lure_on_other_engine(cluster, home, 23)
+    pid = cluster.kill("r0", signal.SIGKILL)
+    raw = await c1.responses.with_raw_response.create(
+        model=MODEL, input=f"{lure} next", previous_response_id=first_id, max_output_tokens=2)
+    assert raw.headers["x-jetrouter-worker"] == home
+    second_id = raw.parse().id
+    await until(lambda: cluster.processes.get("r0"), lambda p: p not in (None, pid),
+                timeout=60, what="r0 to be restarted")
+    await cluster.wait_ready(["r0"], timeout=90)
+    for previous in (first_id, second_id):  # the restarted replica knows both from the stream
+        raw = await c0.responses.with_raw_response.create(
+            model=MODEL, input=f"{lure} again", previous_response_id=previous,
+            max_output_tokens=2)
+        assert raw.headers["x-jetrouter-worker"] == home
