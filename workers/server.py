@@ -42,6 +42,7 @@ from workers.choices import MAX_CHOICES, serve_choices
 from workers.engine import Engine, RequestHandle
 from workers.faults import FaultState, crash_now
 from workers.handoff import add_prefill_route, transferred_tokens
+from workers.messages_routes import add_messages_routes
 from workers.metrics import WorkerMetrics
 from workers.openai_shapes import (
     BadRequest,
@@ -263,6 +264,7 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
     add_prefill_route(app, runtime)
     add_pooling_routes(app, runtime)
     add_responses_route(app, runtime)
+    add_messages_routes(app, runtime)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -9,9 +9,10 @@ from fastapi import APIRouter
 
 from api.routes.embeddings import embeddings_routes
 from api.routes.gateway import Gateway
+from api.routes.messages import messages_routes
 from api.routes.responses import responses_routes
 from api.routes.tokenize import tokenize_routes
 
 # Each builds an APIRouter of its routes from the app's gateway (api/app.py includes them).
 API_ROUTES: tuple[Callable[[Gateway], APIRouter], ...] = (
-    embeddings_routes, tokenize_routes, responses_routes)
+    embeddings_routes, tokenize_routes, responses_routes, messages_routes)

@@ -62,41 +62,46 @@ def detokenize_locally(gateway: Gateway, body: dict[str, Any]) -> dict[str, Any]
     return {"prompt": decode(ids)}
 
 
+_turn = itertools.count()
+
+
+def engine_for(gateway: Gateway, model: str | None) -> tuple[str, str]:
+    """(worker id, url) of a usable engine serving ``model`` (any model when None), in turn."""
+    state = gateway.replica.state
+    if model is not None and model not in gateway.replica.models():
+        raise ApiError(404, f"The model `{model}` does not exist.", param="model",
+                       code="model_not_found")
+    usable = sorted(
+        (w.worker_id, w.url) for w in state.workers.values()
+        if (model is None or w.model == model or model in w.loras)
+        and HEALTH_WEIGHT.get(state.health.get(w.worker_id, "healthy"), 0.0) > 0.0)
+    if not usable:
+        raise ApiError(503, f"no engine serves model {model!r} now", type="service_unavailable")
+    return usable[next(_turn) % len(usable)]
+
+
+async def forward_to_engine(gateway: Gateway, path: str, raw: bytes,
+                            model: str | None) -> Response:
+    """A request that needs an engine's tokenizer but no routing decision (nothing is
+    generated, no load is charged): sent to an engine serving ``model``, its answer passed on."""
+    worker_id, url = engine_for(gateway, model)
+    headers = gateway.headers(worker_id)
+    try:
+        resp = await gateway.forwarder.pool.post(
+            url.rstrip("/") + path, raw, {"content-type": _json_type}, idle_timeout=CALL_TIMEOUT)
+        try:
+            data = await resp.aread()
+        finally:
+            resp.close()
+    except (UpstreamError, OSError) as exc:
+        return error_response(502, f"the engine {worker_id} failed: {exc}",
+                              type="upstream_error", headers=headers)
+    return Response(data, status_code=resp.status_code, headers=headers,
+                    media_type=resp.headers.get("content-type", _json_type))
+
+
 def tokenize_routes(gateway: Gateway) -> APIRouter:
     router = APIRouter()
-    turn = itertools.count()
-
-    def engine_for(model: str | None) -> tuple[str, str]:
-        """(worker id, url) of a usable engine serving ``model`` (any model when None)."""
-        state = gateway.replica.state
-        if model is not None and model not in gateway.replica.models():
-            raise ApiError(404, f"The model `{model}` does not exist.", param="model",
-                           code="model_not_found")
-        usable = sorted(
-            (w.worker_id, w.url) for w in state.workers.values()
-            if (model is None or w.model == model or model in w.loras)
-            and HEALTH_WEIGHT.get(state.health.get(w.worker_id, "healthy"), 0.0) > 0.0)
-        if not usable:
-            raise ApiError(503, f"no engine serves model {model!r} now",
-                           type="service_unavailable")
-        return usable[next(turn) % len(usable)]
-
-    async def forward(path: str, raw: bytes, model: str | None) -> Response:
-        worker_id, url = engine_for(model)
-        headers = gateway.headers(worker_id)
-        try:
-            resp = await gateway.forwarder.pool.post(
-                url.rstrip("/") + path, raw, {"content-type": _json_type},
-                idle_timeout=CALL_TIMEOUT)
-            try:
-                data = await resp.aread()
-            finally:
-                resp.close()
-        except (UpstreamError, OSError) as exc:
-            return error_response(502, f"the engine {worker_id} failed: {exc}",
-                                  type="upstream_error", headers=headers)
-        return Response(data, status_code=resp.status_code, headers=headers,
-                        media_type=resp.headers.get("content-type", _json_type))
 
     async def answer(path: str, request: Request) -> Response:
         raw = await read_body(request)
@@ -106,7 +111,7 @@ def tokenize_routes(gateway: Gateway) -> APIRouter:
         body = request_object(raw)
         model = model_of(body, required=False)
         if not gateway.cfg.has_model_path:
-            return await forward(path, raw, model)
+            return await forward_to_engine(gateway, path, raw, model)
         if model is not None and model not in gateway.replica.models():
             raise ApiError(404, f"The model `{model}` does not exist.", param="model",
                            code="model_not_found")

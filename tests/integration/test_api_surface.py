@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -231,6 +232,62 @@ async def test_tokenize_and_detokenize_forwarded_to_an_engine(cluster: LocalClus
                                json={"model": "nope", "prompt": "x"})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == \
             "model_not_found"
+
+
+# --- Anthropic Messages ------------------------------------------------------------------------
+
+
+def anthropic_clients(c: LocalCluster) -> list[anthropic.AsyncAnthropic]:
+    return [anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0)
+            for url in c.router_urls]
+
+
+async def test_messages_stream_and_not_through_both_replicas(cluster: LocalCluster) -> None:
+    chat = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hi there"}]
+    for client in anthropic_clients(cluster):
+        m = await client.messages.create(model=MODEL, max_tokens=6, system="be kind",
+                                         messages=[{"role": "user", "content": "hi there"}])
+        assert m.content[0].type == "text" and m.content[0].text == chat_text(chat, 6)
+        assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 6
+        async with client.messages.stream(
+                model=MODEL, max_tokens=4, system=[{"type": "text", "text": "be kind"}],
+                messages=[{"role": "user", "content": [{"type": "text",
+                                                        "text": "hi there"}]}]) as stream:
+            text = "".join([t async for t in stream.text_stream])
+            final = await stream.get_final_message()
+        assert text == chat_text(chat, 4) and final.usage.output_tokens == 4
+        count = await client.messages.count_tokens(
+            model=MODEL, system="be kind", messages=[{"role": "user", "content": "hi there"}])
+        assert count.input_tokens == len(tokens.encode(tokens.chat_prompt(chat)))
+
+
+async def test_messages_are_routed_by_their_cached_prefix(cluster: LocalCluster) -> None:
+    text = lure_text(41)
+    async with httpx.AsyncClient(timeout=30) as h:
+        holder = sorted(await workers(h, cluster, cluster.router_urls[0]))[1]
+    await cache_chat_on(cluster, holder, text)
+    for client in anthropic_clients(cluster):
+        raw = await client.messages.with_raw_response.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": text + " more"}])
+        assert raw.headers["x-jetrouter-worker"] == holder
+
+
+async def test_messages_errors_are_in_anthropics_shape(cluster: LocalCluster) -> None:
+    client = anthropic_clients(cluster)[0]
+    with pytest.raises(anthropic.BadRequestError) as info:
+        await client.messages.create(model=MODEL, max_tokens=2, messages=[])
+    assert info.value.body["type"] == "error"  # type: ignore[index]
+    assert info.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        await client.messages.create(model="nope", max_tokens=2,
+                                     messages=[{"role": "user", "content": "x"}])
+    assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    async with httpx.AsyncClient(timeout=30) as h:
+        r = await h.post(cluster.router_urls[1] + "/v1/messages", content=b"{not json")
+        assert r.status_code == 400 and r.json()["type"] == "error"
+        r = await h.post(cluster.router_urls[1] + "/v1/messages",
+                         json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
 
 
 # --- the Responses API ------------------------------------------------------------------------
