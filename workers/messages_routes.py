@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -25,9 +25,7 @@ from eventlog.model_tokenizer import ChatTemplateFailed
 from eventlog.tokens import decode
 from leanhttp.hotpath import LastChunk, LeanStreamingResponse
 from workers.engine import RequestHandle
-
-if TYPE_CHECKING:
-    from workers.server import WorkerRuntime
+from workers.route_port import EngineRuntime
 
 _encode = msgspec.json.Encoder().encode
 _KINDS = {400: "invalid_request_error", 404: "not_found_error", 503: "overloaded_error"}
@@ -42,7 +40,7 @@ def event(kind: str, payload: dict[str, Any]) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + _encode({"type": kind, **payload}) + b"\n\n"
 
 
-def add_messages_routes(app: FastAPI, runtime: WorkerRuntime) -> None:
+def add_messages_routes(app: FastAPI, runtime: EngineRuntime) -> None:
     settings = runtime.settings
 
     async def parsed(request: Request) -> tuple[dict[str, Any], list[int]] | JSONResponse:

@@ -14,7 +14,7 @@ import hashlib
 import json
 import math
 import struct
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -22,9 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from eventlog.model_tokenizer import ChatTemplateFailed
 from eventlog.tokens import MAX_TOKEN_ID
 from workers.openai_shapes import error_body
-
-if TYPE_CHECKING:
-    from workers.server import WorkerRuntime
+from workers.route_port import EngineRuntime
 
 DIMENSIONS = 32
 MAX_DIMENSIONS = 4096
@@ -63,7 +61,7 @@ async def _body(request: Request) -> dict[str, Any] | JSONResponse:
     return body
 
 
-def add_pooling_routes(app: FastAPI, runtime: WorkerRuntime) -> None:
+def add_pooling_routes(app: FastAPI, runtime: EngineRuntime) -> None:
     settings = runtime.settings
     codec = runtime.codec
 

@@ -18,7 +18,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -30,9 +30,7 @@ from eventlog.tokens import decode
 from leanhttp.hotpath import LastChunk, LeanStreamingResponse
 from workers.engine import RequestHandle
 from workers.openai_shapes import error_body
-
-if TYPE_CHECKING:
-    from workers.server import WorkerRuntime
+from workers.route_port import EngineRuntime
 
 DEFAULT_MAX_OUTPUT_TOKENS = 64
 _encode = msgspec.json.Encoder().encode
@@ -87,7 +85,7 @@ def usage_of(handle: RequestHandle) -> dict[str, Any]:
             "total_tokens": prompt + out}
 
 
-def add_responses_route(app: FastAPI, runtime: WorkerRuntime) -> None:
+def add_responses_route(app: FastAPI, runtime: EngineRuntime) -> None:
     settings = runtime.settings
     # response id -> the conversation it ends (its messages and its answer), as vLLM keeps it.
     stored: dict[str, list[dict[str, Any]]] = {}
