@@ -434,6 +434,10 @@ async def test_z_a_follow_up_survives_a_sigkill_of_the_replica_that_routed_it(
     await until(lambda: cluster.processes.get("r0"), lambda p: p not in (None, pid),
                 timeout=60, what="r0 to be restarted")
     await cluster.wait_ready(["r0"], timeout=90)
+    async with httpx.AsyncClient(timeout=30) as h:
+        state = (await h.get(cluster.router_urls[0] + "/admin/state",
+                             headers=admin(cluster))).json()
+        assert state["stored_responses"] >= 2
     for previous in (first_id, second_id):  # the restarted replica knows both from the stream
         raw = await c0.responses.with_raw_response.create(
             model=MODEL, input=f"{lure} again", previous_response_id=previous,
