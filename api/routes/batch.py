@@ -65,13 +65,18 @@ async def serve_batch(gateway: Gateway, parsed: ParsedRequest, request: Request,
         subs.append((parse_request("completions", raw, gateway.tokenizer,
                                    max_prompt_tokens=gateway.cfg.max_prompt_tokens,
                                    priority_header=request.headers.get("x-priority")), raw))
-    answers = list(await asyncio.gather(*(
+    outcomes = await asyncio.gather(*(
         gateway.serve_parsed("completions", sub, raw, request, received, started)
-        for sub, raw in subs)))
+        for sub, raw in subs), return_exceptions=True)
+    answers = [a for a in outcomes if isinstance(a, Response)]
+    failed = next((a for a in outcomes if not isinstance(a, Response)), None)
     refused = next((a for a in answers if a.status_code != 200), None)
-    if refused is not None:
-        for a in answers:
+    if failed is not None or refused is not None:
+        for a in answers:  # their hops end now instead of holding load until they expire
             await abandon(a)
+        if failed is not None:
+            raise failed
+        assert refused is not None
         return refused
     workers = ",".join(a.headers.get("x-jetrouter-worker", "") for a in answers)
     request_ids = ",".join(a.headers.get("x-jetrouter-request-id", "") for a in answers)

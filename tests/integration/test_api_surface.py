@@ -148,6 +148,9 @@ async def test_a_bad_prompt_in_a_batch_refuses_the_whole_request(cluster: LocalC
     with pytest.raises(openai.BadRequestError):
         await clients(cluster)[0].completions.create(model=MODEL, prompt=["fine", ""],
                                                      max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        await clients(cluster)[1].completions.create(model="nope", prompt=["a", "b"],
+                                                     max_tokens=2)
 
 
 # --- embeddings -------------------------------------------------------------------------------
@@ -412,6 +415,37 @@ async def test_a_follow_up_whose_engine_left_gets_a_clear_error(cluster: LocalCl
                 err = info.value.body
                 assert err["code"] == "previous_response_engine_gone"  # type: ignore[index]
                 assert "wr" in err["message"]  # type: ignore[index]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+
+
+async def test_an_engine_that_fails_before_answering_is_replaced(cluster: LocalCluster,
+                                                               tmp_path: Path) -> None:
+    """A verbatim-forwarded request (here an embedding) whose engine is dead but not yet
+    retired moves to another engine before anything reached the client."""
+    urls = cluster.router_urls
+    with open(tmp_path / "wd.log", "wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "api.cli", "worker", "--worker-id", "wd", "--port", "0",
+            "--nats-url", cluster.nats_url, "--namespace", NAMESPACE,
+            "--num-gpu-blocks", "2048", stdout=out, stderr=subprocess.STDOUT)
+    try:
+        async with httpx.AsyncClient(timeout=30) as h:
+            for url in urls:
+                await until(lambda url=url: workers(h, cluster, url), lambda ws: "wd" in ws)
+            proc.send_signal(signal.SIGKILL)  # no WorkerRetired: still registered for a while
+            await proc.wait()
+            # Its cache is the emptiest, so a load-balanced request with no load around picks it.
+            raw = await clients(cluster)[0].embeddings.with_raw_response.create(
+                model=MODEL, input="who is there?")
+            assert raw.headers["x-jetrouter-worker"] != "wd"
+            assert raw.headers["x-jetrouter-migrations"] == "1"
+            assert len(raw.parse().data) == 1
+            for url in urls:  # retired by the leader; the next tests see two engines again
+                await until(lambda url=url: workers(h, cluster, url),
+                            lambda ws: "wd" not in ws, timeout=90)
     finally:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGKILL)
