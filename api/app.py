@@ -4,7 +4,6 @@ and the admin views (design.md §9). Everything routing-related is delegated to 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import math
@@ -313,12 +312,6 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         app.include_router(make_router(replica, cfg))
 
     return app
-
-
-async def _await_ready(replica: Replica, timeout: float) -> None:
-    """Wait up to `timeout` for the replica to become ready; the caller re-checks the flag."""
-    with contextlib.suppress(asyncio.TimeoutError):
-        await replica.wait_ready(timeout)
 
 
 async def _reset_when_ready(replica: Replica) -> None:
