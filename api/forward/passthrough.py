@@ -126,6 +126,9 @@ class Passthrough:
         self.ended = True
         replica = self.ctx.replica
         replica.finished(self.routed.request_id, outcome, self.output_tokens, self.cached_tokens)
+        if self.cached_tokens >= 0:  # the engine's own count beside our prediction
+            predicted = self.routed.overlap_blocks * self.routed.event.block_size
+            self.ctx.metrics.kv_prediction_error.observe(predicted - self.cached_tokens)
         if outcome != Outcome.NOT_ROUTED:  # that one is counted as a rejection by the caller
             self.ctx.metrics.count_request(self.endpoint, outcome)
 

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -192,9 +193,20 @@ class Gateway:
             if parsed.n > 1:
                 # Several choices interleave in one stream: relayed as the engine sends them.
                 path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-                body = raw if transfer is None else with_transfer(raw, transfer)
+                body, on_event = raw, None
+                if parsed.stream and not parsed.include_usage:
+                    # Usage is asked for all the same (the engine's output and cached token
+                    # counts go into the decision's RequestFinished) and not passed on.
+                    options = parsed.body.get("stream_options")
+                    options = {**options} if isinstance(options, dict) else {}
+                    body = msgspec.json.encode({**parsed.body, "stream_options": {
+                        **options, "include_usage": True}})
+                    on_event = _without_usage_chunk
+                if transfer is not None:
+                    body = with_transfer(body, transfer)
                 resp = await self.passthrough(endpoint, route_req, routed, path, body,
-                                              stream=parsed.stream).respond()
+                                              stream=parsed.stream,
+                                              on_event=on_event).respond()
             else:
                 # Starts the engine request at once; answers once the decision is recorded.
                 resp = await self.forwarder.forward(endpoint, parsed, raw, routed, transfer)
@@ -208,6 +220,19 @@ class Gateway:
                 parsed.extra_fields, routed, self.replica.replica_id,
                 self.replica.config.state.block_size, received, started, routing_s))
         return resp
+
+
+async def _without_usage_chunk(raw: bytes, payload: bytes | None) -> bytes:
+    """Drops the usage-only chunk (no choices) of a stream whose client did not ask for it."""
+    if payload is None or b'"usage"' not in payload:
+        return raw
+    try:
+        obj = msgspec.json.decode(payload)
+    except msgspec.DecodeError:
+        return raw
+    if isinstance(obj, dict) and not obj.get("choices") and isinstance(obj.get("usage"), dict):
+        return b""
+    return raw
 
 
 def request_object(raw: bytes) -> dict[str, Any]:

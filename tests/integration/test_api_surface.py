@@ -99,6 +99,21 @@ async def test_n_choices_streamed(cluster: LocalCluster) -> None:
     assert sorted(deltas) == [0, 1, 2] and len(set(deltas.values())) == 1
 
 
+async def test_n_choices_stream_without_usage_still_records_the_engines_counts(
+        cluster: LocalCluster) -> None:
+    raw = await clients(cluster)[0].completions.with_raw_response.create(
+        model=MODEL, prompt="quiet please", max_tokens=3, n=2, stream=True)
+    chunks = [c async for c in raw.parse()]
+    assert all(c.usage is None for c in chunks)  # not asked for, not sent
+    assert sum(len(c.choices) for c in chunks) >= 6
+    request_id = raw.headers["x-jetrouter-request-id"]
+    async with httpx.AsyncClient(timeout=30) as h:
+        row = await until(lambda: h.get(f"{cluster.router_urls[0]}/admin/requests/{request_id}",
+                                         headers=admin(cluster)),
+                          lambda r: r.status_code == 200 and r.json()["outcome"] == "ok")
+    assert row.json()["output_tokens"] == 6  # the engine's usage, both choices
+
+
 async def test_a_bad_n_is_a_400(cluster: LocalCluster) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         await clients(cluster)[0].completions.create(model=MODEL, prompt="x", max_tokens=2,
