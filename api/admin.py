@@ -77,6 +77,7 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
             "workers": len(state.workers),
             "active_requests": len(state.load),
             "sessions": len(state.sessions),
+            "stored_responses": len(state.responses),  # Responses API ids -> their engine
             "malformed_messages": replica.malformed_counts(),
             # Decisions routed here and not yet seen back from the stream (optimistic overlay).
             "pending_decisions": replica.pending_decisions(),

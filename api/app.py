@@ -4,12 +4,10 @@ and the admin views (design.md §9). Everything routing-related is delegated to 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -20,35 +18,27 @@ from fastapi.responses import Response
 
 from api.admin import admin_router, require_admin
 from api.config import option
-from api.errors import ApiError, error_response, install_error_handlers, overloaded_response
+from api.errors import ApiError, error_response, install_error_handlers
 from api.forward import Forwarder, replica_headers
 from api.http_limits import BodySizeLimit
-from api.metrics import Rejection, RouterMetrics
-from api.nvext_response import NvextFields, add_to_response
-from api.openai_schema import MAX_SESSION_ID, ParsedRequest, decode_json, parse_request
+from api.metrics import RouterMetrics
+from api.openai_schema import decode_json, parse_request
+from api.routes import API_ROUTES
+from api.routes.batch import serve_batch
+from api.routes.gateway import Gateway, GatewayConfig
 from api.session_control import EngineSessions
-from api.shed import Shedder
 from api.tokenizer import Tokenizer, load_model_tokenizer
 from eventlog.appender import AppendFailed
 from eventlog.events import MAX_COUNT, MAX_RATIO
 from leanhttp.hotpath import install_hot_routes, read_body
 from replicas.core.health import STATUS_GAUGE
-from replicas.core.shedding import PriorityTier
-from replicas.core.sticky import SessionRequest
 from replicas.runtime.canary import report_passive
 from replicas.runtime.replica import (
-    AllWorkersBusy,
-    DecisionNotRecorded,
-    NoWorkers,
     Replica,
-    RouteRequest,
-    UnknownModel,
 )
 
 log = logging.getLogger("jetrouter.api")
 
-SESSION_HEADER = "x-dynamo-session-id"
-PRIORITY_LEVEL = {PriorityTier.PREMIUM: 2, PriorityTier.STANDARD: 1, PriorityTier.BEST_EFFORT: 0}
 _json = msgspec.json.Encoder()
 
 
@@ -72,6 +62,8 @@ class AppConfig:
     # TTL of sessions named only by the X-Dynamo-Session-ID header (nvext.session_control
     # carries its own timeout; this is also its default).
     session_ttl_secs: float = option("session-ttl-secs").default
+    # How long (event time) the router remembers which engine stored a Responses API response.
+    response_ttl_secs: float = option("response-ttl-secs").default
 
 
 def _json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None
@@ -132,7 +124,6 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     def base_headers(worker_id: str | None = None) -> dict[str, str]:
         return replica_headers(replica.replica_id, worker_id)
 
-    shedder = Shedder(replica, metrics)
     forwarder = Forwarder(replica, metrics, tokenizer=tokenizer,
                           stream_idle_timeout=cfg.stream_idle_timeout,
                           migration_limit=cfg.migration_limit,
@@ -140,102 +131,26 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                                                                         w, r))
     engine_sessions = EngineSessions(forwarder.pool)
     app.state.engine_sessions = engine_sessions
+    gateway = Gateway(replica, GatewayConfig(
+        max_prompt_tokens=cfg.max_prompt_tokens, ready_wait=cfg.ready_wait,
+        session_ttl_secs=cfg.session_ttl_secs, response_ttl_secs=cfg.response_ttl_secs,
+        has_model_path=bool(cfg.model_path or cfg.tokenizer)),
+        metrics, forwarder, tokenizer, engine_sessions)
 
     # --- OpenAI-compatible ---------------------------------------------------------------
-
-    def session_of(parsed: ParsedRequest, request: Request) -> SessionRequest | None:
-        if parsed.session_control is not None:
-            sid, action, timeout = parsed.session_control
-            return SessionRequest(sid, action, timeout if timeout is not None
-                                  else cfg.session_ttl_secs)
-        header = request.headers.get(SESSION_HEADER)
-        if header is None:
-            return None
-        header = header.strip()
-        if not header or len(header) > MAX_SESSION_ID:
-            raise ApiError(400, f"Invalid '{SESSION_HEADER}' header: expected 1 to "
-                           f"{MAX_SESSION_ID} characters.", param=SESSION_HEADER)
-        return SessionRequest(header, "bind", cfg.session_ttl_secs)
-
-    def not_recorded(endpoint: str, exc: DecisionNotRecorded, request_id: str) -> Response:
-        metrics.rejections.labels(reason=Rejection.DECISION_NOT_RECORDED).inc()
-        metrics.count_request(endpoint, "rejected")
-        return error_response(
-            503, f"{exc}; this request was not served, retry it (on another replica if "
-            "one is available)", type="service_unavailable",
-            headers={**replica_headers(replica.replica_id, None, request_id),
-                     "retry-after": "1"})
 
     async def handle(endpoint: str, request: Request) -> Response:
         received, started = time.time(), time.perf_counter()
         raw = await read_body(request)
-        if not replica.ready and not replica.draining and cfg.ready_wait > 0:
-            await _await_ready(replica, cfg.ready_wait)
-        if replica.draining or not replica.ready:
-            why = "shutting down" if replica.draining else "still catching up with the streams"
-            return error_response(503, f"this router replica is {why}; retry on another",
-                                  type="service_unavailable",
-                                  headers={**base_headers(), "retry-after": "1"})
+        refused = await gateway.admit()
+        if refused is not None:
+            return refused
         parsed = parse_request(endpoint, raw, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens,
-                               priority_header=request.headers.get("x-priority"))
-        request_id = f"{replica.replica_id}-{uuid.uuid4().hex[:20]}"
-        shed = shedder.check(parsed.model, parsed.priority)
-        if shed is not None:
-            metrics.rejections.labels(reason=Rejection.SHED).inc()
-            metrics.count_request(endpoint, "rejected")
-            resp = overloaded_response(retry_after=shed)
-            resp.headers.update(base_headers())
-            return resp
-        route_req = RouteRequest(
-            request_id=request_id, model=parsed.model, token_ids=parsed.prompt_ids,
-            expected_osl=parsed.expected_osl, osl_hint=parsed.osl_hint,
-            priority=PRIORITY_LEVEL[parsed.priority], overlap_weight=parsed.overlap_weight,
-            latency_sensitivity=parsed.latency_sensitivity,
-            session=session_of(parsed, request))
-        routing_started = time.perf_counter()
-        transfer = None
-        try:
-            if replica.is_disaggregated(parsed.model):
-                routed, transfer = await forwarder.prefill.route(route_req)
-            else:
-                routed = await replica.route(route_req)
-        except UnknownModel as exc:
-            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
-        except NoWorkers as exc:
-            metrics.rejections.labels(reason=Rejection.NO_WORKERS).inc()
-            return error_response(503, str(exc), type="service_unavailable",
-                                  headers=base_headers())
-        except DecisionNotRecorded as exc:
-            return not_recorded(endpoint, exc, request_id)
-        except AllWorkersBusy:
-            metrics.rejections.labels(reason=Rejection.BUSY).inc()
-            metrics.count_request(endpoint, "rejected")
-            resp = overloaded_response()
-            resp.headers.update(base_headers())
-            return resp
-        metrics.input_tokens.observe(routed.isl_tokens)
-        if routed.total_blocks:
-            metrics.kv_hit_rate.observe(routed.overlap_blocks / routed.total_blocks)
-        routing_s = time.perf_counter() - routing_started
-        session = route_req.session
-        if routed.sticky is not None:
-            metrics.session_routes.labels(how=routed.sticky).inc()
-        closing = session is not None and session.action == "close"
-        if session is not None and not closing and routed.sticky in ("open", "repin"):
-            await engine_sessions.open(routed.worker_url, session.session_id)
-        try:
-            # Starts the engine request at once; answers once the decision is recorded.
-            resp = await forwarder.forward(endpoint, parsed, raw, routed, transfer)
-        except DecisionNotRecorded as exc:
-            return not_recorded(endpoint, exc, request_id)
-        metrics.observe_overhead(routed.timings)  # "record" is in by now, unless still retried
-        if closing and routed.sticky == "pinned":  # the engine it was opened on
-            engine_sessions.close_after(resp, routed.worker_url, session.session_id)
-        if parsed.extra_fields:
-            resp = await add_to_response(resp, NvextFields(
-                parsed.extra_fields, routed, replica.replica_id, replica.config.state.block_size,
-                received, started, routing_s))
-        return resp
+                               priority_header=request.headers.get("x-priority"),
+                               allow_batch=True)
+        if parsed.batch is not None:  # several prompts: one routed request each
+            return await serve_batch(gateway, parsed, request, received, started)
+        return await gateway.serve_parsed(endpoint, parsed, raw, request, received, started)
 
     async def completions(request: Request) -> Response:
         return await handle("completions", request)
@@ -249,6 +164,8 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     install_hot_routes(
         app, {"/v1/completions": completions, "/v1/chat/completions": chat_completions},
         guard=functools.partial(BodySizeLimit, max_bytes=cfg.max_body_bytes))
+    for make_routes in API_ROUTES:
+        app.include_router(make_routes(gateway))
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -410,12 +327,6 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         app.include_router(make_router(replica, cfg))
 
     return app
-
-
-async def _await_ready(replica: Replica, timeout: float) -> None:
-    """Wait up to `timeout` for the replica to become ready; the caller re-checks the flag."""
-    with contextlib.suppress(asyncio.TimeoutError):
-        await replica.wait_ready(timeout)
 
 
 async def _reset_when_ready(replica: Replica) -> None:

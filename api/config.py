@@ -86,6 +86,9 @@ ROUTING = Group(
     Option("session-ttl-secs", float, 300.0,
            "sliding TTL (event time) of sticky sessions named only by the X-Dynamo-Session-ID "
            "header, and the default of nvext.session_control.timeout", above=0),
+    Option("response-ttl-secs", float, 3600.0,
+           "how long (event time) the router remembers which engine stored a Responses API "
+           "response, for follow-ups naming it as previous_response_id", above=0),
     Option("router-ttl-secs", float, 120.0, at_least=0),
     Option("router-max-tree-size", int, 2**20, above=0),
     Option("router-prune-target-ratio", float, 0.8, at_least=0, at_most=1),

@@ -31,6 +31,8 @@ DEFAULT_EXPECTED_OSL = 128
 MAX_TOKEN_ID = 2**31
 SESSION_ACTIONS = ("open", "bind", "close")
 MAX_SESSION_ID = 512
+MAX_CHOICES = 128  # n: each choice is generated in full, so a bound on what one request asks
+MAX_BATCH = 256    # prompts in one completions request
 # nvext response fields a client can ask for (others are ignored, as unknown hints are).
 EXTRA_FIELDS = ("worker_id", "timing")
 
@@ -58,6 +60,10 @@ class ParsedRequest:
     session_control: tuple[str, str, float | None] | None = None
     extra_fields: tuple[str, ...] = ()  # nvext.extra_fields this router answers: see EXTRA_FIELDS
     osl_hint: int = 0             # nvext.agent_hints.osl as given (0: none; output-block weight)
+    n: int = 1                    # choices asked for (all from one engine: one prompt, one cache)
+    # A completions request with several prompts: the prompts as given (``prompt_ids`` is empty;
+    # each becomes a request of its own, see api/routes/batch.py).
+    batch: list[Any] | None = None
 
 
 def decode_json(raw: bytes) -> Any:
@@ -138,8 +144,8 @@ def _completion_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
         return _check_ids(prompt, "prompt")
     if isinstance(first, (str, list)):
         if len(prompt) > 1:
-            raise _bad("Invalid 'prompt': batched prompts are not supported; send one prompt "
-                       "per request.", "prompt")
+            raise _bad("Invalid 'prompt': several prompts cannot be combined with this "
+                       "request (one prompt per request here).", "prompt")
         if isinstance(first, str):
             return encode_prompt(tokenizer, _check_text(first, "prompt"), body)
         return _check_ids(first, "prompt")
@@ -206,7 +212,8 @@ def _max_tokens(body: dict[str, Any]) -> int | None:
     return chosen
 
 
-def _check_sampling(body: dict[str, Any]) -> None:
+def _check_sampling(body: dict[str, Any]) -> int:
+    """Checks the sampling fields; returns ``n``."""
     temperature = body.get("temperature")
     if temperature is not None:
         if not _is_number(temperature):
@@ -221,13 +228,24 @@ def _check_sampling(body: dict[str, Any]) -> None:
         if not 0.0 < top_p <= 1.0:
             raise _bad(f"Invalid 'top_p': expected a value in (0, 1], but got {top_p} instead.",
                        "top_p")
+    return _choices(body)
+
+
+def _choices(body: dict[str, Any]) -> int:
     n = body.get("n")
-    if n is not None:
-        if not _is_int(n):
-            raise _wrong_type("n", "an integer", n)
-        if n != 1:
-            raise _bad("Invalid 'n': n > 1 is not supported; send one request per completion.",
-                       "n")
+    if n is None:
+        return 1
+    if not _is_int(n):
+        raise _wrong_type("n", "an integer", n)
+    if not 1 <= n <= MAX_CHOICES:
+        raise _bad(f"Invalid 'n': expected a value in [1, {MAX_CHOICES}], but got {n} instead.",
+                   "n")
+    return n
+
+
+def is_batch(prompt: object) -> bool:
+    """A completions ``prompt`` holding several prompts (strings or token-id lists)."""
+    return isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -338,8 +356,12 @@ def _expected_osl(hints: dict[str, Any], max_tokens: int | None) -> int:
 
 
 def parse_request(endpoint: str, raw: bytes, tokenizer: Tokenizer, *, max_prompt_tokens: int,
-                  priority_header: str | None = None) -> ParsedRequest:
-    """Validate one request body for ``endpoint`` ("completions" or "chat"); raises ApiError."""
+                  priority_header: str | None = None, allow_batch: bool = False) -> ParsedRequest:
+    """Validate one request body for ``endpoint`` ("completions" or "chat"); raises ApiError.
+
+    ``allow_batch``: a completions request with several prompts is returned with ``batch`` set
+    and no prompt ids (each prompt is validated when its own request is parsed); without it,
+    such a request is refused."""
     if endpoint not in ENDPOINTS:
         raise ValueError(f"unknown endpoint {endpoint!r}; expected one of {ENDPOINTS}")
     body = decode_json(raw)
@@ -354,7 +376,7 @@ def parse_request(endpoint: str, raw: bytes, tokenizer: Tokenizer, *, max_prompt
         raise _bad("Invalid 'model': expected a non-empty string.", "model")
 
     max_tokens = _max_tokens(body)
-    _check_sampling(body)
+    n = _check_sampling(body)
     stream, include_usage = _stream_flags(body)
     hints = _agent_hints(body)
     if priority_header is not None:
@@ -370,6 +392,16 @@ def parse_request(endpoint: str, raw: bytes, tokenizer: Tokenizer, *, max_prompt
     session_control = _session_control(nvext)
     extra_fields = _extra_fields(nvext)
 
+    common: dict[str, Any] = dict(
+        endpoint=endpoint, model=model, stream=stream, max_tokens=max_tokens,
+        include_usage=include_usage, priority=priority, overlap_weight=overlap_weight,
+        expected_osl=expected_osl, latency_sensitivity=latency if latency is not None else 0.0,
+        body=body, session_control=session_control, extra_fields=extra_fields,
+        osl_hint=expected_osl if hints.get("osl") is not None else 0, n=n)
+    if endpoint == "completions" and allow_batch and is_batch(body.get("prompt")):
+        if len(body["prompt"]) > MAX_BATCH:
+            raise _bad(f"Invalid 'prompt': at most {MAX_BATCH} prompts per request.", "prompt")
+        return ParsedRequest(prompt_ids=[], batch=list(body["prompt"]), **common)
     # Tokenize last: it is the expensive step, so cheap rejections come first.
     if endpoint == "chat":
         prompt_param = "messages"
@@ -387,11 +419,4 @@ def parse_request(endpoint: str, raw: bytes, tokenizer: Tokenizer, *, max_prompt
                        f"However, your prompt has {len(prompt_ids)} tokens. Please reduce the "
                        "length of the prompt.", param=prompt_param, code="prompt_too_long")
 
-    return ParsedRequest(
-        endpoint=endpoint, model=model, prompt_ids=prompt_ids, stream=stream,
-        max_tokens=max_tokens, include_usage=include_usage, priority=priority,
-        overlap_weight=overlap_weight, expected_osl=expected_osl,
-        latency_sensitivity=latency if latency is not None else 0.0, body=body,
-        session_control=session_control, extra_fields=extra_fields,
-        osl_hint=expected_osl if hints.get("osl") is not None else 0,
-    )
+    return ParsedRequest(prompt_ids=prompt_ids, **common)

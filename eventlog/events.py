@@ -220,6 +220,21 @@ class SessionReleased(_Event, frozen=True, tag=True):
     ts: Ts
 
 
+class ResponseStored(_Event, frozen=True, tag=True):
+    """An engine stored a Responses API response (``store`` true, the default): a later request
+    naming it as ``previous_response_id`` can only be answered by that engine, which holds the
+    conversation. ``ttl`` is a window in event time from ``ts``, as for a session pin
+    (replicas/core/stored_responses.py)."""
+
+    response_id: Id
+    worker_id: Id
+    dp_rank: Rank
+    model: str
+    ttl: Annotated[float, msgspec.Meta(gt=0.0, le=1e9)]
+    ts: Ts
+    request_id: str = ""  # the routing decision that produced the response
+
+
 # --- Control stream: jr.control.<kind> --------------------------------------------------------
 
 
@@ -267,7 +282,7 @@ class WorkerHealthChanged(_Event, frozen=True, tag=True):
 KvEvent = WorkerRegistered | WorkerRetired | BlocksStored | BlocksRemoved | AllBlocksCleared
 RouterEvent = (
     RequestRouted | PrefillCompleted | OutputProgress | RequestFinished | ReplicaLost
-    | SessionPinned | SessionReleased
+    | SessionPinned | SessionReleased | ResponseStored
 )
 ControlEvent = (
     BusyThresholdsSet | SnapshotThresholdSet | SnapshotTaken | StateReset | WorkerHealthChanged

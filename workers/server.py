@@ -38,9 +38,11 @@ from leanhttp.hotpath import (
     install_hot_routes,
     read_body,
 )
+from workers.choices import MAX_CHOICES, serve_choices
 from workers.engine import Engine, RequestHandle
 from workers.faults import FaultState, crash_now
 from workers.handoff import add_prefill_route, transferred_tokens
+from workers.messages_routes import add_messages_routes
 from workers.metrics import WorkerMetrics
 from workers.openai_shapes import (
     BadRequest,
@@ -49,7 +51,9 @@ from workers.openai_shapes import (
     parse_request,
     usage,
 )
+from workers.pooling_routes import add_pooling_routes
 from workers.publisher import KvPublisher
+from workers.responses_routes import add_responses_route
 from workers.scheduler import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -214,6 +218,16 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
         rank = ext.get("dp_rank")
         engine = runtime.pick_engine(rank if isinstance(rank, int) else None)
         request_id = parsed.request_id or uuid.uuid4().hex
+        n = body.get("n")
+        if n is not None and n != 1:  # several choices: workers/choices.py
+            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+                return _error(400, f"n must be an integer in [1, {MAX_CHOICES}]", param="n")
+            runtime.metrics.count(endpoint, "ok")
+            return await serve_choices(
+                engine, request_id, parsed, n,
+                ResponseShaper(("chatcmpl-" if chat else "cmpl-") + request_id, settings.model,
+                               chat),
+                {"x-request-id": request_id, "x-jetrouter-worker": settings.worker_id})
         transferred = transferred_tokens(ext, parsed.prompt_ids, settings.engine.block_size)
         try:
             handle = engine.submit(request_id, parsed.prompt_ids, parsed.max_tokens,
@@ -248,6 +262,9 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
                              "/v1/chat/completions": chat_completions})
 
     add_prefill_route(app, runtime)
+    add_pooling_routes(app, runtime)
+    add_responses_route(app, runtime)
+    add_messages_routes(app, runtime)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

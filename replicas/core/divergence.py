@@ -20,7 +20,7 @@ import msgspec
 from eventlog.names import STREAM_KINDS
 
 STATE = "state"
-PARTS: tuple[str, ...] = ("index", "load", "config", "sessions")
+PARTS: tuple[str, ...] = ("index", "load", "config", "sessions", "responses")
 
 
 class Heartbeat(msgspec.Struct, frozen=True):

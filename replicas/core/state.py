@@ -32,6 +32,7 @@ from replicas.core.load import ActiveLoad, OutputTracking
 from replicas.core.prefill_model import PrefillLoadModel
 from replicas.core.selection import BusyThresholds
 from replicas.core.sessions import SessionTable
+from replicas.core.stored_responses import StoredResponses
 
 _MASK = (1 << 64) - 1
 # 2: columnar index and load (replicas/core/index.py, replicas/core/load.py); 1 is still read, so a
@@ -88,6 +89,8 @@ class RouterState:
                                  prune_target_ratio=c.prune_target_ratio)
         self.load = ActiveLoad()
         self.sessions = SessionTable()  # sticky session pins (router stream)
+        # Responses API: response id -> the engine that stored it (router stream)
+        self.responses = StoredResponses()
         self.positions: dict[str, int] = {k: 0 for k in STREAM_KINDS}
         self.epoch = 0
         self.now = 0.0
@@ -159,6 +162,9 @@ class RouterState:
         if len(self.sessions):
             for _ in self.sessions.expire(self.now):
                 self.stats.bump(ROUTER, "SessionExpired", "ok")
+        if len(self.responses):
+            for _ in self.responses.expire(self.now):
+                self.stats.bump(ROUTER, "ResponseExpired", "ok")
 
     # KV stream
 
@@ -318,6 +324,9 @@ class RouterState:
     def _session_released(self, e: ev.SessionReleased) -> str:
         return "ok" if self.sessions.release(e.session_id) else "unknown_session"
 
+    def _response_stored(self, e: ev.ResponseStored) -> str:
+        return self.responses.store(e)
+
     # Control stream
 
     def _busy_thresholds_set(self, e: ev.BusyThresholdsSet) -> str:
@@ -357,6 +366,7 @@ class RouterState:
                                  prune_target_ratio=c.prune_target_ratio)
         self.load = ActiveLoad()
         self.sessions.clear()
+        self.responses.clear()
         self._expiry.clear()
         self._routed_ts.clear()
         self._ended.clear()
@@ -393,7 +403,9 @@ class RouterState:
             sorted((w.worker_id, w.block_size) for w in self.refused_workers.values()),
         )
         parts = {"index": self.index.digest & _MASK, "load": self.load.digest & _MASK,
-                 "config": config, "sessions": self.sessions.digest & _MASK}
+                 "config": config, "sessions": self.sessions.digest & _MASK,
+                 # Zero while no response is stored: the sum then equals older replicas' digest.
+                 "responses": self.responses.digest & _MASK}
         parts["state"] = sum(parts.values()) & _MASK
         return parts
 
@@ -429,6 +441,7 @@ class RouterState:
             "index": None,  # filled in by the returned function
             "load": self.load.to_plain(),
             "sessions": self.sessions.to_plain(),
+            "responses": self.responses.to_plain(),
             # Only live entries: finished requests linger in the heap until they age out.
             "expiry": sorted(x for x in self._expiry if self.load.request(x[1]) is not None),
             # Replicas of earlier versions read "ended" (id -> routed ts): left empty for them,
@@ -464,6 +477,7 @@ class RouterState:
         state.index = PrefixIndex.from_plain(doc["index"])
         state.load = ActiveLoad.from_plain(doc["load"])
         state.sessions = SessionTable.from_plain(doc.get("sessions", []))  # absent in older blobs
+        state.responses = StoredResponses.from_plain(doc.get("responses", []))  # likewise
         state._expiry = [tuple(x) for x in doc["expiry"]]  # type: ignore[misc]
         heapq.heapify(state._expiry)
         state._routed_ts = {rid: ts for ts, rid in state._expiry}
@@ -490,6 +504,7 @@ _HANDLERS = {
     ev.ReplicaLost: RouterState._replica_lost,
     ev.SessionPinned: RouterState._session_pinned,
     ev.SessionReleased: RouterState._session_released,
+    ev.ResponseStored: RouterState._response_stored,
     ev.BusyThresholdsSet: RouterState._busy_thresholds_set,
     ev.SnapshotThresholdSet: RouterState._snapshot_threshold_set,
     ev.SnapshotTaken: RouterState._snapshot_taken,

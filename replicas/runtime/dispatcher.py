@@ -34,9 +34,10 @@ from replicas.core.candidates import (
 from replicas.core.index import WorkerKey
 from replicas.core.overlay import Overlay, pending_decision
 from replicas.core.queue import RequestQueue, should_queue
-from replicas.core.routing_errors import AllWorkersBusy, RoutingError
+from replicas.core.routing_errors import AllWorkersBusy, NoWorkers, RoutingError
 from replicas.core.selection import BusyThresholds, Candidate, Decision, Overloaded, Selector
 from replicas.core.sticky import SessionRequest, StickyOverlay, session_events, sticky_target
+from replicas.core.stored_responses import Lookup, response_target
 from replicas.runtime.background import Background
 from replicas.runtime.config import ReplicaConfig
 from replicas.runtime.decision_log import (
@@ -68,6 +69,9 @@ class RouteRequest:
     # nvext.session_control / X-Dynamo-Session-ID; a prefill decision ignores it (the session
     # is pinned to the engine that decodes, which holds the conversation's blocks).
     session: SessionRequest | None = None
+    # The one engine this request may go to (a Responses API follow-up must reach the engine
+    # that stored the previous response); it wins over a session's pin.
+    pinned: WorkerKey | None = None
 
 
 @dataclass(slots=True)
@@ -201,6 +205,12 @@ class Dispatcher:
         target, sticky = (sticky_target(state, self.sticky, session.session_id, req.model,
                                         req.exclude, HEALTH_WEIGHT)
                           if session is not None else (None, None))
+        if req.pinned is not None:
+            target = req.pinned
+            if target not in {c.worker for c in self.candidates(req.model, (), req.exclude,
+                                                                req.phase)}:
+                raise NoWorkers(f"engine {target[0]} (rank {target[1]}) cannot take requests "
+                                f"for model {req.model!r} now")
         result, seq_hashes, timings = self.decide(req, only=target)
         if isinstance(result, Overloaded):
             raise AllWorkersBusy(result.reason)
@@ -331,6 +341,27 @@ class Dispatcher:
             self._append_later(ev.RequestFinished(request_id, outcome, output_tokens,
                                                   time.time(), cached_tokens))
         self.settle(request_id)
+
+    async def store_response(self, response_id: str, routed: Routed, ttl: float) -> None:
+        """Record that ``routed``'s engine stored the response ``response_id``; returns once
+        JetStream has it, so a follow-up sent to any replica after this can find it."""
+        event = ev.ResponseStored(response_id, routed.worker_id, routed.dp_rank,
+                                  routed.event.model, ttl, time.time(), routed.request_id)
+        await self._append(event, f"{routed.request_id}.stored")
+
+    async def stored_response(self, response_id: str) -> tuple[WorkerKey | None, Lookup]:
+        """Where the response ``response_id`` is stored. An id this replica has not seen yet
+        may have been recorded by another one a moment ago: the router stream is read up to
+        its end once before the id is called unknown."""
+        state = self.port.state
+        found = response_target(state.responses, state.workers, state.health, HEALTH_WEIGHT,
+                                response_id)
+        if found[1] != Lookup.UNKNOWN:
+            return found
+        await self._catch_up_router()
+        state = self.port.state
+        return response_target(state.responses, state.workers, state.health, HEALTH_WEIGHT,
+                               response_id)
 
     def _append_later(self, event: ev.Event) -> None:
         port = self.port

@@ -40,9 +40,11 @@ from eventlog.log import EventLog
 from eventlog.names import CONTROL, KV, ROUTER, Names
 from replicas.core.candidates import is_disaggregated, served_models
 from replicas.core.health import HealthBoard
+from replicas.core.index import WorkerKey
 from replicas.core.routing_errors import AllWorkersBusy, NoWorkers, RoutingError, UnknownModel
 from replicas.core.selection import BusyThresholds
 from replicas.core.state import RouterState
+from replicas.core.stored_responses import Lookup
 from replicas.runtime.background import Background
 from replicas.runtime.config import ReplicaConfig
 from replicas.runtime.decision_log import DecisionLogHealth, DecisionNotRecorded
@@ -62,6 +64,7 @@ __all__ = [
     "AllWorkersBusy",
     "DecisionLogHealth",
     "DecisionNotRecorded",
+    "Lookup",
     "NoWorkers",
     "Replica",
     "ReplicaConfig",
@@ -465,6 +468,14 @@ class Replica:
         reach the client and the request ends ``not_routed``); returns once it is recorded or
         served unrecorded through a stream leader election."""
         await self.dispatcher.recorded(routed)
+
+    async def store_response(self, response_id: str, routed: Routed, ttl: float) -> None:
+        """Record on the router stream that ``routed``'s engine stored ``response_id``."""
+        await self.dispatcher.store_response(response_id, routed, ttl)
+
+    async def stored_response(self, response_id: str) -> tuple[WorkerKey | None, Lookup]:
+        """The engine holding the stored response ``response_id``, and how the lookup went."""
+        return await self.dispatcher.stored_response(response_id)
 
     def prefill_completed(self, request_id: str) -> None:
         self.dispatcher.prefill_completed(request_id)

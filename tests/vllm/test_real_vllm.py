@@ -125,6 +125,39 @@ async def test_chat_request_hashes_like_the_engine(vllm_cluster: Any) -> None:
         assert int(second.headers[PREDICTED_HEADER]) == cached(second)
 
 
+async def test_the_api_surface_against_real_vllm(vllm_cluster: Any) -> None:
+    """n > 1, the Responses API with a stored-response follow-up through the other replica, and
+    Anthropic's Messages, with the official clients, against real engines."""
+    import anthropic
+    import openai
+
+    cluster = vllm_cluster
+    c0, c1 = (openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+              for url in cluster.router_urls)
+    r = await c0.completions.create(model=MODEL, prompt=token_ids(71, 40), max_tokens=3, n=2)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    chat = await c1.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "count to three"}], max_tokens=3,
+        n=2)
+    assert [c.index for c in chat.choices] == [0, 1]
+    first = await c0.responses.with_raw_response.create(
+        model=MODEL, instructions="answer briefly", input="name a colour",
+        max_output_tokens=4)
+    home = first.headers[WORKER_HEADER]
+    for client in (c1, c0):
+        follow = await client.responses.with_raw_response.create(
+            model=MODEL, input="and another", previous_response_id=first.parse().id,
+            max_output_tokens=4)
+        assert follow.headers[WORKER_HEADER] == home
+    with pytest.raises(openai.NotFoundError):
+        await c1.responses.create(model=MODEL, input="x", previous_response_id="resp_unknown")
+    for url in cluster.router_urls:
+        a = anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0)
+        m = await a.messages.create(model=MODEL, max_tokens=3,
+                                    messages=[{"role": "user", "content": "hello"}])
+        assert m.type == "message" and m.usage.output_tokens >= 1
+
+
 class EngineTap:
     """Our own SUB on an engine's KV-event socket: the ground truth of what it cached."""
 

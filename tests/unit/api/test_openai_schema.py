@@ -130,7 +130,7 @@ BAD: list[tuple[str, str, Any, str | None, int, str, str | None]] = [
      "invalid_request_error", "temperature"),
     ("top-p-zero", "completions", comp(top_p=0), None, 400, "invalid_request_error", "top_p"),
     ("top-p-high", "chat", chat(top_p=1.1), None, 400, "invalid_request_error", "top_p"),
-    ("n-two", "completions", comp(n=2), None, 400, "invalid_request_error", "n"),
+    ("n-too-many", "completions", comp(n=129), None, 400, "invalid_request_error", "n"),
     ("n-zero", "chat", chat(n=0), None, 400, "invalid_request_error", "n"),
     ("n-string", "chat", chat(n="1"), None, 400, "invalid_request_error", "n"),
     ("stream-string", "completions", comp(stream="true"), None, 400, "invalid_request_error",
@@ -183,11 +183,17 @@ def test_bad_requests_are_rejected(endpoint: str, body: Any, header: str | None,
         assert err["code"] == "prompt_too_long"
 
 
-def test_batched_prompt_message_and_n_message() -> None:
-    with pytest.raises(ApiError, match="batched prompts are not supported"):
+def test_n_is_carried_and_batches_are_split_only_where_allowed() -> None:
+    assert parse("completions", comp(n=3)).n == 3
+    assert parse("chat", chat(n=2)).n == 2
+    with pytest.raises(ApiError, match="one prompt per request"):
         parse("completions", comp(prompt=["a", "b"]))
-    with pytest.raises(ApiError, match="n > 1 is not supported"):
-        parse("completions", comp(n=3))
+    raw = json.dumps(comp(prompt=["a", [1, 2]], n=2)).encode()
+    batched = parse_request("completions", raw, TOK, max_prompt_tokens=LIMIT, allow_batch=True)
+    assert batched.batch == ["a", [1, 2]] and batched.prompt_ids == [] and batched.n == 2
+    too_many = json.dumps(comp(prompt=["a"] * 257)).encode()
+    with pytest.raises(ApiError, match="at most 256"):
+        parse_request("completions", too_many, TOK, max_prompt_tokens=LIMIT, allow_batch=True)
 
 
 def test_unknown_endpoint_is_a_programming_error() -> None:

@@ -1,0 +1,254 @@
+"""What every inference route of a replica shares: admission (readiness, priority shedding), the
+routing call with its refusals as HTTP answers, and the two ways to forward a routed request.
+
+Chat and completions with ``n == 1`` go through :class:`api.forward.Forwarder` (the engine's
+stream relayed token by token, migrating mid-stream); everything else is forwarded verbatim by
+:class:`api.forward.passthrough.Passthrough`. Built once per app (:func:`api.app.create_app`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response
+
+from api.errors import ApiError, error_response, overloaded_response
+from api.forward import Forwarder, replica_headers
+from api.forward.continuation import with_transfer
+from api.forward.passthrough import Passthrough
+from api.metrics import Rejection, RouterMetrics
+from api.nvext_response import NvextFields, add_to_response
+from api.openai_schema import MAX_SESSION_ID, MAX_TOKEN_COUNT, ParsedRequest, decode_json
+from api.session_control import EngineSessions
+from api.shed import Shedder
+from api.tokenizer import Tokenizer
+from replicas.core.shedding import PriorityTier
+from replicas.core.sticky import SessionRequest
+from replicas.runtime.replica import (
+    AllWorkersBusy,
+    DecisionNotRecorded,
+    NoWorkers,
+    Replica,
+    Routed,
+    RouteRequest,
+    UnknownModel,
+)
+
+SESSION_HEADER = "x-dynamo-session-id"
+PRIORITY_LEVEL = {PriorityTier.PREMIUM: 2, PriorityTier.STANDARD: 1, PriorityTier.BEST_EFFORT: 0}
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """The part of :class:`api.app.AppConfig` the routes read."""
+
+    max_prompt_tokens: int
+    ready_wait: float
+    session_ttl_secs: float
+    response_ttl_secs: float
+    has_model_path: bool  # the router tokenizes exactly as the engines (--model-path)
+
+
+class Gateway:
+    def __init__(self, replica: Replica, cfg: GatewayConfig, metrics: RouterMetrics,
+                 forwarder: Forwarder, tokenizer: Tokenizer,
+                 engine_sessions: EngineSessions) -> None:
+        self.replica = replica
+        self.cfg = cfg
+        self.metrics = metrics
+        self.forwarder = forwarder
+        self.tokenizer = tokenizer
+        self.engine_sessions = engine_sessions
+        self.shedder = Shedder(replica, metrics)
+
+    def headers(self, worker_id: str | None = None,
+                request_id: str | None = None) -> dict[str, str]:
+        return replica_headers(self.replica.replica_id, worker_id, request_id)
+
+    def new_request_id(self) -> str:
+        return f"{self.replica.replica_id}-{uuid.uuid4().hex[:20]}"
+
+    # --- admission ----------------------------------------------------------------------------
+
+    async def admit(self) -> Response | None:
+        """None when this replica takes requests, else the 503 the client gets."""
+        replica = self.replica
+        if not replica.ready and not replica.draining and self.cfg.ready_wait > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await replica.wait_ready(self.cfg.ready_wait)
+        if replica.draining or not replica.ready:
+            why = "shutting down" if replica.draining else "still catching up with the streams"
+            return error_response(503, f"this router replica is {why}; retry on another",
+                                  type="service_unavailable",
+                                  headers={**self.headers(), "retry-after": "1"})
+        return None
+
+    def shed(self, endpoint: str, model: str, priority: str) -> Response | None:
+        retry = self.shedder.check(model, priority)
+        if retry is None:
+            return None
+        self.metrics.rejections.labels(reason=Rejection.SHED).inc()
+        self.metrics.count_request(endpoint, "rejected")
+        resp = overloaded_response(retry_after=retry)
+        resp.headers.update(self.headers())
+        return resp
+
+    def not_recorded(self, endpoint: str, exc: DecisionNotRecorded, request_id: str) -> Response:
+        self.metrics.rejections.labels(reason=Rejection.DECISION_NOT_RECORDED).inc()
+        self.metrics.count_request(endpoint, "rejected")
+        return error_response(
+            503, f"{exc}; this request was not served, retry it (on another replica if "
+            "one is available)", type="service_unavailable",
+            headers={**self.headers(None, request_id), "retry-after": "1"})
+
+    def session_of(self, parsed: ParsedRequest, request: Request) -> SessionRequest | None:
+        if parsed.session_control is not None:
+            sid, action, timeout = parsed.session_control
+            return SessionRequest(sid, action, timeout if timeout is not None
+                                  else self.cfg.session_ttl_secs)
+        header = request.headers.get(SESSION_HEADER)
+        if header is None:
+            return None
+        header = header.strip()
+        if not header or len(header) > MAX_SESSION_ID:
+            raise ApiError(400, f"Invalid '{SESSION_HEADER}' header: expected 1 to "
+                           f"{MAX_SESSION_ID} characters.", param=SESSION_HEADER)
+        return SessionRequest(header, "bind", self.cfg.session_ttl_secs)
+
+    # --- routing ------------------------------------------------------------------------------
+
+    async def route(self, endpoint: str, req: RouteRequest, *, disaggregated: bool = False
+                    ) -> tuple[Routed, dict[str, Any] | None] | Response:
+        """The decision (and a disaggregated request's KV transfer handle), or the answer the
+        client gets when there is none. ``disaggregated``: the route can run a prefill hop
+        first (chat and completions); other routes go to an engine that does both."""
+        metrics = self.metrics
+        try:
+            if disaggregated and self.replica.is_disaggregated(req.model):
+                return await self.forwarder.prefill.route(req)
+            return await self.replica.route(req), None
+        except UnknownModel as exc:
+            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+        except NoWorkers as exc:
+            metrics.rejections.labels(reason=Rejection.NO_WORKERS).inc()
+            return error_response(503, str(exc), type="service_unavailable",
+                                  headers=self.headers())
+        except DecisionNotRecorded as exc:
+            return self.not_recorded(endpoint, exc, req.request_id)
+        except AllWorkersBusy:
+            metrics.rejections.labels(reason=Rejection.BUSY).inc()
+            metrics.count_request(endpoint, "rejected")
+            resp = overloaded_response()
+            resp.headers.update(self.headers())
+            return resp
+
+    def observe(self, routed: Routed) -> None:
+        self.metrics.input_tokens.observe(routed.isl_tokens)
+        if routed.total_blocks:
+            self.metrics.kv_hit_rate.observe(routed.overlap_blocks / routed.total_blocks)
+
+    def passthrough(self, endpoint: str, req: RouteRequest, routed: Routed, path: str,
+                    body: bytes, *, stream: bool, **hooks: Any) -> Passthrough:
+        return Passthrough(self.forwarder.context, endpoint, req, routed, path, body,
+                           stream=stream, **hooks)
+
+    # --- chat and completions -------------------------------------------------------------------
+
+    async def serve_parsed(self, endpoint: str, parsed: ParsedRequest, raw: bytes,
+                           request: Request, received: float, started: float) -> Response:
+        """One validated chat or completions request: shed, route, forward."""
+        request_id = self.new_request_id()
+        shed = self.shed(endpoint, parsed.model, parsed.priority)
+        if shed is not None:
+            return shed
+        route_req = RouteRequest(
+            request_id=request_id, model=parsed.model, token_ids=parsed.prompt_ids,
+            # n choices of one prompt: one prefill, n times the output.
+            expected_osl=min(parsed.expected_osl * parsed.n, MAX_TOKEN_COUNT),
+            osl_hint=parsed.osl_hint, priority=PRIORITY_LEVEL[parsed.priority],
+            overlap_weight=parsed.overlap_weight,
+            latency_sensitivity=parsed.latency_sensitivity,
+            session=self.session_of(parsed, request))
+        routing_started = time.perf_counter()
+        decided = await self.route(endpoint, route_req, disaggregated=True)
+        if isinstance(decided, Response):
+            return decided
+        routed, transfer = decided
+        self.observe(routed)
+        routing_s = time.perf_counter() - routing_started
+        session = route_req.session
+        if routed.sticky is not None:
+            self.metrics.session_routes.labels(how=routed.sticky).inc()
+        closing = session is not None and session.action == "close"
+        if session is not None and not closing and routed.sticky in ("open", "repin"):
+            await self.engine_sessions.open(routed.worker_url, session.session_id)
+        try:
+            if parsed.n > 1:
+                # Several choices interleave in one stream: relayed as the engine sends them.
+                path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+                body, on_event = raw, None
+                if parsed.stream and not parsed.include_usage:
+                    # Usage is asked for all the same (the engine's output and cached token
+                    # counts go into the decision's RequestFinished) and not passed on.
+                    options = parsed.body.get("stream_options")
+                    options = {**options} if isinstance(options, dict) else {}
+                    body = msgspec.json.encode({**parsed.body, "stream_options": {
+                        **options, "include_usage": True}})
+                    on_event = _without_usage_chunk
+                if transfer is not None:
+                    body = with_transfer(body, transfer)
+                resp = await self.passthrough(endpoint, route_req, routed, path, body,
+                                              stream=parsed.stream,
+                                              on_event=on_event).respond()
+            else:
+                # Starts the engine request at once; answers once the decision is recorded.
+                resp = await self.forwarder.forward(endpoint, parsed, raw, routed, transfer)
+        except DecisionNotRecorded as exc:
+            return self.not_recorded(endpoint, exc, request_id)
+        self.metrics.observe_overhead(routed.timings)
+        if closing and routed.sticky == "pinned" and session is not None:
+            self.engine_sessions.close_after(resp, routed.worker_url, session.session_id)
+        if parsed.extra_fields:
+            resp = await add_to_response(resp, NvextFields(
+                parsed.extra_fields, routed, self.replica.replica_id,
+                self.replica.config.state.block_size, received, started, routing_s))
+        return resp
+
+
+async def _without_usage_chunk(raw: bytes, payload: bytes | None) -> bytes:
+    """Drops the usage-only chunk (no choices) of a stream whose client did not ask for it."""
+    if payload is None or b'"usage"' not in payload:
+        return raw
+    try:
+        obj = msgspec.json.decode(payload)
+    except msgspec.DecodeError:
+        return raw
+    if isinstance(obj, dict) and not obj.get("choices") and isinstance(obj.get("usage"), dict):
+        return b""
+    return raw
+
+
+def request_object(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body, or ApiError 400."""
+    body = decode_json(raw)
+    if not isinstance(body, dict):
+        raise ApiError(400, "Invalid request body: expected a JSON object.")
+    return body
+
+
+def model_of(body: dict[str, Any], *, required: bool = True) -> str | None:
+    model = body.get("model")
+    if model is None and not required:
+        return None
+    if model is None:
+        raise ApiError(400, "You must provide a model parameter.", param="model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "Invalid 'model': expected a non-empty string.", param="model")
+    return model

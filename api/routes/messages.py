@@ -1,0 +1,169 @@
+"""Anthropic's ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+Messages are routed like a chat: the prompt's token ids are the chat template over ``system`` +
+``messages`` (:mod:`eventlog.chat_forms`, the conversion the simulated engine uses too), so the
+decision is KV-aware; the request and the answer (a message, or Anthropic's stream of
+``message_start`` ... ``message_stop`` events) pass through verbatim.
+
+Every error a client of this route gets is in Anthropic's shape,
+``{"type": "error", "error": {"type": ..., "message": ...}}``, whoever produced it: the router's
+own refusals (bad input, busy, no decision recorded) are converted from OpenAI's shape here, and
+an engine's OpenAI-shaped error is converted on the way through.
+
+``count_tokens`` is answered by the router's tokenizer with ``--model-path`` (the ids it routes
+by), else by an engine serving the model, as ``/tokenize`` is (:mod:`api.routes.tokenize`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from api.errors import ApiError
+from api.forward.passthrough import Passthrough
+from api.openai_schema import MAX_TOKEN_COUNT, decode_json
+from api.routes.gateway import PRIORITY_LEVEL, Gateway, model_of
+from api.routes.tokenize import forward_to_engine
+from api.tokenizer import encode_chat
+from eventlog.chat_forms import FormError, anthropic_messages
+from eventlog.model_tokenizer import ChatTemplateFailed
+from leanhttp.hotpath import read_body
+from replicas.core.shedding import PriorityTier
+from replicas.runtime.replica import DecisionNotRecorded, RouteRequest
+
+PATH = "/v1/messages"
+COUNT_PATH = "/v1/messages/count_tokens"
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+               429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+_decode = msgspec.json.Decoder()
+
+
+def anthropic_error_body(status: int, message: str) -> bytes:
+    kind = ERROR_TYPES.get(status, "api_error")
+    return msgspec.json.encode({"type": "error", "error": {"type": kind, "message": message}})
+
+
+def anthropic_error_shape(status: int, message: str) -> tuple[bytes, str]:
+    return anthropic_error_body(status, message), "application/json"
+
+
+def as_anthropic(resp: Response) -> Response:
+    """``resp`` with an error body in Anthropic's shape (a success is returned as it is)."""
+    if resp.status_code < 400:
+        return resp
+    try:
+        doc = _decode.decode(resp.body)
+    except msgspec.DecodeError:
+        doc = None
+    if isinstance(doc, dict) and doc.get("type") == "error":
+        return resp
+    message = ""
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        message = err.get("message", "") if isinstance(err, dict) else str(err or "")
+        message = message or str(doc.get("message", ""))
+    if not message:
+        message = bytes(resp.body[:200]).decode("utf-8", "replace") or f"HTTP {resp.status_code}"
+    headers = {k: v for k, v in resp.headers.items()
+               if k not in ("content-length", "content-type")}
+    return Response(anthropic_error_body(resp.status_code, message),
+                    status_code=resp.status_code, media_type="application/json",
+                    headers=headers)
+
+
+def _body(raw: bytes) -> dict[str, Any]:
+    body = decode_json(raw)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def prompt_ids(gateway: Gateway, body: dict[str, Any]) -> list[int]:
+    try:
+        ids = encode_chat(gateway.tokenizer, anthropic_messages(body), body)
+    except FormError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+    except ChatTemplateFailed as exc:
+        raise ApiError(400, f"messages: {exc}", param="messages") from None
+    if len(ids) > gateway.cfg.max_prompt_tokens:
+        raise ApiError(413, f"prompt is too long: {len(ids)} tokens > "
+                       f"{gateway.cfg.max_prompt_tokens} maximum", param="messages")
+    return ids
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    value = body.get("max_tokens")
+    if not isinstance(value, int) or isinstance(value, bool) or \
+            not 1 <= value <= MAX_TOKEN_COUNT:
+        raise ApiError(400, "max_tokens: Field required (an integer >= 1)", param="max_tokens")
+    return value
+
+
+def messages_routes(gateway: Gateway) -> APIRouter:
+    router = APIRouter()
+
+    async def create(raw: bytes) -> Response:
+        refused = await gateway.admit()
+        if refused is not None:
+            return refused
+        body = _body(raw)
+        model = model_of(body)
+        assert model is not None
+        expected_osl = _max_tokens(body)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, "stream: Input should be a valid boolean", param="stream")
+        ids = prompt_ids(gateway, body)
+        shed = gateway.shed("messages", model, PriorityTier.STANDARD)
+        if shed is not None:
+            return shed
+        req = RouteRequest(request_id=gateway.new_request_id(), model=model, token_ids=ids,
+                           expected_osl=expected_osl,
+                           priority=PRIORITY_LEVEL[PriorityTier.STANDARD])
+        decided = await gateway.route("messages", req)
+        if isinstance(decided, Response):
+            return decided
+        routed, _ = decided
+        gateway.observe(routed)
+        forward: Passthrough = gateway.passthrough(
+            "messages", req, routed, PATH, raw, stream=stream,
+            error_shape=anthropic_error_shape)
+        try:
+            return await forward.respond()
+        except DecisionNotRecorded as exc:
+            return gateway.not_recorded("messages", exc, req.request_id)
+
+    async def count(raw: bytes) -> Response:
+        refused = await gateway.admit()
+        if refused is not None:
+            return refused
+        body = _body(raw)
+        model = model_of(body)
+        if not gateway.cfg.has_model_path:
+            return await forward_to_engine(gateway, COUNT_PATH, raw, model)
+        if model not in gateway.replica.models():
+            raise ApiError(404, f"model: {model}", param="model")
+        return Response(msgspec.json.encode({"input_tokens": len(prompt_ids(gateway, body))}),
+                        media_type="application/json", headers=gateway.headers())
+
+    @router.post(PATH)
+    async def messages(request: Request) -> Response:
+        raw = await read_body(request)
+        try:
+            return as_anthropic(await create(raw))
+        except ApiError as exc:
+            return as_anthropic(exc.response())
+
+    @router.post(COUNT_PATH)
+    async def count_tokens(request: Request) -> Response:
+        raw = await read_body(request)
+        try:
+            return as_anthropic(await count(raw))
+        except ApiError as exc:
+            return as_anthropic(exc.response())
+
+    return router
