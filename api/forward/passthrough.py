@@ -28,7 +28,7 @@ import msgspec
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from api.errors import upstream_error_body
+from api.errors import encoded_error_body, upstream_error_body
 from api.forward.engine import HopFailed, open_upstream, upstream_event_batches
 from api.forward.run import PREDICTED_HEADER, RunContext, replica_headers
 from api.upstream import UpstreamError, UpstreamResponse
@@ -52,6 +52,9 @@ _decode = msgspec.json.Decoder()
 
 
 def openai_error(status: int, message: str) -> tuple[bytes, str]:
+    if status == 500:  # the router's own fault, not the engine's
+        return encoded_error_body(500, message, type="server_error", code=500), \
+            "application/json"
     return upstream_error_body(message, status), "application/json"
 
 
@@ -284,9 +287,19 @@ class Passthrough:
         except (asyncio.CancelledError, GeneratorExit):
             outcome = Outcome.CANCELLED
             raise
+        except Exception:
+            # A fault of the router's own once the head is out: the client reads an error
+            # event and a complete body, not a cut one (as api.forward.run does).
+            log.exception("request %s: the router failed while streaming the response",
+                          self.routed.request_id)
+            body, _ = self.error_shape(500, "the router failed while streaming the response")
+            yield b"event: error\ndata: " + body + b"\n\n"
         finally:
             await batches.aclose()
-            self._end(outcome)
+            try:
+                self._end(outcome)
+            except Exception:  # the body is complete: a bookkeeping fault must not cut it
+                log.exception("request %s: ending the request failed", self.routed.request_id)
             self.close()
 
     def _on_payload(self, payload: bytes) -> None:
