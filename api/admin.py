@@ -78,6 +78,8 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
             "active_requests": len(state.load),
             "sessions": len(state.sessions),
             "malformed_messages": replica.malformed_counts(),
+            # Streams stopped at a message in a newer format (stream -> why): upgrade this one.
+            "blocked_streams": replica.blocked_streams(),
             # Decisions routed here and not yet seen back from the stream (optimistic overlay).
             "pending_decisions": replica.pending_decisions(),
             "decision_log": replica.decision_log.view(time.monotonic()),

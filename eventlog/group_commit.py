@@ -33,6 +33,7 @@ import msgspec
 
 from eventlog import events as ev
 from eventlog.appender import Appender
+from eventlog.wire import format_headers
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,9 @@ class GroupCommit:
             self._sent += 1
             msg_id = f"{self._prefix}.{self._sent}"
             try:
-                seq = await self._appender.append_raw(self.subject, payload, msg_id)
+                seq = await self._appender.append_raw(
+                    self.subject, payload, msg_id,
+                    format_headers(item.event for item in taken if item.event is not None))
             except asyncio.CancelledError:
                 for item in taken:
                     _settle(item.future, exc=asyncio.CancelledError())
