@@ -27,7 +27,7 @@ from tenacity import (
 
 from eventlog.errors import JetrouterError
 from eventlog.events import Event, encode_batch
-from eventlog.wire import FORMAT_HEADER, format_headers
+from eventlog.wire import format_headers
 
 log = logging.getLogger(__name__)
 
@@ -120,15 +120,16 @@ class Appender:
         with the message (a bridge keeps its resume point there)."""
         if not msg_id:
             raise ValueError("msg_id must be non-empty: it is what makes a retried append safe")
-        return await self.append_raw(subject, encode_batch(list(events)), msg_id,
-                                     {**format_headers(events), **(headers or {})})
+        marked = format_headers(events)  # None for format 1: no header (eventlog/wire.py)
+        if marked is not None:
+            headers = {**marked, **(headers or {})}
+        return await self.append_raw(subject, encode_batch(list(events)), msg_id, headers)
 
     async def append_raw(self, subject: str, payload: bytes, msg_id: str,
                          extra_headers: dict[str, str] | None = None) -> int:
         """Append pre-encoded bytes (used to inject malformed messages in tests, and by bridges
         that already hold an encoded batch)."""
-        # Every message says its format (eventlog/wire.py); a caller's own marking wins.
-        headers = {FORMAT_HEADER: "1", **(extra_headers or {}), MSG_ID_HEADER: msg_id}
+        headers = {**(extra_headers or {}), MSG_ID_HEADER: msg_id}
         try:  # the common case, without building a retry controller per append (hot path)
             ack = await self._js.publish(subject, payload, timeout=self.timeout, headers=headers)
         except Exception as exc:

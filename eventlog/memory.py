@@ -24,7 +24,7 @@ from eventlog.events import Event, MalformedMessage, decode_batch, encode_batch
 from eventlog.log import StoredMessage
 from eventlog.names import STREAM_KINDS, Names
 from eventlog.reader import StartPurged
-from eventlog.wire import FORMAT_HEADER, NewerFormat, UnknownFormat, check_message, format_headers
+from eventlog.wire import NewerFormat, UnknownFormat, check_message, format_headers
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,10 @@ class MemoryLog:
                      headers: dict[str, str] | None = None) -> int:
         if not msg_id:
             raise ValueError("msg_id must be non-empty: it is what makes a retried append safe")
-        return await self.append_raw(subject, encode_batch(list(events)), msg_id,
-                                     {**format_headers(events), **(headers or {})})
+        marked = format_headers(events)  # None for format 1: no header (eventlog/wire.py)
+        if marked is not None:
+            headers = {**marked, **(headers or {})}
+        return await self.append_raw(subject, encode_batch(list(events)), msg_id, headers)
 
     async def append_raw(self, subject: str, payload: bytes, msg_id: str,
                          extra_headers: dict[str, str] | None = None) -> int:
@@ -149,7 +151,7 @@ class MemoryLog:
         if not stream.messages:
             stream.first_seq = seq
         # JetStream keeps the message id among the headers; so does this log.
-        headers = {FORMAT_HEADER: "1", **(extra_headers or {}), MSG_ID_HEADER: msg_id}
+        headers = {**(extra_headers or {}), MSG_ID_HEADER: msg_id}
         stream.messages.append(StoredMessage(seq, subject, payload, headers))
         stream.last_seq = seq
         stream.bytes += len(payload)
@@ -242,7 +244,7 @@ class MemoryReader:
 
     def _deliver(self, msg: StoredMessage) -> tuple[int, list[Event]]:
         try:
-            check_message(msg.headers, f"stream {self.stream} seq {msg.seq}")
+            check_message(msg.headers, self.stream, msg.seq)
             events = decode_batch(msg.data)
         except NewerFormat as exc:
             self._fail(exc)  # stays before the message, as the JetStream reader does

@@ -230,7 +230,7 @@ class StreamReader:
         try:
             # A newer format raises NewerFormat out of the reader before last_seq moves: the
             # message is neither applied nor skipped (eventlog/wire.py).
-            check_message(msg.headers, f"stream {self.stream} seq {sseq}")
+            check_message(msg.headers, self.stream, sseq)
             events = decode_batch(msg.data)
         except NewerFormat as exc:
             self._fail(exc)

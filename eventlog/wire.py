@@ -3,10 +3,11 @@
 Pure module: no I/O. Two things outlive the process that wrote them and are read by other
 releases during a rolling upgrade or after a rollback:
 
-* **stream messages** — one batch of events each (``eventlog.events``). A message's format is
-  in its ``Jr-Format`` header, once per message and never per event, so the payload and the hot
-  decode path stay as they were. A message without the header was written before formats were
-  marked; its bytes are format 1.
+* **stream messages** — one batch of events each (``eventlog.events``). A message in a format
+  after 1 says so in its ``Jr-Format`` header, once per message and never per event; a message
+  without the header is format 1, the batch as every release so far has written it. Format 1 is
+  left unmarked on purpose: a header line costs every reader about a microsecond per message
+  to parse (nats-py's header parser), and a replica reads every message of every stream.
 * **snapshots** — the encoded ``RouterState``. Its format travels inside the blob (the state's
   own ``format`` field) and, so that a reader can judge a snapshot before fetching it, in the
   snapshot's object meta (``snapshots.store.SnapshotMeta.format``).
@@ -40,9 +41,6 @@ OLDEST_EVENT_FORMAT = max(1, EVENT_FORMAT - 1)
 # event type raises EVENT_FORMAT by one and lists the type here with the new number.
 INTRODUCED_IN: dict[type, int] = {}
 
-_BASE_HEADER = {FORMAT_HEADER: "1"}
-
-
 class NewerFormat(JetrouterError):
     """Stored data in a format newer than this release reads: stop, do not skip or guess."""
 
@@ -65,21 +63,17 @@ def message_format(events: Iterable[object]) -> int:
     return max((INTRODUCED_IN.get(type(e), 1) for e in events), default=1)
 
 
-def format_headers(events: Iterable[object]) -> dict[str, str]:
-    """The headers that mark a message of ``events`` with its format (a fresh dict)."""
+def format_headers(events: Iterable[object]) -> dict[str, str] | None:
+    """The header that marks a message of ``events`` with its format; None for format 1, which
+    is never marked (see the module docstring)."""
     fmt = message_format(events)
-    return dict(_BASE_HEADER) if fmt == 1 else {FORMAT_HEADER: str(fmt)}
+    return None if fmt == 1 else {FORMAT_HEADER: str(fmt)}
 
-
-def base_headers() -> dict[str, str]:
-    """Format headers for a payload encoded elsewhere whose events are all of format 1."""
-    return dict(_BASE_HEADER)
-
-
-def check_message(headers: Mapping[str, str] | None, where: str) -> int:
-    """The format of a stored message from its headers. Raises :class:`NewerFormat` for a
-    format this release cannot read and :class:`UnknownFormat` for a marking that is no
-    version, or one older than :data:`OLDEST_EVENT_FORMAT`."""
+def check_message(headers: Mapping[str, str] | None, stream: str, seq: int) -> int:
+    """The format of message ``seq`` of ``stream`` from its headers. Raises
+    :class:`NewerFormat` for a format this release cannot read and :class:`UnknownFormat` for a
+    marking that is no version, or one older than :data:`OLDEST_EVENT_FORMAT`. Called once per
+    message read: the common case is one dict lookup and one comparison."""
     value = headers.get(FORMAT_HEADER) if headers else None
     if value is None or value == "1":  # unmarked (written before formats were) or format 1
         fmt = 1
@@ -87,11 +81,11 @@ def check_message(headers: Mapping[str, str] | None, where: str) -> int:
         try:
             fmt = int(value)
         except (TypeError, ValueError):
-            raise UnknownFormat(f"{where}: {FORMAT_HEADER} {value!r} is not a version"
-                                ) from None
+            raise UnknownFormat(f"stream {stream} seq {seq}: {FORMAT_HEADER} {value!r} is not "
+                                "a version") from None
     if fmt > EVENT_FORMAT:
-        raise NewerFormat(where, fmt, EVENT_FORMAT)
+        raise NewerFormat(f"stream {stream} seq {seq}", fmt, EVENT_FORMAT)
     if fmt < OLDEST_EVENT_FORMAT:
-        raise UnknownFormat(f"{where}: format {fmt} is older than this release reads "
-                            f"({OLDEST_EVENT_FORMAT}..{EVENT_FORMAT})")
+        raise UnknownFormat(f"stream {stream} seq {seq}: format {fmt} is older than this "
+                            f"release reads ({OLDEST_EVENT_FORMAT}..{EVENT_FORMAT})")
     return fmt

@@ -20,7 +20,9 @@ from cluster.up import LocalCluster
 from eventlog import events as ev
 from eventlog import wire
 from eventlog.names import CONTROL, Names
-from replicas.core.state import SNAPSHOT_FORMAT
+from eventlog.server import NatsServer
+from replicas.core.state import SNAPSHOT_FORMAT, RouterState
+from snapshots.store import SnapshotStore
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -87,3 +89,22 @@ async def test_a_newer_format_blocks_the_stream_and_says_so(cluster: LocalCluste
         assert (await h.get(f"{victim}/ready/balancer")).status_code == 404
     log = cluster.children["r1"].log_path.read_text()
     assert f"STREAM {NS.upper()}_CONTROL BLOCKED on replica r1" in log, log[-2000:]
+
+
+async def test_a_snapshot_in_a_newer_format_is_passed_over_for_the_one_before(
+        nats_server: NatsServer) -> None:
+    nc = await nats.connect(nats_server.url)
+    try:
+        store = SnapshotStore(nc.jetstream(), Names("snapfmt"))
+        state = RouterState()
+        older = await store.put(state.encode(), positions=dict(state.positions), epoch=0,
+                                created_by="old", trigger="test")
+        newer = await store.put(b"a newer release's state", positions=dict(state.positions),
+                                epoch=0, created_by="new", trigger="test",
+                                format=SNAPSHOT_FORMAT + 1)
+        assert (await store.list())[0].snapshot_id == newer.snapshot_id
+        loaded = await store.load_newest_valid()
+        assert loaded is not None and loaded.meta.snapshot_id == older.snapshot_id
+        assert loaded.skipped == [(newer.snapshot_id, f"newer format {SNAPSHOT_FORMAT + 1}")]
+    finally:
+        await nc.close()

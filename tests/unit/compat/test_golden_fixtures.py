@@ -57,7 +57,7 @@ def test_every_event_type_decodes_to_the_values_it_was_written_with(release: Pat
     assert set(doc["event_types"]) <= current, "an event type of an earlier release is gone"
     seen: set[str] = set()
     for m in doc["messages"]:
-        assert check_message(m.get("headers"), "fixture") == 1
+        assert check_message(m.get("headers"), m["stream"], m["seq"]) == 1
         events = ev.decode_batch(base64.b64decode(m["data"]))
         new = json.loads(json.dumps(msgspec.to_builtins(events)))  # tuples as lists
         assert _contains(new, m["decoded"]), (m["stream"], m["seq"], new, m["decoded"])
