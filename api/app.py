@@ -249,8 +249,11 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                 body["degraded"] = True
                 body["event_log"] = replica.outage.view(now)
             return _json_response(body)
-        return _json_response({"ready": False, "replica_id": replica.replica_id,
-                               "lag": replica.lag(), "decision_log": decisions}, status=503)
+        body = {"ready": False, "replica_id": replica.replica_id, "lag": replica.lag(),
+                "decision_log": decisions}
+        if blocked := replica.blocked_streams():  # stopped at a newer format: upgrade it
+            body["blocked_streams"] = blocked
+        return _json_response(body, status=503)
 
     @app.get("/ready/balancer")
     async def ready_for_balancer() -> Response:
@@ -286,8 +289,10 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                 metrics.events_applied.labels(stream=stream, event_type=etype,
                                               status=status).inc(n - seen)
                 applied_seen[(stream, etype, status)] = n
+        blocked = replica.blocked_streams()
         for stream, lag in replica.lag().items():
             metrics.stream_lag.labels(stream=stream).set(lag)
+            metrics.stream_blocked.labels(stream=stream).set(1 if stream in blocked else 0)
         if replica.replication.seconds > replication_seen[0]:
             metrics.replication_seconds.inc(replica.replication.seconds - replication_seen[0])
             replication_seen[0] = replica.replication.seconds

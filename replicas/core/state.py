@@ -25,6 +25,7 @@ import xxhash
 
 from eventlog import events as ev
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS
+from eventlog.wire import NewerFormat
 from replicas.core import disagg
 from replicas.core.ended import EndedRequests
 from replicas.core.index import PrefixIndex
@@ -36,7 +37,9 @@ from replicas.core.stored_responses import StoredResponses
 
 _MASK = (1 << 64) - 1
 # 2: columnar index and load (replicas/core/index.py, replicas/core/load.py); 1 is still read, so a
-# replica upgraded in place restores from the snapshots its predecessors wrote.
+# replica upgraded in place restores from the snapshots its predecessors wrote. The promise
+# (eventlog/wire.py): this format and the one before are read, a newer one raises NewerFormat;
+# tests/unit/test_golden_fixtures.py loads a snapshot the previous release wrote.
 SNAPSHOT_FORMAT = 2
 _READABLE_FORMATS = (1, 2)
 
@@ -459,6 +462,8 @@ class RouterState:
     @classmethod
     def decode(cls, data: bytes, config: StateConfig | None = None) -> RouterState:
         doc = msgspec.msgpack.decode(data)
+        if isinstance(doc.get("format"), int) and doc["format"] > SNAPSHOT_FORMAT:
+            raise NewerFormat("snapshot", doc["format"], SNAPSHOT_FORMAT)
         if doc.get("format") not in _READABLE_FORMATS:
             raise ValueError(f"unsupported state format {doc.get('format')!r}")
         state = cls(config)

@@ -51,7 +51,7 @@ from replicas.runtime.decision_log import DecisionLogHealth, DecisionNotRecorded
 from replicas.runtime.dispatcher import Dispatcher, Routed, RouteRequest
 from replicas.runtime.follower import StreamFollower
 from replicas.runtime.leader import Leader
-from replicas.runtime.liveness import Liveness
+from replicas.runtime.liveness import Liveness, release
 from replicas.runtime.log_outage import LogOutage, LogUnavailable
 from replicas.runtime.log_watchdog import LogWatchdog
 from replicas.runtime.replication_cost import ReplicationCost
@@ -343,6 +343,11 @@ class Replica:
     def stream_rewound(self) -> None:
         self.dispatcher.forget_pending()
 
+    def stream_blocked(self, kind: str, reason: str) -> None:
+        # Routing on a state that stopped applying one stream would route on stale facts, and
+        # a load balancer must send the traffic to replicas that read every message.
+        self.ready = False
+
     def _log_refusals(self) -> None:
         """One clear line when a worker becomes refused (a bad block size in its registration)."""
         refused = self.state.refused_workers
@@ -366,8 +371,8 @@ class Replica:
     # --- readiness -----------------------------------------------------------------------------
 
     def _check_ready(self) -> None:
-        if self.draining or self._becoming_ready or not self.follower.caught_up(
-                self.config.ready_lag):
+        if self.draining or self._becoming_ready or self.follower.blocked or (
+                not self.follower.caught_up(self.config.ready_lag)):
             return
         self._becoming_ready = True
         if self.replica_id in self.state.load.replicas():
@@ -379,6 +384,8 @@ class Replica:
             self._mark_ready()
 
     def _mark_ready(self) -> None:
+        if self.follower.blocked:  # a stream blocked while the previous incarnation was freed
+            return
         self.ready = True
         self._ready_event.set()
 
@@ -427,6 +434,10 @@ class Replica:
     def lag(self) -> dict[str, int]:
         return self.follower.lag()
 
+    def blocked_streams(self) -> dict[str, str]:
+        """Streams stopped at a message in a newer format (kind -> why); see follower.py."""
+        return dict(self.follower.blocked)
+
     def models(self) -> list[str]:
         return served_models(self.state)
 
@@ -454,7 +465,8 @@ class Replica:
         return {"replica_id": self.replica_id, "ready": self.ready, "leader": self.is_leader,
                 "positions": dict(self.state.positions),
                 "digests": {k: f"{v:016x}" for k, v in self.state.digests().items()},
-                "age_s": 0.0, "divergent": False}
+                "age_s": 0.0, "divergent": False, "version": release()[0],
+                "formats": release()[1]}
 
     # --- requests ------------------------------------------------------------------------------
 
