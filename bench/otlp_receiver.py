@@ -3,9 +3,10 @@ local` exports to, and what the tracing tests read spans from.
 
 :class:`HttpReceiver` answers OTLP/HTTP protobuf ``POST /v1/traces``; :class:`GrpcReceiver` is
 the OTLP gRPC ``TraceService``. Both decode each export with opentelemetry-proto's
-``ExportTraceServiceRequest`` and keep the spans (``keep=False``: only count them). They serve
-from threads of their own, never from the caller's event loop: the SDK's final flush at a
-replica's shutdown blocks, and must not wait on a receiver that the same loop would have to run.
+``ExportTraceServiceRequest`` and keep the spans (``keep=False``: they only count exports and
+bytes, decoding nothing). They serve from threads of their own, never from the caller's event
+loop: the SDK's final flush at a replica's shutdown blocks, and must not wait on a receiver that
+the same loop would have to run.
 Needs the `tracing` extra (the proto classes and, for gRPC, grpcio).
 """
 
@@ -42,10 +43,16 @@ class _Store:
         self.keep = keep
         self.spans: list[ReceivedSpan] = []
         self.exports = 0
-        self.count = 0
+        self.bytes = 0
+        self.count = 0  # spans decoded (keep=True)
         self._lock = threading.Lock()
 
     def take(self, payload: bytes) -> None:
+        if not self.keep:  # counting only: a load generator's receiver must cost nothing
+            with self._lock:
+                self.exports += 1
+                self.bytes += len(payload)
+            return
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
             ExportTraceServiceRequest,
         )
@@ -58,14 +65,13 @@ class _Store:
             resource = {a.key: _value(a.value) for a in rs.resource.attributes}
             for ss in rs.scope_spans:
                 n += len(ss.spans)
-                if not self.keep:
-                    continue
                 got += [ReceivedSpan(
                     s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.kind,
                     {a.key: _value(a.value) for a in s.attributes}, s.status.code,
                     str(resource.get("service.name", ""))) for s in ss.spans]
         with self._lock:
             self.exports += 1
+            self.bytes += len(payload)
             self.count += n
             self.spans += got
 

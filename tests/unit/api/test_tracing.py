@@ -37,6 +37,7 @@ from replicas.core.state import StateConfig
 from replicas.runtime.replica import Replica, ReplicaConfig
 from tests.unit.api.test_app import ENGINE, MODEL
 from tests.waiting import until
+from workers.scheduler import EngineConfig
 from workers.server import WorkerRuntime, WorkerSettings
 from workers.server import create_app as create_worker_app
 
@@ -68,9 +69,10 @@ async def _serve(app: Any, what: str) -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def engine(worker_id: str, role: str = "both") -> AsyncIterator[Engine]:
+async def engine(worker_id: str, role: str = "both", engine: EngineConfig = ENGINE
+                 ) -> AsyncIterator[Engine]:
     """A simulated engine on a loopback socket that notes the headers of every POST."""
-    runtime = WorkerRuntime(WorkerSettings(worker_id, model=MODEL, nats_url="", engine=ENGINE,
+    runtime = WorkerRuntime(WorkerSettings(worker_id, model=MODEL, nats_url="", engine=engine,
                                            role=role))
     inner = create_worker_app(runtime)
     seen = Engine(worker_id, "", role)
@@ -86,12 +88,13 @@ async def engine(worker_id: str, role: str = "both") -> AsyncIterator[Engine]:
 
 
 @contextlib.asynccontextmanager
-async def traced_router(endpoint: str, engines: list[tuple[str, str, str]]
-                        ) -> AsyncIterator[str]:
+async def traced_router(endpoint: str, engines: list[tuple[str, str, str]],
+                        queue_threshold: float | None = None) -> AsyncIterator[str]:
     """A replica exporting to ``endpoint``, with engines ``(worker_id, url, role)`` registered."""
     log = MemoryLog()
     replica = Replica(ReplicaConfig("r1", "", state=StateConfig(block_size=ENGINE.block_size),
-                                    seed=3, durable=False, canary_interval=0), log=log)
+                                    seed=3, durable=False, canary_interval=0,
+                                    queue_threshold=queue_threshold), log=log)
     app = create_app(replica, AppConfig(ready_wait=0, otlp_traces_endpoint=endpoint))
     async for url in _serve(FrontDoor(app), "router"):
         for worker_id, worker_url, role in engines:
@@ -232,6 +235,46 @@ async def test_a_disaggregated_request_has_a_prefill_hop_and_a_decode_hop() -> N
     assert len([s for s in spans if s.name == "jetrouter.route"]) == 2
     assert [parsed_traceparent(h) for h in p1.headers] == [(trace_id, prefill.span_id)]
     assert [parsed_traceparent(h) for h in d1.headers] == [(trace_id, decode.span_id)]
+
+
+async def test_a_request_held_in_the_router_queue_has_a_queue_span() -> None:
+    """With a queue threshold, a request arriving while the only engine still prefills the
+    first one waits in the router queue until that prefill is done."""
+    slow = EngineConfig(speedup_ratio=1.0)  # real-time prefill: the second request must wait
+    with HttpReceiver() as receiver:
+        async with engine("w1", engine=slow) as e1:
+            async with traced_router(receiver.endpoint, [("w1", e1.url, "both")],
+                                     queue_threshold=0.001) as url, \
+                    httpx.AsyncClient(base_url=url, timeout=30) as client:
+                bodies = [{"model": MODEL, "max_tokens": 2, "prompt": f"{n} " + "x" * 3000}
+                          for n in range(2)]
+                first = asyncio.create_task(client.post("/v1/completions", json=bodies[0]))
+                await until(lambda: e1.headers, timeout=20, what="the first request at w1")
+                second = await client.post("/v1/completions", json=bodies[1])
+                assert second.status_code == 200 and (await first).status_code == 200
+                waited = second.headers["x-jetrouter-request-id"]
+        spans = receiver.snapshot()
+    decision = one(spans, "jetrouter.route", **{"jetrouter.request_id": waited})
+    queue = one(spans, "jetrouter.queue")
+    assert queue.parent_span_id == decision.span_id
+    assert queue.attributes["jetrouter.request_id"] == waited
+
+
+async def test_a_passthrough_hop_is_traced_too() -> None:
+    """``n > 1`` is forwarded verbatim (api/forward/passthrough.py): the same hop span."""
+    trace_id, _, traceparent = client_traceparent()
+    with HttpReceiver() as receiver:
+        async with engine("w1") as e1:
+            async with traced_router(receiver.endpoint, [("w1", e1.url, "both")]) as url, \
+                    httpx.AsyncClient(base_url=url, timeout=30) as client:
+                response = await client.post("/v1/chat/completions", json={
+                    **CHAT, "stream": False, "n": 2}, headers={"traceparent": traceparent})
+                assert response.status_code == 200, response.text
+        spans = receiver.snapshot()
+    request = one(spans, "POST /v1/chat/completions")
+    hop = one(spans, "jetrouter.hop")
+    assert hop.parent_span_id == request.span_id and hop.attributes["jetrouter.outcome"] == "ok"
+    assert [parsed_traceparent(h) for h in e1.headers] == [(trace_id, hop.span_id)]
 
 
 async def test_the_grpc_protocol_exports_the_same_spans(monkeypatch: pytest.MonkeyPatch) -> None:
