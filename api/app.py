@@ -32,7 +32,7 @@ from api.tokenizer import Tokenizer, load_model_tokenizer
 from api.tracing import Tracing
 from eventlog.appender import AppendFailed
 from eventlog.events import MAX_COUNT, MAX_RATIO
-from leanhttp.hotpath import install_hot_routes, read_body
+from leanhttp.hotpath import Guard, install_hot_routes, read_body
 from replicas.core.health import STATUS_GAUGE
 from replicas.runtime.canary import report_passive
 from replicas.runtime.replica import (
@@ -169,9 +169,12 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     # Plain Starlette routes for the hot path (FastAPI's dependency solving costs more than
     # these handlers need: they read the raw body themselves), and in front of the middleware
     # stack a short way to them behind the body size limit (leanhttp/hotpath.py).
+    guard: Guard = functools.partial(BodySizeLimit, max_bytes=cfg.max_body_bytes)
+    if tracing is not None:
+        guard = _install_tracing(app, replica, tracing, guard)
     install_hot_routes(
         app, {"/v1/completions": completions, "/v1/chat/completions": chat_completions},
-        guard=functools.partial(BodySizeLimit, max_bytes=cfg.max_body_bytes))
+        guard=guard)
     for make_routes in API_ROUTES:
         app.include_router(make_routes(gateway))
 
@@ -333,14 +336,14 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     app.include_router(admin_router(replica, cfg))
     for make_router in extra_routers:
         app.include_router(make_router(replica, cfg))
-    if tracing is not None:
-        _install_tracing(app, replica, tracing)
     return app
 
 
-def _install_tracing(app: FastAPI, replica: Replica, tracing: Tracing) -> None:
+def _install_tracing(app: FastAPI, replica: Replica, tracing: Tracing, guard: Guard) -> Guard:
     """Decisions and hop ends are traced through the replica; request spans by a wrapper around
-    the whole middleware stack, the inference routes' short way (leanhttp) included."""
+    the middleware stack (set before the hot routes are installed in front of it) and one inside
+    the hot routes' guard, so the inference routes keep their short way past the stack
+    (leanhttp's FrontDoor only takes it to a bare HotRoutes). Returns the guard to install."""
     replica.tracer = tracing
     build_stack = app.build_middleware_stack
 
@@ -348,6 +351,7 @@ def _install_tracing(app: FastAPI, replica: Replica, tracing: Tracing) -> None:
         return tracing.wrap(build_stack())
 
     app.build_middleware_stack = build_traced  # type: ignore[method-assign]
+    return lambda handlers: tracing.wrap(guard(handlers))
 
 
 async def _reset_when_ready(replica: Replica) -> None:

@@ -174,7 +174,8 @@ class Tracing:
                 self.tracer.start_span("jetrouter.queue", start_time=started, attributes={
                     "jetrouter.request_id": req.request_id}).end(
                     started + int(routed.queued_s * 1e9))
-            span.set_attributes(decision_attributes(routed))
+            if span.is_recording():  # not sampled (OTEL_TRACES_SAMPLER): skip the terms
+                span.set_attributes(decision_attributes(routed))
         current.hops[req.request_id] = (routed.worker_id, req.phase or "aggregated")
         return routed
 
