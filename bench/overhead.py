@@ -17,9 +17,10 @@ and measures, side by side:
   phase first records what each process burns with no traffic at all (timers, polling).
 
 The load generator is a minimal HTTP/1.1 keep-alive client on raw asyncio streams (uvloop when
-installed): tens of microseconds a request, where httpx costs several hundred. CPU seconds of
-each process (replica, worker, nats-server, this one) are read from ``/proc`` per phase, so the
-report says what the bottleneck was. Tracing off vs on: bench/overhead_tracing.py."""
+installed): a request costs it a few tens of microseconds, where httpx costs several hundred. CPU
+seconds of every process (replica, worker, nats-server, this one) are read from ``/proc`` for each
+phase, so the report says what the bottleneck was rather than guessing.
+"""
 
 from __future__ import annotations
 
@@ -545,8 +546,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, default=None,
                    help="cluster data/logs here (default: a temporary dir)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
-    from bench.overhead_tracing import add_arguments as add_tracing_arguments  # imports this
-    add_tracing_arguments(p)
 
 
 def options_from_args(args: argparse.Namespace) -> OverheadOptions:
@@ -586,9 +585,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"jetrouter bench overhead: error: {exc}", file=sys.stderr)
         return 2
-    if args.otlp_traces_endpoint:  # tracing off, then on
-        from bench.overhead_tracing import run as run_traced
-        return run_traced(args, opts)
     quiet = bool(args.json)
     result = _run_loop(run_overhead(opts, args.data_dir,
                                     log=(lambda s: None) if quiet else

@@ -23,7 +23,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.overhead import OverheadOptions, _run_loop, format_report, run_overhead
+from bench.overhead import (
+    OverheadOptions,
+    _run_loop,
+    format_report,
+    options_from_args,
+    run_overhead,
+)
 
 LOCAL = "local"
 
@@ -117,7 +123,12 @@ def format_comparison(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace, opts: OverheadOptions) -> int:
+def run(args: argparse.Namespace) -> int:
+    try:
+        opts = options_from_args(args)
+    except ValueError as exc:
+        print(f"jetrouter bench overhead: error: {exc}", file=sys.stderr)
+        return 2
     if args.otlp_traces_endpoint == LOCAL:
         try:
             import opentelemetry.proto  # noqa: F401  (the receiver's and the replica's extra)

@@ -260,8 +260,9 @@ async def test_a_request_held_in_the_router_queue_has_a_queue_span() -> None:
     assert queue.attributes["jetrouter.request_id"] == waited
 
 
-async def test_a_passthrough_hop_is_traced_too() -> None:
-    """``n > 1`` is forwarded verbatim (api/forward/passthrough.py): the same hop span."""
+async def test_passthrough_hops_and_the_other_routes_are_traced_too() -> None:
+    """``n > 1`` is forwarded verbatim (api/forward/passthrough.py), and so is every request of
+    the routes outside the hot path (embeddings here): the same request and hop spans."""
     trace_id, _, traceparent = client_traceparent()
     with HttpReceiver() as receiver:
         async with engine("w1") as e1:
@@ -270,11 +271,18 @@ async def test_a_passthrough_hop_is_traced_too() -> None:
                 response = await client.post("/v1/chat/completions", json={
                     **CHAT, "stream": False, "n": 2}, headers={"traceparent": traceparent})
                 assert response.status_code == 200, response.text
+                response = await client.post("/v1/embeddings", json={
+                    "model": MODEL, "input": "embed me"}, headers={"traceparent": traceparent})
+                assert response.status_code == 200, response.text
         spans = receiver.snapshot()
-    request = one(spans, "POST /v1/chat/completions")
-    hop = one(spans, "jetrouter.hop")
-    assert hop.parent_span_id == request.span_id and hop.attributes["jetrouter.outcome"] == "ok"
-    assert [parsed_traceparent(h) for h in e1.headers] == [(trace_id, hop.span_id)]
+    hops = {s.span_id: s for s in spans if s.name == "jetrouter.hop"}
+    for route in ("/v1/chat/completions", "/v1/embeddings"):
+        request = one(spans, f"POST {route}")
+        hop = next(h for h in hops.values() if h.parent_span_id == request.span_id)
+        assert hop.attributes["jetrouter.outcome"] == "ok"
+        assert request.attributes["jetrouter.request_id"] == hop.attributes["jetrouter.request_id"]
+    assert sorted(parsed_traceparent(h) for h in e1.headers) == sorted(
+        (trace_id, span_id) for span_id in hops)
 
 
 async def test_the_grpc_protocol_exports_the_same_spans(monkeypatch: pytest.MonkeyPatch) -> None:
