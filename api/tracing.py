@@ -150,7 +150,7 @@ class Tracing:
                     route: Callable[[RouteRequest], Awaitable[Routed]]) -> Routed:
         """A ``jetrouter.route`` span around one routing decision (a child of the current span:
         the request's, or a migration's)."""
-        from opentelemetry.trace import StatusCode
+        from opentelemetry import trace
 
         current = _current.get()
         if current is None:  # a decision outside any traced request
@@ -160,22 +160,29 @@ class Tracing:
             current.span.set_attributes({"jetrouter.request_id": split_hop(req.request_id)[0],
                                          "gen_ai.request.model": req.model})
         started = time.time_ns()
-        with self.tracer.start_as_current_span("jetrouter.route", attributes={
-                "jetrouter.request_id": req.request_id, "gen_ai.request.model": req.model,
-                "jetrouter.phase": req.phase or "aggregated",
-                "jetrouter.replica_id": self.replica_id,
-                "jetrouter.excluded": sorted(req.exclude)}) as span:
-            try:
-                routed = await route(req)
-            except Exception as exc:
-                span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
-                raise
+        # Few attributes: the SDK checks each one, on the event loop, per request. The model
+        # and the replica are on the request span and the resource.
+        attributes: dict[str, Any] = {"jetrouter.request_id": req.request_id,
+                                      "jetrouter.phase": req.phase or "aggregated"}
+        if req.exclude:
+            attributes["jetrouter.excluded"] = sorted(req.exclude)
+        # Not made current: nothing inside the decision opens a span (the queue span's parent is
+        # given), and attaching a context per decision is not free.
+        span = self.tracer.start_span("jetrouter.route", attributes=attributes)
+        try:
+            routed = await route(req)
             if routed.queued_s > 0:
-                self.tracer.start_span("jetrouter.queue", start_time=started, attributes={
-                    "jetrouter.request_id": req.request_id}).end(
-                    started + int(routed.queued_s * 1e9))
+                self.tracer.start_span(
+                    "jetrouter.queue", context=trace.set_span_in_context(span),
+                    start_time=started, attributes={"jetrouter.request_id": req.request_id},
+                ).end(started + int(routed.queued_s * 1e9))
             if span.is_recording():  # not sampled (OTEL_TRACES_SAMPLER): skip the terms
                 span.set_attributes(decision_attributes(routed))
+        except Exception as exc:  # a routing error: the request's answer says the rest
+            span.set_status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            span.end()
         current.hops[req.request_id] = (routed.worker_id, req.phase or "aggregated")
         return routed
 
@@ -195,12 +202,10 @@ def decision_attributes(routed: Routed) -> dict[str, Any]:
     """The chosen engine and every candidate's cost terms, as the decision ledger has them
     (``RequestRouted.candidates``), one array attribute per term in candidate order."""
     rows = routed.event.candidates
-    return {
+    attributes: dict[str, Any] = {
         "jetrouter.worker_id": routed.worker_id, "jetrouter.dp_rank": routed.dp_rank,
-        "jetrouter.worker_url": routed.worker_url,
         "jetrouter.overlap_blocks": routed.overlap_blocks,
         "jetrouter.total_blocks": routed.total_blocks, "jetrouter.isl_tokens": routed.isl_tokens,
-        "jetrouter.sticky": routed.sticky or "",
         "jetrouter.candidates.worker_id": [r[0] for r in rows],
         "jetrouter.candidates.dp_rank": [r[1] for r in rows],
         "jetrouter.candidates.overlap_blocks": [r[2] for r in rows],
@@ -209,6 +214,9 @@ def decision_attributes(routed: Routed) -> dict[str, Any]:
         "jetrouter.candidates.cost": [float(r[5]) for r in rows],
         "jetrouter.candidates.busy": [bool(r[6]) for r in rows],
     }
+    if routed.sticky is not None:  # how a session's pin decided it
+        attributes["jetrouter.sticky"] = routed.sticky
+    return attributes
 
 
 # --- hops: called by the code that talks to engines (api/forward/) -------------------------------
@@ -227,7 +235,7 @@ def start_hop(request_id: str, url: str, headers: dict[str, str]) -> None:
     hop = split_hop(request_id)[1]
     span = tracing.tracer.start_span("jetrouter.hop", kind=trace.SpanKind.CLIENT, attributes={
         "jetrouter.request_id": request_id, "jetrouter.hop": hop, "jetrouter.worker_id": worker,
-        "jetrouter.phase": phase, "url.full": url, "http.request.method": "POST"})
+        "jetrouter.phase": phase, "url.full": url})
     old = tracing.hops.pop(request_id, None)
     if old is not None:  # the same hop sent twice cannot happen; never leave a span open
         old.end()
@@ -297,8 +305,7 @@ class TracedApp:
         path = scope["path"]
         span = self.tracing.tracer.start_span(f"POST {path}", context=parent,
                                               kind=trace.SpanKind.SERVER, attributes={
-            "http.request.method": "POST", "http.route": path, "url.path": path,
-            "jetrouter.replica_id": self.tracing.replica_id})
+            "http.route": path, "jetrouter.replica_id": self.tracing.replica_id})
         token = _current.set(_Request(self.tracing, span))
         attached = context.attach(trace.set_span_in_context(span, parent))
         status = [0]
