@@ -336,6 +336,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     app.include_router(admin_router(replica, cfg))
     for make_router in extra_routers:
         app.include_router(make_router(replica, cfg))
+
     return app
 
 

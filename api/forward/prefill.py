@@ -160,6 +160,7 @@ class PrefillRouter:
             finally:
                 resp.close()
         except (UpstreamError, OSError) as exc:
+            tracing.hop_answered(pre.request_id, failure=classify(exc))
             raise PrefillFailed(classify(exc), f"{type(exc).__name__}: {exc}") from None
         if resp.status_code != 200:
             reason: HopFailure | PrefillProblem = (
