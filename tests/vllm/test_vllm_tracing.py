@@ -38,7 +38,8 @@ def _vllm_can_trace() -> bool:
     python = vllm_env.venv_python()
     if not Path(python).exists():
         return False
-    done = subprocess.run([str(python), "-c", "import opentelemetry.sdk, "
+    # What vLLM's own tracing module imports before it will trace, and the HTTP exporter.
+    done = subprocess.run([str(python), "-c", "import opentelemetry.sdk, opentelemetry.semconv_ai, "
                            "opentelemetry.exporter.otlp.proto.http.trace_exporter"],
                           capture_output=True, timeout=120)
     return done.returncode == 0
