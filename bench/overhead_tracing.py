@@ -1,15 +1,16 @@
 """`jetrouter bench overhead --otlp-traces-endpoint URL|local`: the router's added latency and CPU
 per request with tracing off and on, in one invocation.
 
-Two runs of :func:`bench.overhead.run_overhead` with the same options, one after the other, each
-on a fresh one-replica, one-worker cluster: the first without tracing, the second with the
-replica exporting every request's spans (``serve --otlp-traces-endpoint``). ``local`` starts an
+Runs of :func:`bench.overhead.run_overhead` with the same options, each on a fresh one-replica,
+one-worker cluster, without tracing and with the replica exporting every request's spans
+(``serve --otlp-traces-endpoint``): ``--tracing-pairs N`` pairs in the order off, on, on, off,
+..., so a load that drifts during the sitting weighs on both sides alike. ``local`` starts an
 OTLP/HTTP receiver in this process (bench/otlp_receiver.py) that counts what it receives without
 decoding it, so the load generator pays next to nothing for it; any other value is a collector
-URL the replica exports to. The report puts the two side by side with the ratio on / off of the
-router's added TTFT (router p50 - direct p50, each run against its own direct baseline) and of
-the replica's CPU per request. The runs are sequential, not interleaved: on a shared machine,
-repeat the command and compare the spread before reading much into a few percent.
+URL the replica exports to. The report puts off and on side by side (medians over the pairs)
+with the ratio on / off of the router's added TTFT (router p50 - direct p50, each run against its
+own direct baseline), of the replica's CPU per request and of routing throughput. On a shared
+machine, look at the spread of the pairs before reading much into a few percent.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -36,9 +38,12 @@ LOCAL = "local"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--otlp-traces-endpoint", metavar="URL|local", default=None,
-                   help="measure twice, tracing off then on: the replica exports its spans to "
+                   help="measure with tracing off and on: the replica exports its spans to "
                         "this OTLP collector, or with `local` to a receiver in this process "
                         "(needs the `tracing` extra)")
+    p.add_argument("--tracing-pairs", type=int, default=1,
+                   help="with --otlp-traces-endpoint: runs off and on, in the order off, on, "
+                        "on, off, ...; medians compared (default %(default)s)")
 
 
 @contextlib.contextmanager
@@ -82,19 +87,46 @@ def compare(off: dict[str, Any], on: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def median_comparison(pairs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """:func:`compare`'s rows with each off and on figure the median over the pairs of runs."""
+    out: list[dict[str, Any]] = []
+    for rows in zip(*pairs, strict=True):
+        merged: dict[str, Any] = {}
+        for key, cell in rows[0].items():
+            if not isinstance(cell, dict):
+                merged[key] = cell
+                continue
+            off = [r[key]["off"] for r in rows if r[key]["off"] is not None]
+            on = [r[key]["on"] for r in rows if r[key]["on"] is not None]
+            m_off = round(statistics.median(off), 3) if off else None
+            m_on = round(statistics.median(on), 3) if on else None
+            merged[key] = {"off": m_off, "on": m_on, "ratio": _ratio(m_on, m_off)}
+        out.append(merged)
+    return out
+
+
 async def run_both(opts: OverheadOptions, endpoint: str, data_dir: Path | None,
-                   log: Callable[[str], None]) -> dict[str, Any]:
-    log("tracing off")
-    off = await run_overhead(opts, data_dir / "off" if data_dir else None, log)
+                   log: Callable[[str], None], pairs: int = 1) -> dict[str, Any]:
+    """``pairs`` runs with tracing off and as many on, in the order off, on, on, off, off, on,
+    ...: a load that drifts during the sitting (other processes on the machine) then weighs on
+    both sides alike, and the medians are compared."""
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     with _endpoint(endpoint) as (url, receiver):
-        log(f"tracing on, exporting to {url}")
         traced = replace(opts, router_args=(*opts.router_args, f"--otlp-traces-endpoint={url}"))
-        on = await run_overhead(traced, data_dir / "on" if data_dir else None, log)
-    # The replica flushes its last spans when it stops, which run_overhead waited for.
+        for k in range(pairs):
+            for side in (("off", "on") if k % 2 == 0 else ("on", "off")):
+                log(f"pair {k + 1}/{pairs}: tracing {side}"
+                    + (f", exporting to {url}" if side == "on" else ""))
+                where = data_dir / f"{side}{k}" if data_dir else None
+                runs[side].append(await run_overhead(traced if side == "on" else opts, where,
+                                                     log))
+    # Each replica flushes its last spans when it stops, which run_overhead waited for.
     received = None if receiver is None else {"exports": receiver.exports,
                                               "bytes": receiver.bytes}
-    return {"tracing_off": off, "tracing_on": on, "endpoint": endpoint,
-            "otlp_received": received, "comparison": compare(off, on)}
+    per_pair = [compare(off, on) for off, on in zip(runs["off"], runs["on"], strict=True)]
+    return {"tracing_off": runs["off"], "tracing_on": runs["on"], "endpoint": endpoint,
+            "pairs": pairs, "otlp_received": received, "per_pair": per_pair,
+            "comparison": median_comparison(per_pair)}
 
 
 def _cell(d: dict[str, Any]) -> str:
@@ -103,9 +135,13 @@ def _cell(d: dict[str, Any]) -> str:
 
 
 def format_comparison(r: dict[str, Any]) -> str:
-    lines = ["== tracing off ==", format_report(r["tracing_off"]), "",
-             "== tracing on ==", format_report(r["tracing_on"]), "",
-             f"tracing off vs on (spans exported to {r['endpoint']}"
+    lines = []
+    for k, (off, on) in enumerate(zip(r["tracing_off"], r["tracing_on"], strict=True)):
+        lines += [f"== pair {k + 1}: tracing off ==", format_report(off), "",
+                  f"== pair {k + 1}: tracing on ==", format_report(on), ""]
+    pairs = r["pairs"]
+    lines += [(f"median of {pairs} pairs, " if pairs > 1 else "")
+              + f"tracing off vs on (spans exported to {r['endpoint']}"
              + (f"; received {r['otlp_received']['exports']} exports, "
                 f"{r['otlp_received']['bytes']} bytes" if r["otlp_received"] else "") + ")",
              f"{'':<30} {'off':>9} {'on':>9} {'on/off':>7}"]
@@ -126,6 +162,8 @@ def format_comparison(r: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         opts = options_from_args(args)
+        if args.tracing_pairs < 1:
+            raise ValueError("--tracing-pairs must be positive")
     except ValueError as exc:
         print(f"jetrouter bench overhead: error: {exc}", file=sys.stderr)
         return 2
@@ -139,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
     quiet = bool(args.json)
     result = _run_loop(run_both(opts, args.otlp_traces_endpoint, args.data_dir,
                                 log=(lambda s: None) if quiet else
-                                (lambda s: print(f"  {s}", file=sys.stderr, flush=True))))
+                                (lambda s: print(f"  {s}", file=sys.stderr, flush=True)),
+                                pairs=args.tracing_pairs))
     text = json.dumps(result, indent=2)
     if args.out is not None:
         args.out.write_text(text + "\n")

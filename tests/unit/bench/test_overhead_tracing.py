@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.otlp_receiver import HttpReceiver
-from bench.overhead_tracing import compare, format_comparison
+from bench.overhead_tracing import compare, format_comparison, median_comparison
 
 
 def _report(added_p50: float, cpu: float, rate: float) -> dict[str, Any]:
@@ -27,11 +27,22 @@ def test_the_comparison_puts_off_and_on_side_by_side_with_their_ratio() -> None:
     assert rows[0]["overhead_p50_ms"] == {"off": 2.0, "on": 3.0, "ratio": 1.5}
     assert rows[0]["replica_cpu_ms_per_request"]["ratio"] == 1.5
     assert rows[1]["throughput_req_per_s"]["ratio"] == 0.75
-    text = format_comparison({"tracing_off": _report(2.0, 0.5, 400.0),
-                              "tracing_on": _report(3.0, 0.75, 300.0), "endpoint": "local",
-                              "otlp_received": {"exports": 3, "bytes": 100},
+    text = format_comparison({"tracing_off": [_report(2.0, 0.5, 400.0)],
+                              "tracing_on": [_report(3.0, 0.75, 300.0)], "endpoint": "local",
+                              "pairs": 1, "otlp_received": {"exports": 3, "bytes": 100},
                               "comparison": rows})
     assert "c=1 added TTFT p50 ms" in text and "x1.50" in text and "received 3 exports" in text
+
+
+def test_pairs_are_compared_by_their_medians() -> None:
+    pairs = [compare(_report(2.0, 0.5, 400.0), _report(3.0, 0.6, 300.0)),
+             compare(_report(4.0, 0.7, 200.0), _report(9.0, 0.8, 100.0)),
+             compare(_report(3.0, 0.6, 300.0), _report(4.0, 1.2, 250.0))]
+    rows = median_comparison(pairs)
+    assert rows[0]["concurrency"] == 1
+    assert rows[0]["overhead_p50_ms"] == {"off": 3.0, "on": 4.0, "ratio": 1.333}
+    assert rows[0]["replica_cpu_ms_per_request"] == {"off": 0.6, "on": 0.8, "ratio": 1.333}
+    assert rows[1]["throughput_req_per_s"] == {"off": 300.0, "on": 250.0, "ratio": 0.833}
 
 
 def test_the_counting_receiver_takes_a_real_sdk_export() -> None:
