@@ -57,6 +57,10 @@ SERVER = Group(
            "seconds a request reaching a replica that is still catching up waits for it to be "
            "ready before a 503 (0: answer 503 at once)", at_least=0),
     Option("log-level", default="warning", choices=LOG_LEVELS),
+    Option("otlp-traces-endpoint", metavar="URL",
+           help="export OpenTelemetry traces of every request (decisions, hops, migrations) to "
+                "this OTLP collector; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks http/protobuf "
+                "(default) or grpc; needs the `tracing` extra (off by default)"),
 )
 
 ROUTING = Group(

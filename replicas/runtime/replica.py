@@ -24,8 +24,8 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
@@ -69,12 +69,23 @@ __all__ = [
     "Replica",
     "ReplicaConfig",
     "RouteRequest",
+    "RouteTracer",
     "Routed",
     "RoutingError",
     "UnknownModel",
 ]
 
 log = logging.getLogger("jetrouter.replica")
+
+
+class RouteTracer(Protocol):
+    """What the HTTP layer's tracing (api/tracing.py) wraps: every routing decision, whoever
+    asks for it (the first hop, the prefill hop, a migration), and every hop's end."""
+
+    async def route(self, req: RouteRequest,
+                    route: Callable[[RouteRequest], Awaitable[Routed]]) -> Routed: ...
+
+    def finished(self, request_id: str, outcome: str) -> None: ...
 
 
 class Replica:
@@ -106,6 +117,8 @@ class Replica:
         # Observers for the HTTP layer's metrics (no prometheus in here).
         self.on_health_check: Callable[[str, float, str], None] | None = None
         self.on_divergence: Callable[[object], None] | None = None
+        # Spans around routing decisions and hop ends (api/tracing.py); None: tracing off.
+        self.tracer: RouteTracer | None = None
         self._becoming_ready = False
         self._boot = f"{time.time_ns():x}"
         self._ready_event = asyncio.Event()
@@ -473,7 +486,9 @@ class Replica:
     async def route(self, req: RouteRequest) -> Routed:
         """Decide, count the decision in our load at once, submit its append, hand back the
         worker; :meth:`recorded` waits for the append before the client sees anything."""
-        return await self.dispatcher.route(req)
+        if self.tracer is None:
+            return await self.dispatcher.route(req)
+        return await self.tracer.route(req, self.dispatcher.route)
 
     async def recorded(self, routed: Routed) -> None:
         """Raises ``DecisionNotRecorded`` when JetStream refused the decision (then nothing may
@@ -498,6 +513,8 @@ class Replica:
     def finished(self, request_id: str, outcome: str, output_tokens: int,
                  cached_tokens: int = -1) -> None:
         self.dispatcher.finished(request_id, outcome, output_tokens, cached_tokens)
+        if self.tracer is not None:
+            self.tracer.finished(request_id, outcome)
 
     # --- config changes through the control stream -------------------------------------------
 
