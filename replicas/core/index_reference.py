@@ -13,22 +13,11 @@ Layout, chosen for the two hot paths (applying KV events and ``find_matches``):
   different workers share a node. A node's value is an int bitmask of the worker *slots* holding it.
 * Per slot, ``block_hash -> entry`` (the block's sequence hash and its parent's, packed in one
   int) maps the engine's opaque ids back to nodes, for removals and for the parent of a later store.
-* Gap bookkeeping: per slot, how many held nodes have each node as parent, and how many held nodes
-  lack their parent (``gaps``). A slot without gaps holds every ancestor of whatever it holds, so
-  along a query "holds block i" is true then false, and ``find_matches`` *bisects* for the few
-  points where the set of holders shrinks (~10 dict lookups each instead of one per block: a cold
-  dict lookup in a million-entry dict costs ~0.2 us). Slots with gaps (a mid-chain block removed
-  while deeper ones stay) fall back to ANDing the masks along the query, in C, until empty.
+* Gap bookkeeping (per slot, child counts per node and held nodes lacking their parent) lets
+  ``find_matches`` *bisect* along the query for slots without gaps; slots with gaps fall back to
+  ANDing the masks along the query, in C, until empty.
 
-Membership is *flat*: removing a mid-chain block clears that one node for that worker, so matches
-stop there; if the block is stored again, the worker's deeper blocks (which it never reported
-removed, and which the engine's own prefix cache would hit again) match again. Dynamo's radix tree
-instead detaches the children of a node nobody holds any more; the flat form makes answers depend
-only on membership, never on the order other workers' events arrived in.
-
-Counters: ``("stored", "ok" | "parent_block_not_found")`` and ``("removed", "ok")`` count events,
-``("removed", "block_not_found")`` counts unknown block hashes, ``("cleared", "ok")`` counts clears,
-``("expired", "ok")`` / ``("pruned", "ok")`` count approximate-mode entries dropped.
+Membership is *flat* and the counters are the compact form's (both described in ``index.py``).
 """
 
 from __future__ import annotations
@@ -44,14 +33,12 @@ import numpy as np
 from eventlog.hashing import CHAIN_MULTIPLIER, MASK64
 from replicas.core.index_codec import (
     PLAIN_VERSION_V2,
-    U64_MAX,
     block_columns,
     columns_v1,
     columns_v2,
     expiry_columns,
     expiry_v1,
     expiry_v2,
-    members,
     node_masks,
 )
 from replicas.core.index_common import (
@@ -61,6 +48,7 @@ from replicas.core.index_common import (
     membership_mix,
     worker_weight,
 )
+from replicas.core.index_reference_restore import restore_slot
 
 Entry = int  # a held block: seq | (parent seq + 1) << 64 (a root's parent is _ROOT, so: seq)
 
@@ -595,7 +583,7 @@ class PrefixIndex:
             block_hashes, seqs, parents, roots = (columns_v1(row[2]) if legacy
                                                   else columns_v2(*row[2:]))
             slot = index._slot_for((str(row[0]), int(row[1])))
-            held.append((slot, index._restore_slot(slot, block_hashes, seqs, parents, roots)))
+            held.append((slot, restore_slot(index, slot, block_hashes, seqs, parents, roots)))
         index._nodes = node_masks(held)
         for row in obj["expiry"]:
             index._restore_expiry((str(row[0]), int(row[1])),
@@ -603,48 +591,6 @@ class PrefixIndex:
         heapq.heapify(index._heap)
         index.counters = {(t, s): int(n) for t, s, n in obj["counters"]}
         return index
-
-    def _restore_slot(self, slot: int, block_hashes: np.ndarray, seqs: np.ndarray,
-                      parents: np.ndarray, roots: np.ndarray) -> np.ndarray:
-        """Fill one fresh slot from its columns; returns its distinct sequence hashes, sorted."""
-        n = len(seqs)
-        held = np.sort(seqs)
-        if n > 1 and not np.all(held[1:] != held[:-1]):
-            # Some node is held under several block ids: its first row holds it, the others
-            # count as extra ids (``_dups``).
-            held, node_rows, counts = np.unique(seqs, return_index=True, return_counts=True)
-            extra = counts > 1
-            self._dups[slot] = dict(zip(held[extra].tolist(), (counts[extra] - 1).tolist(),
-                                        strict=True))
-            node_parents = parents[node_rows][~roots[node_rows]]
-            unsure = node_rows
-        else:
-            node_parents = parents[~roots]
-            unsure = np.arange(n)
-        parent_ids, kid_counts = np.unique(node_parents, return_counts=True)
-        self._kids[slot] = dict(zip(parent_ids.tolist(), kid_counts.tolist(), strict=True))
-        # Gaps: nodes whose parent this slot does not hold. A row whose parent is the previous
-        # row's seq (a chain stored in order: nearly all of them) is known to have it.
-        chained = np.zeros(n, dtype=bool)
-        chained[1:] = parents[1:] == seqs[:-1]
-        unsure = unsure[~(roots[unsure] | chained[unsure])]
-        self._set_gaps(slot, int(np.count_nonzero(~members(parents[unsure], held))))
-        # entries: seq | (parent + 1) << 64, and 0 above the seq for a root
-        high = parents + np.uint64(1)
-        high[roots] = 0
-        highs = high.tolist()
-        for row in np.flatnonzero((parents == U64_MAX) & ~roots).tolist():
-            highs[row] = 1 << 64  # parent 2**64 - 1 wrapped to 0 in uint64
-        entries = [s | h << 64 for s, h in zip(seqs.tolist(), highs, strict=True)]
-        bmap = dict(zip(block_hashes.tolist(), entries, strict=True))
-        if len(bmap) != n:
-            raise ValueError(f"snapshot repeats block ids of {self._keys[slot]}")
-        self._blocks[slot] = bmap
-        with np.errstate(over="ignore"):  # uint64 arithmetic wraps: exactly mod 2**64
-            mixes = (seqs ^ np.uint64(DIGEST_SALT)) * (block_hashes * np.uint64(2) + np.uint64(1))
-            self._sums[slot] = int(mixes.sum(dtype=np.uint64))
-        self._total += n
-        return held
 
     def _restore_expiry(self, worker: WorkerKey, seqs: list[int], expires: list[float],
                         depths: list[int]) -> None:
