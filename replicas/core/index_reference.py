@@ -1,12 +1,9 @@
 """The reference prefix index: Python dicts of ints, one entry per held block (design.md §5).
 
-This was the router's index until the compact form (``index.py``) replaced it; it is kept, unchanged
-in behaviour, as the oracle the compact form is tested against and as the "before" side of
-``jetrouter bench core --index reference``. The router itself does not import it.
+The router's index before the compact form (``index.py``); kept, unchanged in behaviour, as the
+oracle tests check the compact form against and the "before" side of ``bench core``.
 
-Pure and deterministic: no clock (time arrives as arguments taken from events), no randomness.
-
-Layout, chosen for the two hot paths (applying KV events and ``find_matches``):
+Pure and deterministic: no clock, no randomness. Layout, for the two hot paths (apply, match):
 
 * Every block is a node keyed by its *sequence hash* (``eventlog.hashing.chain_hash`` from the
   parent's sequence hash; a root block's sequence hash is its ``tokens_hash``), so equal prefixes on
