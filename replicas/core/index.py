@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
+from itertools import chain
 
 import numpy as np
 
@@ -44,6 +45,36 @@ __all__ = ["OverlapScores", "PrefixIndex", "WorkerKey"]
 
 _ONE = np.uint64(1)
 _SIXTY_THREE = np.uint64(63)
+
+
+class _Powers:
+    """``P**i`` and ``P**-i`` mod 2**64 for the chain multiplier ``P`` (odd, so invertible)."""
+
+    up = np.ones(1, dtype=U64)
+    down = np.ones(1, dtype=U64)
+
+    @classmethod
+    def get(cls, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(cls.up) < n:
+            size = max(n, 2 * len(cls.up))
+            p, q = CHAIN_MULTIPLIER, pow(CHAIN_MULTIPLIER, -1, 2**64)
+            up, down = [1] * size, [1] * size
+            for i in range(1, size):
+                up[i] = (up[i - 1] * p) & MASK64
+                down[i] = (down[i - 1] * q) & MASK64
+            cls.up, cls.down = np.array(up, dtype=U64), np.array(down, dtype=U64)
+        return cls.up[:n], cls.down[:n]
+
+
+def _chain(parent: int, tokens: np.ndarray) -> np.ndarray:
+    """Sequence hashes of a chain under ``parent``: ``s[i] = s[i-1]·P + t[i]`` with
+    ``s[-1] = parent``, computed as ``P**i · (parent·P + Σ_{j<=i} t[j]·P**-j)`` (uint64
+    arithmetic wraps, so all of it is exact mod 2**64)."""
+    up, down = _Powers.get(len(tokens))
+    acc = np.cumsum(tokens * down, dtype=U64)
+    acc += np.uint64((parent * CHAIN_MULTIPLIER) & MASK64)
+    acc *= up
+    return acc
 
 
 def _bits(slots: np.ndarray) -> np.ndarray:
@@ -256,34 +287,29 @@ class PrefixIndex(ApproximateMode):
                 return "parent_block_not_found"
             parent = int(self._blocks[slot].vals.reshape(-1)[cell])
         self._sizes_cache = None
-        if blocks:
-            ids: list[int] = []
-            seqs: list[int] = []
-            mult, mask64 = CHAIN_MULTIPLIER, MASK64
-            for block_hash, tokens_hash in blocks:
-                parent = (parent * mult + tokens_hash) & mask64
-                ids.append(block_hash)
-                seqs.append(parent)
-            self._store_pairs(slot, ids, seqs)
+        n = len(blocks)
+        if n:
+            pairs = np.fromiter(chain.from_iterable(blocks), dtype=U64, count=2 * n)
+            ids = pairs[0::2]
+            self._store_pairs(slot, ids, _chain(parent, pairs[1::2]))
         self._count("stored", "ok")
         return "ok"
 
-    def _store_pairs(self, slot: int, ids: list[int], seqs: list[int]) -> None:
+    def _store_pairs(self, slot: int, ids: np.ndarray, seqs: np.ndarray) -> None:
         table = self._blocks[slot]
-        id_col, seq_col = np.array(ids, dtype=U64), np.array(seqs, dtype=U64)
-        n = len(ids)
-        if len(set(ids)) == n and len(set(seqs)) == n:
-            cells = table.find(id_col)
+        ordered = np.sort(np.stack((ids, seqs)), axis=1)
+        if not (ordered[:, 1:] == ordered[:, :-1]).any():  # distinct ids, distinct nodes
+            cells = table.find(ids)
             held = cells >= 0
             if not held.any():
-                self._add(slot, id_col, seq_col)
+                self._add(slot, ids, seqs)
                 return
-            if (table.vals.reshape(-1)[cells[held]] == seq_col[held]).all():
+            if (table.vals.reshape(-1)[cells[held]] == seqs[held]).all():
                 new = ~held  # the held ones are re-announced: nothing changes for them
-                self._add(slot, id_col[new], seq_col[new])
+                self._add(slot, ids[new], seqs[new])
                 return
         # An id reused for other content, or an id or node twice in one event: block by block.
-        for block_hash, seq in zip(ids, seqs, strict=True):
+        for block_hash, seq in zip(ids.tolist(), seqs.tolist(), strict=True):
             cell = table.get(block_hash)
             key = np.array([block_hash], dtype=U64)
             if cell >= 0:

@@ -19,6 +19,7 @@ WorkerKey = tuple[str, int]  # (worker_id, dp_rank)
 
 DIGEST_SALT = 0x5BD1E9955BD1E995  # xored into seq hashes so that seq 0 still moves the digest
 U64 = np.dtype("<u8")
+_SALT, _TWO, _ONE = np.uint64(DIGEST_SALT), np.uint64(2), np.uint64(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,5 @@ def membership_mix(block_hash: int, seq: int) -> int:
 
 def mix_sum(block_hashes: np.ndarray, seqs: np.ndarray) -> int:
     """Sum of :func:`membership_mix` over columns, mod 2**64 (uint64 arithmetic wraps exactly)."""
-    with np.errstate(over="ignore"):
-        mixes = (seqs ^ np.uint64(DIGEST_SALT)) * (block_hashes * np.uint64(2) + np.uint64(1))
-        return int(mixes.sum(dtype=np.uint64))
+    mixes = (seqs ^ _SALT) * (block_hashes * _TWO + _ONE)  # arrays never warn on overflow
+    return int(mixes.sum(dtype=np.uint64))

@@ -5,19 +5,21 @@ each costs ~100 bytes or more (the key object, the value object, the dict slot),
 it costs the bytes of its key and value plus the free cells. Layout:
 
 * ``2**bits`` **buckets of 8 cells** each: ``keys`` (``u64``), ``vals`` (any numpy dtype),
-  ``occ`` (occupied). A key's home bucket is the top ``bits`` bits of ``key * _MULT`` (Fibonacci
-  hashing: sequential keys, such as small engine block ids, still spread over every bucket).
-* A key lives in its home bucket unless that bucket was full when it arrived; then it went to
-  the next bucket with a free cell, and every bucket it passed got its sticky ``spill`` flag. A
-  lookup moves on to the next bucket only while the flag is set, so an absent key costs one
-  bucket read nearly always. Deleting just clears the cell (no tombstones: the flag keeps later
-  lookups right). Flags are dropped when the table is rebuilt.
-* The table doubles when it is ``_MAX_LOAD`` full, so it is between ~43 % and 85 % full.
+  ``occ`` (occupied).
+* **Two choices**: a key may live in either of two buckets, the top ``bits`` bits of ``key * M1``
+  and of ``key * M2`` (multiplicative hashing: sequential keys, such as small engine block ids,
+  still spread over every bucket), and goes to the emptier one. With 8 cells a bucket and two
+  choices a key practically always finds room below 85 % load, so a lookup reads exactly two
+  buckets and never probes further: one gather and one compare for a whole batch, however many
+  keys are absent (absent keys are the common case when blocks are stored). If both are full,
+  the table doubles. It also doubles at ``_MAX_LOAD``, so it is between ~43 % and 85 % full.
+* An empty cell of bucket ``B`` holds a *sentinel* key whose two buckets are both other than
+  ``B``, so lookups compare keys without reading ``occ``.
 
-Every operation takes arrays and runs as a few numpy calls whatever the batch size: at the size
-of one KV event (tens of blocks) the cost is those calls' fixed overhead, a few microseconds each.
-A deleted cell's key is reset to 0 so that a stale key can only match a query for key 0, and
-lookups of key 0 (checked per batch) also check ``occ``.
+Every operation takes arrays and runs as a fixed handful of numpy calls whatever the batch size:
+at the size of one KV event (tens of blocks) the cost is those calls' overhead, about a microsecond
+each, so the code avoids calls more than arithmetic (``take`` rather than fancy indexing, which is
+several times slower on small batches).
 """
 
 from __future__ import annotations
@@ -27,15 +29,18 @@ import numpy as np
 from replicas.core.index_common import U64
 
 _WAYS = 8  # cells per bucket: one 64-byte cache line of keys
-_MULT = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio, odd
+_M1 = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio (odd)
+_M1_INVERSE = np.uint64(pow(0x9E3779B97F4A7C15, -1, 2**64))  # _M1 * this == 1 mod 2**64
+_M2 = np.uint64(0xC2B2AE3D27D4EB4F)  # another odd constant (xxhash's PRIME64_2)
 _MAX_LOAD = 0.85
 _MIN_BITS = 3
+_ROUNDS = 6  # placement rounds before a batch that still does not fit doubles the table
 
 
 class U64Table:
     """``u64`` key -> value (``dtype``), vectorised over batches of keys."""
 
-    __slots__ = ("_shift", "dtype", "keys", "mask", "occ", "size", "spill", "vals")
+    __slots__ = ("_empty", "_shift", "dtype", "keys", "mask", "occ", "size", "vals")
 
     def __init__(self, dtype: np.dtype | type, capacity: int = 0) -> None:
         self.dtype = np.dtype(dtype)
@@ -49,43 +54,46 @@ class U64Table:
         buckets = 1 << bits
         self.mask = buckets - 1
         self._shift = np.uint64(64 - bits)
-        self.keys = np.zeros((buckets, _WAYS), dtype=U64)
+        self._empty = self._sentinels(np.arange(buckets, dtype=np.int64))
+        self.keys = np.repeat(self._empty[:, None], _WAYS, axis=1)
         self.vals = np.zeros((buckets, _WAYS), dtype=self.dtype)
         self.occ = np.zeros((buckets, _WAYS), dtype=bool)
-        self.spill = np.zeros(buckets, dtype=bool)
+
+    def _sentinels(self, buckets: np.ndarray) -> np.ndarray:
+        """Per bucket ``B``, a key neither of whose buckets is ``B``: its first bucket is
+        ``B + 1`` by construction (inverting ``* M1``); low bits are tried until the second
+        bucket is not ``B`` either (one bucket in ``2**bits`` needs a second try)."""
+        top = ((buckets + 1) & self.mask).astype(U64) << self._shift
+        out = top * _M1_INVERSE
+        low = np.uint64(0)
+        while True:
+            clash = self._homes(out)[1] == buckets
+            if not clash.any():
+                return out
+            low += np.uint64(1)
+            out[clash] = (top[clash] | low) * _M1_INVERSE
 
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.vals.nbytes + self.occ.nbytes + self.spill.nbytes
+        return self.keys.nbytes + self.vals.nbytes + self.occ.nbytes + self._empty.nbytes
 
-    def _home(self, keys: np.ndarray) -> np.ndarray:
-        return ((keys * _MULT) >> self._shift).astype(np.int64)
+    def _homes(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # < 2**bits, so exact as int64 (a view: no copy)
+        return (((keys * _M1) >> self._shift).view(np.int64),
+                ((keys * _M2) >> self._shift).view(np.int64))
 
     # --- lookups -----------------------------------------------------------------------------
 
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Flat cell index (``bucket * 8 + way``) of each key, -1 where absent."""
         n = len(keys)
-        pos = np.full(n, -1, dtype=np.int64)
         if not n or not self.size:
-            return pos
-        zero = not keys.all()
-        b = self._home(keys)
-        at = None  # rows of ``pos`` still looked for (None: all of them)
-        while True:
-            hit = self.keys[b] == keys[:, None]
-            if zero:
-                hit &= self.occ[b]
-            found = hit.any(axis=1)
-            cell = b * _WAYS + hit.argmax(axis=1)
-            if at is None:
-                np.copyto(pos, cell, where=found)
-            else:
-                pos[at[found]] = cell[found]
-            more = ~found & self.spill[b]
-            if not more.any():
-                return pos
-            at = np.flatnonzero(more) if at is None else at[more]
-            keys, b = keys[more], (b[more] + 1) & self.mask
+            return np.full(n, -1, dtype=np.int64)
+        b1, b2 = self._homes(keys)
+        both = np.concatenate((b1, b2))
+        hit = self.keys.take(both, axis=0) == np.concatenate((keys, keys))[:, None]
+        cell = both * _WAYS + hit.argmax(axis=1)
+        found = hit.view(np.uint64)[:, 0] != 0  # any of the row's 8 bytes
+        return np.where(found[:n], cell[:n], np.where(found[n:], cell[n:], -1))
 
     def get(self, key: int) -> int:
         """Cell of one key, -1 if absent."""
@@ -104,53 +112,71 @@ class U64Table:
             return
         if (self.size + n) > _MAX_LOAD * self.keys.size:
             self._grow(self.size + n)
-        self._place(keys, np.asarray(vals, dtype=self.dtype))
+        vals = np.asarray(vals, dtype=self.dtype)
+        while True:
+            keys, vals = self._place(keys, vals)
+            if not len(keys):
+                break
+            self._grow(self.size + n)  # both buckets of some key full: double and go on
         self.size += n
 
     def delete(self, cells: np.ndarray) -> None:
         """Empty the given (occupied, distinct) cells."""
-        flat_keys = self.keys.reshape(-1)
-        flat_keys[cells] = 0
+        self.keys.reshape(-1)[cells] = self._empty.take(cells // _WAYS)
         self.occ.reshape(-1)[cells] = False
         self.size -= len(cells)
 
-    def _place(self, keys: np.ndarray, vals: np.ndarray) -> None:
-        b = self._home(keys)
+    def _place(self, keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Put keys in the emptier of their two buckets; returns those that found no room."""
+        b1, b2 = self._homes(keys)
         flat_keys, flat_vals, flat_occ = (self.keys.reshape(-1), self.vals.reshape(-1),
                                           self.occ.reshape(-1))
-        while len(keys):
+        for _ in range(_ROUNDS):
             m = len(keys)
-            if m == 1:
-                rank = np.zeros(1, dtype=np.int64)
+            n = np.concatenate((b1, b2))
+            occupied = self.occ.take(n, axis=0)
+            used = np.bitwise_count(occupied.view(np.uint64)[:, 0])  # occ bytes are 0 or 1
+            second = used[m:] < used[:m]
+            b = np.where(second, b2, b1)
+            occ_b = np.where(second[:, None], occupied[m:], occupied[:m])
+            sb = np.sort(b)
+            if m == 1 or not (sb[1:] == sb[:-1]).any():  # one key per bucket: first free cell
+                fits = np.where(second, used[m:], used[:m]) < _WAYS
+                cell = b * _WAYS + occ_b.argmin(axis=1)
             else:
                 # rank of each key among this batch's keys with the same bucket: the k-th of
                 # them takes the bucket's k-th free cell
                 order = np.argsort(b, kind="stable")
-                sb = b[order]
                 first = np.empty(m, dtype=bool)
                 first[0] = True
                 np.not_equal(sb[1:], sb[:-1], out=first[1:])
                 idx = np.arange(m)
-                starts = np.maximum.accumulate(np.where(first, idx, 0))
                 rank = np.empty(m, dtype=np.int64)
-                rank[order] = idx - starts
-            free = np.cumsum(~self.occ[b], axis=1)
-            fits = free[:, -1] > rank
-            cell = b * _WAYS + (free > rank[:, None]).argmax(axis=1)
+                rank[order] = idx - np.maximum.accumulate(np.where(first, idx, 0))
+                free_upto = np.cumsum(~occ_b, axis=1)
+                fits = free_upto[:, -1] > rank
+                cell = b * _WAYS + (free_upto > rank[:, None]).argmax(axis=1)
+            if fits.all():
+                flat_keys[cell] = keys
+                flat_vals[cell] = vals
+                flat_occ[cell] = True
+                return keys[:0], vals[:0]
             placed = cell[fits]
             flat_keys[placed] = keys[fits]
             flat_vals[placed] = vals[fits]
             flat_occ[placed] = True
-            if fits.all():
-                return
             rest = ~fits
-            self.spill[b[rest]] = True
-            keys, vals, b = keys[rest], vals[rest], (b[rest] + 1) & self.mask
+            keys, vals, b1, b2 = keys[rest], vals[rest], b1[rest], b2[rest]
+        return keys, vals
 
     def _grow(self, need: int) -> None:
         keys, vals = self.items()
-        bits = int(self.mask).bit_length()
+        bits = int(self.mask).bit_length() + 1
         while (1 << bits) * _WAYS * _MAX_LOAD < need:
             bits += 1
-        self._alloc(bits)  # the old arrays are released here; only the compact copies remain
-        self._place(keys, vals)
+        while True:
+            self._alloc(bits)  # the old arrays are released here; only the compact copies remain
+            left, _ = self._place(keys, vals)
+            if not len(left):
+                return
+            bits += 1
