@@ -38,14 +38,18 @@ import numpy as np
 from eventlog.hashing import CHAIN_MULTIPLIER, MASK64
 from replicas.core.index_approx import ApproximateMode
 from replicas.core.index_codec import PLAIN_VERSION_V3, expiry_columns, read_plain
-from replicas.core.index_common import U64, OverlapScores, WorkerKey, mix_sum, worker_weight
+from replicas.core.index_common import (
+    U64,
+    OverlapScores,
+    WorkerKey,
+    membership_mix,
+    mix_sum,
+    worker_weight,
+)
+from replicas.core.index_holders import NodeHolders
 from replicas.core.index_table import U64Table
 
 __all__ = ["OverlapScores", "PrefixIndex", "WorkerKey"]
-
-_ONE = np.uint64(1)
-_SIXTY_THREE = np.uint64(63)
-
 
 class _Powers:
     """``P**i`` and ``P**-i`` mod 2**64 for the chain multiplier ``P`` (odd, so invertible)."""
@@ -77,12 +81,11 @@ def _chain(parent: int, tokens: np.ndarray) -> np.ndarray:
     return acc
 
 
-def _bits(slots: np.ndarray) -> np.ndarray:
-    """``1 << (slot % 64)`` as ``u64``, per slot."""
-    return np.left_shift(_ONE, slots.astype(U64) & _SIXTY_THREE)
-
-
 class PrefixIndex(ApproximateMode):
+    # Events of at most this many blocks apply block by block in plain Python (~3 us a block);
+    # longer ones as arrays (a fixed ~100 us of numpy calls, then well under 1 us a block).
+    small_event = 24
+
     def __init__(
         self,
         *,
@@ -96,10 +99,7 @@ class PrefixIndex(ApproximateMode):
         self.max_tree_size = int(max_tree_size)
         self.prune_target_ratio = float(prune_target_ratio)
         self.counters: dict[tuple[str, str], int] = {}
-        self._nodes = U64Table(np.int32)  # seq -> slot, or -2 - row of _rows
-        self._rows = np.zeros((0, 1), dtype=U64)  # holder bitmaps of nodes several slots hold
-        self._rows_free: list[int] = []
-        self._rows_used = 0
+        self._holders = NodeHolders()
         self._slots: dict[WorkerKey, int] = {}
         self._keys: list[WorkerKey | None] = []  # slot -> worker key
         self._free: list[int] = []  # released slots (heap: lowest reused first)
@@ -134,11 +134,7 @@ class PrefixIndex(ApproximateMode):
             self._dups.append({})
             self._sums.append(0)
             self._weights.append(worker_weight(worker))
-            words = slot // 64 + 1
-            if words > self._rows.shape[1]:
-                wider = np.zeros((len(self._rows), words), dtype=U64)
-                wider[:, :self._rows.shape[1]] = self._rows
-                self._rows = wider
+            self._holders.widen(slot)
         self._slots[worker] = slot
         return slot
 
@@ -152,90 +148,19 @@ class PrefixIndex(ApproximateMode):
         self._sums[slot] = 0
         heapq.heappush(self._free, slot)
 
-    def _alloc_rows(self, k: int) -> np.ndarray:
-        reuse = min(k, len(self._rows_free))
-        out = [self._rows_free.pop() for _ in range(reuse)]
-        fresh = k - reuse
-        if self._rows_used + fresh > len(self._rows):
-            grown = np.zeros((max(2 * len(self._rows), self._rows_used + fresh, 64),
-                              self._rows.shape[1]), dtype=U64)
-            grown[:len(self._rows)] = self._rows
-            self._rows = grown
-        out.extend(range(self._rows_used, self._rows_used + fresh))
-        self._rows_used += fresh
-        rows = np.array(out, dtype=np.int64)
-        self._rows[rows] = 0
-        return rows
-
     # --- membership primitives ---------------------------------------------------------------
 
-    def _hold(self, slot: int, seqs: np.ndarray) -> np.ndarray:
-        """Make ``slot`` a holder of each (distinct) node; True where it held it already."""
-        nodes = self._nodes
-        cells = nodes.find(seqs)
-        new = cells < 0
-        dup = np.zeros(len(seqs), dtype=bool)
-        old = np.flatnonzero(~new)
-        if len(old):
-            at = cells[old]
-            flat = nodes.vals.reshape(-1)
-            v = flat[at].astype(np.int64)
-            single = v >= 0
-            mine = single & (v == slot)
-            dup[old[mine]] = True
-            grow = single & ~mine  # one other holder so far: the node gets a bitmap row
-            if grow.any():
-                others = v[grow]
-                rows = self._alloc_rows(len(others))
-                self._rows[rows, others >> 6] |= _bits(others)
-                self._rows[rows, slot >> 6] |= _ONE << np.uint64(slot & 63)
-                flat[at[grow]] = -2 - rows
-            multi = ~single
-            if multi.any():
-                rows = -2 - v[multi]
-                word, bit = slot >> 6, _ONE << np.uint64(slot & 63)
-                held = (self._rows[rows, word] & bit) != 0
-                dup[old[multi][held]] = True
-                self._rows[rows[~held], word] |= bit
-        if new.any():
-            nodes.insert(seqs[new], np.full(int(new.sum()), slot, dtype=np.int32))
-        return dup
-
-    def _unhold(self, slot: int, seqs: np.ndarray) -> None:
-        """Stop ``slot`` holding each (distinct, held) node; a node nobody holds is deleted, a
-        bitmap left with one holder goes back to a plain slot (so the layout depends only on
-        membership, as after a restore)."""
-        if not len(seqs):
-            return
-        nodes = self._nodes
-        cells = nodes.find(seqs)
-        cells = cells[cells >= 0]  # always all of them, short of a 64-bit hash collision
-        flat = nodes.vals.reshape(-1)
-        v = flat[cells].astype(np.int64)
-        single = v >= 0
-        multi = ~single
-        if multi.any():
-            at, rows = cells[multi], -2 - v[multi]
-            self._rows[rows, slot >> 6] &= ~(_ONE << np.uint64(slot & 63))
-            bitmaps = self._rows[rows]
-            lone = np.bitwise_count(bitmaps).sum(axis=1) == 1
-            if lone.any():
-                words = bitmaps[lone]
-                word = (words != 0).argmax(axis=1)
-                top = words[np.arange(len(word)), word].astype(np.float64)  # a power of two
-                flat[at[lone]] = word * 64 + np.frexp(top)[1] - 1
-                self._rows_free.extend(rows[lone].tolist())
-        nodes.delete(cells[single & (v == slot)])
-
-    def _add(self, slot: int, block_hashes: np.ndarray, seqs: np.ndarray) -> None:
-        """Add pairs the slot does not hold (distinct ids; distinct seqs)."""
+    def _add(self, slot: int, block_hashes: np.ndarray, seqs: np.ndarray,
+             homes: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Add pairs the slot does not hold (distinct ids; distinct seqs); ``homes``: the ids'
+        buckets in the slot's block map, from ``find_homes`` just before."""
         n = len(block_hashes)
         if not n:
             return
-        self._blocks[slot].insert(block_hashes, seqs)
+        self._blocks[slot].insert(block_hashes, seqs, homes)
         self._sums[slot] = (self._sums[slot] + mix_sum(block_hashes, seqs)) & MASK64
         self._total += n
-        dup = self._hold(slot, seqs)
+        dup = self._holders.hold(slot, seqs)
         if dup.any():  # held under another block id too: membership unchanged, count the id
             dups = self._dups[slot]
             for seq in seqs[dup].tolist():
@@ -262,10 +187,47 @@ class PrefixIndex(ApproximateMode):
                     else:
                         dups[seq] = extra - 1
             seqs = seqs[keep]
-        self._unhold(slot, seqs)
+        self._holders.unhold(slot, seqs)
         if self.approximate:
             for seq in seqs.tolist():
                 self._expiry.pop((slot, seq), None)
+
+    def _add1(self, slot: int, block_hash: int, seq: int) -> None:
+        """``_add`` of one pair the slot does not hold, in plain Python."""
+        self._blocks[slot].insert1(block_hash, seq)
+        self._sums[slot] = (self._sums[slot] + membership_mix(block_hash, seq)) & MASK64
+        self._total += 1
+        if self._holders.hold1(slot, seq):
+            dups = self._dups[slot]
+            dups[seq] = dups.get(seq, 0) + 1
+
+    def _drop1(self, slot: int, block_hash: int, seq: int, cell: int) -> None:
+        """``_drop`` of one pair the slot holds at ``cell`` of its block map."""
+        self._blocks[slot].delete1(cell)
+        self._sums[slot] = (self._sums[slot] - membership_mix(block_hash, seq)) & MASK64
+        self._total -= 1
+        dups = self._dups[slot]
+        extra = dups.get(seq) if dups else None
+        if extra:  # another block id of this worker still maps to the node
+            if extra == 1:
+                del dups[seq]
+            else:
+                dups[seq] = extra - 1
+            return
+        self._holders.unhold1(slot, seq)
+        if self.approximate:
+            self._expiry.pop((slot, seq), None)
+
+    def _store1(self, slot: int, block_hash: int, seq: int) -> None:
+        """Store one pair, block by block semantics: re-announced, moved, or new."""
+        table = self._blocks[slot]
+        cell = table.find1(block_hash)
+        if cell >= 0:
+            was = table.mv[cell]
+            if was == seq:
+                return  # re-announced: nothing changes
+            self._drop1(slot, block_hash, was, cell)  # the engine reused the id: move it
+        self._add1(slot, block_hash, seq)
 
     # --- KV events ---------------------------------------------------------------------------
 
@@ -281,14 +243,19 @@ class PrefixIndex(ApproximateMode):
             parent = 0  # chain_hash(0, t) == t: a root block's sequence hash is its tokens_hash
         else:
             slot = self._slots.get(worker, -1)
-            cell = self._blocks[slot].get(parent_block_hash) if slot >= 0 else -1
+            cell = self._blocks[slot].find1(parent_block_hash) if slot >= 0 else -1
             if cell < 0:
                 self._count("stored", "parent_block_not_found")
                 return "parent_block_not_found"
-            parent = int(self._blocks[slot].vals.reshape(-1)[cell])
+            parent = self._blocks[slot].mv[cell]
         self._sizes_cache = None
         n = len(blocks)
-        if n:
+        if n <= self.small_event:
+            mult, mask64 = CHAIN_MULTIPLIER, MASK64
+            for block_hash, tokens_hash in blocks:
+                parent = (parent * mult + tokens_hash) & mask64
+                self._store1(slot, block_hash, parent)
+        else:
             pairs = np.fromiter(chain.from_iterable(blocks), dtype=U64, count=2 * n)
             ids = pairs[0::2]
             self._store_pairs(slot, ids, _chain(parent, pairs[1::2]))
@@ -299,10 +266,10 @@ class PrefixIndex(ApproximateMode):
         table = self._blocks[slot]
         ordered = np.sort(np.stack((ids, seqs)), axis=1)
         if not (ordered[:, 1:] == ordered[:, :-1]).any():  # distinct ids, distinct nodes
-            cells = table.find(ids)
+            cells, homes = table.find_homes(ids)
             held = cells >= 0
             if not held.any():
-                self._add(slot, ids, seqs)
+                self._add(slot, ids, seqs, homes)
                 return
             if (table.vals.reshape(-1)[cells[held]] == seqs[held]).all():
                 new = ~held  # the held ones are re-announced: nothing changes for them
@@ -310,14 +277,7 @@ class PrefixIndex(ApproximateMode):
                 return
         # An id reused for other content, or an id or node twice in one event: block by block.
         for block_hash, seq in zip(ids.tolist(), seqs.tolist(), strict=True):
-            cell = table.get(block_hash)
-            key = np.array([block_hash], dtype=U64)
-            if cell >= 0:
-                was = table.vals.reshape(-1)[[cell]]
-                if int(was[0]) == seq:
-                    continue  # re-announced
-                self._drop(slot, key, was, np.array([cell]))  # the engine reused the id: move
-            self._add(slot, key, np.array([seq], dtype=U64))
+            self._store1(slot, block_hash, seq)
 
     def remove(self, worker: WorkerKey, block_hashes: Sequence[int]) -> int:
         """Apply a BlocksRemoved; returns how many block hashes were unknown (the rest apply)."""
@@ -333,34 +293,30 @@ class PrefixIndex(ApproximateMode):
         return unknown
 
     def _remove_from_slot(self, slot: int, ids: list[int]) -> int:
-        if not ids:
-            return 0
         table = self._blocks[slot]
-        id_col = np.array(ids, dtype=U64)
-        cells = table.find(id_col)
-        found = cells >= 0
-        unknown = len(ids) - int(found.sum())
-        if len(set(ids)) == len(ids):
+        if len(ids) > self.small_event and len(set(ids)) == len(ids):
+            id_col = np.array(ids, dtype=U64)
+            cells = table.find(id_col)
+            found = cells >= 0
             cells = cells[found]
             seqs = table.vals.reshape(-1)[cells]
-            if len(np.unique(seqs)) == len(seqs):
+            if len(np.unique(seqs)) == len(seqs):  # distinct nodes too: all at once
                 self._drop(slot, id_col[found], seqs, cells)
-                return unknown
-        unknown = 0  # an id or a node twice in one event: block by block
+                return len(ids) - len(cells)
+        unknown = 0  # a few ids, or an id or a node twice in one event: block by block
         for block_hash in ids:
-            cell = table.get(block_hash)
+            cell = table.find1(block_hash)
             if cell < 0:
                 unknown += 1
-                continue
-            self._drop(slot, np.array([block_hash], dtype=U64), table.vals.reshape(-1)[[cell]],
-                       np.array([cell]))
+            else:
+                self._drop1(slot, block_hash, table.mv[cell], cell)
         return unknown
 
     def _clear_slot(self, slot: int) -> None:
         table = self._blocks[slot]
         _, seqs = table.items()
         held = np.unique(seqs) if self._dups[slot] else seqs
-        self._unhold(slot, held)
+        self._holders.unhold(slot, held)
         if self.approximate:
             for seq in held.tolist():
                 self._expiry.pop((slot, seq), None)
@@ -387,45 +343,22 @@ class PrefixIndex(ApproximateMode):
     def find_matches(self, seq_hashes: Sequence[int]) -> OverlapScores:
         """Matched prefix length (in blocks) of ``seq_hashes`` per worker key, plus tree sizes."""
         scores: dict[WorkerKey, int] = {}
-        if len(seq_hashes) and self._nodes.size:
-            cells = self._nodes.find(np.asarray(seq_hashes, dtype=U64))
-            if cells[0] >= 0:
-                missing = np.flatnonzero(cells < 0)
-                end = int(missing[0]) if len(missing) else len(cells)
-                holders = self._nodes.vals.reshape(-1)[cells[:end]]
+        if len(seq_hashes) and self._holders.nodes.size:
+            holders = self._holders.prefix_holders(np.asarray(seq_hashes, dtype=U64))
+            if len(holders):
+                keys = self._keys
                 first = int(holders[0])
-                if first >= 0:  # one worker holds the first block: only it can match
-                    other = np.flatnonzero(holders != first)
-                    if not len(other) or holders[other[0]] >= 0:
-                        scores[self._keys[first]] = (  # type: ignore[index]
-                            int(other[0]) if len(other) else end)
-                        return OverlapScores(scores, dict(self._tree_sizes()))
-                self._match_bitmaps(holders.astype(np.int64), scores)
+                other = np.flatnonzero(holders != first) if first >= 0 else None
+                if other is not None and (not len(other) or holders[other[0]] >= 0):
+                    # one worker holds the first block, and after its run comes a block it does
+                    # not hold (or none): only it matches, that far
+                    scores[keys[first]] = (  # type: ignore[index]
+                        int(other[0]) if len(other) else len(holders))
+                else:
+                    slots, lengths = self._holders.match(holders)
+                    scores.update(zip([keys[s] for s in slots],  # type: ignore[misc]
+                                      lengths, strict=True))
         return OverlapScores(scores, dict(self._tree_sizes()))
-
-    def _match_bitmaps(self, holders: np.ndarray, scores: dict[WorkerKey, int]) -> None:
-        """Scores from the holders of the prompt's leading blocks (all present), several slots
-        at once: AND the holder bitmaps along the prompt; a slot's match length is the number
-        of positions whose running AND still has its bit, so each point where the running set
-        shrinks gives the slots that left there their length."""
-        end = len(holders)
-        rows = np.zeros((end, self._rows.shape[1]), dtype=U64)
-        single = np.flatnonzero(holders >= 0)
-        slots = holders[single]
-        rows[single, slots >> 6] = _bits(slots)
-        multi = np.flatnonzero(holders < 0)
-        rows[multi] = self._rows[-2 - holders[multi]]
-        running = np.bitwise_and.accumulate(rows, axis=0)
-        shrink = np.flatnonzero((running[1:] != running[:-1]).any(axis=1)) + 1
-        lengths = np.append(shrink, end)
-        before = running[lengths - 1]
-        after = np.zeros_like(before)
-        after[:-1] = running[shrink]
-        left = np.unpackbits((before & ~after).view(np.uint8), axis=1, bitorder="little")
-        at, slot_ids = np.nonzero(left)
-        keys = self._keys
-        scores.update(zip([keys[s] for s in slot_ids.tolist()],  # type: ignore[misc]
-                          lengths[at].tolist(), strict=True))
 
     def _tree_sizes(self) -> dict[WorkerKey, int]:
         sizes = self._sizes_cache
@@ -447,7 +380,7 @@ class PrefixIndex(ApproximateMode):
     @property
     def node_count(self) -> int:
         """Distinct sequence hashes held by anyone (shared prefixes count once)."""
-        return self._nodes.size
+        return self._holders.nodes.size
 
     @property
     def digest(self) -> int:
@@ -460,8 +393,7 @@ class PrefixIndex(ApproximateMode):
 
     def nbytes(self) -> int:
         """Bytes of the index's arrays (what ``bench core`` compares with RSS growth)."""
-        return (self._nodes.nbytes() + self._rows.nbytes
-                + sum(t.nbytes() for t in self._blocks))
+        return self._holders.nbytes() + sum(t.nbytes() for t in self._blocks)
 
     # --- snapshots (index_codec.py) -----------------------------------------------------------
 
@@ -523,33 +455,9 @@ class PrefixIndex(ApproximateMode):
             held.append(distinct)
             holders.append(np.full(len(distinct), slot, dtype=np.int64))
         if sum(map(len, held)):
-            index._restore_nodes(np.concatenate(held), np.concatenate(holders))
+            index._holders.restore(np.concatenate(held), np.concatenate(holders))
         for worker, seq_list, expires, depths in plain.expiry:
             index._restore_expiry(worker, seq_list, expires, depths)
         heapq.heapify(index._heap)
         index.counters = plain.counters
         return index
-
-    def _restore_nodes(self, seqs: np.ndarray, slots: np.ndarray) -> None:
-        """``_nodes`` and ``_rows`` from every (node, holder) pair, in bulk."""
-        order = np.argsort(seqs, kind="stable")
-        seqs, slots = seqs[order], slots[order]
-        n = len(seqs)
-        first = np.empty(n, dtype=bool)
-        first[0] = True
-        np.not_equal(seqs[1:], seqs[:-1], out=first[1:])
-        starts = np.flatnonzero(first)
-        counts = np.diff(np.append(starts, n))
-        vals = slots[starts].astype(np.int32)
-        shared = np.flatnonzero(counts > 1)
-        if len(shared):
-            rows = self._alloc_rows(len(shared))
-            row_of = np.full(len(starts), -1, dtype=np.int64)
-            row_of[shared] = rows
-            group = np.cumsum(first) - 1
-            member = row_of[group] >= 0
-            np.bitwise_or.at(self._rows, (row_of[group[member]], slots[member] >> 6),
-                             _bits(slots[member]))
-            vals[shared] = -2 - rows
-        self._nodes = U64Table(np.int32, capacity=len(starts))
-        self._nodes.insert(seqs[starts], vals)

@@ -48,8 +48,7 @@ class ApproximateMode:
     def _add(self, slot: int, block_hashes: np.ndarray, seqs: np.ndarray) -> None:
         raise NotImplementedError
 
-    def _drop(self, slot: int, block_hashes: np.ndarray, seqs: np.ndarray,
-              cells: np.ndarray) -> None:
+    def _drop1(self, slot: int, block_hash: int, seq: int, cell: int) -> None:
         raise NotImplementedError
 
     def _count(self, event_type: str, status: str, n: int = 1) -> None:
@@ -93,11 +92,10 @@ class ApproximateMode:
 
     def _drop_entry(self, slot: int, seq: int) -> None:
         table = self._blocks[slot]
-        cell = table.get(seq)
+        cell = table.find1(seq)
         self._expiry.pop((slot, seq), None)
         if cell >= 0:
-            key = np.array([seq], dtype=U64)
-            self._drop(slot, key, table.vals.reshape(-1)[[cell]], np.array([cell]))
+            self._drop1(slot, seq, table.mv[cell], cell)
 
     def expire(self, now: float) -> int:
         """Drop approximate-mode entries whose expiry is at or before event time ``now``."""

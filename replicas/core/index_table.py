@@ -6,15 +6,16 @@ it costs the bytes of its key and value plus the free cells. Layout:
 
 * ``2**bits`` **buckets of 8 cells** each: ``keys`` (``u64``), ``vals`` (any numpy dtype),
   ``occ`` (occupied).
-* **Two choices**: a key may live in either of two buckets, the top ``bits`` bits of ``key * M1``
-  and of ``key * M2`` (multiplicative hashing: sequential keys, such as small engine block ids,
-  still spread over every bucket), and goes to the emptier one. With 8 cells a bucket and two
-  choices a key practically always finds room below 85 % load, so a lookup reads exactly two
-  buckets and never probes further: one gather and one compare for a whole batch, however many
-  keys are absent (absent keys are the common case when blocks are stored). If both are full,
-  the table doubles. It also doubles at ``_MAX_LOAD``, so it is between ~43 % and 85 % full.
-* An empty cell of bucket ``B`` holds a *sentinel* key whose two buckets are both other than
-  ``B``, so lookups compare keys without reading ``occ``.
+* **Two choices**: a key may live in either of two buckets, the top ``bits`` bits of ``key * M``
+  and the ``bits`` bits below those (multiplicative hashing: sequential keys, such as small
+  engine block ids, still spread over every bucket), and goes to the emptier one. With 8 cells
+  a bucket and two choices a key practically always finds room below 85 % load, so a lookup
+  reads exactly two buckets and never probes further: one gather and one compare for a whole
+  batch, however many keys are absent (absent keys are the common case when blocks are
+  stored). If both are full, the table doubles. It also doubles at ``_MAX_LOAD``, so it is
+  between ~43 % and 85 % full.
+* An empty cell of bucket ``B`` holds a *sentinel* key whose two buckets are ``B + 1`` and
+  ``B + 2`` (built by inverting ``* M``), so lookups compare keys without reading ``occ``.
 
 Every operation takes arrays and runs as a fixed handful of numpy calls whatever the batch size:
 at the size of one KV event (tens of blocks) the cost is those calls' overhead, about a microsecond
@@ -29,9 +30,10 @@ import numpy as np
 from replicas.core.index_common import U64
 
 _WAYS = 8  # cells per bucket: one 64-byte cache line of keys
-_M1 = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio (odd)
-_M1_INVERSE = np.uint64(pow(0x9E3779B97F4A7C15, -1, 2**64))  # _M1 * this == 1 mod 2**64
-_M2 = np.uint64(0xC2B2AE3D27D4EB4F)  # another odd constant (xxhash's PRIME64_2)
+_M = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio (odd)
+_M_INVERSE = np.uint64(pow(0x9E3779B97F4A7C15, -1, 2**64))  # _M * this == 1 mod 2**64
+_M_INT, _MASK64 = int(_M), 2**64 - 1
+_MAX_BITS = 32  # two bucket numbers of ``bits`` bits each come from one 64-bit product
 _MAX_LOAD = 0.85
 _MIN_BITS = 3
 _ROUNDS = 6  # placement rounds before a batch that still does not fit doubles the table
@@ -40,7 +42,8 @@ _ROUNDS = 6  # placement rounds before a batch that still does not fit doubles t
 class U64Table:
     """``u64`` key -> value (``dtype``), vectorised over batches of keys."""
 
-    __slots__ = ("_empty", "_shift", "dtype", "keys", "mask", "occ", "size", "vals")
+    __slots__ = ("_bits", "_empty", "_mask_u", "_mk", "_mo", "_shift", "_shift2", "dtype", "keys",
+                 "mask", "mv", "occ", "size", "vals")
 
     def __init__(self, dtype: np.dtype | type, capacity: int = 0) -> None:
         self.dtype = np.dtype(dtype)
@@ -51,35 +54,38 @@ class U64Table:
         self.size = 0
 
     def _alloc(self, bits: int) -> None:
+        if bits > _MAX_BITS:
+            raise MemoryError("hash table past 2**35 cells")
         buckets = 1 << bits
         self.mask = buckets - 1
+        self._mask_u = np.uint64(self.mask)
         self._shift = np.uint64(64 - bits)
+        self._shift2 = np.uint64(64 - 2 * bits)
         self._empty = self._sentinels(np.arange(buckets, dtype=np.int64))
         self.keys = np.repeat(self._empty[:, None], _WAYS, axis=1)
         self.vals = np.zeros((buckets, _WAYS), dtype=self.dtype)
         self.occ = np.zeros((buckets, _WAYS), dtype=bool)
+        self._bits = bits
+        # memoryviews of the same memory, for the one-key methods: indexing one returns a Python
+        # int in ~30 ns, where indexing the array makes a numpy scalar
+        self._mk = memoryview(self.keys.reshape(-1))
+        self.mv = memoryview(self.vals.reshape(-1))
+        self._mo = memoryview(self.occ.reshape(-1))
 
     def _sentinels(self, buckets: np.ndarray) -> np.ndarray:
-        """Per bucket ``B``, a key neither of whose buckets is ``B``: its first bucket is
-        ``B + 1`` by construction (inverting ``* M1``); low bits are tried until the second
-        bucket is not ``B`` either (one bucket in ``2**bits`` needs a second try)."""
-        top = ((buckets + 1) & self.mask).astype(U64) << self._shift
-        out = top * _M1_INVERSE
-        low = np.uint64(0)
-        while True:
-            clash = self._homes(out)[1] == buckets
-            if not clash.any():
-                return out
-            low += np.uint64(1)
-            out[clash] = (top[clash] | low) * _M1_INVERSE
+        """Per bucket ``B``, a key whose buckets are ``B + 1`` and ``B + 2``, never ``B``."""
+        first = ((buckets + 1) & self.mask).astype(U64) << self._shift
+        second = ((buckets + 2) & self.mask).astype(U64) << self._shift2
+        return (first | second) * _M_INVERSE
 
     def nbytes(self) -> int:
         return self.keys.nbytes + self.vals.nbytes + self.occ.nbytes + self._empty.nbytes
 
     def _homes(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # < 2**bits, so exact as int64 (a view: no copy)
-        return (((keys * _M1) >> self._shift).view(np.int64),
-                ((keys * _M2) >> self._shift).view(np.int64))
+        # both < 2**bits, so exact as int64 (a view: no copy)
+        h = keys * _M
+        return (h >> self._shift).view(np.int64), ((h >> self._shift2) & self._mask_u).view(
+            np.int64)
 
     # --- lookups -----------------------------------------------------------------------------
 
@@ -88,7 +94,17 @@ class U64Table:
         n = len(keys)
         if not n or not self.size:
             return np.full(n, -1, dtype=np.int64)
-        b1, b2 = self._homes(keys)
+        return self._find(keys, *self._homes(keys))
+
+    def find_homes(self, keys: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """``find``, plus the keys' buckets for a following ``insert`` of some of them."""
+        homes = self._homes(keys)
+        if not self.size:
+            return np.full(len(keys), -1, dtype=np.int64), homes
+        return self._find(keys, *homes), homes
+
+    def _find(self, keys: np.ndarray, b1: np.ndarray, b2: np.ndarray) -> np.ndarray:
+        n = len(keys)
         both = np.concatenate((b1, b2))
         hit = self.keys.take(both, axis=0) == np.concatenate((keys, keys))[:, None]
         cell = both * _WAYS + hit.argmax(axis=1)
@@ -103,18 +119,67 @@ class U64Table:
         """Copies of every (key, value), in cell order."""
         return self.keys[self.occ], self.vals[self.occ]
 
+    # --- one key at a time (events of a few blocks: a numpy call costs more than this) -------
+
+    def find1(self, key: int) -> int:
+        """``find`` for one key, in plain Python."""
+        if not self.size:
+            return -1
+        bits = self._bits
+        h = (key * _M_INT) & _MASK64
+        b = (h >> (64 - bits)) * _WAYS
+        row = self._mk[b:b + _WAYS].tolist()
+        if key in row:
+            return b + row.index(key)
+        b = ((h >> (64 - 2 * bits)) & self.mask) * _WAYS
+        row = self._mk[b:b + _WAYS].tolist()
+        if key in row:
+            return b + row.index(key)
+        return -1
+
+    def insert1(self, key: int, val: int) -> int:
+        """``insert`` for one absent key; returns its cell."""
+        if self.size + 1 > _MAX_LOAD * self.keys.size:
+            self._grow(self.size + 1)
+        bits = self._bits
+        h = (key * _M_INT) & _MASK64
+        b1 = (h >> (64 - bits)) * _WAYS
+        b2 = ((h >> (64 - 2 * bits)) & self.mask) * _WAYS
+        row1 = self._mo[b1:b1 + _WAYS].tolist()
+        row2 = self._mo[b2:b2 + _WAYS].tolist()
+        if row2.count(True) < row1.count(True):
+            b1, row1 = b2, row2
+        if all(row1):
+            self.insert(np.array([key], dtype=U64), np.array([val], dtype=self.dtype))
+            return self.find1(key)
+        cell = b1 + row1.index(False)
+        self._mk[cell] = key
+        self.mv[cell] = val
+        self._mo[cell] = True
+        self.size += 1
+        return cell
+
+    def delete1(self, cell: int) -> None:
+        self._mk[cell] = int(self._empty[cell // _WAYS])
+        self._mo[cell] = False
+        self.size -= 1
+
     # --- changes -----------------------------------------------------------------------------
 
-    def insert(self, keys: np.ndarray, vals: np.ndarray) -> None:
-        """Add keys that are absent and distinct (the caller checked) with their values."""
+    def insert(self, keys: np.ndarray, vals: np.ndarray,
+               homes: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Add keys that are absent and distinct (the caller checked) with their values
+        (``homes``: their buckets from ``find_homes``, if the table has not changed since)."""
         n = len(keys)
         if not n:
             return
         if (self.size + n) > _MAX_LOAD * self.keys.size:
             self._grow(self.size + n)
+            homes = None
         vals = np.asarray(vals, dtype=self.dtype)
         while True:
-            keys, vals = self._place(keys, vals)
+            keys, vals = self._place(keys, vals, homes)
+            homes = None
             if not len(keys):
                 break
             self._grow(self.size + n)  # both buckets of some key full: double and go on
@@ -126,9 +191,11 @@ class U64Table:
         self.occ.reshape(-1)[cells] = False
         self.size -= len(cells)
 
-    def _place(self, keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _place(self, keys: np.ndarray, vals: np.ndarray,
+               homes: tuple[np.ndarray, np.ndarray] | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
         """Put keys in the emptier of their two buckets; returns those that found no room."""
-        b1, b2 = self._homes(keys)
+        b1, b2 = self._homes(keys) if homes is None else homes
         flat_keys, flat_vals, flat_occ = (self.keys.reshape(-1), self.vals.reshape(-1),
                                           self.occ.reshape(-1))
         for _ in range(_ROUNDS):

@@ -36,11 +36,11 @@ def gaps(index: PrefixIndex) -> tuple[object, ...]:
     return (index.digest, index.total_blocks, index.node_count,
             sorted(index._tree_sizes().items()), sorted(index._dups[s].items()
                                                         for s in index._slots.values()),
-            len(index._rows_free) == index._rows_used - _bitmap_nodes(index))
+            len(index._holders.rows_free) == index._holders.rows_used - _bitmap_nodes(index))
 
 
 def _bitmap_nodes(index: PrefixIndex) -> int:
-    _, holders = index._nodes.items()
+    _, holders = index._holders.nodes.items()
     return int((holders < 0).sum())
 
 

@@ -15,6 +15,16 @@ from replicas.core.index_common import WorkerKey
 
 Index = PrefixIndex | index_reference.PrefixIndex
 
+
+class ArraysAlways(PrefixIndex):
+    """The compact form with every event applied as arrays (the default applies events of a
+    few blocks one block at a time): both paths must give the reference's answers."""
+
+    small_event = 0
+
+
+COMPACT_FORMS = [PrefixIndex, ArraysAlways]
+
 # Small universes, so that events collide: re-announced ids, ids reused for other content, one
 # content under two ids, the same id twice in one event, removals of unknown ids.
 IDS = st.integers(min_value=0, max_value=10).map(lambda h: h * 100 + 7)
@@ -64,7 +74,13 @@ def through_msgpack(index: Index) -> object:
 
 def check_agree(ops: list[tuple[object, ...]], keys: list[WorkerKey],
                 extra: list[list[int]]) -> None:
-    compact, reference = PrefixIndex(), index_reference.PrefixIndex()
+    for form in COMPACT_FORMS:
+        check_form_agrees(form, ops, keys, extra)
+
+
+def check_form_agrees(form: type[PrefixIndex], ops: list[tuple[object, ...]],
+                      keys: list[WorkerKey], extra: list[list[int]]) -> None:
+    compact, reference = form(), index_reference.PrefixIndex()
     queries = [*QUERIES, *(sequence_hashes(q) for q in extra if q)]
     for op in ops:
         assert apply(compact, op) == apply(reference, op), op
@@ -72,7 +88,7 @@ def check_agree(ops: list[tuple[object, ...]], keys: list[WorkerKey],
     assert answers(compact, keys, queries) == expected
     # snapshots: the reference's (v2), and the compact form's own (v3), both restore the same
     for plain in (through_msgpack(reference), through_msgpack(compact)):
-        restored = PrefixIndex.from_plain(plain)
+        restored = form.from_plain(plain)
         assert answers(restored, keys, queries) == expected
         # and the restored index keeps applying events like the reference does
         again = index_reference.PrefixIndex.from_plain(through_msgpack(reference))
@@ -115,7 +131,7 @@ def test_agree_with_more_workers_than_a_word(events: list[tuple[WorkerKey, int, 
                           st.sampled_from(["route", "route", "route", "clear", "retire"])),
                 max_size=30))
 def test_approximate_mode_agrees(decisions: list[tuple[WorkerKey, int, int, str]]) -> None:
-    compact = PrefixIndex(approximate=True, ttl_secs=10.0, max_tree_size=12,
+    compact = ArraysAlways(approximate=True, ttl_secs=10.0, max_tree_size=12,
                           prune_target_ratio=0.5)
     reference = index_reference.PrefixIndex(approximate=True, ttl_secs=10.0, max_tree_size=12,
                                             prune_target_ratio=0.5)
@@ -145,3 +161,24 @@ def test_snapshot_is_sixteen_bytes_per_pair() -> None:
         index.store((f"w{w}", 0), None, [(w * 10_000 + i, i + 1) for i in range(1000)])
     workers_rows = index.to_plain()["workers"]
     assert sum(len(r[3]) + len(r[4]) for r in workers_rows) == 16 * 4000  # type: ignore[attr-defined]
+
+
+def test_hand_picked_sequences_agree() -> None:
+    """Cases random sequences reach only now and then, each in small and in large events."""
+    a, b = KEYS[0], KEYS[1]
+    long_chain = [(1000 + i, 1 + i % 5) for i in range(40)]
+    cases: list[list[tuple[object, ...]]] = [
+        # one content under two ids, then one id removed (the node stays held)
+        [("store", a, None, [(7, 1)]), ("store", a, None, [(107, 1)]), ("remove", a, [7], None)],
+        [("store", a, None, long_chain), ("store", a, None, [(5, 1), (6, 2)]),
+         ("remove", a, [1000, 1001, 1002, 5], None), ("remove", a, [6, 1003], None)],
+        # an id reused for other content inside a long event, and the same id twice in one
+        [("store", a, None, long_chain), ("store", a, None, [(1000, 9), *long_chain[1:30]]),
+         ("store", b, None, [(3, 1), (3, 2), (4, 3)]), ("remove", b, [3, 3, 4], None)],
+        # two workers share, one leaves: the bitmap goes back to one holder
+        [("store", a, None, long_chain), ("store", b, None, long_chain),
+         ("retire", b, None, None), ("store", b, None, long_chain[:3]),
+         ("remove", a, [1000 + i for i in range(40)], None)],
+    ]
+    for ops in cases:
+        check_agree(ops, KEYS, [[1, 2, 3, 4, 5, 1, 2, 3]])
