@@ -5,17 +5,16 @@ Pure and deterministic: no clock (time arrives as arguments taken from events), 
 Compact, columnar form (replicas/core/README.md has the why). Tens of millions of (block, worker)
 pairs must fit in tens of bytes each, so nothing here is a Python object per block:
 
-* ``_nodes`` — a :class:`U64Table` from *sequence hash* to its holders: the one slot holding it
-  (``>= 0``), or ``-2 - row`` for a row of ``_rows``, a bitmap of slots, when several hold it.
-  Most blocks are held by one worker, so most nodes cost one 12-byte cell; a shared system
-  prompt held by all 256 workers costs a 32-byte bitmap per block.
+* ``_holders`` — :class:`NodeHolders` (``index_holders.py``): from *sequence hash* to the one
+  slot holding the node, or to a bitmap of slots when several hold it.
 * ``_blocks[slot]`` — a :class:`U64Table` from the engine's block id to the sequence hash, for
   removals and for the parent of a later store.
 * ``_dups[slot]`` — the rare nodes one worker holds under several block ids (a small dict).
 
-Each event is applied as a few numpy calls over all its blocks; a batch that needs the exact
-block-by-block order (an id reused for other content, or the same id or content twice in one
-event) takes a slower path, one block at a time, with the same primitives.
+An event of more than ``small_event`` blocks is applied as a fixed handful of numpy calls over
+all its blocks; shorter ones, and any batch that needs the exact block-by-block order (an id
+reused for other content, or the same id or content twice in one event), one block at a time in
+plain Python over the tables' memoryviews. Both give the same result.
 
 Membership is *flat*: a node is held by a worker exactly while the worker holds that block,
 whatever it holds of its ancestors; a query walks the prompt from its first block and stops a

@@ -3,7 +3,7 @@
 One :class:`U64Table` from sequence hash to an ``int32``: the one slot holding the node (``>= 0``),
 or ``-2 - row`` where ``row`` is a row of ``rows``, a bitmap of slots (one ``u64`` word per 64
 slots), once several slots hold it. Most blocks are held by one worker, so most nodes cost one
-12-byte cell; a shared system prompt held by all 256 workers costs a 32-byte bitmap per block. A
+13-byte cell; a shared system prompt held by all 256 workers costs a 32-byte bitmap per block. A
 bitmap left with one holder goes back to a plain slot, so the layout depends only on membership
 (as after a restore), and its row is reused.
 
