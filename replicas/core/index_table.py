@@ -36,7 +36,8 @@ _M_INT, _MASK64 = int(_M), 2**64 - 1
 _MAX_BITS = 32  # two bucket numbers of ``bits`` bits each come from one 64-bit product
 _MAX_LOAD = 0.85
 _MIN_BITS = 3
-_ROUNDS = 6  # placement rounds before a batch that still does not fit doubles the table
+_ROUNDS = 6  # placement rounds; what is left then gets a cuckoo step each, else the table doubles
+_FEW = 16
 
 
 class U64Table:
@@ -141,23 +142,57 @@ class U64Table:
         """``insert`` for one absent key; returns its cell."""
         if self.size + 1 > _MAX_LOAD * self.keys.size:
             self._grow(self.size + 1)
-        bits = self._bits
-        h = (key * _M_INT) & _MASK64
-        b1 = (h >> (64 - bits)) * _WAYS
-        b2 = ((h >> (64 - 2 * bits)) & self.mask) * _WAYS
+        cell = self._place1(key, val)
+        if cell < 0:
+            self.insert(np.array([key], dtype=U64), np.array([val], dtype=self.dtype))
+            return self.find1(key)
+        self.size += 1
+        return cell
+
+    def _place1(self, key: int, val: object) -> int:
+        """Put one key in the emptier of its buckets, or make room with a cuckoo step;
+        returns its cell, or -1 when both fail (the size is the caller's to count)."""
+        b1, b2 = self._buckets1(key)
+        b1 *= _WAYS
+        b2 *= _WAYS
         row1 = self._mo[b1:b1 + _WAYS].tolist()
         row2 = self._mo[b2:b2 + _WAYS].tolist()
         if row2.count(True) < row1.count(True):
             b1, row1 = b2, row2
-        if all(row1):
-            self.insert(np.array([key], dtype=U64), np.array([val], dtype=self.dtype))
-            return self.find1(key)
+        if all(row1):  # both buckets full
+            return self._relocate1(key, val)
         cell = b1 + row1.index(False)
         self._mk[cell] = key
         self.mv[cell] = val
         self._mo[cell] = True
-        self.size += 1
         return cell
+
+    def _buckets1(self, key: int) -> tuple[int, int]:
+        bits = self._bits
+        h = (key * _M_INT) & _MASK64
+        return h >> (64 - bits), (h >> (64 - 2 * bits)) & self.mask
+
+    def _relocate1(self, key: int, val: object) -> int:
+        """Room for a key whose two buckets are full: move one of their keys to its other
+        bucket, if that one has a free cell, and take its cell (one cuckoo step). Returns the
+        key's cell, or -1 (then the table doubles). Cells of other keys may change, as they do
+        when the table doubles: no caller keeps a cell across an insert."""
+        mk, mo, mv = self._mk, self._mo, self.mv
+        for b in self._buckets1(key):
+            for cell in range(b * _WAYS, b * _WAYS + _WAYS):
+                resident = mk[cell]
+                r1, r2 = self._buckets1(resident)
+                other = r2 if r1 == b else r1
+                if other == b:
+                    continue
+                row = mo[other * _WAYS:other * _WAYS + _WAYS].tolist()
+                if all(row):
+                    continue
+                to = other * _WAYS + row.index(False)
+                mk[to], mv[to], mo[to] = resident, mv[cell], True
+                mk[cell], mv[cell] = key, val
+                return cell
+        return -1
 
     def delete1(self, cell: int) -> None:
         self._mk[cell] = int(self._empty[cell // _WAYS])
@@ -206,21 +241,23 @@ class U64Table:
             second = used[m:] < used[:m]
             b = np.where(second, b2, b1)
             occ_b = np.where(second[:, None], occupied[m:], occupied[:m])
-            sb = np.sort(b)
+            order = np.argsort(b) if m > _WAYS * _WAYS else None  # a bulk batch: buckets repeat
+            sb = np.sort(b) if order is None else b.take(order)
             if m == 1 or not (sb[1:] == sb[:-1]).any():  # one key per bucket: first free cell
                 fits = np.where(second, used[m:], used[:m]) < _WAYS
                 cell = b * _WAYS + occ_b.argmin(axis=1)
             else:
                 # rank of each key among this batch's keys with the same bucket: the k-th of
-                # them takes the bucket's k-th free cell
-                order = np.argsort(b, kind="stable")
+                # them (in any fixed order) takes the bucket's k-th free cell
+                if order is None:
+                    order = np.argsort(b)
                 first = np.empty(m, dtype=bool)
                 first[0] = True
                 np.not_equal(sb[1:], sb[:-1], out=first[1:])
                 idx = np.arange(m)
                 rank = np.empty(m, dtype=np.int64)
                 rank[order] = idx - np.maximum.accumulate(np.where(first, idx, 0))
-                free_upto = np.cumsum(~occ_b, axis=1)
+                free_upto = np.cumsum(~occ_b, axis=1, dtype=np.uint8)
                 fits = free_upto[:, -1] > rank
                 cell = b * _WAYS + (free_upto > rank[:, None]).argmax(axis=1)
             if fits.all():
@@ -234,7 +271,12 @@ class U64Table:
             flat_occ[placed] = True
             rest = ~fits
             keys, vals, b1, b2 = keys[rest], vals[rest], b1[rest], b2[rest]
-        return keys, vals
+            if len(keys) <= _FEW:
+                break
+        # one by one: the emptier bucket, else a cuckoo step, else (returned) the table doubles
+        left = [i for i, (key, val) in enumerate(zip(keys.tolist(), vals.tolist(), strict=True))
+                if self._place1(key, val) < 0]
+        return keys[left], vals[left]
 
     def _grow(self, need: int) -> None:
         keys, vals = self.items()
