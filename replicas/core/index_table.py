@@ -43,8 +43,8 @@ _FEW = 16
 class U64Table:
     """``u64`` key -> value (``dtype``), vectorised over batches of keys."""
 
-    __slots__ = ("_bits", "_empty", "_mask_u", "_mk", "_mo", "_shift", "_shift2", "dtype", "keys",
-                 "mask", "mv", "occ", "size", "vals")
+    __slots__ = ("_bits", "_empty", "_limit", "_mask_u", "_mk", "_mo", "_s1", "_s2", "_shift",
+                 "_shift2", "dtype", "keys", "mask", "mv", "occ", "size", "vals")
 
     def __init__(self, dtype: np.dtype | type, capacity: int = 0) -> None:
         self.dtype = np.dtype(dtype)
@@ -62,6 +62,8 @@ class U64Table:
         self._mask_u = np.uint64(self.mask)
         self._shift = np.uint64(64 - bits)
         self._shift2 = np.uint64(64 - 2 * bits)
+        self._s1, self._s2 = 64 - bits, 64 - 2 * bits  # the same, as Python ints
+        self._limit = int(_MAX_LOAD * buckets * _WAYS)
         self._empty = self._sentinels(np.arange(buckets, dtype=np.int64))
         self.keys = np.repeat(self._empty[:, None], _WAYS, axis=1)
         self.vals = np.zeros((buckets, _WAYS), dtype=self.dtype)
@@ -126,13 +128,12 @@ class U64Table:
         """``find`` for one key, in plain Python."""
         if not self.size:
             return -1
-        bits = self._bits
         h = (key * _M_INT) & _MASK64
-        b = (h >> (64 - bits)) * _WAYS
+        b = (h >> self._s1) * _WAYS
         row = self._mk[b:b + _WAYS].tolist()
         if key in row:
             return b + row.index(key)
-        b = ((h >> (64 - 2 * bits)) & self.mask) * _WAYS
+        b = ((h >> self._s2) & self.mask) * _WAYS
         row = self._mk[b:b + _WAYS].tolist()
         if key in row:
             return b + row.index(key)
@@ -140,7 +141,7 @@ class U64Table:
 
     def insert1(self, key: int, val: int) -> int:
         """``insert`` for one absent key; returns its cell."""
-        if self.size + 1 > _MAX_LOAD * self.keys.size:
+        if self.size >= self._limit:
             self._grow(self.size + 1)
         cell = self._place1(key, val)
         if cell < 0:
@@ -152,25 +153,25 @@ class U64Table:
     def _place1(self, key: int, val: object) -> int:
         """Put one key in the emptier of its buckets, or make room with a cuckoo step;
         returns its cell, or -1 when both fail (the size is the caller's to count)."""
-        b1, b2 = self._buckets1(key)
-        b1 *= _WAYS
-        b2 *= _WAYS
-        row1 = self._mo[b1:b1 + _WAYS].tolist()
-        row2 = self._mo[b2:b2 + _WAYS].tolist()
+        h = (key * _M_INT) & _MASK64
+        b1 = (h >> self._s1) * _WAYS
+        b2 = ((h >> self._s2) & self.mask) * _WAYS
+        mo = self._mo
+        row1 = mo[b1:b1 + _WAYS].tolist()
+        row2 = mo[b2:b2 + _WAYS].tolist()
         if row2.count(True) < row1.count(True):
             b1, row1 = b2, row2
-        if all(row1):  # both buckets full
+        if False not in row1:  # both buckets full
             return self._relocate1(key, val)
         cell = b1 + row1.index(False)
         self._mk[cell] = key
         self.mv[cell] = val
-        self._mo[cell] = True
+        mo[cell] = True
         return cell
 
     def _buckets1(self, key: int) -> tuple[int, int]:
-        bits = self._bits
         h = (key * _M_INT) & _MASK64
-        return h >> (64 - bits), (h >> (64 - 2 * bits)) & self.mask
+        return h >> self._s1, (h >> self._s2) & self.mask
 
     def _relocate1(self, key: int, val: object) -> int:
         """Room for a key whose two buckets are full: move one of their keys to its other
