@@ -42,3 +42,14 @@ def mix_sum(block_hashes: np.ndarray, seqs: np.ndarray) -> int:
     """Sum of :func:`membership_mix` over columns, mod 2**64 (uint64 arithmetic wraps exactly)."""
     mixes = (seqs ^ _SALT) * (block_hashes * _TWO + _ONE)  # arrays never warn on overflow
     return int(mixes.sum(dtype=np.uint64))
+
+
+def popcount(words: np.ndarray) -> np.ndarray:
+    """Set bits of each ``u64`` (``np.bitwise_count`` from numpy 2.0; numpy 1.26 is allowed too)."""
+    if _BITWISE_COUNT is not None:
+        return _BITWISE_COUNT(words)  # type: ignore[no-any-return]
+    as_bytes = np.ascontiguousarray(words).view(np.uint8).reshape(*words.shape, 8)
+    return np.unpackbits(as_bytes, axis=-1).sum(axis=-1, dtype=np.uint8)
+
+
+_BITWISE_COUNT = getattr(np, "bitwise_count", None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from replicas.core.index_common import U64
+from replicas.core.index_common import U64, popcount
 from replicas.core.index_table import U64Table
 
 _ONE = np.uint64(1)
@@ -113,7 +113,7 @@ class NodeHolders:
             at, rows = cells[multi], -2 - v[multi]
             self.rows[rows, slot >> 6] &= ~(_ONE << np.uint64(slot & 63))
             bitmaps = self.rows[rows]
-            lone = np.bitwise_count(bitmaps).sum(axis=1) == 1
+            lone = popcount(bitmaps).sum(axis=1) == 1
             if lone.any():
                 words = bitmaps[lone]
                 word = (words != 0).argmax(axis=1)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from replicas.core.index_common import U64
+from replicas.core.index_common import U64, popcount
 
 _WAYS = 8  # cells per bucket: one 64-byte cache line of keys
 _M = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio (odd)
@@ -249,7 +249,7 @@ class U64Table:
             m = len(keys)
             n = np.concatenate((b1, b2))
             occupied = self.occ.take(n, axis=0)
-            used = np.bitwise_count(occupied.view(np.uint64)[:, 0])  # occ bytes are 0 or 1
+            used = popcount(occupied.view(np.uint64)[:, 0])  # occ bytes are 0 or 1
             second = used[m:] < used[:m]
             b = np.where(second, b2, b1)
             occ_b = np.where(second[:, None], occupied[m:], occupied[:m])

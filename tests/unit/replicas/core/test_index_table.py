@@ -6,7 +6,9 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
+from replicas.core import index_common
 from replicas.core.index_table import U64Table
 
 
@@ -64,3 +66,11 @@ def test_filled_to_the_doubling_point_without_doubling_early() -> None:
         assert table.keys.shape[0] == 2048
         keys, _ = table.items()
         assert (table.find(keys) >= 0).all()
+
+
+def test_popcount_without_numpy_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    words = np.array([[0, 1, 2**64 - 1], [3, 2**63, 0xF0F0]], dtype=np.uint64)
+    expected = [[0, 1, 64], [2, 1, 8]]
+    assert index_common.popcount(words).tolist() == expected
+    monkeypatch.setattr(index_common, "_BITWISE_COUNT", None)  # numpy 1.26 has no bitwise_count
+    assert index_common.popcount(words).tolist() == expected
