@@ -75,6 +75,10 @@ ROUTING = Group(
            at_least=0),
     Option("kv-cache-block-size", int, 16, "tokens per KV block (must match the engines)",
            above=0, aliases=("--router-block-size",)),
+    Option("router-index-form", str, "reference",
+           "the prefix index's form: reference (fastest decisions) or compact (~5x less memory "
+           "per cached block, for hundreds of engines); the same on every replica",
+           choices=("reference", "compact")),
     Option("no-router-kv-events", bool, True, dest="router_kv_events",
            help="approximate mode: predict caches from routing decisions (TTL + pruning)"),
     Option("no-router-track-active-blocks", bool, True, dest="router_track_active_blocks",
@@ -224,4 +228,5 @@ def state_config(values: argparse.Namespace) -> StateConfig:
                        ttl_secs=values.router_ttl_secs,
                        max_tree_size=values.router_max_tree_size,
                        prune_target_ratio=values.router_prune_target_ratio,
-                       request_max_age=values.request_max_age)
+                       request_max_age=values.request_max_age,
+                       index_form=values.router_index_form)
