@@ -1,25 +1,23 @@
 """How the reference form (``index_reference.py``) rebuilds one worker slot from its snapshot
 columns: child counts with ``np.unique``, gaps by checking only rows that are neither roots nor
 chained against the slot's sorted set, the digest sum in wrapping ``uint64`` arithmetic, and the
-packed entries. Kept apart only so that the reference module stays readable in one sitting.
+packed entries. Kept apart only so that the reference module stays readable in one sitting;
+``self`` is that module's ``PrefixIndex`` (typed loosely: the two must not import each other).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from replicas.core.index_codec import U64_MAX, members
 from replicas.core.index_common import DIGEST_SALT
 
-if TYPE_CHECKING:
-    from replicas.core.index_reference import PrefixIndex
-
 _ROOT = -1
 
 
-def restore_slot(self: PrefixIndex, slot: int, block_hashes: np.ndarray, seqs: np.ndarray,
+def restore_slot(self: Any, slot: int, block_hashes: np.ndarray, seqs: np.ndarray,
                   parents: np.ndarray, roots: np.ndarray) -> np.ndarray:
     """Fill one fresh slot from its columns; returns its distinct sequence hashes, sorted."""
     n = len(seqs)
