@@ -17,6 +17,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from api.admin import admin_router, require_admin
+from api.admin_tenants import tenants_router
 from api.config import option
 from api.errors import ApiError, error_response, install_error_handlers
 from api.forward import Forwarder, replica_headers
@@ -27,6 +28,7 @@ from api.routes import API_ROUTES
 from api.routes.batch import serve_batch
 from api.routes.gateway import Gateway, GatewayConfig
 from api.session_control import EngineSessions
+from api.tenancy import Identity
 from api.tokenizer import Tokenizer, load_model_tokenizer
 from eventlog.appender import AppendFailed
 from eventlog.events import MAX_COUNT, MAX_RATIO
@@ -64,6 +66,9 @@ class AppConfig:
     session_ttl_secs: float = option("session-ttl-secs").default
     # How long (event time) the router remembers which engine stored a Responses API response.
     response_ttl_secs: float = option("response-ttl-secs").default
+    # Tenants (api/tenancy.py): API keys -> tenant, or a trusted gateway's header.
+    api_keys_file: str | None = None
+    tenant_header: str | None = None
 
 
 def _json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None
@@ -135,14 +140,15 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         max_prompt_tokens=cfg.max_prompt_tokens, ready_wait=cfg.ready_wait,
         session_ttl_secs=cfg.session_ttl_secs, response_ttl_secs=cfg.response_ttl_secs,
         has_model_path=bool(cfg.model_path or cfg.tokenizer)),
-        metrics, forwarder, tokenizer, engine_sessions)
+        metrics, forwarder, tokenizer, engine_sessions,
+        Identity.configure(cfg.api_keys_file, cfg.tenant_header))
 
     # --- OpenAI-compatible ---------------------------------------------------------------
 
     async def handle(endpoint: str, request: Request) -> Response:
         received, started = time.time(), time.perf_counter()
         raw = await read_body(request)
-        refused = await gateway.admit()
+        refused = await gateway.admit(request)
         if refused is not None:
             return refused
         parsed = parse_request(endpoint, raw, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens,
@@ -323,6 +329,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
             unrecorded_seen["not_appended"] = outage.not_appended
 
     app.include_router(admin_router(replica, cfg))
+    app.include_router(tenants_router(replica, cfg))
     for make_router in extra_routers:
         app.include_router(make_router(replica, cfg))
 

@@ -59,6 +59,15 @@ SERVER = Group(
     Option("log-level", default="warning", choices=LOG_LEVELS),
 )
 
+TENANTS = Group(
+    "tenants",
+    Option("api-keys-file", help="YAML or JSON mapping API key -> tenant id: requests must send "
+                                 "`Authorization: Bearer KEY` (401 otherwise) and count against "
+                                 "their tenant's limits (PUT /admin/tenants/ID)"),
+    Option("tenant-header", help="without keys: take the tenant id from this request header, "
+                                 "set by a trusted gateway (e.g. x-tenant-id); off by default"),
+)
+
 ROUTING = Group(
     "routing",
     Option("router-mode", default="kv", choices=MODES),
@@ -183,7 +192,8 @@ WORKER_FAULTS = Group(
            "seconds an open circuit breaker waits before its half-open trial", at_least=0),
 )
 
-SERVE = (SERVER, ROUTING, DURABILITY, LIVENESS, WORKER_FAULTS, NATS_SECURITY, DYNAMO_ALWAYS)
+SERVE = (SERVER, TENANTS, ROUTING, DURABILITY, LIVENESS, WORKER_FAULTS, NATS_SECURITY,
+         DYNAMO_ALWAYS)
 """Every option of `jetrouter serve`, in the order `--help` shows them."""
 
 

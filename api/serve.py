@@ -91,6 +91,13 @@ def run(args: argparse.Namespace, *, extra_routers: Sequence[RouterFactory] = ()
         check_connect_sync(config.nats_options, name=config.replica_id)
     except (NatsOptionsInvalid, NatsConnectFatal) as exc:
         raise CliError(str(exc)) from None
+    if args.api_keys_file:
+        from api.tenancy import KeysFileInvalid, load_keys
+
+        try:
+            load_keys(args.api_keys_file)  # one clear line at start, not a failing app
+        except KeysFileInvalid as exc:
+            raise CliError(str(exc)) from None
     if args.model_path:
         from eventlog.model_tokenizer import ModelFolderUnusable, load_codec
 

@@ -569,7 +569,8 @@ UP = Group(
 # `serve` / `worker` options `up` takes itself and hands to the children that have them; left
 # out, each child keeps its own default. Forwarding another one is one more name here.
 FORWARDED = ("router-mode", "kv-cache-block-size", "num-gpu-blocks", "speedup-ratio",
-             "model")  # the engines' served model name (also --served-model-name)
+             "model",  # the engines' served model name (also --served-model-name)
+             "api-keys-file", "tenant-header", "router-queue-threshold")
 
 
 def _names(groups: tuple[Group, ...]) -> set[str]:

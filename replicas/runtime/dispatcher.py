@@ -38,6 +38,7 @@ from replicas.core.routing_errors import AllWorkersBusy, NoWorkers, RoutingError
 from replicas.core.selection import BusyThresholds, Candidate, Decision, Overloaded, Selector
 from replicas.core.sticky import SessionRequest, StickyOverlay, session_events, sticky_target
 from replicas.core.stored_responses import Lookup, response_target
+from replicas.core.tenant_admission import TenantPending, Verdict, admit
 from replicas.runtime.background import Background
 from replicas.runtime.config import ReplicaConfig
 from replicas.runtime.decision_log import (
@@ -72,6 +73,10 @@ class RouteRequest:
     # The one engine this request may go to (a Responses API follow-up must reach the engine
     # that stored the previous response); it wins over a session's pin.
     pinned: WorkerKey | None = None
+    # The tenant the request is admitted for ("": none) and the tokens its admission reserves
+    # (replicas/core/tenants.py); recorded on the decision.
+    tenant: str = ""
+    tenant_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -106,6 +111,8 @@ class Dispatcher:
         self.selector = Selector(config.routing)
         self.overlay = Overlay()
         self.sticky = StickyOverlay()  # pins routed here and not yet applied from the stream
+        # Tenant admissions made here and not yet applied from the stream.
+        self.tenant_pending = TenantPending()
         # Degraded mode (replicas/runtime/log_outage.py): while the event log is unavailable,
         # decisions are counted in the overlay only, and neither they nor their follow-up
         # events are appended.
@@ -156,11 +163,13 @@ class Dispatcher:
         """The decision is in the state now (or never will be): stop counting it here."""
         self.overlay.reconcile(request_id)
         self.sticky.settled(request_id)
+        self.tenant_pending.settle(request_id)
 
     def forget_pending(self) -> None:
         """A reset re-reads the streams from its cut: nothing pending survives it."""
         self.overlay.clear()
         self.sticky.clear()
+        self.tenant_pending.clear()
 
     def candidates(self, model: str, seq_hashes: Sequence[int],
                    exclude: frozenset[str] = frozenset(),
@@ -225,7 +234,8 @@ class Dispatcher:
             model=req.model, block_size=self.config.state.block_size,
             phase=req.phase, kv_reuse=self.config.assume_kv_reuse,
             track_output_blocks=self.config.track_output_blocks, osl_hint=req.osl_hint,
-            prefill_load_model=self.config.prefill_load_model)
+            prefill_load_model=self.config.prefill_load_model,
+            tenant=req.tenant, tenant_tokens=req.tenant_tokens)
         extra: list[ev.Event] = []
         if session is not None:
             extra = session_events(session, req.request_id, result.worker, req.model, sticky,
@@ -238,6 +248,17 @@ class Dispatcher:
         return Routed(req.request_id, worker_id, info.url, dp_rank, len(req.token_ids),
                       result.overlap_blocks, len(seq_hashes), result, event, timings, extra,
                       sticky, session)
+
+    def admit_tenant(self, request_id: str, tenant: str, tokens: int) -> Verdict:
+        """Judge a tenant's request against its limits, on the applied usage plus this
+        replica's own pending admissions; an admitted one counts as pending at once (no await
+        between the judgement and the count, so two requests on this replica cannot both take
+        the last unit of a budget)."""
+        now = time.time()
+        verdict = admit(self.port.state.tenants, self.tenant_pending, tenant, now, tokens)
+        if verdict.admitted:
+            self.tenant_pending.add(request_id, tenant, now, tokens)
+        return verdict
 
     # --- routing ---------------------------------------------------------------------------
 
