@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -251,3 +253,23 @@ async def test_limits_are_restored_from_a_snapshot(cluster: LocalCluster) -> Non
         assert r.status_code == 200
         for u in cluster.router_urls:
             await until(lambda u=u: tenant(h, u, cluster, "dave"), lambda d: not d["configured"])
+
+
+async def test_admin_cli_sets_lists_and_deletes_tenants(cluster: LocalCluster) -> None:
+    def admin_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "api.cli", "admin", "--cluster-file",
+             str(cluster.cluster_json_path), *argv],
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
+
+    done = await asyncio.to_thread(admin_cli, "tenants", "set", "erin", "--rpm", "500",
+                                   "--max-concurrent", "9", "--weight", "3")
+    assert done.returncode == 0, done.stderr
+    assert "erin" in done.stdout and "500" in done.stdout
+    listed = await asyncio.to_thread(admin_cli, "--json", "tenants")
+    rows = {t["tenant"]: t for t in json.loads(listed.stdout)["tenants"]}
+    assert rows["erin"]["max_concurrent"] == 9 and rows["erin"]["weight"] == 3.0
+    bad = await asyncio.to_thread(admin_cli, "tenants", "set", "erin", "--weight", "-1")
+    assert bad.returncode == 1 and "weight" in bad.stderr
+    gone = await asyncio.to_thread(admin_cli, "tenants", "delete", "erin")
+    assert gone.returncode == 0 and "deleted" in gone.stdout, gone.stderr
