@@ -66,6 +66,9 @@ TENANTS = Group(
                                  "their tenant's limits (PUT /admin/tenants/ID)"),
     Option("tenant-header", help="without keys: take the tenant id from this request header, "
                                  "set by a trusted gateway (e.g. x-tenant-id); off by default"),
+    Option("no-tenant-fair-queue", bool, True, dest="tenant_fair_queue",
+           help="with tenants, keep the router queue in --router-queue-policy order alone "
+                "instead of serving tenants by weighted fair share of tokens"),
 )
 
 ROUTING = Group(

@@ -53,6 +53,8 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
         default_thresholds=busy_thresholds(args),
         queue_threshold=args.router_queue_threshold,
         queue_policy=args.router_queue_policy,
+        tenant_fair_queue=bool(args.api_keys_file or args.tenant_header)
+        and args.tenant_fair_queue,
         track_output_blocks=args.router_track_output_blocks,
         prefill_load_model=args.router_prefill_load_model,
         seed=args.seed,

@@ -144,11 +144,15 @@ class Gateway:
                 len(req.token_ids) + req.expected_osl, MAX_TOKEN_COUNT))
         routed = False
         try:
+            waited = time.perf_counter()
             if disaggregated and self.replica.is_disaggregated(req.model):
                 decided = await self.forwarder.prefill.route(req)
             else:
                 decided = await self.replica.route(req), None
             routed = True
+            if req.tenant:  # the router queue's wait (routing itself is microseconds)
+                self.metrics.tenant_queue_wait.labels(tenant=self.tenant_label(req.tenant)
+                                                      ).observe(time.perf_counter() - waited)
             return decided
         except UnknownModel as exc:
             raise ApiError(404, str(exc), param="model", code="model_not_found") from None
@@ -168,13 +172,17 @@ class Gateway:
             if req.tenant and not routed:
                 self.replica.tenant_not_routed(req.request_id)
 
+    def tenant_label(self, tenant: str) -> str:
+        """The metric label: configured tenants by name, every other one as "other"."""
+        return tenant if tenant in self.replica.state.tenants.limits else "other"
+
     def admit_tenant(self, endpoint: str, tenant: str, req: RouteRequest) -> Response | None:
         """None when ``tenant`` may start ``req`` (it then counts as this replica's pending
         admission); else the 429 the client gets. The rate-limit headers for the answer are
         left in ``rate_limit_headers`` when the tenant has limits."""
         tokens = min(len(req.token_ids) + req.expected_osl, MAX_TOKEN_COUNT)
         verdict = self.replica.admit_tenant(req.request_id, tenant, tokens)
-        label = tenant if verdict.limits.limited else "other"
+        label = self.tenant_label(tenant)
         if verdict.admitted:
             self.metrics.tenant_requests.labels(tenant=label, outcome="admitted").inc()
             self.metrics.tenant_tokens.labels(tenant=label).inc(tokens)

@@ -31,6 +31,7 @@ from replicas.core.candidates import (
     request_hashes,
     served_models,
 )
+from replicas.core.fair_queue import FairQueue
 from replicas.core.index import WorkerKey
 from replicas.core.overlay import Overlay, pending_decision
 from replicas.core.queue import RequestQueue, should_queue
@@ -125,7 +126,9 @@ class Dispatcher:
         # Set when the load may have dropped (a router or control event applied): the queue
         # dispatcher re-judges then.
         self.load_changed = asyncio.Event()
-        self._queue: RequestQueue[_Queued] = RequestQueue(config.queue_policy)
+        self._queue: RequestQueue[_Queued] | FairQueue[_Queued] = (
+            FairQueue(config.queue_policy, self._tenant_service) if config.tenant_fair_queue
+            else RequestQueue(config.queue_policy))
         # Output counts waiting to be appended as OutputProgress, per request: one append in
         # flight per request at a time, carrying the newest count when it goes.
         self._progress: dict[str, int] = {}
@@ -267,9 +270,7 @@ class Dispatcher:
         worker without waiting for the acknowledgement (:meth:`recorded` waits for it)."""
         if self.config.queue_threshold is not None and self._must_queue(req):
             fut: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
-            self._queue.push((req, fut), arrival=time.monotonic(),
-                             priority_jump=req.latency_sensitivity,
-                             uncached_isl_tokens=len(req.token_ids))
+            self._enqueue((req, fut))
             self.load_changed.set()
             try:
                 routed = await asyncio.wait_for(asyncio.shield(fut), self.config.queue_timeout)
@@ -414,6 +415,27 @@ class Dispatcher:
             return True  # keep arrival order: nobody overtakes the queue
         cands = self.candidates(req.model, ())
         return bool(cands) and should_queue(cands, threshold)
+
+    def _enqueue(self, item: _Queued) -> None:
+        req = item[0]
+        if isinstance(self._queue, FairQueue):
+            self._queue.push(item, arrival=time.monotonic(), priority_jump=req.latency_sensitivity,
+                             uncached_isl_tokens=len(req.token_ids), tenant=req.tenant,
+                             tier=req.priority, tokens=req.tenant_tokens)
+        else:
+            self._queue.push(item, arrival=time.monotonic(), priority_jump=req.latency_sensitivity,
+                             uncached_isl_tokens=len(req.token_ids))
+
+    def _tenant_service(self, tenant: str) -> float:
+        """Service ``tenant`` has received, per unit of weight, for the fair queue: its tokens
+        in the last minute fleet-wide (the replicated book) plus what this replica admitted
+        and the stream has not brought back, less what of that still waits in the queue."""
+        book = self.port.state.tenants
+        limits = book.limits.get(tenant)
+        tokens = book.usage(tenant, time.time()).tokens + self.tenant_pending.usage(tenant).tokens
+        if isinstance(self._queue, FairQueue):
+            tokens -= self._queue.queued_tokens(tenant)
+        return tokens / (limits.weight if limits is not None else 1.0)
 
     async def _dispatch_queue(self) -> None:
         """Release queued requests in policy order while some worker has capacity. The decision

@@ -108,6 +108,6 @@ class TenantMachine(RuleBasedStateMachine):
             assert used.concurrent == len({b for b, t, _ in self.active.values() if t == tenant})
 
 
-TenantMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40,
+TenantMachine.TestCase.settings = settings(max_examples=400, stateful_step_count=40,
                                            deadline=None)
 TestTenantModel = TenantMachine.TestCase
