@@ -10,9 +10,11 @@ next one to leave is chosen in three steps:
    max_tokens, corrected to the actual output when a request ends) as the replicated tenant
    book holds them, plus the tokens this replica released and the stream has not brought back
    yet, divided by the tenant's weight. The book is the same on every replica, so the counters
-   are fleet-wide; and since it forgets what is older than a minute, a tenant returning after
-   a quiet spell is not owed an unbounded backlog of service (VTC's "lift" serves the same
-   end for counters that never forget);
+   are fleet-wide. As in VTC, a tenant that arrives idle — nothing waiting here and nothing in
+   flight anywhere in the fleet — is *lifted* to the least counter of the tenants already
+   waiting here, for as long as it keeps waiting: time it spent without requests is not service
+   it is owed. A tenant with requests in flight keeps its own counter when its queue here runs
+   empty between requests: it is still backlogged fleet-wide, only spread over replicas;
 3. within that tenant, the replica's queue policy (fcfs, lcfs, wspt).
 
 Requests still waiting are not service received: the counter is passed in by the caller (who
@@ -33,15 +35,18 @@ T = TypeVar("T")
 class FairQueue(Generic[T]):
     """Per (tier, tenant) queues; ``pop`` picks the tier, then the least-served tenant."""
 
-    def __init__(self, policy: str, service: Callable[[str], float]) -> None:
+    def __init__(self, policy: str, service: Callable[[str], float],
+                 in_flight: Callable[[str], int]) -> None:
         self.policy = policy
         self._service = service  # tenant -> service received per unit of weight
+        self._in_flight = in_flight  # tenant -> its requests released and not ended, fleet-wide
         self._queues: dict[tuple[int, str], RequestQueue[T]] = {}
         # Insertion order of each queue's oldest entry breaks ties between equally served
         # tenants: the one waiting longest goes first.
         self._first: dict[tuple[int, str], int] = {}
         self._where: dict[int, tuple[tuple[int, str], int]] = {}  # id(item) -> (queue, tokens)
         self._queued: dict[str, tuple[int, int]] = {}  # tenant -> (requests, tokens) waiting
+        self._lift: dict[str, float] = {}  # tenant -> what its counter is lifted by while waiting
         self._seq = itertools.count()
         self._len = 0
 
@@ -49,6 +54,11 @@ class FairQueue(Generic[T]):
              uncached_isl_tokens: int = 0, tenant: str = "", tier: int = 0,
              tokens: int = 0) -> None:
         key = (tier, tenant)
+        if tenant not in self._queued:
+            waiting = [self.counter(t) for t in self._queued]
+            idle = waiting and not self._in_flight(tenant)
+            self._lift[tenant] = max(0.0, min(waiting) - self._service(tenant)) if idle \
+                else 0.0
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = RequestQueue(self.policy)
@@ -66,7 +76,7 @@ class FairQueue(Generic[T]):
         if n > 1:
             self._queued[key[1]] = (n - 1, queued - tokens)
         else:
-            del self._queued[key[1]]
+            del self._queued[key[1]], self._lift[key[1]]
         if not self._queues[key]:
             del self._queues[key], self._first[key]
         self._len -= 1
@@ -77,7 +87,11 @@ class FairQueue(Generic[T]):
             return None
         tier = max(k[0] for k in self._queues)
         return min((k for k in self._queues if k[0] == tier),
-                   key=lambda k: (self._service(k[1]), self._first[k]))
+                   key=lambda k: (self.counter(k[1]), self._first[k]))
+
+    def counter(self, tenant: str) -> float:
+        """A waiting tenant's virtual token counter: service per weight, lifted."""
+        return self._service(tenant) + self._lift.get(tenant, 0.0)
 
     def pop(self) -> T | None:
         key = self.next_tenant()
@@ -94,6 +108,10 @@ class FairQueue(Generic[T]):
             return False
         self._taken(item)
         return True
+
+    def queued(self, tenant: str) -> int:
+        """How many of ``tenant``'s requests wait here."""
+        return self._queued.get(tenant, (0, 0))[0]
 
     def queued_tokens(self, tenant: str) -> int:
         """Tokens of ``tenant``'s requests still waiting here (not yet service received)."""

@@ -127,7 +127,8 @@ class Dispatcher:
         # dispatcher re-judges then.
         self.load_changed = asyncio.Event()
         self._queue: RequestQueue[_Queued] | FairQueue[_Queued] = (
-            FairQueue(config.queue_policy, self._tenant_service) if config.tenant_fair_queue
+            FairQueue(config.queue_policy, self._tenant_service, self._tenant_in_flight)
+            if config.tenant_fair_queue
             else RequestQueue(config.queue_policy))
         # Output counts waiting to be appended as OutputProgress, per request: one append in
         # flight per request at a time, carrying the newest count when it goes.
@@ -436,6 +437,14 @@ class Dispatcher:
         if isinstance(self._queue, FairQueue):
             tokens -= self._queue.queued_tokens(tenant)
         return tokens / (limits.weight if limits is not None else 1.0)
+
+    def _tenant_in_flight(self, tenant: str) -> int:
+        """``tenant``'s requests released and not ended, fleet-wide as this replica knows."""
+        n = self.port.state.tenants.usage(tenant, time.time()).concurrent
+        n += self.tenant_pending.usage(tenant).concurrent
+        if isinstance(self._queue, FairQueue):
+            n -= self._queue.queued(tenant)
+        return n
 
     async def _dispatch_queue(self) -> None:
         """Release queued requests in policy order while some worker has capacity. The decision
