@@ -9,8 +9,10 @@ replica checks would be skipped as malformed everywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+import secrets
 import time
 from typing import Any
 
@@ -104,6 +106,13 @@ def tenants_router(replica: Replica, cfg: Any) -> APIRouter:
         require_admin(request, admin_token)
         check_tenant_id(tenant)
         limits = parse_limits(decode_json(await request.body()))
+        if limits.isolated:
+            # Kept across updates (a new salt would strand the tenant's cached prefixes); a
+            # fresh one when isolation is (re)enabled.
+            known = replica.state.tenants.limits.get(tenant)
+            salt = known.cache_salt if known is not None and known.cache_salt \
+                else f"jr-{secrets.token_hex(16)}"
+            limits = dataclasses.replace(limits, cache_salt=salt)
         await replica.set_tenant_limits(tenant, limits)
         return _json_response(tenant_doc(replica, tenant, time.time()))
 

@@ -299,6 +299,10 @@ class TenantLimitsSet(_Event, frozen=True, tag=True):
     weight: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)]
     isolated: bool
     ts: Ts
+    # An isolated tenant's prompts go to engines with this as vLLM's cache_salt, and the router
+    # hashes them under it: drawn at random when isolation is first set, so no other client
+    # can name it; the same on every replica because it travels here.
+    cache_salt: Annotated[str, msgspec.Meta(max_length=128)] = ""
 
 
 class TenantDeleted(_Event, frozen=True, tag=True):

@@ -137,6 +137,11 @@ class Gateway:
         metrics = self.metrics
         tenant = current_tenant.get()
         if tenant and not req.tenant:
+            if self.cache_salt() and not req.cache_salt:
+                # Only chat and completions bodies are salted for the engine: anything else
+                # would reach the engine's shared prefix cache unsalted.
+                raise ApiError(400, "this tenant's cache is isolated, which only "
+                               "/v1/chat/completions and /v1/completions (one prompt) support")
             refused = self.admit_tenant(endpoint, tenant, req)
             if refused is not None:
                 return refused
@@ -171,6 +176,12 @@ class Gateway:
         finally:
             if req.tenant and not routed:
                 self.replica.tenant_not_routed(req.request_id)
+
+    def cache_salt(self) -> str:
+        """The cache_salt of this request's tenant when it is isolated, else ""."""
+        tenant = current_tenant.get()
+        limits = self.replica.state.tenants.limits.get(tenant) if tenant else None
+        return limits.cache_salt if limits is not None and limits.isolated else ""
 
     def tenant_label(self, tenant: str) -> str:
         """The metric label: configured tenants by name, every other one as "other"."""
@@ -213,6 +224,12 @@ class Gateway:
         shed = self.shed(endpoint, parsed.model, parsed.priority)
         if shed is not None:
             return shed
+        salt = self.cache_salt()
+        if salt:
+            # An isolated tenant's prompt is cached under its own salt; a cache_salt the
+            # client sent is replaced, so no client can name another tenant's.
+            parsed.body["cache_salt"] = salt
+            raw = msgspec.json.encode(parsed.body)
         route_req = RouteRequest(
             request_id=request_id, model=parsed.model, token_ids=parsed.prompt_ids,
             # n choices of one prompt: one prefill, n times the output.
@@ -220,7 +237,7 @@ class Gateway:
             osl_hint=parsed.osl_hint, priority=PRIORITY_LEVEL[parsed.priority],
             overlap_weight=parsed.overlap_weight,
             latency_sensitivity=parsed.latency_sensitivity,
-            session=self.session_of(parsed, request))
+            session=self.session_of(parsed, request), cache_salt=salt)
         routing_started = time.perf_counter()
         decided = await self.route(endpoint, route_req, disaggregated=True)
         if isinstance(decided, Response):

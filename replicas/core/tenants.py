@@ -37,6 +37,7 @@ class TenantLimits:
     max_concurrent: int | None = None
     weight: float = 1.0
     isolated: bool = False
+    cache_salt: str = ""  # what an isolated tenant's prompts are cached under (not shown)
 
     @property
     def limited(self) -> bool:
@@ -99,7 +100,8 @@ class TenantBook:
 
     def set_limits(self, e: ev.TenantLimitsSet) -> str:
         self.limits[e.tenant] = TenantLimits(e.requests_per_minute, e.tokens_per_minute,
-                                             e.max_concurrent, e.weight, e.isolated)
+                                             e.max_concurrent, e.weight, e.isolated,
+                                             e.cache_salt if e.isolated else "")
         return "ok"
 
     def delete(self, e: ev.TenantDeleted) -> str:
@@ -209,7 +211,8 @@ class TenantBook:
         """Order-independent; 0 while nothing is configured or used, so a replica that never
         saw a tenant has the digest replicas had before tenants existed."""
         limits = sum(_mix(t, lim.requests_per_minute, lim.tokens_per_minute, lim.max_concurrent,
-                          lim.weight, lim.isolated) for t, lim in self.limits.items())
+                          lim.weight, lim.isolated, lim.cache_salt)
+                     for t, lim in self.limits.items())
         opened = sum(_mix(b, t, n) for b, (t, n) in self._open.items())
         return (limits + opened + self._usage_digest) & _MASK
 
@@ -218,7 +221,8 @@ class TenantBook:
     def to_plain(self) -> dict[str, object]:
         return {
             "limits": {t: [lim.requests_per_minute, lim.tokens_per_minute, lim.max_concurrent,
-                           lim.weight, lim.isolated] for t, lim in self.limits.items()},
+                           lim.weight, lim.isolated, lim.cache_salt]
+                       for t, lim in self.limits.items()},
             "charges": [[b, c.tenant, c.ts, c.prompt, c.tokens, c.output]
                         for b, c in self._charges.items()],
             "hops": dict(self._hops),
@@ -230,8 +234,8 @@ class TenantBook:
         book = cls()
         if not doc:
             return book  # a snapshot written before tenants existed
-        for t, (rpm, tpm, conc, weight, isolated) in doc["limits"].items():  # type: ignore[attr-defined]
-            book.limits[t] = TenantLimits(rpm, tpm, conc, weight, isolated)
+        for t, limits in doc["limits"].items():  # type: ignore[attr-defined]
+            book.limits[t] = TenantLimits(*limits)
         for b, tenant, ts, prompt, tokens, output in doc["charges"]:  # type: ignore[attr-defined]
             book._charges[b] = _Charge(tenant, ts, prompt, tokens, output)
             bisect.insort(book._window.setdefault(tenant, []), (ts, b))

@@ -78,6 +78,9 @@ class RouteRequest:
     # (replicas/core/tenants.py); recorded on the decision.
     tenant: str = ""
     tenant_tokens: int = 0
+    # vLLM's cache_salt the engine gets with this prompt (an isolated tenant's): its blocks
+    # hash under it (eventlog.hashing.cache_salt_salt).
+    cache_salt: str = ""
 
 
 @dataclass(slots=True)
@@ -192,7 +195,7 @@ class Dispatcher:
         check_routable(state, req.model)
         t0 = time.perf_counter()
         seq_hashes = request_hashes(state, req.model, req.token_ids,
-                                    self.config.state.block_size)
+                                    self.config.state.block_size, req.cache_salt)
         t1 = time.perf_counter()
         cands = self.candidates(req.model, seq_hashes, req.exclude, req.phase)
         if only is not None:

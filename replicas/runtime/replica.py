@@ -509,7 +509,7 @@ class Replica:
     async def set_tenant_limits(self, tenant: str, limits: TenantLimits) -> None:
         event = ev.TenantLimitsSet(tenant, limits.requests_per_minute, limits.tokens_per_minute,
                                    limits.max_concurrent, limits.weight, limits.isolated,
-                                   time.time())
+                                   time.time(), limits.cache_salt)
         seq = await self.append(self.names.control_subject("tenants"), event, None)
         await self.wait_applied(CONTROL, seq)
 

@@ -22,13 +22,14 @@ import pytest
 import pytest_asyncio
 
 from cluster.up import LocalCluster
+from eventlog.events import RequestRouted, decode_batch
 from eventlog.names import Names
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 MODEL = "jetrouter-sim"
 KEYS = {"key-alice": "alice", "key-bob": "bob", "key-carol": "carol", "key-dave": "dave",
-        "key-erin": "erin"}
+        "key-erin": "erin", "key-frank": "frank", "key-grace": "grace"}
 NAMESPACE = "ten"
 
 
@@ -273,3 +274,54 @@ async def test_admin_cli_sets_lists_and_deletes_tenants(cluster: LocalCluster) -
     assert bad.returncode == 1 and "weight" in bad.stderr
     gone = await asyncio.to_thread(admin_cli, "tenants", "delete", "erin")
     assert gone.returncode == 0 and "deleted" in gone.stdout, gone.stderr
+
+
+async def _routed(c: LocalCluster, tenant: str) -> list[RequestRouted]:
+    nc = await nats.connect(c.nats_url)
+    try:
+        js = nc.jetstream()
+        stream = Names(NAMESPACE).stream("router")
+        info = await js.stream_info(stream)
+        out: list[RequestRouted] = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            msg = await js.get_msg(stream, seq)
+            out.extend(e for e in decode_batch(msg.data)
+                       if isinstance(e, RequestRouted) and e.tenant == tenant)
+        return out
+    finally:
+        await nc.close()
+
+
+async def _cached_blocks(h: httpx.AsyncClient, url: str, c: LocalCluster) -> int:
+    r = await h.get(f"{url}/admin/workers", headers=admin(c))
+    return sum(w["cached_blocks"] for w in r.json()["workers"])
+
+
+async def test_an_isolated_tenant_neither_sees_nor_shares_other_tenants_cache(
+        cluster: LocalCluster) -> None:
+    url = cluster.router_urls[0]
+    prompt = list(range(5000, 5000 + 16 * 12))  # 12 blocks
+    async with httpx.AsyncClient() as h:
+        await set_limits(h, cluster, "frank", isolated=True)
+        r = await h.get(f"{url}/admin/tenants/frank", headers=admin(cluster))
+        assert "cache_salt" not in r.json()  # the salt is not shown to anyone
+        grace = openai.AsyncOpenAI(base_url=url + "/v1", api_key="key-grace", max_retries=0)
+        frank = openai.AsyncOpenAI(base_url=url + "/v1", api_key="key-frank", max_retries=0)
+        before = await _cached_blocks(h, url, cluster)
+        await grace.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        await until(lambda: _cached_blocks(h, url, cluster), lambda n: n >= before + 12)
+        again = await grace.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert again.usage.prompt_tokens_details.cached_tokens >= 16 * 11  # shared cache works
+        # Frank's identical prompt, even naming a salt of its own, finds nothing of grace's.
+        before = await _cached_blocks(h, url, cluster)
+        first = await frank.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                               extra_body={"cache_salt": "guess"})
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        await until(lambda: _cached_blocks(h, url, cluster), lambda n: n >= before + 12)
+        second = await frank.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        engine_cached = second.usage.prompt_tokens_details.cached_tokens
+        assert engine_cached >= 16 * 11  # frank's own prefix is reused
+    decisions = await _routed(cluster, "frank")
+    assert decisions[0].overlap_blocks == 0  # the router predicted no reuse of grace's blocks
+    # ... and predicted frank's own reuse exactly as the engine reports it.
+    assert decisions[1].overlap_blocks * 16 == engine_cached
