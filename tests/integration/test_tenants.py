@@ -124,6 +124,7 @@ async def test_requests_per_minute_hold_across_replicas_with_openai_429s(
         await set_limits(h, cluster, "alice", requests_per_minute=limit,
                          tokens_per_minute=100_000)
         admitted, refused = 0, []
+        request_ids: list[tuple[int, str]] = []
         for n in range(2 * limit):
             # Each request on the next replica, once every replica has applied the previous
             # admissions: a fleet-wide limit admits exactly `limit`, whichever replica asks.
@@ -138,6 +139,7 @@ async def test_requests_per_minute_hold_across_replicas_with_openai_429s(
                 refused.append(exc)
                 continue
             admitted += 1
+            request_ids.append((n % 3, raw.headers["x-jetrouter-request-id"]))
             assert raw.headers["x-ratelimit-limit-requests"] == str(limit)
             assert raw.headers["x-ratelimit-remaining-requests"] == str(limit - admitted)
             assert raw.headers["x-ratelimit-limit-tokens"] == "100000"
@@ -153,6 +155,11 @@ async def test_requests_per_minute_hold_across_replicas_with_openai_429s(
         assert headers["x-ratelimit-remaining-requests"] == "0"
         assert 1 <= int(headers["retry-after"]) <= 60
         assert int(headers["retry-after-ms"]) > 0
+        # The decision ledger records who each admitted request was for.
+        i, rid = request_ids[0]
+        row = await until(lambda: h.get(f"{cluster.router_urls[i]}/admin/requests/{rid}",
+                                        headers=admin(cluster)), lambda r: r.status_code == 200)
+        assert row.json()["tenant"] == "alice"
 
 
 async def _limited(h: httpx.AsyncClient, url: str, name: str, why: str) -> float:
