@@ -58,7 +58,8 @@ def load_keys(path: str) -> dict[bytes, str]:
     try:
         doc = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as exc:
-        raise KeysFileInvalid(f"--api-keys-file {path}: not valid YAML/JSON: {exc}") from None
+        detail = " ".join(str(exc).split())  # one line, as every CLI error is
+        raise KeysFileInvalid(f"--api-keys-file {path}: not valid YAML/JSON: {detail}") from None
     if isinstance(doc, dict) and isinstance(doc.get("keys"), dict):
         doc = doc["keys"]
     if not isinstance(doc, dict) or not doc:
