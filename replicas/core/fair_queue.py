@@ -11,10 +11,12 @@ next one to leave is chosen in three steps:
    book holds them, plus the tokens this replica released and the stream has not brought back
    yet, divided by the tenant's weight. The book is the same on every replica, so the counters
    are fleet-wide. As in VTC, a tenant that arrives idle — nothing waiting here and nothing in
-   flight anywhere in the fleet — is *lifted* to the least counter of the tenants already
-   waiting here, for as long as it keeps waiting: time it spent without requests is not service
-   it is owed. A tenant with requests in flight keeps its own counter when its queue here runs
-   empty between requests: it is still backlogged fleet-wide, only spread over replicas;
+   flight anywhere in the fleet — is *lifted* to the least counter of the tenants that are
+   active (waiting here, or with requests in flight anywhere), for as long as it keeps
+   waiting: time it spent without requests is not service it is owed, and a newcomer cannot
+   take every opening from tenants that were served while it was away. A tenant with requests
+   in flight keeps its own counter when its queue here runs empty between requests: it is
+   still backlogged fleet-wide, only spread over replicas;
 3. within that tenant, the replica's queue policy (fcfs, lcfs, wspt).
 
 Requests still waiting are not service received: the counter is passed in by the caller (who
@@ -24,7 +26,7 @@ subtracts what is queued, ``queued_tokens``). Pure: arrival times and counters a
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
 from replicas.core.queue import RequestQueue
@@ -36,10 +38,12 @@ class FairQueue(Generic[T]):
     """Per (tier, tenant) queues; ``pop`` picks the tier, then the least-served tenant."""
 
     def __init__(self, policy: str, service: Callable[[str], float],
-                 in_flight: Callable[[str], int]) -> None:
+                 in_flight: Callable[[str], int],
+                 active: Callable[[], Iterable[str]] = tuple) -> None:
         self.policy = policy
         self._service = service  # tenant -> service received per unit of weight
         self._in_flight = in_flight  # tenant -> its requests released and not ended, fleet-wide
+        self._active = active  # tenants with requests in flight anywhere in the fleet
         self._queues: dict[tuple[int, str], RequestQueue[T]] = {}
         # Insertion order of each queue's oldest entry breaks ties between equally served
         # tenants: the one waiting longest goes first.
@@ -55,10 +59,7 @@ class FairQueue(Generic[T]):
              tokens: int = 0) -> None:
         key = (tier, tenant)
         if tenant not in self._queued:
-            waiting = [self.counter(t) for t in self._queued]
-            idle = waiting and not self._in_flight(tenant)
-            self._lift[tenant] = max(0.0, min(waiting) - self._service(tenant)) if idle \
-                else 0.0
+            self._lift[tenant] = 0.0 if self._in_flight(tenant) else self._lift_for(tenant)
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = RequestQueue(self.policy)
@@ -80,6 +81,17 @@ class FairQueue(Generic[T]):
         if not self._queues[key]:
             del self._queues[key], self._first[key]
         self._len -= 1
+
+    def _lift_for(self, tenant: str) -> float:
+        """How far an idle tenant's counter is lifted: up to the least counter of the active
+        tenants (waiting here: their counters; in flight elsewhere: their service)."""
+        counters = {t: self.counter(t) for t in self._queued}
+        for t in self._active():
+            if t != tenant and t not in counters:
+                counters[t] = self._service(t)
+        if not counters:
+            return 0.0
+        return max(0.0, min(counters.values()) - self._service(tenant))
 
     def next_tenant(self) -> tuple[int, str] | None:
         """The (tier, tenant) whose request leaves next, or None when nothing waits."""

@@ -59,6 +59,10 @@ class TenantPending:
     def usage(self, tenant: str) -> Usage:
         return self._sums.get(tenant, Usage())
 
+    def tenants(self) -> list[str]:
+        """Tenants with admissions pending here."""
+        return list(self._sums)
+
     def admissions(self, tenant: str) -> list[tuple[float, int]]:
         return [(p.ts, p.tokens) for p in self._pending.values() if p.tenant == tenant]
 

@@ -130,7 +130,8 @@ class Dispatcher:
         # dispatcher re-judges then.
         self.load_changed = asyncio.Event()
         self._queue: RequestQueue[_Queued] | FairQueue[_Queued] = (
-            FairQueue(config.queue_policy, self._tenant_service, self._tenant_in_flight)
+            FairQueue(config.queue_policy, self._tenant_service, self._tenant_in_flight,
+                      self._tenants_in_flight)
             if config.tenant_fair_queue
             else RequestQueue(config.queue_policy))
         # Output counts waiting to be appended as OutputProgress, per request: one append in
@@ -448,6 +449,10 @@ class Dispatcher:
         if isinstance(self._queue, FairQueue):
             n -= self._queue.queued(tenant)
         return n
+
+    def _tenants_in_flight(self) -> list[str]:
+        return [t for t in {*self.port.state.tenants.in_flight(), *self.tenant_pending.tenants()}
+                if self._tenant_in_flight(t) > 0]
 
     async def _dispatch_queue(self) -> None:
         """Release queued requests in policy order while some worker has capacity. The decision

@@ -1,8 +1,9 @@
 """The fair queue against a plain model: whatever sequence of push / pop / remove, each tenant's
 queued tokens are those of its requests still waiting, and ``pop`` hands out the request the
 rule names: highest tier, then least service per weight plus the tenant's lift (for a tenant
-that started waiting with nothing in flight: the least counter among the tenants then waiting;
-ties: the tenant whose queue formed first), then first come within the tenant.
+that started waiting with nothing in flight: up to the least counter among the tenants then
+waiting or in flight; ties: the tenant whose queue formed first), then first come within the
+tenant.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ class FairQueueMachine(RuleBasedStateMachine):
         super().__init__()
         self.service = {t: 0.0 for t in TENANTS}
         self.busy = {t: 0 for t in TENANTS}  # requests in flight elsewhere in the fleet
-        self.queue: FairQueue[Item] = FairQueue("fcfs", lambda t: self.service[t],
-                                                lambda t: self.busy[t])
+        self.queue: FairQueue[Item] = FairQueue(
+            "fcfs", lambda t: self.service[t], lambda t: self.busy[t],
+            lambda: [t for t in TENANTS if self.busy[t]])
         self.model = Model()
         self.n = 0
 
@@ -48,10 +50,13 @@ class FairQueueMachine(RuleBasedStateMachine):
     def push(self, tenant: str, tier: int, tokens: int) -> None:
         self.n += 1
         if tenant not in {i.tenant for i in self.model.items}:  # starts waiting
-            waiting = [self.service[t] + self.model.lift[t] for t in self.model.lift]
-            idle = waiting and not self.busy[tenant]  # VTC's lift, for an idle tenant only
-            self.model.lift[tenant] = max(0.0, min(waiting) - self.service[tenant]) \
-                if idle else 0.0
+            # VTC's lift, for an idle tenant only: to the least counter of the active ones
+            # (waiting here: service + lift; in flight elsewhere: service).
+            active = {t: self.service[t] + self.model.lift[t] for t in self.model.lift}
+            active.update({t: self.service[t] for t in TENANTS
+                           if self.busy[t] and t != tenant and t not in active})
+            self.model.lift[tenant] = max(0.0, min(active.values()) - self.service[tenant]) \
+                if active and not self.busy[tenant] else 0.0
         item = Item(self.n, tenant, tier, tokens)
         self.queue.push(item, arrival=float(self.n), tenant=tenant, tier=tier, tokens=tokens)
         self.model.items.append(item)
