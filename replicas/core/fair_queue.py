@@ -11,12 +11,14 @@ next one to leave is chosen in three steps:
    book holds them, plus the tokens this replica released and the stream has not brought back
    yet, divided by the tenant's weight. The book is the same on every replica, so the counters
    are fleet-wide. As in VTC, a tenant that arrives idle — nothing waiting here and nothing in
-   flight anywhere in the fleet — is *lifted* to the least counter of the tenants that are
-   active (waiting here, or with requests in flight anywhere), for as long as it keeps
-   waiting: time it spent without requests is not service it is owed, and a newcomer cannot
-   take every opening from tenants that were served while it was away. A tenant with requests
-   in flight keeps its own counter when its queue here runs empty between requests: it is
-   still backlogged fleet-wide, only spread over replicas;
+   flight anywhere in the fleet — is *lifted* to the least counter of the active tenants (the
+   caller says which: those waiting here count with their own counters), for as long as it
+   keeps waiting: time it spent without requests is not service it is owed, and a newcomer
+   cannot take every opening from tenants that were served while it was away. The replica
+   counts as active every tenant served in the last minute, the stand-in for VTC's "counter of
+   the last client served" when nobody else is waiting at the instant the newcomer arrives. A
+   tenant with requests in flight keeps its own counter when its queue here runs empty between
+   requests: it is still backlogged fleet-wide, only spread over replicas;
 3. within that tenant, the replica's queue policy (fcfs, lcfs, wspt).
 
 Requests still waiting are not service received: the counter is passed in by the caller (who
@@ -43,7 +45,7 @@ class FairQueue(Generic[T]):
         self.policy = policy
         self._service = service  # tenant -> service received per unit of weight
         self._in_flight = in_flight  # tenant -> its requests released and not ended, fleet-wide
-        self._active = active  # tenants with requests in flight anywhere in the fleet
+        self._active = active  # tenants served recently or with requests in flight
         self._queues: dict[tuple[int, str], RequestQueue[T]] = {}
         # Insertion order of each queue's oldest entry breaks ties between equally served
         # tenants: the one waiting longest goes first.

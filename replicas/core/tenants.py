@@ -202,9 +202,9 @@ class TenantBook:
         cut = bisect.bisect_right(window, (at - WINDOW, "\uffff"))
         return [(ts, self._charges[b].tokens) for ts, b in window[cut:]]
 
-    def in_flight(self) -> list[str]:
-        """Tenants with requests in flight (as applied)."""
-        return list(self._concurrent)
+    def active(self) -> list[str]:
+        """Tenants with admissions in the window or requests in flight (as applied)."""
+        return list({*self._window, *self._concurrent})
 
     def tenants(self) -> list[str]:
         """Every tenant with limits or usage, sorted."""

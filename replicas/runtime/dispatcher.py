@@ -131,7 +131,7 @@ class Dispatcher:
         self.load_changed = asyncio.Event()
         self._queue: RequestQueue[_Queued] | FairQueue[_Queued] = (
             FairQueue(config.queue_policy, self._tenant_service, self._tenant_in_flight,
-                      self._tenants_in_flight)
+                      self._tenants_active)
             if config.tenant_fair_queue
             else RequestQueue(config.queue_policy))
         # Output counts waiting to be appended as OutputProgress, per request: one append in
@@ -450,9 +450,9 @@ class Dispatcher:
             n -= self._queue.queued(tenant)
         return n
 
-    def _tenants_in_flight(self) -> list[str]:
-        return [t for t in {*self.port.state.tenants.in_flight(), *self.tenant_pending.tenants()}
-                if self._tenant_in_flight(t) > 0]
+    def _tenants_active(self) -> list[str]:
+        """Tenants served in the last minute or with requests in flight, fleet-wide."""
+        return list({*self.port.state.tenants.active(), *self.tenant_pending.tenants()})
 
     async def _dispatch_queue(self) -> None:
         """Release queued requests in policy order while some worker has capacity. The decision
