@@ -54,3 +54,19 @@ test-vllm: install vllm-env
 
 demo-vllm: install vllm-env
 	JETROUTER_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/jetrouter demo --engine vllm
+
+# Rolling upgrade from the previous release and back (opt-in, not in CI): that release is
+# extracted from this repository's history into its own folder and virtual environment.
+PREVIOUS_RELEASE ?= b078cc6
+PREVIOUS_DIR ?= $(abspath ..)/jetrouter-previous-$(PREVIOUS_RELEASE)
+.PHONY: test-upgrade
+
+$(PREVIOUS_DIR)/.venv/bin/python:
+	mkdir -p $(PREVIOUS_DIR)
+	git archive $(PREVIOUS_RELEASE) | tar -x -C $(PREVIOUS_DIR)
+	$(PY) -m venv $(PREVIOUS_DIR)/.venv
+	$(PREVIOUS_DIR)/.venv/bin/pip install --quiet --upgrade pip
+	$(PREVIOUS_DIR)/.venv/bin/pip install --quiet -e $(PREVIOUS_DIR)
+
+test-upgrade: install $(PREVIOUS_DIR)/.venv/bin/python
+	JETROUTER_PREVIOUS_PYTHON=$(PREVIOUS_DIR)/.venv/bin/python $(BIN)/python -m pytest -q -s -p no:cacheprovider -m upgrade tests/upgrade

@@ -79,6 +79,8 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
             "sessions": len(state.sessions),
             "stored_responses": len(state.responses),  # Responses API ids -> their engine
             "malformed_messages": replica.malformed_counts(),
+            # Streams stopped at a message in a newer format (stream -> why): upgrade this one.
+            "blocked_streams": replica.blocked_streams(),
             # Decisions routed here and not yet seen back from the stream (optimistic overlay).
             "pending_decisions": replica.pending_decisions(),
             "decision_log": replica.decision_log.view(time.monotonic()),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
+from starlette.types import ASGIApp
 
 from api.admin import admin_router, require_admin
 from api.admin_tenants import tenants_router
@@ -30,9 +31,10 @@ from api.routes.gateway import Gateway, GatewayConfig
 from api.session_control import EngineSessions
 from api.tenancy import Identity
 from api.tokenizer import Tokenizer, load_model_tokenizer
+from api.tracing import Tracing
 from eventlog.appender import AppendFailed
 from eventlog.events import MAX_COUNT, MAX_RATIO
-from leanhttp.hotpath import install_hot_routes, read_body
+from leanhttp.hotpath import Guard, install_hot_routes, read_body
 from replicas.core.health import STATUS_GAUGE
 from replicas.runtime.canary import report_passive
 from replicas.runtime.replica import (
@@ -66,6 +68,8 @@ class AppConfig:
     session_ttl_secs: float = option("session-ttl-secs").default
     # How long (event time) the router remembers which engine stored a Responses API response.
     response_ttl_secs: float = option("response-ttl-secs").default
+    # OTLP collector for the request path's spans (api/tracing.py); None: no tracing.
+    otlp_traces_endpoint: str | None = None
     # Tenants (api/tenancy.py): API keys -> tenant, or a trusted gateway's header.
     api_keys_file: str | None = None
     tenant_header: str | None = None
@@ -94,6 +98,8 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     snapshots_seen = [0]
     replication_seen = [0.0]
     unrecorded_seen = {"served": 0, "recorded_late": 0, "lost": 0, "not_appended": 0}
+    tracing = (Tracing(cfg.otlp_traces_endpoint, replica.replica_id)
+               if cfg.otlp_traces_endpoint else None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -106,6 +112,8 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         finally:
             await forwarder.aclose()
             await replica.stop()
+            if tracing is not None:  # the last spans are exported (a blocking call)
+                await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(title="jetrouter", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
@@ -167,9 +175,12 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     # Plain Starlette routes for the hot path (FastAPI's dependency solving costs more than
     # these handlers need: they read the raw body themselves), and in front of the middleware
     # stack a short way to them behind the body size limit (leanhttp/hotpath.py).
+    guard: Guard = functools.partial(BodySizeLimit, max_bytes=cfg.max_body_bytes)
+    if tracing is not None:
+        guard = _install_tracing(app, replica, tracing, guard)
     install_hot_routes(
         app, {"/v1/completions": completions, "/v1/chat/completions": chat_completions},
-        guard=functools.partial(BodySizeLimit, max_bytes=cfg.max_body_bytes))
+        guard=guard)
     for make_routes in API_ROUTES:
         app.include_router(make_routes(gateway))
 
@@ -255,8 +266,11 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                 body["degraded"] = True
                 body["event_log"] = replica.outage.view(now)
             return _json_response(body)
-        return _json_response({"ready": False, "replica_id": replica.replica_id,
-                               "lag": replica.lag(), "decision_log": decisions}, status=503)
+        body = {"ready": False, "replica_id": replica.replica_id, "lag": replica.lag(),
+                "decision_log": decisions}
+        if blocked := replica.blocked_streams():  # stopped at a newer format: upgrade it
+            body["blocked_streams"] = blocked
+        return _json_response(body, status=503)
 
     @app.get("/ready/balancer")
     async def ready_for_balancer() -> Response:
@@ -292,8 +306,10 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                 metrics.events_applied.labels(stream=stream, event_type=etype,
                                               status=status).inc(n - seen)
                 applied_seen[(stream, etype, status)] = n
+        blocked = replica.blocked_streams()
         for stream, lag in replica.lag().items():
             metrics.stream_lag.labels(stream=stream).set(lag)
+            metrics.stream_blocked.labels(stream=stream).set(1 if stream in blocked else 0)
         if replica.replication.seconds > replication_seen[0]:
             metrics.replication_seconds.inc(replica.replication.seconds - replication_seen[0])
             replication_seen[0] = replica.replication.seconds
@@ -334,6 +350,21 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         app.include_router(make_router(replica, cfg))
 
     return app
+
+
+def _install_tracing(app: FastAPI, replica: Replica, tracing: Tracing, guard: Guard) -> Guard:
+    """Decisions and hop ends are traced through the replica; request spans by a wrapper around
+    the middleware stack (set before the hot routes are installed in front of it) and one inside
+    the hot routes' guard, so the inference routes keep their short way past the stack
+    (leanhttp's FrontDoor only takes it to a bare HotRoutes). Returns the guard to install."""
+    replica.tracer = tracing
+    build_stack = app.build_middleware_stack
+
+    def build_traced() -> ASGIApp:
+        return tracing.wrap(build_stack())
+
+    app.build_middleware_stack = build_traced  # type: ignore[method-assign]
+    return lambda handlers: tracing.wrap(guard(handlers))
 
 
 async def _reset_when_ready(replica: Replica) -> None:

@@ -57,6 +57,10 @@ SERVER = Group(
            "seconds a request reaching a replica that is still catching up waits for it to be "
            "ready before a 503 (0: answer 503 at once)", at_least=0),
     Option("log-level", default="warning", choices=LOG_LEVELS),
+    Option("otlp-traces-endpoint", metavar="URL",
+           help="export OpenTelemetry traces of every request (decisions, hops, migrations) to "
+                "this OTLP collector; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks http/protobuf "
+                "(default) or grpc; needs the `tracing` extra (off by default)"),
 )
 
 TENANTS = Group(
@@ -83,6 +87,10 @@ ROUTING = Group(
            at_least=0),
     Option("kv-cache-block-size", int, 16, "tokens per KV block (must match the engines)",
            above=0, aliases=("--router-block-size",)),
+    Option("router-index-form", str, "reference",
+           "the prefix index's form: reference (fastest decisions) or compact (~5x less memory "
+           "per cached block, for hundreds of engines); the same on every replica",
+           choices=("reference", "compact")),
     Option("no-router-kv-events", bool, True, dest="router_kv_events",
            help="approximate mode: predict caches from routing decisions (TTL + pruning)"),
     Option("no-router-track-active-blocks", bool, True, dest="router_track_active_blocks",
@@ -233,4 +241,5 @@ def state_config(values: argparse.Namespace) -> StateConfig:
                        ttl_secs=values.router_ttl_secs,
                        max_tree_size=values.router_max_tree_size,
                        prune_target_ratio=values.router_prune_target_ratio,
-                       request_max_age=values.request_max_age)
+                       request_max_age=values.request_max_age,
+                       index_form=values.router_index_form)

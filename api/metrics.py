@@ -140,6 +140,10 @@ class RouterMetrics:
         self.stream_lag = Gauge(f"{p}_stream_lag",
                                 "Messages in each stream not yet applied by this replica",
                                 ["stream"], registry=reg)
+        self.stream_blocked = Gauge(
+            f"{p}_stream_blocked",
+            "1 while this replica has stopped applying a stream at a message in a format newer "
+            "than its release reads (upgrade it)", ["stream"], registry=reg)
         self.disaggregated = Counter(
             f"{p}_disaggregated_requests",
             "Requests of models with prefill engines, by outcome: disaggregated, or why they "

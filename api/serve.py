@@ -85,6 +85,13 @@ def run(args: argparse.Namespace, *, extra_routers: Sequence[RouterFactory] = ()
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.otlp_traces_endpoint:
+        from api.tracing import TracingUnavailable, check_available
+
+        try:
+            check_available(args.otlp_traces_endpoint)  # a missing extra is one clear line
+        except TracingUnavailable as exc:
+            raise CliError(str(exc)) from None
     try:
         config = build_config(args)
         check_files(config.nats_options)

@@ -306,6 +306,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     overhead_p = sub.add_parser("overhead", help="router overhead (TTFT vs direct) and routing "
                                 "throughput: one replica, one fast simulated worker")
     importlib.import_module("bench.overhead").add_arguments(overhead_p)
+    importlib.import_module("bench.overhead_tracing").add_arguments(overhead_p)
     faults_p = sub.add_parser("faults", help="engine and replica faults under steady load: "
                               "client-visible failures and extra latency per fault")
     importlib.import_module("bench.faults").add_arguments(faults_p)
@@ -454,6 +455,8 @@ def run(args: argparse.Namespace) -> int:
             raise _cli_error("`bench core` is not available (bench/core.py is missing)")
         return int(importlib.import_module("bench.core").run(args) or 0)
     if getattr(args, "bench_kind", None) == "overhead":
+        if args.otlp_traces_endpoint:  # twice: tracing off, then on
+            return int(importlib.import_module("bench.overhead_tracing").run(args) or 0)
         return int(importlib.import_module("bench.overhead").run(args) or 0)
     if getattr(args, "bench_kind", None) == "scale":
         return int(importlib.import_module("bench.scale").run(args) or 0)

@@ -1,10 +1,13 @@
 """`jetrouter bench core`: how fast the router's state machine is, with no network in the way.
 
-Three figures, each printed (never asserted):
+Figures, each printed (never asserted):
 
 * ``index_apply_blocks_per_s`` - BlocksStored batches of 64 blocks (hashes precomputed) applied to
   a fresh ``PrefixIndex`` until it holds ``--blocks`` blocks over ``--workers`` workers, per
   second of this process's CPU time (so a machine shared with other work reads the same).
+* ``rss_bytes_per_held_block`` - this process's resident memory after that apply minus before it
+  (both after a full garbage collection), divided by the (block, worker) pairs the index holds.
+  ``index_array_bytes_per_held_block`` is the part the compact index's arrays account for.
 * ``decision_p50_us`` / ``decision_p99_us`` - one routing decision on that index, timed per call
   with ``perf_counter_ns``: hash a ``--prompt-tokens`` prompt, ``find_matches``, build one
   ``Candidate`` per worker, ``Selector.select`` with ``jetrouter serve``'s routing defaults.
@@ -16,6 +19,14 @@ Three figures, each printed (never asserted):
 * ``replay_block_events_per_s`` - a real ``nats-server``: ``--replay-batches`` BlocksStored
   batches are published (not timed), then a ``StreamReader`` from sequence 1 decodes them and
   applies each into a fresh index; the clock runs from creating the reader to the last batch.
+
+``--index both`` (before/after in one sitting) runs every figure but replication for the compact
+index (``replicas/core/index.py``, what the router runs) and the reference form it replaced
+(``index_reference.py``): the apply figures one after the other (compact first, so memory the
+reference form leaves behind cannot flatter the compact one), the decisions interleaved sample by
+sample, the replays one after the other from the same stream. The top-level figures are the
+compact index's; ``reference`` holds the same keys for the reference form and ``ratios`` the
+compact/reference ratio of each.
 """
 
 from __future__ import annotations
@@ -40,11 +51,15 @@ import xxhash
 from bench.replication import add_arguments as add_replication_arguments
 from bench.replication import bench_replication
 from eventlog.hashing import prompt_hashes, tokens_hashes
+from replicas.core import index_reference
 from replicas.core.index import PrefixIndex, WorkerKey
 from replicas.core.state import RouterState, StateConfig
 
 BATCH_BLOCKS = 64
 VOCAB = 50_000
+AnyIndex = PrefixIndex | index_reference.PrefixIndex
+INDEX_FORMS: dict[str, type[PrefixIndex] | type[index_reference.PrefixIndex]] = {
+    "compact": PrefixIndex, "reference": index_reference.PrefixIndex}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of a query prompt its conversation's worker has cached")
     p.add_argument("--replay-batches", type=int, default=4000,
                    help="BlocksStored batches of 64 blocks for the replay figure (0 = skip)")
+    p.add_argument("--index", choices=["compact", "reference", "both"], default="reference",
+                   help="which prefix index form to measure (default: the router's default, "
+                        "reference; both: side by side, one sitting)")
     add_replication_arguments(p)
 
 
@@ -114,14 +132,29 @@ def build_workload(args: argparse.Namespace) -> Workload:
     return Workload(batches, prompts, owners, stored)
 
 
-def bench_apply(work: Workload) -> tuple[PrefixIndex, float]:
-    index = PrefixIndex()
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def bench_apply(work: Workload, form: str = "compact") -> tuple[AnyIndex, float, dict[str, Any]]:
     gc.collect()
+    rss0 = rss_bytes()
+    index = INDEX_FORMS[form]()
     t0 = time.process_time()  # CPU time: other processes on a busy machine do not count
     for worker, parent, blocks in work.batches:
         index.store(worker, parent, blocks)
     elapsed = time.process_time() - t0
-    return index, elapsed
+    gc.collect()
+    held = max(index.total_blocks, 1)
+    memory: dict[str, Any] = {"rss_bytes_per_held_block": round((rss_bytes() - rss0) / held, 1)}
+    if isinstance(index, PrefixIndex):
+        memory["index_array_bytes_per_held_block"] = round(index.nbytes() / held, 1)
+    return index, elapsed, memory
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -129,8 +162,10 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def bench_decisions(index: PrefixIndex, work: Workload, args: argparse.Namespace
-                    ) -> dict[str, Any]:
+def bench_decisions(indexes: dict[str, AnyIndex], work: Workload, args: argparse.Namespace
+                    ) -> dict[str, dict[str, Any]]:
+    """Decision figures per index form; with several forms the samples alternate between them
+    (which goes first alternates too), so load on a shared machine falls on all alike."""
     from api.config import routing_config, serve_defaults
     from replicas.core.selection import Candidate, Selector
 
@@ -142,63 +177,69 @@ def bench_decisions(index: PrefixIndex, work: Workload, args: argparse.Namespace
     routing = replace(routing_config(serve_defaults(environ={})), block_size=args.block_size)
     selector = Selector(routing)
     bs = args.block_size
-    stages: dict[str, list[int]] = {"hashing": [], "matching": [], "candidates": [],
-                                    "selection": []}
-    totals: list[int] = []
-    core: list[int] = []  # the decision without building Candidate objects
-    right = 0
+    forms = list(indexes)
+    rngs = {f: random.Random(args.seed + 2) for f in forms}  # equal tie breaks for every form
+    stages = {f: {"hashing": [], "matching": [], "candidates": [], "selection": []}
+              for f in forms}
+    totals: dict[str, list[int]] = {f: [] for f in forms}
+    core: dict[str, list[int]] = {f: [] for f in forms}  # the decision without Candidate objects
+    right = dict.fromkeys(forms, 0)
     clock = time.perf_counter_ns
     for i in range(args.samples + 50):  # the first 50 warm caches and are not recorded
         q = i % len(work.prompts)
         tokens = work.prompts[q]
-        t0 = clock()
-        seq = prompt_hashes(tokens, bs)
-        t1 = clock()
-        scores = index.find_matches(seq)
-        t2 = clock()
-        n = len(seq)
-        overlap, sizes = scores.scores, scores.tree_sizes
-        cands = [
-            Candidate(k, overlap.get(k, 0), sizes.get(k, 0), load[k][0], load[k][1],
-                      n, 100_000, 8192)
-            for k in keys
-        ]
-        t3 = clock()
-        decision = selector.select(cands, len(tokens), rng)
-        t4 = clock()
-        if i >= 50:
-            right += getattr(decision, "worker", None) == work.owners[q]
-            for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
-                stages[name].append(dt)
-            totals.append(t4 - t0)
-            core.append(t4 - t0 - (t3 - t2))
+        for form in (forms if i % 2 else forms[::-1]):
+            index = indexes[form]
+            t0 = clock()
+            seq = prompt_hashes(tokens, bs)
+            t1 = clock()
+            scores = index.find_matches(seq)
+            t2 = clock()
+            n = len(seq)
+            overlap, sizes = scores.scores, scores.tree_sizes
+            cands = [
+                Candidate(k, overlap.get(k, 0), sizes.get(k, 0), load[k][0], load[k][1],
+                          n, 100_000, 8192)
+                for k in keys
+            ]
+            t3 = clock()
+            decision = selector.select(cands, len(tokens), rngs[form])
+            t4 = clock()
+            if i >= 50:
+                right[form] += getattr(decision, "worker", None) == work.owners[q]
+                for name, dt in zip(stages[form], (t1 - t0, t2 - t1, t3 - t2, t4 - t3),
+                                    strict=True):
+                    stages[form][name].append(dt)
+                totals[form].append(t4 - t0)
+                core[form].append(t4 - t0 - (t3 - t2))
     us = 1e-3
-    return {
-        "decision_p50_us": round(statistics.median(totals) * us, 1),
-        "decision_p99_us": round(percentile(totals, 0.99) * us, 1),
-        "decision_excluding_candidates_p50_us": round(statistics.median(core) * us, 1),
+    return {form: {
+        "decision_p50_us": round(statistics.median(totals[form]) * us, 1),
+        "decision_p99_us": round(percentile(totals[form], 0.99) * us, 1),
+        "decision_excluding_candidates_p50_us": round(statistics.median(core[form]) * us, 1),
         "decision_stage_p50_us": {k: round(statistics.median(v) * us, 1)
-                                  for k, v in stages.items()},
+                                  for k, v in stages[form].items()},
         "decision_with_selection": True,
         "decision_routing_weights": [routing.kv_overlap_score_weight,
                                      routing.prefill_queue_weight],
-        "decision_picked_cached_worker": round(right / max(len(totals), 1), 3),
+        "decision_picked_cached_worker": round(right[form] / max(len(totals[form]), 1), 3),
         "query_blocks": len(prompt_hashes(work.prompts[0], bs)),
-    }
+    } for form in forms}
 
 
-async def bench_replay(work: Workload, batches: int) -> dict[str, Any]:
+async def bench_replay(work: Workload, batches: int, forms: Sequence[str] = ("compact",)
+                       ) -> dict[str, dict[str, Any]]:
     try:
         import nats
 
         from eventlog.appender import Appender
         from eventlog.events import BlocksStored
         from eventlog.names import KV, Names
-        from eventlog.reader import StreamReader
         from eventlog.server import NatsServer
         from eventlog.streams import ensure_streams
     except ImportError as exc:  # pragma: no cover - the event log pieces are written in parallel
-        return {"replay_block_events_per_s": None, "replay_skipped": f"missing {exc.name}"}
+        return {f: {"replay_block_events_per_s": None, "replay_skipped": f"missing {exc.name}"}
+                for f in forms}
     server = NatsServer()
     await asyncio.to_thread(server.start)
     nc = None
@@ -222,32 +263,43 @@ async def bench_replay(work: Workload, batches: int) -> dict[str, Any]:
                 pending.clear()
         await asyncio.gather(*pending)
         last = (await js.stream_info(names.stream(KV))).state.last_seq
-        index = PrefixIndex()
-        applied = 0
-        gc.collect()
-        t0 = time.perf_counter()
-        reader = StreamReader(js, names.stream(KV), start_seq=1)
-        try:
-            async for seq, events in reader:
-                for e in events:
-                    if isinstance(e, BlocksStored):
-                        index.store((e.worker_id, e.dp_rank), e.parent_hash, e.blocks)
-                        applied += len(e.blocks)
-                if seq >= last:
-                    break
-        finally:
-            elapsed = time.perf_counter() - t0
-            await reader.close()
-        return {
-            "replay_block_events_per_s": round(applied / elapsed),
-            "replay_batches_per_s": round(len(published) / elapsed),
-            "replay_blocks": applied,
-            "replay_seconds": round(elapsed, 3),
-        }
+        out: dict[str, dict[str, Any]] = {}
+        for form in forms:
+            out[form] = await _replay_once(js, names.stream(KV), last, INDEX_FORMS[form](),
+                                           len(published))
+        return out
     finally:
         if nc is not None:
             await nc.close()
         await asyncio.to_thread(server.cleanup)
+
+
+async def _replay_once(js: Any, stream: str, last: int, index: AnyIndex, batches: int
+                       ) -> dict[str, Any]:
+    from eventlog.events import BlocksStored
+    from eventlog.reader import StreamReader
+
+    applied = 0
+    gc.collect()
+    t0 = time.perf_counter()
+    reader = StreamReader(js, stream, start_seq=1)
+    try:
+        async for seq, events in reader:
+            for e in events:
+                if isinstance(e, BlocksStored):
+                    index.store((e.worker_id, e.dp_rank), e.parent_hash, e.blocks)
+                    applied += len(e.blocks)
+            if seq >= last:
+                break
+    finally:
+        elapsed = time.perf_counter() - t0
+        await reader.close()
+    return {
+        "replay_block_events_per_s": round(applied / elapsed),
+        "replay_batches_per_s": round(batches / elapsed),
+        "replay_blocks": applied,
+        "replay_seconds": round(elapsed, 3),
+    }
 
 
 def machine_facts() -> dict[str, Any]:
@@ -275,19 +327,34 @@ def run(args: argparse.Namespace) -> int:
     t_build = time.perf_counter()
     work = build_workload(args)
     build_s = time.perf_counter() - t_build
-    index, apply_s = bench_apply(work)
-    result: dict[str, Any] = {
-        "index_apply_blocks_per_s": round(work.stored_blocks / apply_s),
-        "index_blocks": index.total_blocks,
-        "index_nodes": index.node_count,
-    }
-    result.update(bench_decisions(index, work, args))
+    forms = ["compact", "reference"] if args.index == "both" else [args.index]
+    per_form: dict[str, dict[str, Any]] = {}
+    indexes: dict[str, AnyIndex] = {}
+    for form in forms:  # compact first: see the module docstring
+        index, apply_s, memory = bench_apply(work, form)
+        indexes[form] = index
+        per_form[form] = {
+            "index_apply_blocks_per_s": round(work.stored_blocks / apply_s),
+            "index_blocks": index.total_blocks,
+            "index_nodes": index.node_count,
+            **memory,
+        }
+    for form, figures in bench_decisions(indexes, work, args).items():
+        per_form[form].update(figures)
+    indexes.clear()
+    gc.collect()
+    if args.replay_batches > 0:
+        for form, figures in asyncio.run(bench_replay(work, args.replay_batches, forms)).items():
+            per_form[form].update(figures)
+    else:
+        for form in forms:
+            per_form[form]["replay_block_events_per_s"] = None
+    result: dict[str, Any] = {"index_form": forms[0], **per_form[forms[0]]}
+    if len(forms) > 1:
+        result["reference"] = per_form["reference"]
+        result["ratios"] = ratios(per_form["compact"], per_form["reference"])
     result.update(bench_replication(
         args, lambda: RouterState(StateConfig(block_size=args.block_size))))
-    if args.replay_batches > 0:
-        result.update(asyncio.run(bench_replay(work, args.replay_batches)))
-    else:
-        result["replay_block_events_per_s"] = None
     result["config"] = {
         "workers": args.workers, "blocks": args.blocks, "prompt_tokens": args.prompt_tokens,
         "block_size": args.block_size, "samples": args.samples, "seed": args.seed,
@@ -299,6 +366,7 @@ def run(args: argparse.Namespace) -> int:
         "replication_workers": args.replication_workers,
         "replication_inflight": args.replication_inflight,
         "replication_group": args.replication_group,
+        "index": args.index,
     }
     result["machine"] = machine_facts()
     if not args.json:
@@ -307,9 +375,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def ratios(after: dict[str, Any], before: dict[str, Any]) -> dict[str, float | None]:
+    """after / before for every numeric top-level figure both have."""
+    out: dict[str, float | None] = {}
+    for key, value in after.items():
+        other = before.get(key)
+        if isinstance(value, int | float) and isinstance(other, int | float) \
+                and not isinstance(value, bool):
+            out[key] = round(value / other, 3) if other else None
+    return out
+
+
 def print_table(result: dict[str, Any]) -> None:
     stages = result.get("decision_stage_p50_us", {})
     rows = [
+        ("index form", result["index_form"]),
+        ("index RSS (bytes per held block)", result["rss_bytes_per_held_block"]),
         ("index apply (blocks/s)", result["index_apply_blocks_per_s"]),
         ("decision p50 (us)", result["decision_p50_us"]),
         ("decision p99 (us)", result["decision_p99_us"]),
@@ -320,6 +401,15 @@ def print_table(result: dict[str, Any]) -> None:
          result.get("replication_single_event_us_per_request")),
         ("replay (block events/s)", result.get("replay_block_events_per_s")),
     ]
+    reference = result.get("reference")
+    if reference is not None:
+        rows += [
+            ("reference: RSS (bytes per held block)", reference["rss_bytes_per_held_block"]),
+            ("reference: apply (blocks/s)", reference["index_apply_blocks_per_s"]),
+            ("reference: decision p50 (us)", reference["decision_p50_us"]),
+            ("reference: decision p99 (us)", reference["decision_p99_us"]),
+            ("reference: replay (block events/s)", reference.get("replay_block_events_per_s")),
+        ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")

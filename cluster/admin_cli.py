@@ -3,9 +3,11 @@
     jetrouter admin [--url URL] [--token TOKEN] [--cluster-file PATH] [--json] VERB [ARGS]
 
 Verbs: ``state``, ``snapshot``, ``snapshots``, ``reset [--yes]``, ``threshold [N]``, ``tenants``,
-``replicas``, ``workers``, ``request REQUEST_ID``. With no ``--url``/``--token`` the client reads
-``.jetrouter/cluster.json`` (written by `jetrouter up`): the replicas' URLs, tried in order (the
-next one on a connection error), and its ``admin_token``. Output is readable tables and lines, or
+``replicas``, ``workers``, ``request REQUEST_ID``, and ``export FILE`` / ``import FILE`` (a backup
+of the streams and the newest snapshot, through NATS itself: cluster/backup.py). With no
+``--url``/``--token`` the client reads ``.jetrouter/cluster.json`` (written by `jetrouter up`):
+the replicas' URLs, tried in order (the next one on a connection error), and its
+``admin_token``. Output is readable tables and lines, or
 the API's raw JSON with ``--json``. Exit status: 0 done; 1 the API answered an error (its status
 and message are printed) or no replica could be reached; 2 a usage or configuration problem.
 """
@@ -25,6 +27,7 @@ from urllib.parse import quote
 import httpx
 
 from api.cli import CliError
+from cluster import backup
 from eventlog.errors import JetrouterError
 
 DEFAULT_CLUSTER_FILE = Path(".jetrouter") / "cluster.json"
@@ -316,8 +319,9 @@ def show_list(key: str, columns: Sequence[str], empty: str) -> Show:
 
 show_snapshots = show_list("snapshots", ("snapshot_id", "ts", "size", "positions", "created_by",
                                          "trigger", "sha256"), "no snapshots")
-show_replicas = show_list("replicas", ("replica_id", "ready", "leader", "epoch", "age_s",
-                                       "divergent", "positions", "digests"), "no replicas")
+show_replicas = show_list("replicas", ("replica_id", "version", "formats", "ready", "leader",
+                                       "epoch", "age_s", "divergent", "positions", "digests"),
+                          "no replicas")
 show_workers = show_list("workers", ("worker_id", "url", "model", "health", "dp_size",
                                      "kv_total_blocks", "cached_blocks", "active_prefill_tokens",
                                      "active_decode_blocks", "out_of_sync", "status", "reason"),
@@ -480,6 +484,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     tn.add_argument("--weight", type=float, default=1.0, help="share under fair queueing")
     tn.add_argument("--isolated", action="store_true",
                     help="keep its prompts' KV cache apart from other tenants' (cache_salt)")
+    backup.add_verbs(sub)
     # `--json` is also accepted after the verb (`jetrouter admin state --json`).
     for child in sub.choices.values():
         child.add_argument("--json", dest="json_after", action="store_true",
@@ -509,6 +514,14 @@ def _request(args: argparse.Namespace, target: Target) -> tuple[str, str, object
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.admin_verb in ("export", "import"):  # NATS itself, not a replica's admin API
+        try:
+            path = args.cluster_file or DEFAULT_CLUSTER_FILE
+            cluster = load_cluster_file(path) if path.exists() else None
+        except CliError as exc:
+            print(f"jetrouter admin: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        return backup.run_verb(args, cluster)
     try:
         target = resolve_target(args.url, args.token, args.cluster_file)
         with AdminClient(target, timeout=args.timeout) as client:

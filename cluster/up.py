@@ -570,7 +570,7 @@ UP = Group(
 # out, each child keeps its own default. Forwarding another one is one more name here.
 FORWARDED = ("router-mode", "kv-cache-block-size", "num-gpu-blocks", "speedup-ratio",
              "model",  # the engines' served model name (also --served-model-name)
-             "api-keys-file", "tenant-header", "router-queue-threshold",
+             "otlp-traces-endpoint", "api-keys-file", "tenant-header", "router-queue-threshold",
              "no-tenant-fair-queue")
 
 

@@ -27,6 +27,7 @@ from tenacity import (
 
 from eventlog.errors import JetrouterError
 from eventlog.events import Event, encode_batch
+from eventlog.wire import format_headers
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,9 @@ class Appender:
         with the message (a bridge keeps its resume point there)."""
         if not msg_id:
             raise ValueError("msg_id must be non-empty: it is what makes a retried append safe")
+        marked = format_headers(events)  # None for format 1: no header (eventlog/wire.py)
+        if marked is not None:
+            headers = {**marked, **(headers or {})}
         return await self.append_raw(subject, encode_batch(list(events)), msg_id, headers)
 
     async def append_raw(self, subject: str, payload: bytes, msg_id: str,

@@ -39,6 +39,7 @@ import msgspec
 
 from eventlog import events as ev
 from eventlog.appender import Appender, AppendFailed, is_transient
+from eventlog.wire import event_format, format_headers
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,8 @@ class GroupCommit:
             self._sent += 1
             msg_id = f"{self._prefix}.{self._sent}"
             try:
-                seq = await self._append_held(payload, msg_id)
+                seq = await self._append_held(payload, msg_id, format_headers(
+                    item.event for item in taken if item.event is not None))
             except asyncio.CancelledError:
                 for item in taken:
                     _settle(item.future, exc=asyncio.CancelledError())
@@ -147,13 +149,14 @@ class GroupCommit:
             self._timer = asyncio.get_running_loop().call_later(self.linger,
                                                                self._linger_expired)
 
-    async def _append_held(self, payload: bytes, msg_id: str) -> int:
+    async def _append_held(self, payload: bytes, msg_id: str,
+                           headers: dict[str, str] | None) -> int:
         """One message's append; while ``hold()`` is true a passing failure is retried under
         the same msg id (applied once), with a backoff capped at 2 s."""
         delay = 0.25
         while True:
             try:
-                return await self._appender.append_raw(self.subject, payload, msg_id)
+                return await self._appender.append_raw(self.subject, payload, msg_id, headers)
             except AppendFailed as exc:
                 if self.hold is None or not self.hold() or not is_transient(exc.cause):
                     raise
@@ -168,15 +171,22 @@ class GroupCommit:
         size = 0
         queue = self._queue
         n = 0
+        first_format = 0
         for n, item in enumerate(queue, start=1):
             event = item.event
             if event is None:
                 taken.append(item)  # folded: settled with the message that carries its finish
                 continue
             raw = _raw_encoder.encode(event)
-            if parts and (len(parts) >= self.max_events or size + len(raw) > self.max_bytes):
+            # A message holds events of one format only: a release that cannot read a newer
+            # event type then loses (or stops at) that message alone, never the format-1
+            # decisions and finishes that would otherwise share it (eventlog.wire).
+            fmt = event_format(event)
+            if parts and (len(parts) >= self.max_events or size + len(raw) > self.max_bytes
+                          or fmt != first_format):
                 n -= 1
                 break
+            first_format = fmt
             parts.append(msgspec.Raw(raw))
             taken.append(item)
             size += len(raw)

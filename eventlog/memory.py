@@ -24,6 +24,7 @@ from eventlog.events import Event, MalformedMessage, decode_batch, encode_batch
 from eventlog.log import StoredMessage
 from eventlog.names import STREAM_KINDS, Names
 from eventlog.reader import StartPurged
+from eventlog.wire import NewerFormat, UnknownFormat, check_message, format_headers
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,9 @@ class MemoryLog:
                      headers: dict[str, str] | None = None) -> int:
         if not msg_id:
             raise ValueError("msg_id must be non-empty: it is what makes a retried append safe")
+        marked = format_headers(events)  # None for format 1: no header (eventlog/wire.py)
+        if marked is not None:
+            headers = {**marked, **(headers or {})}
         return await self.append_raw(subject, encode_batch(list(events)), msg_id, headers)
 
     async def append_raw(self, subject: str, payload: bytes, msg_id: str,
@@ -240,8 +244,11 @@ class MemoryReader:
 
     def _deliver(self, msg: StoredMessage) -> tuple[int, list[Event]]:
         try:
+            check_message(msg.headers, self.stream, msg.seq)
             events = decode_batch(msg.data)
-        except MalformedMessage as exc:
+        except NewerFormat as exc:
+            self._fail(exc)  # stays before the message, as the JetStream reader does
+        except (MalformedMessage, UnknownFormat) as exc:
             self.malformed += 1
             log.warning("stream %s seq %d: skipping malformed message (%s)", self.stream,
                         msg.seq, exc)

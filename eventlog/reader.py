@@ -21,7 +21,9 @@ for one message again. The first message of a quiet spell is yielded at once.
 
 A message that does not decode is yielded as ``(seq, [])``: the sequence still advances. So is a
 message whose events speak for another worker or replica than its subject names
-(:mod:`eventlog.binding`), counted in ``forged``.
+(:mod:`eventlog.binding`), counted in ``forged``. A message marked with a format newer than this
+release reads (:mod:`eventlog.wire`) is different: the reader raises
+:class:`eventlog.wire.NewerFormat` and stays before it, for good.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from eventlog.binding import foreign_party
 from eventlog.errors import JetrouterError
 from eventlog.events import Event, MalformedMessage, decode_batch
+from eventlog.wire import NewerFormat, UnknownFormat, check_message
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +177,7 @@ class StreamReader:
                 continue
             try:
                 item = self._process(self._buf.popleft())
-            except StartPurged:
+            except (StartPurged, NewerFormat):
                 await self._drop_consumer()
                 raise
             if item is not None:
@@ -225,8 +228,13 @@ class StreamReader:
             self._fail(StartPurged(self.stream, self.last_seq + 1, sseq))
         t0 = time.thread_time()
         try:
+            # A newer format raises NewerFormat out of the reader before last_seq moves: the
+            # message is neither applied nor skipped (eventlog/wire.py).
+            check_message(msg.headers, self.stream, sseq)
             events = decode_batch(msg.data)
-        except MalformedMessage as exc:
+        except NewerFormat as exc:
+            self._fail(exc)
+        except (MalformedMessage, UnknownFormat) as exc:
             self.malformed += 1
             log.warning("stream %s seq %d: skipping malformed message (%s)", self.stream, sseq, exc)
             events = []

@@ -34,6 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from eventlog import events as ev
 from eventlog.names import CONTROL, ROUTER, Names
 from eventlog.reader import StartPurged, StreamReader
+from eventlog.wire import NewerFormat
 from snapshots.catalog import CatalogView
 from snapshots.db import Tracking, create_tables, make_engine, read_tracking, write_tracking
 from snapshots.ledger import LedgerView
@@ -285,6 +286,10 @@ class ProjectionFeeder:
                 start = exc.first_seq
             except asyncio.CancelledError:
                 raise
+            except NewerFormat as exc:  # only a newer release can read on: stop, as replicas do
+                log.error("projection of %s stopped: %s", stream, exc)
+                self._remember(kind, exc)
+                return
             except nats.errors.ConnectionClosedError as exc:  # closed for good: nothing more
                 log.warning("projection reader for %s stopped: the NATS connection is closed",
                             stream)

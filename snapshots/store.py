@@ -66,6 +66,7 @@ from nats.js.object_store import ObjectStore
 from eventlog.errors import JetrouterError
 from eventlog.names import Names
 from eventlog.streams import cluster_size_hint, ensure_stream, lookup_stream
+from replicas.core.state import SNAPSHOT_FORMAT
 
 log = logging.getLogger("jetrouter.snapshots")
 
@@ -93,6 +94,10 @@ class SnapshotMeta(msgspec.Struct, frozen=True):
     ts: float
     stored_size: int = 0
     compression: str = COMPRESSION
+    # The state format inside (replicas/core/state.py SNAPSHOT_FORMAT), so a reader can pass over
+    # a snapshot written by a newer release without fetching it. 0: not recorded (written before
+    # releases recorded it; the blob's own format field decides).
+    format: int = 0
 
 
 class LoadedSnapshot(NamedTuple):
@@ -232,12 +237,15 @@ class SnapshotStore:
     # --- writing ------------------------------------------------------------------------------
 
     async def put(self, state: bytes | Callable[[], bytes], *, positions: dict[str, int],
-                  epoch: int, created_by: str, trigger: str) -> SnapshotMeta:
+                  epoch: int, created_by: str, trigger: str,
+                  format: int = SNAPSHOT_FORMAT) -> SnapshotMeta:
         """Compress, checksum and store one snapshot, then prune to the newest ``keep``.
 
         ``state`` is the encoded state, or a function returning it (e.g.
         ``RouterState.encoder()``, which captured the state already): it is then called in the
-        worker thread too, so encoding a large state does not hold the event loop up."""
+        worker thread too, so encoding a large state does not hold the event loop up.
+        ``format`` is the state format of those bytes (another one only for an imported
+        backup's snapshot, which keeps the format it was written in)."""
         obs = await self.ensure()
         size, blob, digest = await asyncio.to_thread(_encode_and_pack, state)
         now = time.time()
@@ -245,7 +253,7 @@ class SnapshotStore:
         meta = SnapshotMeta(
             snapshot_id=snapshot_id, positions=dict(positions), epoch=epoch,
             size=size, sha256=digest, created_by=created_by, trigger=trigger,
-            ts=now, stored_size=len(blob),
+            ts=now, stored_size=len(blob), format=format,
         )
         object_meta = ObjectMeta(
             name=snapshot_id,
@@ -391,6 +399,14 @@ class SnapshotStore:
         skipped: list[tuple[str, str]] = []
         for candidate in await self.list():
             sid = candidate.snapshot_id
+            if candidate.format > SNAPSHOT_FORMAT:
+                # Written by a newer release (a rollback): the one before it is at the purge
+                # point (design.md §8), so falling back to it loses nothing.
+                log.error("SKIPPING SNAPSHOT %s: state format %d is newer than this release "
+                          "reads (up to %d); falling back to an older one", sid,
+                          candidate.format, SNAPSHOT_FORMAT)
+                skipped.append((sid, f"newer format {candidate.format}"))
+                continue
             try:
                 meta, raw = await self._read(sid)
             except SnapshotCorrupt as exc:

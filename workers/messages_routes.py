@@ -11,7 +11,6 @@ shape.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,7 +24,7 @@ from eventlog.model_tokenizer import ChatTemplateFailed
 from eventlog.tokens import decode
 from leanhttp.hotpath import LastChunk, LeanStreamingResponse
 from workers.engine import RequestHandle
-from workers.route_port import EngineRuntime
+from workers.route_port import EngineRuntime, json_object
 
 _encode = msgspec.json.Encoder().encode
 _KINDS = {400: "invalid_request_error", 404: "not_found_error", 503: "overloaded_error"}
@@ -44,12 +43,9 @@ def add_messages_routes(app: FastAPI, runtime: EngineRuntime) -> None:
     settings = runtime.settings
 
     async def parsed(request: Request) -> tuple[dict[str, Any], list[int]] | JSONResponse:
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, RecursionError):
-            return _error(400, "request body is not valid JSON")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object")
+        body = await json_object(request)
+        if isinstance(body, str):
+            return _error(400, body)
         model = body.get("model")
         if model != settings.model:
             return _error(404, f"model: {model}")

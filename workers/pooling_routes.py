@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import math
 import struct
 from typing import Any
@@ -22,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from eventlog.model_tokenizer import ChatTemplateFailed
 from eventlog.tokens import MAX_TOKEN_ID
 from workers.openai_shapes import error_body
-from workers.route_port import EngineRuntime
+from workers.route_port import EngineRuntime, json_object
 
 DIMENSIONS = 32
 MAX_DIMENSIONS = 4096
@@ -52,13 +51,8 @@ def _is_ids(value: Any) -> bool:
 
 
 async def _body(request: Request) -> dict[str, Any] | JSONResponse:
-    try:
-        body = json.loads(await request.body())
-    except (ValueError, RecursionError):
-        return _error(400, "request body is not valid JSON")
-    if not isinstance(body, dict):
-        return _error(400, "request body must be a JSON object")
-    return body
+    body = await json_object(request)
+    return _error(400, body) if isinstance(body, str) else body
 
 
 def add_pooling_routes(app: FastAPI, runtime: EngineRuntime) -> None:

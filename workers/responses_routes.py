@@ -14,7 +14,6 @@ events and ``response.completed`` with the usage.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,7 +29,7 @@ from eventlog.tokens import decode
 from leanhttp.hotpath import LastChunk, LeanStreamingResponse
 from workers.engine import RequestHandle
 from workers.openai_shapes import error_body
-from workers.route_port import EngineRuntime
+from workers.route_port import EngineRuntime, json_object
 
 DEFAULT_MAX_OUTPUT_TOKENS = 64
 _encode = msgspec.json.Encoder().encode
@@ -95,12 +94,9 @@ def add_responses_route(app: FastAPI, runtime: EngineRuntime) -> None:
     async def responses(request: Request) -> Response:
         if runtime.draining:
             return _error(503, "worker is shutting down")
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, RecursionError):
-            return _error(400, "request body is not valid JSON")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object")
+        body = await json_object(request)
+        if isinstance(body, str):
+            return _error(400, body)
         model = body.get("model")
         if model is not None and model != settings.model:
             return _error(404, f"The model `{model}` does not exist.", "model")

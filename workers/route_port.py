@@ -1,10 +1,13 @@
 """What the simulated engine's extra routes (pooling, Responses, Messages) need of its runtime:
 a view of :class:`workers.server.WorkerRuntime`, so those modules do not import the server that
-imports them."""
+imports them; and the request-body check they share."""
 
 from __future__ import annotations
 
-from typing import Protocol
+import json
+from typing import Any, Protocol
+
+from fastapi import Request
 
 from eventlog.model_tokenizer import Codec
 from workers.engine import Engine
@@ -26,3 +29,15 @@ class EngineRuntime(Protocol):
     def draining(self) -> bool: ...
 
     def pick_engine(self, dp_rank: int | None) -> Engine: ...
+
+
+async def json_object(request: Request) -> dict[str, Any] | str:
+    """The request's body as a JSON object, or why it is not one (each route answers that in
+    its own error shape: OpenAI's or Anthropic's)."""
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, RecursionError):
+        return "request body is not valid JSON"
+    if not isinstance(body, dict):
+        return "request body must be a JSON object"
+    return body

@@ -14,6 +14,7 @@ from enum import StrEnum
 
 import msgspec
 
+from api import tracing
 from api.upstream import (
     ConnectFailed,
     IdleTimeout,
@@ -89,10 +90,13 @@ async def open_upstream(pool: UpstreamPool, url: str, body: bytes, request_id: s
     status is returned for the caller to pass on (it must be read and closed)."""
     headers = {"content-type": "application/json", "accept": "text/event-stream",
                "x-request-id": request_id}
+    tracing.start_hop(request_id, url, headers)  # adds the hop's traceparent when tracing
     try:
         resp = await pool.post(url, body, headers, idle_timeout=idle_timeout)
     except (UpstreamError, OSError) as exc:
+        tracing.hop_answered(request_id, failure=classify(exc))
         raise HopFailed(classify(exc), f"{type(exc).__name__}: {exc}") from None
+    tracing.hop_answered(request_id, resp.status_code)
     if resp.status_code >= 500:
         detail = b""
         try:

@@ -28,6 +28,7 @@ import msgspec
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from api import tracing
 from api.errors import encoded_error_body, upstream_error_body
 from api.forward.engine import HopFailed, open_upstream, upstream_event_batches
 from api.forward.run import PREDICTED_HEADER, RunContext, replica_headers
@@ -143,6 +144,13 @@ class Passthrough:
                 self.cached_tokens = cached
 
     async def _reroute(self, failure: HopFailed) -> bool:
+        with tracing.migration(self.request.request_id, self.migrations + 1,
+                               self.routed.worker_id, failure.reason) as span:
+            moved = await self._move(failure)
+            span.moved(moved)
+            return moved
+
+    async def _move(self, failure: HopFailed) -> bool:
         failed = self.routed
         self.failed.add(failed.worker_id)
         self.ctx.report_failure(failed.worker_id, failure.reason)

@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 
+from api import tracing
 from api.forward.engine import HopFailure, classify
 from api.upstream import UpstreamError, UpstreamPool
 from eventlog.errors import JetrouterError
@@ -150,13 +151,16 @@ class PrefillRouter:
                                     "max_tokens": 1, "jetrouter": {"dp_rank": pre.dp_rank}})
         url = pre.worker_url.rstrip("/") + PREFILL_PATH
         headers = {"content-type": "application/json", "x-request-id": pre.request_id}
+        tracing.start_hop(pre.request_id, url, headers)
         try:
             resp = await self.pool.post(url, body, headers)
+            tracing.hop_answered(pre.request_id, resp.status_code)
             try:
                 raw = await resp.aread()
             finally:
                 resp.close()
         except (UpstreamError, OSError) as exc:
+            tracing.hop_answered(pre.request_id, failure=classify(exc))
             raise PrefillFailed(classify(exc), f"{type(exc).__name__}: {exc}") from None
         if resp.status_code != 200:
             reason: HopFailure | PrefillProblem = (

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 from fastapi.responses import Response
 
+from api import tracing
 from api.errors import error_response, sse_error, sse_internal_error, upstream_error_body
 from api.forward.continuation import Continuation, Hop, HopPlan, with_transfer
 from api.forward.engine import (
@@ -180,6 +181,13 @@ class Run:
     # --- the migration policy -------------------------------------------------------------------
 
     async def _next_hop(self, failure: HopFailed) -> bool:
+        with tracing.migration(self.base.request_id, self.migrations + 1, self.hop.worker_id,
+                               failure.reason) as span:
+            moved = await self._migrate(failure)
+            span.moved(moved)
+            return moved
+
+    async def _migrate(self, failure: HopFailed) -> bool:
         """After ``failure``: route the next hop, excluding every engine that failed this request,
         under ``<request_id>~<n>``, at most ``migration_limit`` times. The failed hop ends
         ``migrated`` when the next one is routed, else ``error`` (and ``give_up`` says why)."""

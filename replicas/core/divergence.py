@@ -32,6 +32,11 @@ class Heartbeat(msgspec.Struct, frozen=True):
     digests: dict[str, int]  # RouterState.digests(): index, load, config and their sum "state"
     ready: bool
     leader: bool
+    # The sender's release: package version and the formats it writes ({"events": n,
+    # "snapshots": m}). Empty from releases before they were published; a release that does not
+    # know these fields ignores them (msgspec drops unknown fields), so mixed versions interoperate.
+    version: str = ""
+    formats: dict[str, int] = {}
 
 
 class HeartbeatLike(Protocol):

@@ -2,25 +2,24 @@
 
 Pure and deterministic: no clock (time arrives as arguments taken from events), no randomness.
 
-Layout, chosen for the two hot paths (applying KV events and ``find_matches``):
+Compact, columnar form (replicas/core/README.md has the why). Tens of millions of (block, worker)
+pairs must fit in tens of bytes each, so nothing here is a Python object per block:
 
-* Every block is a node keyed by its *sequence hash* (``eventlog.hashing.chain_hash`` from the
-  parent's sequence hash; a root block's sequence hash is its ``tokens_hash``), so equal prefixes on
-  different workers share a node. A node's value is an int bitmask of the worker *slots* holding it.
-* Per slot, ``block_hash -> entry`` (the block's sequence hash and its parent's, packed in one
-  int) maps the engine's opaque ids back to nodes, for removals and for the parent of a later store.
-* Gap bookkeeping: per slot, how many held nodes have each node as parent, and how many held nodes
-  lack their parent (``gaps``). A slot without gaps holds every ancestor of whatever it holds, so
-  along a query "holds block i" is true then false, and ``find_matches`` *bisects* for the few
-  points where the set of holders shrinks (~10 dict lookups each instead of one per block: a cold
-  dict lookup in a million-entry dict costs ~0.2 us). Slots with gaps (a mid-chain block removed
-  while deeper ones stay) fall back to ANDing the masks along the query, in C, until empty.
+* ``_holders`` — :class:`NodeHolders` (``index_holders.py``): from *sequence hash* to the one
+  slot holding the node, or to a bitmap of slots when several hold it.
+* ``_blocks[slot]`` — a :class:`U64Table` from the engine's block id to the sequence hash, for
+  removals and for the parent of a later store.
+* ``_dups[slot]`` — the rare nodes one worker holds under several block ids (a small dict).
 
-Membership is *flat*: removing a mid-chain block clears that one node for that worker, so matches
-stop there; if the block is stored again, the worker's deeper blocks (which it never reported
-removed, and which the engine's own prefix cache would hit again) match again. Dynamo's radix tree
-instead detaches the children of a node nobody holds any more; the flat form makes answers depend
-only on membership, never on the order other workers' events arrived in.
+An event of more than ``small_event`` blocks is applied as a fixed handful of numpy calls over
+all its blocks; shorter ones, and any batch that needs the exact block-by-block order (an id
+reused for other content, or the same id or content twice in one event), one block at a time in
+plain Python over the tables' memoryviews. Both give the same result.
+
+Membership is *flat*: a node is held by a worker exactly while the worker holds that block,
+whatever it holds of its ancestors; a query walks the prompt from its first block and stops a
+worker's match at the first block it does not hold. This is what the reference form
+(``index_reference.py``) answers too; the two are tested against each other.
 
 Counters: ``("stored", "ok" | "parent_block_not_found")`` and ``("removed", "ok")`` count events,
 ``("removed", "block_not_found")`` counts unknown block hashes, ``("cleared", "ok")`` counts clears,
@@ -30,45 +29,62 @@ Counters: ``("stored", "ok" | "parent_block_not_found")`` and ``("removed", "ok"
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from itertools import accumulate, compress, repeat, takewhile
-from operator import and_, neg
+from itertools import chain
 
 import numpy as np
-import xxhash
 
 from eventlog.hashing import CHAIN_MULTIPLIER, MASK64
+from replicas.core.index_approx import ApproximateMode
+from replicas.core.index_codec import PLAIN_VERSION_V3, expiry_columns, read_plain
+from replicas.core.index_common import (
+    U64,
+    OverlapScores,
+    WorkerKey,
+    membership_mix,
+    mix_sum,
+    worker_weight,
+)
+from replicas.core.index_holders import NodeHolders
+from replicas.core.index_table import U64Table
 
-WorkerKey = tuple[str, int]  # (worker_id, dp_rank)
-Entry = int  # a held block: seq | (parent seq + 1) << 64 (a root's parent is _ROOT, so: seq)
+__all__ = ["OverlapScores", "PrefixIndex", "WorkerKey"]
 
-PLAIN_VERSION = 2  # 1: flat int lists (still read); 2: columnar
-_DIGEST_SALT = 0x5BD1E9955BD1E995  # xored into seq hashes so that seq 0 still moves the digest
-_P = CHAIN_MULTIPLIER
-_ROOT = -1  # parent of a root block in the gap bookkeeping (sequence hashes are >= 0)
-_SHARED_INTS = 256  # CPython keeps one object for each int from -5 to this
-_BITS = bytes.maketrans(b"01", b"\x00\x01")  # '0'/'1' digits -> falsy/truthy bytes
+class _Powers:
+    """``P**i`` and ``P**-i`` mod 2**64 for the chain multiplier ``P`` (odd, so invertible)."""
 
+    up = np.ones(1, dtype=U64)
+    down = np.ones(1, dtype=U64)
 
-@dataclass(frozen=True, slots=True)
-class OverlapScores:
-    scores: dict[WorkerKey, int]  # matched prefix blocks per worker key (only keys with > 0)
-    tree_sizes: dict[WorkerKey, int]  # blocks held per worker key (every key that holds any)
-
-
-def _worker_weight(worker: WorkerKey) -> int:
-    """Odd 64-bit weight of a worker key in the digest (odd, so it never cancels a change)."""
-    return xxhash.xxh3_64_intdigest(f"{worker[0]}\x1f{worker[1]}".encode(), 0x4A52) | 1
-
-
-def _membership_mix(block_hash: int, seq: int) -> int:
-    """Digest term of one (block_hash -> seq) entry; nonlinear so swapped pairs do not cancel."""
-    return ((seq ^ _DIGEST_SALT) * (2 * block_hash + 1)) & MASK64
+    @classmethod
+    def get(cls, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(cls.up) < n:
+            size = max(n, 2 * len(cls.up))
+            p, q = CHAIN_MULTIPLIER, pow(CHAIN_MULTIPLIER, -1, 2**64)
+            up, down = [1] * size, [1] * size
+            for i in range(1, size):
+                up[i] = (up[i - 1] * p) & MASK64
+                down[i] = (down[i - 1] * q) & MASK64
+            cls.up, cls.down = np.array(up, dtype=U64), np.array(down, dtype=U64)
+        return cls.up[:n], cls.down[:n]
 
 
-class PrefixIndex:
+def _chain(parent: int, tokens: np.ndarray) -> np.ndarray:
+    """Sequence hashes of a chain under ``parent``: ``s[i] = s[i-1]·P + t[i]`` with
+    ``s[-1] = parent``, computed as ``P**i · (parent·P + Σ_{j<=i} t[j]·P**-j)`` (uint64
+    arithmetic wraps, so all of it is exact mod 2**64)."""
+    up, down = _Powers.get(len(tokens))
+    acc = np.cumsum(tokens * down, dtype=U64)
+    acc += np.uint64((parent * CHAIN_MULTIPLIER) & MASK64)
+    acc *= up
+    return acc
+
+
+class PrefixIndex(ApproximateMode):
+    # Events of at most this many blocks apply block by block in plain Python (~3 us a block);
+    # longer ones as arrays (a fixed ~100 us of numpy calls, then well under 1 us a block).
+    small_event = 24
+
     def __init__(
         self,
         *,
@@ -82,24 +98,16 @@ class PrefixIndex:
         self.max_tree_size = int(max_tree_size)
         self.prune_target_ratio = float(prune_target_ratio)
         self.counters: dict[tuple[str, str], int] = {}
-        self._nodes: dict[int, int] = {}  # seq hash -> bitmask of slots holding it
+        self._holders = NodeHolders()
         self._slots: dict[WorkerKey, int] = {}
         self._keys: list[WorkerKey | None] = []  # slot -> worker key
         self._free: list[int] = []  # released slots (heap: lowest reused first)
-        # slot -> {block_hash: entry}; entries are ints, not tuples, so that a million of them
-        # cost the garbage collector nothing
-        self._blocks: list[dict[int, Entry]] = []
+        self._blocks: list[U64Table] = []  # slot -> {block_hash: seq}
         self._dups: list[dict[int, int]] = []  # slot -> {seq: block ids beyond the first}
-        self._sums: list[int] = []  # slot -> sum of membership mixes (mod 2**64, lazily)
+        self._sums: list[int] = []  # slot -> sum of membership mixes mod 2**64
         self._weights: list[int] = []  # slot -> digest weight of its worker key
         self._total = 0
-        # Gap tracking, so find_matches can bisect: a slot is "clean" when every node it holds
-        # has its parent held too (then holding block i implies holding blocks 0..i).
-        self._kids: list[dict[int, int]] = []  # slot -> {seq: held nodes whose parent is seq}
-        self._gaps: list[int] = []  # slot -> held nodes whose parent it does not hold
-        self._gappy = 0  # bitmask of slots with gaps
         self._sizes_cache: dict[WorkerKey, int] | None = None
-        # approximate mode: (slot, seq) -> (expiry, depth); heap of (expiry, -depth, id, rank, seq)
         self._expiry: dict[tuple[int, int], tuple[float, int]] = {}
         self._heap: list[tuple[float, int, str, int, int]] = []
 
@@ -117,73 +125,108 @@ class PrefixIndex:
         if self._free:
             slot = heapq.heappop(self._free)
             self._keys[slot] = worker
-            self._weights[slot] = _worker_weight(worker)
+            self._weights[slot] = worker_weight(worker)
         else:
             slot = len(self._keys)
             self._keys.append(worker)
-            self._blocks.append({})
+            self._blocks.append(U64Table(U64))
             self._dups.append({})
             self._sums.append(0)
-            self._kids.append({})
-            self._gaps.append(0)
-            self._weights.append(_worker_weight(worker))
+            self._weights.append(worker_weight(worker))
+            self._holders.widen(slot)
         self._slots[worker] = slot
         return slot
-
-    def _release(self, slot: int, block_hash: int, entry: Entry) -> None:
-        """Drop one block id's membership (the caller already popped it from the slot's map)."""
-        seq = entry & MASK64
-        parent = (entry >> 64) - 1
-        self._sums[slot] -= _membership_mix(block_hash, seq)
-        self._total -= 1
-        dups = self._dups[slot]
-        extra = dups.get(seq)
-        if extra:  # another block id of this worker still maps to the same node
-            if extra == 1:
-                del dups[seq]
-            else:
-                dups[seq] = extra - 1
-            return
-        nodes = self._nodes
-        bit = 1 << slot
-        mask = nodes[seq] ^ bit
-        if mask:
-            nodes[seq] = mask
-        else:
-            del nodes[seq]
-        if self.approximate:
-            self._expiry.pop((slot, seq), None)
-        kids = self._kids[slot]
-        gaps = self._gaps[slot] + kids.get(seq, 0)  # its held children lose their parent
-        if parent != _ROOT:
-            left = kids.get(parent, 0) - 1
-            if left > 0:
-                kids[parent] = left
-            else:
-                kids.pop(parent, None)
-            if not nodes.get(parent, 0) & bit:
-                gaps -= 1  # it was itself a child without its parent
-        self._set_gaps(slot, gaps)
-
-    def _set_gaps(self, slot: int, gaps: int) -> None:
-        gaps = max(gaps, 0)  # only a 64-bit hash collision could drive it negative
-        self._gaps[slot] = gaps
-        if gaps:
-            self._gappy |= 1 << slot
-        else:
-            self._gappy &= ~(1 << slot)
 
     def _free_slot(self, slot: int) -> None:
         worker = self._keys[slot]
         assert worker is not None
         del self._slots[worker]
         self._keys[slot] = None
-        self._blocks[slot] = {}
+        self._blocks[slot] = U64Table(U64)
         self._dups[slot] = {}
         self._sums[slot] = 0
-        self._kids[slot] = {}
-        self._set_gaps(slot, 0)
         heapq.heappush(self._free, slot)
+
+    # --- membership primitives ---------------------------------------------------------------
+
+    def _add(self, slot: int, block_hashes: np.ndarray, seqs: np.ndarray,
+             homes: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Add pairs the slot does not hold (distinct ids; distinct seqs); ``homes``: the ids'
+        buckets in the slot's block map, from ``find_homes`` just before."""
+        n = len(block_hashes)
+        if not n:
+            return
+        self._blocks[slot].insert(block_hashes, seqs, homes)
+        self._sums[slot] = (self._sums[slot] + mix_sum(block_hashes, seqs)) & MASK64
+        self._total += n
+        dup = self._holders.hold(slot, seqs)
+        if dup.any():  # held under another block id too: membership unchanged, count the id
+            dups = self._dups[slot]
+            for seq in seqs[dup].tolist():
+                dups[seq] = dups.get(seq, 0) + 1
+
+    def _drop(self, slot: int, block_hashes: np.ndarray, seqs: np.ndarray,
+              cells: np.ndarray) -> None:
+        """Drop pairs the slot holds at ``cells`` of its block map (distinct ids and seqs)."""
+        n = len(block_hashes)
+        if not n:
+            return
+        self._blocks[slot].delete(cells)
+        self._sums[slot] = (self._sums[slot] - mix_sum(block_hashes, seqs)) & MASK64
+        self._total -= n
+        dups = self._dups[slot]
+        if dups:  # another block id of this worker still maps to some of these nodes
+            keep = np.ones(n, dtype=bool)
+            for i, seq in enumerate(seqs.tolist()):
+                extra = dups.get(seq)
+                if extra:
+                    keep[i] = False
+                    if extra == 1:
+                        del dups[seq]
+                    else:
+                        dups[seq] = extra - 1
+            seqs = seqs[keep]
+        self._holders.unhold(slot, seqs)
+        if self.approximate:
+            for seq in seqs.tolist():
+                self._expiry.pop((slot, seq), None)
+
+    def _add1(self, slot: int, block_hash: int, seq: int) -> None:
+        """``_add`` of one pair the slot does not hold, in plain Python."""
+        self._blocks[slot].insert1(block_hash, seq)
+        self._sums[slot] = (self._sums[slot] + membership_mix(block_hash, seq)) & MASK64
+        self._total += 1
+        if self._holders.hold1(slot, seq):
+            dups = self._dups[slot]
+            dups[seq] = dups.get(seq, 0) + 1
+
+    def _drop1(self, slot: int, block_hash: int, seq: int, cell: int) -> None:
+        """``_drop`` of one pair the slot holds at ``cell`` of its block map."""
+        self._blocks[slot].delete1(cell)
+        self._sums[slot] = (self._sums[slot] - membership_mix(block_hash, seq)) & MASK64
+        self._total -= 1
+        dups = self._dups[slot]
+        extra = dups.get(seq) if dups else None
+        if extra:  # another block id of this worker still maps to the node
+            if extra == 1:
+                del dups[seq]
+            else:
+                dups[seq] = extra - 1
+            return
+        self._holders.unhold1(slot, seq)
+        if self.approximate:
+            self._expiry.pop((slot, seq), None)
+
+    def _store1(self, slot: int, block_hash: int, seq: int) -> None:
+        """Store one pair, block by block semantics: re-announced, moved, or new."""
+        table = self._blocks[slot]
+        cell = table.find1(block_hash)
+        if cell >= 0:
+            was = table.mv[cell]
+            if was == seq:
+                return  # re-announced: nothing changes
+            self._drop1(slot, block_hash, was, cell)  # the engine reused the id: move it
+        self._add1(slot, block_hash, seq)
 
     # --- KV events ---------------------------------------------------------------------------
 
@@ -199,160 +242,84 @@ class PrefixIndex:
             parent = 0  # chain_hash(0, t) == t: a root block's sequence hash is its tokens_hash
         else:
             slot = self._slots.get(worker, -1)
-            known = self._blocks[slot].get(parent_block_hash) if slot >= 0 else None
-            if known is None:
+            cell = self._blocks[slot].find1(parent_block_hash) if slot >= 0 else -1
+            if cell < 0:
                 self._count("stored", "parent_block_not_found")
                 return "parent_block_not_found"
-            parent = known & MASK64
+            parent = self._blocks[slot].mv[cell]
         self._sizes_cache = None
-        bmap = self._blocks[slot]
-        before = len(bmap)
-        moved = 0
-        claim = bmap.setdefault
-        nodes = self._nodes
-        get = nodes.get
-        bit = 1 << slot
-        mult, mask64, salt = _P, MASK64, _DIGEST_SALT  # locals: this loop is the apply hot path
-        kids = self._kids[slot]
-        gaps = self._gaps[slot]
-        prev = _ROOT if parent_block_hash is None else parent  # held by this worker (or root)
-        prev_kids = -1  # kids[prev] when known, else -1
-        if parent_block_hash is None and blocks:
-            # The loop tells a new block id by getting its own fresh ``entry`` object back from
-            # ``setdefault``. Only a root's entry can be small (its parent part is 0), and
-            # CPython shares the objects of ints up to 256, so a re-announced root with such a
-            # tiny sequence hash would look new: skip it here (re-announcing changes nothing).
-            first_hash, first_tokens = blocks[0]
-            seq = first_tokens & mask64
-            if seq <= _SHARED_INTS and bmap.get(first_hash) == seq:
-                blocks, prev, parent = blocks[1:], seq, seq
-        moved_any = False  # a move may have released the chain's own parent
-        acc = 0
-        for block_hash, tokens_hash in blocks:
-            seq = parent = (parent * mult + tokens_hash) & mask64
-            entry = seq | (prev + 1) << 64
-            held = claim(block_hash, entry)  # one dict lookup for a new id, the common case
-            if held is not entry:  # the id was held already (getting ``entry`` back: see above)
-                if held & mask64 == seq:
-                    prev, prev_kids = seq, -1
-                    continue  # re-announced: nothing changes
-                # the engine reused the id for other content: move it
-                bmap[block_hash] = entry
-                self._gaps[slot] = gaps
-                self._release(slot, block_hash, held)
-                gaps = self._gaps[slot]
-                prev_kids = -1
-                moved += 1
-                moved_any = True
-            acc += (seq ^ salt) * (2 * block_hash + 1)  # digest term, reduced once per batch
-            mask = get(seq)
-            if mask is None:  # a node nobody held: the common case when prompts are new
-                nodes[seq] = bit
-            elif mask & bit:  # held under another block id: membership unchanged
-                dups = self._dups[slot]
-                dups[seq] = dups.get(seq, 0) + 1
-                prev, prev_kids = seq, -1
-                continue
-            else:
-                nodes[seq] = mask | bit
-            if prev_kids >= 0:  # the parent was added just before: its child count is known
-                kids[prev] = prev_kids + 1
-            elif prev != _ROOT:
-                kids[prev] = kids.get(prev, 0) + 1
-                if moved_any and not get(prev, 0) & bit:
-                    gaps += 1  # stored under a parent this batch itself moved away
-            if gaps:  # children held without this node were gaps (impossible in a clean slot)
-                prev_kids = kids.get(seq, 0)
-                gaps -= prev_kids
-            else:
-                prev_kids = 0
-            prev = seq
-        self._set_gaps(slot, gaps)
-        self._sums[slot] = (self._sums[slot] + acc) & MASK64
-        self._total += len(bmap) - before + moved
+        n = len(blocks)
+        if n <= self.small_event:
+            mult, mask64 = CHAIN_MULTIPLIER, MASK64
+            for block_hash, tokens_hash in blocks:
+                parent = (parent * mult + tokens_hash) & mask64
+                self._store1(slot, block_hash, parent)
+        else:
+            pairs = np.fromiter(chain.from_iterable(blocks), dtype=U64, count=2 * n)
+            ids = pairs[0::2]
+            self._store_pairs(slot, ids, _chain(parent, pairs[1::2]))
         self._count("stored", "ok")
         return "ok"
+
+    def _store_pairs(self, slot: int, ids: np.ndarray, seqs: np.ndarray) -> None:
+        table = self._blocks[slot]
+        ordered = np.sort(np.stack((ids, seqs)), axis=1)
+        if not (ordered[:, 1:] == ordered[:, :-1]).any():  # distinct ids, distinct nodes
+            cells, homes = table.find_homes(ids)
+            held = cells >= 0
+            if not held.any():
+                self._add(slot, ids, seqs, homes)
+                return
+            if (table.vals.reshape(-1)[cells[held]] == seqs[held]).all():
+                new = ~held  # the held ones are re-announced: nothing changes for them
+                self._add(slot, ids[new], seqs[new])
+                return
+        # An id reused for other content, or an id or node twice in one event: block by block.
+        for block_hash, seq in zip(ids.tolist(), seqs.tolist(), strict=True):
+            self._store1(slot, block_hash, seq)
 
     def remove(self, worker: WorkerKey, block_hashes: Sequence[int]) -> int:
         """Apply a BlocksRemoved; returns how many block hashes were unknown (the rest apply)."""
         slot = self._slots.get(worker)
-        unknown = 0
         if slot is None:
             unknown = len(block_hashes)
         else:
             self._sizes_cache = None
-            unknown = self._remove_from_slot(slot, block_hashes)
+            unknown = self._remove_from_slot(slot, list(block_hashes))
         self._count("removed", "ok")
         if unknown:
             self._count("removed", "block_not_found", unknown)
         return unknown
 
-    def _remove_from_slot(self, slot: int, block_hashes: Sequence[int]) -> int:
-        """``_release`` for a batch of block ids, inlined with locals (the replay hot path for
-        evictions); returns how many ids the slot did not hold."""
-        pop = self._blocks[slot].pop
-        dups = self._dups[slot]
-        kids = self._kids[slot]
-        nodes = self._nodes
-        expiry = self._expiry if self.approximate else None
-        bit = 1 << slot
-        gaps = self._gaps[slot]
-        mask64, salt = MASK64, _DIGEST_SALT
-        acc = removed = unknown = 0
-        for block_hash in block_hashes:
-            entry = pop(block_hash, None)
-            if entry is None:
+    def _remove_from_slot(self, slot: int, ids: list[int]) -> int:
+        table = self._blocks[slot]
+        if len(ids) > self.small_event and len(set(ids)) == len(ids):
+            id_col = np.array(ids, dtype=U64)
+            cells = table.find(id_col)
+            found = cells >= 0
+            cells = cells[found]
+            seqs = table.vals.reshape(-1)[cells]
+            if len(np.unique(seqs)) == len(seqs):  # distinct nodes too: all at once
+                self._drop(slot, id_col[found], seqs, cells)
+                return len(ids) - len(cells)
+        unknown = 0  # a few ids, or an id or a node twice in one event: block by block
+        for block_hash in ids:
+            cell = table.find1(block_hash)
+            if cell < 0:
                 unknown += 1
-                continue
-            seq = entry & mask64
-            acc += ((seq ^ salt) * (2 * block_hash + 1)) & mask64
-            removed += 1
-            extra = dups.get(seq) if dups else None
-            if extra:  # another block id of this worker still maps to the same node
-                if extra == 1:
-                    del dups[seq]
-                else:
-                    dups[seq] = extra - 1
-                continue
-            mask = nodes[seq] ^ bit
-            if mask:
-                nodes[seq] = mask
             else:
-                del nodes[seq]
-            if expiry is not None:
-                expiry.pop((slot, seq), None)
-            gaps += kids.get(seq, 0)  # its held children lose their parent
-            parent = (entry >> 64) - 1
-            if parent != _ROOT:
-                left = kids.get(parent, 0) - 1
-                if left > 0:
-                    kids[parent] = left
-                else:
-                    kids.pop(parent, None)
-                if not nodes.get(parent, 0) & bit:
-                    gaps -= 1  # it was itself a child without its parent
-            if gaps < 0:  # as _set_gaps: only a 64-bit hash collision gets here
-                gaps = 0
-        self._sums[slot] = (self._sums[slot] - acc) & MASK64
-        self._total -= removed
-        self._set_gaps(slot, gaps)
+                self._drop1(slot, block_hash, table.mv[cell], cell)
         return unknown
 
     def _clear_slot(self, slot: int) -> None:
-        bit = 1 << slot
-        nodes = self._nodes
-        bmap = self._blocks[slot]
-        dups = self._dups[slot]
-        seqs = (e & MASK64 for e in bmap.values())
-        for seq in set(seqs) if dups else seqs:
-            mask = nodes[seq] ^ bit
-            if mask:
-                nodes[seq] = mask
-            else:
-                del nodes[seq]
-            if self.approximate:
+        table = self._blocks[slot]
+        _, seqs = table.items()
+        held = np.unique(seqs) if self._dups[slot] else seqs
+        self._holders.unhold(slot, held)
+        if self.approximate:
+            for seq in held.tolist():
                 self._expiry.pop((slot, seq), None)
-        self._total -= len(bmap)
+        self._total -= table.size
         self._free_slot(slot)
 
     def clear(self, worker: WorkerKey) -> None:
@@ -375,56 +342,34 @@ class PrefixIndex:
     def find_matches(self, seq_hashes: Sequence[int]) -> OverlapScores:
         """Matched prefix length (in blocks) of ``seq_hashes`` per worker key, plus tree sizes."""
         scores: dict[WorkerKey, int] = {}
-        get = self._nodes.get
-        first = get(seq_hashes[0], 0) if seq_hashes else 0
-        if first:
-            keys = self._keys
-            end = len(seq_hashes)
-            gappy = first & self._gappy
-            held = first ^ gappy
-            start = 0
-            # Clean slots hold every ancestor of what they hold, so "slot holds block i" only
-            # turns false once along the query: bisect for each point where the set shrinks.
-            while held:
-                stop = bisect_left(
-                    range(end), True, start + 1, end,
-                    key=lambda i: get(seq_hashes[i], 0) & held != held,
-                )
-                left = get(seq_hashes[stop], 0) & held if stop < end else 0
-                self._record(scores, keys, held ^ left, stop)
-                held, start = left, stop
-            if gappy:
-                # slots with gaps: running intersection along the query, in C, until empty
-                running = list(takewhile(bool, accumulate(
-                    map(get, seq_hashes, repeat(0)), and_, initial=gappy)))
-                end = len(running) - 1
-                held, start = gappy, 0
-                while held:
-                    stop = bisect_left(running, True, start + 1, end + 1, key=held.__ne__) - 1
-                    left = running[stop + 1] if stop < end else 0
-                    self._record(scores, keys, held ^ left, stop)
-                    held, start = left, stop + 1
+        if len(seq_hashes) and self._holders.nodes.size:
+            holders = self._holders.prefix_holders(np.asarray(seq_hashes, dtype=U64))
+            if len(holders):
+                keys = self._keys
+                first = int(holders[0])
+                other = np.flatnonzero(holders != first) if first >= 0 else None
+                if other is not None and (not len(other) or holders[other[0]] >= 0):
+                    # one worker holds the first block, and after its run comes a block it does
+                    # not hold (or none): only it matches, that far
+                    scores[keys[first]] = (  # type: ignore[index]
+                        int(other[0]) if len(other) else len(holders))
+                else:
+                    slots, lengths = self._holders.match(holders)
+                    scores.update(zip([keys[s] for s in slots],  # type: ignore[misc]
+                                      lengths, strict=True))
         return OverlapScores(scores, dict(self._tree_sizes()))
-
-    @staticmethod
-    def _record(scores: dict[WorkerKey, int], keys: list[WorkerKey | None], slots: int,
-                matched: int) -> None:
-        """Give every slot whose bit is set in ``slots`` a score of ``matched`` blocks."""
-        # decode the bits in C: binary digits, least significant first, as 0/1 bytes
-        flags = bin(slots)[:1:-1].encode().translate(_BITS)
-        scores.update(zip(compress(keys, flags), repeat(matched)))  # type: ignore[arg-type]
 
     def _tree_sizes(self) -> dict[WorkerKey, int]:
         sizes = self._sizes_cache
         if sizes is None:
             blocks = self._blocks
-            sizes = {w: len(blocks[s]) for w, s in self._slots.items() if blocks[s]}
+            sizes = {w: blocks[s].size for w, s in self._slots.items() if blocks[s].size}
             self._sizes_cache = sizes
         return sizes
 
     def tree_size(self, worker: WorkerKey) -> int:
         slot = self._slots.get(worker)
-        return 0 if slot is None else len(self._blocks[slot])
+        return 0 if slot is None else self._blocks[slot].size
 
     @property
     def total_blocks(self) -> int:
@@ -434,7 +379,7 @@ class PrefixIndex:
     @property
     def node_count(self) -> int:
         """Distinct sequence hashes held by anyone (shared prefixes count once)."""
-        return len(self._nodes)
+        return self._holders.nodes.size
 
     @property
     def digest(self) -> int:
@@ -445,123 +390,27 @@ class PrefixIndex:
                 total += self._weights[slot] * (self._sums[slot] & MASK64)
         return total & MASK64
 
-    # --- approximate mode --------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes of the index's arrays (what ``bench core`` compares with RSS growth)."""
+        return self._holders.nbytes() + sum(t.nbytes() for t in self._blocks)
 
-    def store_routed(self, worker: WorkerKey, seq_hashes: Sequence[int], now: float) -> None:
-        """Record a routing decision as blocks the worker will hold until ``now + ttl_secs``."""
-        self.expire(now)
-        if not seq_hashes:
-            return
-        self._sizes_cache = None
-        slot = self._slot_for(worker)
-        bmap = self._blocks[slot]
-        nodes = self._nodes
-        expiry_map = self._expiry
-        heap = self._heap
-        bit = 1 << slot
-        expires = now + self.ttl_secs
-        worker_id, dp_rank = self._keys[slot]  # type: ignore[misc]
-        acc = 0
-        added = 0
-        kids = self._kids[slot]
-        gaps = self._gaps[slot]
-        prev = _ROOT
-        for depth, seq in enumerate(seq_hashes, 1):
-            if seq not in bmap:
-                bmap[seq] = seq | (prev + 1) << 64  # no engine id here: the seq names the block
-                added += 1
-                acc += ((seq ^ _DIGEST_SALT) * (2 * seq + 1)) & MASK64
-                nodes[seq] = nodes.get(seq, 0) | bit
-                if prev != _ROOT:
-                    kids[prev] = kids.get(prev, 0) + 1
-                if gaps:
-                    gaps -= kids.get(seq, 0)
-            prev = seq
-            expiry_map[(slot, seq)] = (expires, depth)
-            heapq.heappush(heap, (expires, -depth, worker_id, dp_rank, seq))
-        self._set_gaps(slot, gaps)
-        self._sums[slot] = (self._sums[slot] + acc) & MASK64
-        self._total += added
-        if self._total > self.max_tree_size:
-            self._prune()
-        if len(heap) > 4 * max(len(expiry_map), 1024):
-            self._compact_heap()
-
-    def _pop_live(self, until: float | None = None) -> tuple[int, int] | None:
-        """Pop the earliest heap entry that is still current (and expires at or before ``until``
-        when given); stale entries (refreshed or already dropped) are discarded on the way."""
-        heap = self._heap
-        while heap and (until is None or heap[0][0] <= until):
-            expires, _neg_depth, worker_id, dp_rank, seq = heapq.heappop(heap)
-            slot = self._slots.get((worker_id, dp_rank))
-            if slot is None:
-                continue
-            current = self._expiry.get((slot, seq))
-            if current is None or current[0] != expires:
-                continue
-            return slot, seq
-        return None
-
-    def _drop_entry(self, slot: int, seq: int) -> None:
-        entry = self._blocks[slot].pop(seq)
-        self._expiry.pop((slot, seq), None)
-        self._release(slot, seq, entry)
-        self._sums[slot] &= MASK64
-
-    def expire(self, now: float) -> int:
-        """Drop approximate-mode entries whose expiry is at or before event time ``now``."""
-        dropped = 0
-        while (entry := self._pop_live(now)) is not None:
-            self._drop_entry(*entry)
-            dropped += 1
-        if dropped:
-            self._sizes_cache = None
-            self._count("expired", "ok", dropped)
-        return dropped
-
-    def _prune(self) -> None:
-        target = int(self.max_tree_size * self.prune_target_ratio)
-        pruned = 0
-        while self._total > target:
-            entry = self._pop_live()
-            if entry is None:
-                break
-            self._drop_entry(*entry)
-            pruned += 1
-        self._count("pruned", "ok", pruned)
-
-    def _compact_heap(self) -> None:
-        keys = self._keys
-        self._heap = [
-            (expires, -depth, *keys[slot], seq)  # type: ignore[misc]
-            for (slot, seq), (expires, depth) in self._expiry.items()
-        ]
-        heapq.heapify(self._heap)
-
-    # --- snapshots ---------------------------------------------------------------------------
-    #
-    # Plain form v2 is columnar, so that a million blocks restore with bulk operations instead
-    # of per-block Python: per worker key, its blocks in the slot map's order as little-endian
-    # arrays of engine block ids and sequence hashes, plus the parents compressed by *kind*
-    # (a chain is stored in order, so most blocks' parent is the previous row's sequence hash;
-    # only the others carry an explicit parent). v1 (flat int lists) is still read.
+    # --- snapshots (index_codec.py) -----------------------------------------------------------
 
     def to_plain(self) -> dict[str, object]:
         """Lists/dicts/ints/strs/floats/bytes only (msgspec-encodable), deterministic."""
         return self.plain_encoder(copy=False)()
 
     def plain_encoder(self, *, copy: bool = True) -> Callable[[], dict[str, object]]:
-        """Capture the index now and return a function that builds its plain form later.
+        """Capture the index now and return a function that builds its plain form (v3) later.
 
-        With ``copy`` the per-worker maps are shallow-copied (C-speed, ~20 ms per million
-        blocks; entries are immutable ints), so the returned function may run in a worker
+        The capture copies each worker's two columns out of its table (numpy, ~10 ms per
+        million blocks) whatever ``copy`` says, so the returned function may run in a worker
         thread while the index keeps changing on the event loop."""
-        workers = [(w, self._blocks[s].copy() if copy else self._blocks[s])
-                   for w, s in sorted(self._slots.items())]
+        workers = [(w, *self._blocks[s].items()) for w, s in sorted(self._slots.items())]
         expiry = dict(self._expiry) if copy else self._expiry
         keys = list(self._keys)
         head = {
-            "version": PLAIN_VERSION,
+            "version": PLAIN_VERSION_V3,
             "approximate": self.approximate,
             "ttl_secs": self.ttl_secs,
             "max_tree_size": self.max_tree_size,
@@ -571,195 +420,43 @@ class PrefixIndex:
 
         def build() -> dict[str, object]:
             return {**head,
-                    "workers": [[w[0], w[1], *_block_columns(bmap)] for w, bmap in workers],
-                    "expiry": _expiry_columns(expiry, keys),
+                    "workers": [[w[0], w[1], len(ids), ids.tobytes(), seqs.tobytes()]
+                                for w, ids, seqs in workers],
+                    "expiry": expiry_columns(expiry, keys),
                     "counters": counters}
 
         return build
 
     @classmethod
     def from_plain(cls, obj: object) -> PrefixIndex:
-        if not isinstance(obj, dict) or obj.get("version") not in (1, PLAIN_VERSION):
-            raise ValueError("not a plain PrefixIndex (version mismatch)")
-        index = cls(
-            approximate=bool(obj["approximate"]),
-            ttl_secs=float(obj["ttl_secs"]),
-            max_tree_size=int(obj["max_tree_size"]),
-            prune_target_ratio=float(obj["prune_target_ratio"]),
-        )
-        legacy = obj["version"] == 1
-        held: list[tuple[int, np.ndarray]] = []
-        for row in obj["workers"]:
-            block_hashes, seqs, parents, roots = (_columns_v1(row[2]) if legacy
-                                                  else _columns_v2(*row[2:]))
-            slot = index._slot_for((str(row[0]), int(row[1])))
-            held.append((slot, index._restore_slot(slot, block_hashes, seqs, parents, roots)))
-        index._nodes = _node_masks(held)
-        for row in obj["expiry"]:
-            index._restore_expiry((str(row[0]), int(row[1])),
-                                  *(_expiry_v1(row[2]) if legacy else _expiry_v2(*row[2:])))
-        heapq.heapify(index._heap)
-        index.counters = {(t, s): int(n) for t, s, n in obj["counters"]}
-        return index
-
-    def _restore_slot(self, slot: int, block_hashes: np.ndarray, seqs: np.ndarray,
-                      parents: np.ndarray, roots: np.ndarray) -> np.ndarray:
-        """Fill one fresh slot from its columns; returns its distinct sequence hashes, sorted."""
-        n = len(seqs)
-        held = np.sort(seqs)
-        if n > 1 and not np.all(held[1:] != held[:-1]):
-            # Some node is held under several block ids: its first row holds it, the others
-            # count as extra ids (``_dups``).
-            held, node_rows, counts = np.unique(seqs, return_index=True, return_counts=True)
+        """Restore from any plain version (1 and 2 written by the reference form, 3 by this)."""
+        plain = read_plain(obj)
+        index = cls(approximate=plain.approximate, ttl_secs=plain.ttl_secs,
+                    max_tree_size=plain.max_tree_size,
+                    prune_target_ratio=plain.prune_target_ratio)
+        held: list[np.ndarray] = []
+        holders: list[np.ndarray] = []
+        for worker, ids, seqs in plain.workers:
+            slot = index._slot_for(worker)
+            n = len(ids)
+            distinct, counts = np.unique(seqs, return_counts=True)
+            if n and len(np.unique(ids)) != n:
+                raise ValueError(f"snapshot repeats block ids of {worker}")
+            table = U64Table(U64, capacity=n)
+            table.insert(ids, seqs)
+            index._blocks[slot] = table
+            index._sums[slot] = mix_sum(ids, seqs)
+            index._total += n
             extra = counts > 1
-            self._dups[slot] = dict(zip(held[extra].tolist(), (counts[extra] - 1).tolist(),
-                                        strict=True))
-            node_parents = parents[node_rows][~roots[node_rows]]
-            unsure = node_rows
-        else:
-            node_parents = parents[~roots]
-            unsure = np.arange(n)
-        parent_ids, kid_counts = np.unique(node_parents, return_counts=True)
-        self._kids[slot] = dict(zip(parent_ids.tolist(), kid_counts.tolist(), strict=True))
-        # Gaps: nodes whose parent this slot does not hold. A row whose parent is the previous
-        # row's seq (a chain stored in order: nearly all of them) is known to have it.
-        chained = np.zeros(n, dtype=bool)
-        chained[1:] = parents[1:] == seqs[:-1]
-        unsure = unsure[~(roots[unsure] | chained[unsure])]
-        self._set_gaps(slot, int(np.count_nonzero(~_members(parents[unsure], held))))
-        # entries: seq | (parent + 1) << 64, and 0 above the seq for a root
-        high = parents + np.uint64(1)
-        high[roots] = 0
-        highs = high.tolist()
-        for row in np.flatnonzero((parents == _U64_MAX) & ~roots).tolist():
-            highs[row] = 1 << 64  # parent 2**64 - 1 wrapped to 0 in uint64
-        entries = [s | h << 64 for s, h in zip(seqs.tolist(), highs, strict=True)]
-        bmap = dict(zip(block_hashes.tolist(), entries, strict=True))
-        if len(bmap) != n:
-            raise ValueError(f"snapshot repeats block ids of {self._keys[slot]}")
-        self._blocks[slot] = bmap
-        with np.errstate(over="ignore"):  # uint64 arithmetic wraps: exactly mod 2**64
-            mixes = (seqs ^ np.uint64(_DIGEST_SALT)) * (block_hashes * np.uint64(2) + np.uint64(1))
-            self._sums[slot] = int(mixes.sum(dtype=np.uint64))
-        self._total += n
-        return held
-
-    def _restore_expiry(self, worker: WorkerKey, seqs: list[int], expires: list[float],
-                        depths: list[int]) -> None:
-        slot = self._slots[worker]
-        self._expiry.update(zip(zip(repeat(slot), seqs), zip(expires, depths, strict=True),
-                                strict=False))  # repeat() is endless
-        self._heap.extend(zip(expires, map(neg, depths), repeat(worker[0]), repeat(worker[1]),
-                              seqs, strict=False))
-
-
-_U64 = np.dtype("<u8")
-_U64_MAX = np.uint64(MASK64)
-_KIND_EXPLICIT, _KIND_CHAINED, _KIND_ROOT = 0, 1, 2  # where a row's parent sequence hash is
-
-
-def _block_columns(bmap: dict[int, Entry]) -> list[object]:
-    """One slot map as ``[count, block ids, seqs, parent kinds, explicit parents]`` (bytes)."""
-    n = len(bmap)
-    block_hashes = np.fromiter(bmap.keys(), dtype=_U64, count=n)
-    seqs = np.fromiter(map(MASK64.__and__, bmap.values()), dtype=_U64, count=n)
-    try:  # parent + 1 (0 for a root); 2**64 only for the parent 2**64 - 1
-        high = np.fromiter(map((64).__rrshift__, bmap.values()), dtype=_U64, count=n)
-        roots = high == 0
-        parents = high - np.uint64(1)  # a root's wraps; its kind says it has none
-    except OverflowError:
-        highs = [e >> 64 for e in bmap.values()]
-        roots = np.array([h == 0 for h in highs], dtype=bool)
-        parents = np.array([(h - 1) & MASK64 for h in highs], dtype=_U64)
-    kinds = np.zeros(n, dtype=np.uint8)
-    if n > 1:
-        kinds[1:][parents[1:] == seqs[:-1]] = _KIND_CHAINED
-    kinds[roots] = _KIND_ROOT
-    explicit = parents[kinds == _KIND_EXPLICIT]
-    return [n, block_hashes.tobytes(), seqs.tobytes(), kinds.tobytes(), explicit.tobytes()]
-
-
-def _columns_v2(n: int, block_ids: bytes, seq_bytes: bytes, kind_bytes: bytes,
-                explicit_bytes: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Inverse of :func:`_block_columns`: block ids, seqs, parents, root flags."""
-    block_hashes = np.frombuffer(block_ids, dtype=_U64)
-    seqs = np.frombuffer(seq_bytes, dtype=_U64)
-    kinds = np.frombuffer(kind_bytes, dtype=np.uint8)
-    explicit = np.frombuffer(explicit_bytes, dtype=_U64)
-    is_explicit = kinds == _KIND_EXPLICIT
-    chained = np.flatnonzero(kinds == _KIND_CHAINED)
-    if (not len(block_hashes) == len(seqs) == len(kinds) == n
-            or int(np.count_nonzero(is_explicit)) != len(explicit)
-            or (n and int(kinds.max()) > _KIND_ROOT) or (len(chained) and chained[0] == 0)):
-        raise ValueError("malformed block columns in a plain PrefixIndex")
-    parents = np.zeros(n, dtype=_U64)
-    parents[is_explicit] = explicit
-    parents[chained] = seqs[chained - 1]
-    return block_hashes, seqs, parents, kinds == _KIND_ROOT
-
-
-def _columns_v1(flat: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """v1 rows ``[block_hash, seq, parent (-1 for a root), ...]`` as v2 columns."""
-    parents = flat[2::3]
-    return (np.array(flat[0::3], dtype=_U64), np.array(flat[1::3], dtype=_U64),
-            np.array([p & MASK64 for p in parents], dtype=_U64),
-            np.array([p == _ROOT for p in parents], dtype=bool))
-
-
-def _members(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
-    """Which ``values`` occur in ``sorted_set`` (sorted, distinct): one bisection each."""
-    if not len(sorted_set):
-        return np.zeros(len(values), dtype=bool)
-    at = np.minimum(np.searchsorted(sorted_set, values), len(sorted_set) - 1)
-    return sorted_set[at] == values
-
-
-def _node_masks(held: list[tuple[int, np.ndarray]]) -> dict[int, int]:
-    """``seq -> bitmask of slots`` from each slot's distinct sequence hashes (sorted): one bulk
-    insert per slot, then Python ORs only for the hashes several slots share."""
-    nodes: dict[int, int] = {}
-    for slot, seqs in held:
-        nodes.update(zip(seqs.tolist(), repeat(1 << slot)))  # repeat() is endless
-    if len(held) < 2:
-        return nodes
-    every = np.sort(np.concatenate([seqs for _, seqs in held]))
-    shared = np.unique(every[1:][every[1:] == every[:-1]])
-    if len(shared):
-        masks = dict.fromkeys(shared.tolist(), 0)
-        for slot, seqs in held:
-            bit = 1 << slot
-            for seq in seqs[_members(seqs, shared)].tolist():
-                masks[seq] |= bit
-        nodes.update(masks)
-    return nodes
-
-
-def _expiry_columns(expiry: dict[tuple[int, int], tuple[float, int]],
-                    keys: list[WorkerKey | None]) -> list[list[object]]:
-    """Approximate-mode expiries per worker key: ``[id, rank, seqs, expiries, depths]``."""
-    per_slot: dict[int, list[tuple[int, float, int]]] = {}
-    for (slot, seq), (expires, depth) in expiry.items():
-        per_slot.setdefault(slot, []).append((seq, expires, depth))
-    out: list[list[object]] = []
-    for slot, rows in sorted(per_slot.items(), key=lambda kv: keys[kv[0]]):  # type: ignore[arg-type, return-value]
-        worker = keys[slot]
-        assert worker is not None
-        seqs, expires, depths = zip(*rows, strict=True)
-        out.append([worker[0], worker[1], np.array(seqs, dtype=_U64).tobytes(),
-                    np.array(expires, dtype="<f8").tobytes(),
-                    np.array(depths, dtype="<i8").tobytes()])
-    return out
-
-
-def _expiry_v2(seqs: bytes, expires: bytes, depths: bytes
-               ) -> tuple[list[int], list[float], list[int]]:
-    out = (np.frombuffer(seqs, dtype=_U64).tolist(), np.frombuffer(expires, dtype="<f8").tolist(),
-           np.frombuffer(depths, dtype="<i8").tolist())
-    if not len(out[0]) == len(out[1]) == len(out[2]):
-        raise ValueError("malformed expiry columns in a plain PrefixIndex")
-    return out
-
-
-def _expiry_v1(flat: Sequence[float | int]) -> tuple[list[int], list[float], list[int]]:
-    return ([int(x) for x in flat[0::3]], [float(x) for x in flat[1::3]],
-            [int(x) for x in flat[2::3]])
+            if extra.any():
+                index._dups[slot] = dict(zip(distinct[extra].tolist(),
+                                             (counts[extra] - 1).tolist(), strict=True))
+            held.append(distinct)
+            holders.append(np.full(len(distinct), slot, dtype=np.int64))
+        if sum(map(len, held)):
+            index._holders.restore(np.concatenate(held), np.concatenate(holders))
+        for worker, seq_list, expires, depths in plain.expiry:
+            index._restore_expiry(worker, seq_list, expires, depths)
+        heapq.heapify(index._heap)
+        index.counters = plain.counters
+        return index

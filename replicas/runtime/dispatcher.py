@@ -101,6 +101,7 @@ class Routed:
     session: SessionRequest | None = None  # the request's session, for its migrated hops
     # The decision's append (Dispatcher.recorded waits for it); None: nothing to wait for.
     record: DecisionRecord | None = None
+    queued_s: float = 0.0  # seconds waited in the router queue before the decision (a trace span)
 
 
 _Queued = tuple[RouteRequest, "asyncio.Future[Routed]"]
@@ -275,6 +276,7 @@ class Dispatcher:
         worker without waiting for the acknowledgement (:meth:`recorded` waits for it)."""
         if self.config.queue_threshold is not None and self._must_queue(req):
             fut: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
+            queued_at = time.perf_counter()
             self._enqueue((req, fut))
             self.load_changed.set()
             try:
@@ -285,6 +287,7 @@ class Dispatcher:
                 if fut.done() and not fut.cancelled() and fut.exception() is None:
                     self.settle(req.request_id)
                 raise AllWorkersBusy("waited too long in the router queue") from None
+            routed.queued_s = time.perf_counter() - queued_at
         else:
             if req.session is not None:
                 await self._catch_up_router()

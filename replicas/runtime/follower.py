@@ -4,6 +4,9 @@ It owns the replica's `RouterState`: every event reaches the state through here,
 A purge under a follower (its start is gone) reloads the newest snapshot; a `StateReset` moved
 the other streams' positions to its cut, so the followers restart from there (a rewind); any other
 failure restarts them from the positions the state has applied — nothing is lost or applied twice.
+A message in a format newer than this release reads (eventlog/wire.py) *blocks* its stream: that
+stream's follower stops before it for good, the others go on, and the replica is told, so it
+turns not ready instead of diverging from the replicas that can apply the message.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from eventlog.errors import JetrouterError
 from eventlog.log import EventLog, LogReader
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
 from eventlog.reader import StartPurged
+from eventlog.wire import NewerFormat
 from replicas.core.state import RouterState, StateConfig
 from replicas.runtime.replication_cost import ReplicationCost
 from snapshots.store import SnapshotStore
@@ -34,6 +38,10 @@ class StreamListener(Protocol):
 
     def stream_rewound(self) -> None:
         """A reset moved the positions: whatever was pending on the old streams is void."""
+        ...
+
+    def stream_blocked(self, kind: str, reason: str) -> None:
+        """``kind`` holds a message this release cannot read: nothing more is applied from it."""
         ...
 
 
@@ -54,6 +62,8 @@ class StreamFollower:
         self.stream_last: dict[str, int] = {k: 0 for k in STREAM_KINDS}
         self.malformed: dict[str, int] = {k: 0 for k in STREAM_KINDS}  # by finished readers
         self.catch_up_targets: dict[str, int] = {}
+        # Streams stopped at a message in a newer format: kind -> why (eventlog/wire.py).
+        self.blocked: dict[str, str] = {}
         self._listener = listener
         self._readers: dict[str, LogReader] = {}
         self._supervisor: asyncio.Task[None] | None = None
@@ -96,7 +106,12 @@ class StreamFollower:
             return False
         meta, blob = found[0], found[1]
         # Decoding a large state takes a while: off the loop, so heartbeats and the lease go on.
-        candidate = await asyncio.to_thread(RouterState.decode, blob, self.config)
+        try:
+            candidate = await asyncio.to_thread(RouterState.decode, blob, self.config)
+        except NewerFormat as exc:  # a snapshot whose meta did not say its format
+            log.error("replica %s cannot load snapshot %s: %s", self.replica_id,
+                      meta.snapshot_id, exc)
+            return False
         ours = self.state.positions
         if candidate.epoch < self.state.epoch or all(
                 candidate.positions[k] <= ours[k] for k in STREAM_KINDS):
@@ -126,14 +141,18 @@ class StreamFollower:
         backoff = 0.2
         while True:
             followers = [asyncio.create_task(self._follow(k), name=f"follow-{k}")
-                         for k in STREAM_KINDS]
+                         for k in STREAM_KINDS if k not in self.blocked]
+            if not followers:  # every stream is blocked: only an upgrade moves this replica
+                await asyncio.Event().wait()
             done, pending = await asyncio.wait(followers, return_when=asyncio.FIRST_EXCEPTION)
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             errors = [t.exception() for t in done if not t.cancelled() and t.exception()]
             purged = [e for e in errors if isinstance(e, StartPurged)]
-            if any(isinstance(e, _Rewind) for e in errors) and not purged:
+            blocked = [e for e in errors if isinstance(e, NewerFormat)]
+            if (blocked or any(isinstance(e, _Rewind) for e in errors)) and not purged:
+                # Blocked streams were recorded by their follower; the others restart at once.
                 backoff = 0.2
                 continue
             if purged:
@@ -166,6 +185,13 @@ class StreamFollower:
                                           len(batch))
                 else:
                     self._apply(kind, seq, batch, reader)
+        except NewerFormat as exc:
+            self.blocked[kind] = str(exc)
+            log.error("STREAM %s BLOCKED on replica %s at position %d: %s; nothing more is "
+                      "applied from it until this replica runs a release that reads it",
+                      stream, self.replica_id, self.state.positions[kind], exc)
+            self._listener.stream_blocked(kind, str(exc))
+            raise
         finally:
             self._readers.pop(kind, None)
             self.malformed[kind] += reader.malformed

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.metadata
 import logging
 import secrets
 import time
@@ -48,6 +49,7 @@ from nats.js.errors import APIError, BucketNotFoundError
 from nats.js.kv import KeyValue
 
 from eventlog import events as ev
+from eventlog import wire
 from eventlog.appender import is_transient
 from eventlog.names import Names
 from eventlog.streams import cluster_size_hint, create_placed
@@ -59,11 +61,25 @@ from replicas.core.divergence import (
     decode_heartbeat,
     encode_heartbeat,
 )
+from replicas.core.state import SNAPSHOT_FORMAT
 from replicas.runtime.port import ReplicaPort
 
 __all__ = ["Heartbeat", "Liveness", "PeerStatus", "heartbeat_subject", "liveness_subject"]
 
 MARK_HEADER = "Jr-Heartbeat-Mark"
+
+
+def release() -> tuple[str, dict[str, int]]:
+    """This process's package version and the event and snapshot formats it writes: what
+    ``jetrouter admin replicas`` shows for each replica during a rolling upgrade."""
+    try:
+        version = importlib.metadata.version("jetrouter")
+    except importlib.metadata.PackageNotFoundError:  # run from a tree that was never installed
+        version = "unknown"
+    return version, {"events": wire.EVENT_FORMAT, "snapshots": SNAPSHOT_FORMAT}
+
+
+_RELEASE = release()
 
 
 def heartbeat_subject(names: Names, replica_id: str = "*") -> str:
@@ -252,7 +268,7 @@ class Liveness:
         r = self.replica
         state = r.state
         return Heartbeat(self.replica_id, self._wall(), dict(state.positions), state.digests(),
-                         r.ready, r.is_leader)
+                         r.ready, r.is_leader, *_RELEASE)
 
     def _is_leader(self) -> bool:
         """Leader duties wait until the replica is caught up: it judges from applied state."""
@@ -522,4 +538,6 @@ def _row(hb: Heartbeat, age: float, divergent: bool) -> dict[str, object]:
     return {"replica_id": hb.replica_id, "ready": hb.ready, "leader": hb.leader,
             "positions": dict(hb.positions),
             "digests": {k: f"{v:016x}" for k, v in hb.digests.items()},
-            "age_s": round(age, 3), "divergent": divergent, "live": True}
+            "age_s": round(age, 3), "divergent": divergent, "live": True,
+            # "" / {}: a replica of a release from before versions were published
+            "version": hb.version, "formats": dict(hb.formats)}

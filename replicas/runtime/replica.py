@@ -24,8 +24,8 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
@@ -53,7 +53,7 @@ from replicas.runtime.decision_log import DecisionLogHealth, DecisionNotRecorded
 from replicas.runtime.dispatcher import Dispatcher, Routed, RouteRequest
 from replicas.runtime.follower import StreamFollower
 from replicas.runtime.leader import Leader
-from replicas.runtime.liveness import Liveness
+from replicas.runtime.liveness import Liveness, release
 from replicas.runtime.log_outage import LogOutage, LogUnavailable
 from replicas.runtime.log_watchdog import LogWatchdog
 from replicas.runtime.replication_cost import ReplicationCost
@@ -71,12 +71,23 @@ __all__ = [
     "Replica",
     "ReplicaConfig",
     "RouteRequest",
+    "RouteTracer",
     "Routed",
     "RoutingError",
     "UnknownModel",
 ]
 
 log = logging.getLogger("jetrouter.replica")
+
+
+class RouteTracer(Protocol):
+    """What the HTTP layer's tracing (api/tracing.py) wraps: every routing decision, whoever
+    asks for it (the first hop, the prefill hop, a migration), and every hop's end."""
+
+    async def route(self, req: RouteRequest,
+                    route: Callable[[RouteRequest], Awaitable[Routed]]) -> Routed: ...
+
+    def finished(self, request_id: str, outcome: str) -> None: ...
 
 
 class Replica:
@@ -108,6 +119,8 @@ class Replica:
         # Observers for the HTTP layer's metrics (no prometheus in here).
         self.on_health_check: Callable[[str, float, str], None] | None = None
         self.on_divergence: Callable[[object], None] | None = None
+        # Spans around routing decisions and hop ends (api/tracing.py); None: tracing off.
+        self.tracer: RouteTracer | None = None
         self._becoming_ready = False
         self._boot = f"{time.time_ns():x}"
         self._ready_event = asyncio.Event()
@@ -345,6 +358,11 @@ class Replica:
     def stream_rewound(self) -> None:
         self.dispatcher.forget_pending()
 
+    def stream_blocked(self, kind: str, reason: str) -> None:
+        # Routing on a state that stopped applying one stream would route on stale facts, and
+        # a load balancer must send the traffic to replicas that read every message.
+        self.ready = False
+
     def _log_refusals(self) -> None:
         """One clear line when a worker becomes refused (a bad block size in its registration)."""
         refused = self.state.refused_workers
@@ -368,8 +386,8 @@ class Replica:
     # --- readiness -----------------------------------------------------------------------------
 
     def _check_ready(self) -> None:
-        if self.draining or self._becoming_ready or not self.follower.caught_up(
-                self.config.ready_lag):
+        if self.draining or self._becoming_ready or self.follower.blocked or (
+                not self.follower.caught_up(self.config.ready_lag)):
             return
         self._becoming_ready = True
         if self.replica_id in self.state.load.replicas():
@@ -381,6 +399,8 @@ class Replica:
             self._mark_ready()
 
     def _mark_ready(self) -> None:
+        if self.follower.blocked:  # a stream blocked while the previous incarnation was freed
+            return
         self.ready = True
         self._ready_event.set()
 
@@ -429,6 +449,10 @@ class Replica:
     def lag(self) -> dict[str, int]:
         return self.follower.lag()
 
+    def blocked_streams(self) -> dict[str, str]:
+        """Streams stopped at a message in a newer format (kind -> why); see follower.py."""
+        return dict(self.follower.blocked)
+
     def models(self) -> list[str]:
         return served_models(self.state)
 
@@ -456,14 +480,17 @@ class Replica:
         return {"replica_id": self.replica_id, "ready": self.ready, "leader": self.is_leader,
                 "positions": dict(self.state.positions),
                 "digests": {k: f"{v:016x}" for k, v in self.state.digests().items()},
-                "age_s": 0.0, "divergent": False}
+                "age_s": 0.0, "divergent": False, "version": release()[0],
+                "formats": release()[1]}
 
     # --- requests ------------------------------------------------------------------------------
 
     async def route(self, req: RouteRequest) -> Routed:
         """Decide, count the decision in our load at once, submit its append, hand back the
         worker; :meth:`recorded` waits for the append before the client sees anything."""
-        return await self.dispatcher.route(req)
+        if self.tracer is None:
+            return await self.dispatcher.route(req)
+        return await self.tracer.route(req, self.dispatcher.route)
 
     async def recorded(self, routed: Routed) -> None:
         """Raises ``DecisionNotRecorded`` when JetStream refused the decision (then nothing may
@@ -488,6 +515,8 @@ class Replica:
     def finished(self, request_id: str, outcome: str, output_tokens: int,
                  cached_tokens: int = -1) -> None:
         self.dispatcher.finished(request_id, outcome, output_tokens, cached_tokens)
+        if self.tracer is not None:
+            self.tracer.finished(request_id, outcome)
 
     # --- config changes through the control stream -------------------------------------------
 

@@ -13,6 +13,7 @@ from eventlog.appender import Appender
 from eventlog.group_commit import GroupCommit
 from eventlog.names import Names
 from eventlog.streams import stream_bounds
+from eventlog.wire import FORMAT_HEADER
 from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
@@ -105,3 +106,21 @@ async def test_a_held_message_outlives_the_server_and_lands_once(nats_server, js
     _, last = await stream_bounds(context, ROUTER)
     assert [e for _, e in await stream_events(context, last)] == [routed(i) for i in range(3)]
     assert seqs == [last, last]
+
+
+async def test_an_event_of_a_later_format_goes_in_a_message_of_its_own(js) -> None:
+    # A release that cannot read ResponseStored loses (or stops at) that message alone, never
+    # the decisions queued beside it.
+    _, context = js
+    log = GroupCommit(Appender(context), NAMES.router_subject("a"), "a.boot9")
+    stored = ev.ResponseStored("resp_1", "w", 0, "m", 60.0, 2.0, "r1")
+    sent = [routed(1), stored, routed(2)]
+    await asyncio.wait_for(asyncio.gather(*(log.append(e) for e in sent)), 30)
+    _, last = await stream_bounds(context, ROUTER)
+    messages = [await context.get_msg(ROUTER, seq) for seq in range(1, last + 1)]
+    batches = [(m.headers or {}).get(FORMAT_HEADER) for m in messages
+               if stored in ev.decode_batch(m.data)]
+    assert batches == ["2"]
+    alone = [ev.decode_batch(m.data) for m in messages if stored in ev.decode_batch(m.data)]
+    assert alone == [[stored]]
+    assert [e for _, e in await stream_events(context, last)] == sent

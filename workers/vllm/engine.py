@@ -94,6 +94,9 @@ class VllmEngine:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env["VLLM_HOST_IP"] = "127.0.0.1"
         env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
+        # vLLM keeps Responses API responses (``store``) only when told to; without it a
+        # ``previous_response_id`` follow-up is a 404 on every engine.
+        env.setdefault("VLLM_ENABLE_RESPONSES_API_STORE", "1")
         env["PYTHONUNBUFFERED"] = "1"
         # The router's interpreter may have put its own venv first on these; the engine must
         # import only what its own environment has.

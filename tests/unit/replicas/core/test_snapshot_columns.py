@@ -1,5 +1,6 @@
-"""Columnar snapshot forms (index v2, load v2, state format 2): exact round trips, the legacy v1
-forms still read, malformed columns rejected, and a captured encoder unaffected by later events."""
+"""Columnar snapshot forms (index v2 of the reference form, load v2, state format 2): exact round
+trips, the legacy v1 forms still read (by both index forms), malformed columns rejected, and a
+captured encoder unaffected by later events."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from hypothesis import strategies as st
 from eventlog import events as ev
 from eventlog.hashing import MASK64
 from eventlog.names import ROUTER
-from replicas.core.index import PrefixIndex, WorkerKey
+from replicas.core import index as compact
+from replicas.core.index_common import WorkerKey
+from replicas.core.index_reference import PrefixIndex
 from replicas.core.load import ActiveLoad
 from replicas.core.state import RouterState, StateConfig
 
@@ -100,6 +103,16 @@ def test_legacy_v1_plain_still_restores_identically(seed: int) -> None:
     index = random_index(random.Random(seed), 5, 80)
     plain = msgspec.msgpack.decode(msgspec.msgpack.encode(legacy_plain(index)))
     assert internals(PrefixIndex.from_plain(plain)) == internals(index)
+    # the compact form (which the router runs) restores v1 and v2 with the same answers
+    for form in (plain, msgspec.msgpack.decode(msgspec.msgpack.encode(index.to_plain()))):
+        restored = compact.PrefixIndex.from_plain(form)
+        assert (restored.digest, restored.total_blocks, restored.node_count) == (
+            index.digest, index.total_blocks, index.node_count)
+        assert restored._tree_sizes() == index._tree_sizes()
+        for slot in index._slots.values():
+            for entry in index._blocks[slot].values():
+                query = [entry & MASK64]
+                assert restored.find_matches(query) == index.find_matches(query)
 
 
 def test_more_than_64_workers_sharing_a_prefix() -> None:
@@ -210,8 +223,10 @@ def test_captured_encoder_ignores_later_events() -> None:
 def test_state_format_1_snapshots_still_decode() -> None:
     state = RouterState()
     state.apply("kv", 1, [ev.BlocksStored("w0", 1, 0, None, [(11, 1), (12, 2)], 1.0)])
+    reference = PrefixIndex()  # the form that wrote format 1 snapshots
+    reference.store(("w0", 0), None, [(11, 1), (12, 2)])
     doc = msgspec.msgpack.decode(state.encode())
     doc["format"] = 1
-    doc["index"] = legacy_plain(state.index)
+    doc["index"] = legacy_plain(reference)
     copy = RouterState.decode(msgspec.msgpack.encode(doc), state.config)
     assert copy.digests() == state.digests()

@@ -1,0 +1,55 @@
+"""What both forms of the prefix index share: the worker key, the answer of ``find_matches``, and
+the digest terms (design.md §5).
+
+The digest must come out equal whichever form computed it (replicas running different builds
+compare digests, and the reference form checks the compact one in tests), so its terms live here,
+once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from eventlog.hashing import MASK64
+
+WorkerKey = tuple[str, int]  # (worker_id, dp_rank)
+
+DIGEST_SALT = 0x5BD1E9955BD1E995  # xored into seq hashes so that seq 0 still moves the digest
+U64 = np.dtype("<u8")
+_SALT, _TWO, _ONE = np.uint64(DIGEST_SALT), np.uint64(2), np.uint64(1)
+
+
+@dataclass(frozen=True, slots=True)
+class OverlapScores:
+    scores: dict[WorkerKey, int]  # matched prefix blocks per worker key (only keys with > 0)
+    tree_sizes: dict[WorkerKey, int]  # blocks held per worker key (every key that holds any)
+
+
+def worker_weight(worker: WorkerKey) -> int:
+    """Odd 64-bit weight of a worker key in the digest (odd, so it never cancels a change)."""
+    return xxhash.xxh3_64_intdigest(f"{worker[0]}\x1f{worker[1]}".encode(), 0x4A52) | 1
+
+
+def membership_mix(block_hash: int, seq: int) -> int:
+    """Digest term of one (block_hash -> seq) entry; nonlinear so swapped pairs do not cancel."""
+    return ((seq ^ DIGEST_SALT) * (2 * block_hash + 1)) & MASK64
+
+
+def mix_sum(block_hashes: np.ndarray, seqs: np.ndarray) -> int:
+    """Sum of :func:`membership_mix` over columns, mod 2**64 (uint64 arithmetic wraps exactly)."""
+    mixes = (seqs ^ _SALT) * (block_hashes * _TWO + _ONE)  # arrays never warn on overflow
+    return int(mixes.sum(dtype=np.uint64))
+
+
+def popcount(words: np.ndarray) -> np.ndarray:
+    """Set bits of each ``u64`` (``np.bitwise_count`` from numpy 2.0; numpy 1.26 is allowed too)."""
+    if _BITWISE_COUNT is not None:
+        return _BITWISE_COUNT(words)  # type: ignore[no-any-return]
+    as_bytes = np.ascontiguousarray(words).view(np.uint8).reshape(*words.shape, 8)
+    return np.unpackbits(as_bytes, axis=-1).sum(axis=-1, dtype=np.uint8)
+
+
+_BITWISE_COUNT = getattr(np, "bitwise_count", None)

@@ -1,0 +1,600 @@
+"""The reference prefix index: Python dicts of ints, one entry per held block (design.md §5).
+
+The router's index before the compact form (``index.py``); kept, unchanged in behaviour, as the
+oracle tests check the compact form against and the "before" side of ``bench core``.
+
+Pure and deterministic: no clock, no randomness. Layout, for the two hot paths (apply, match):
+
+* Every block is a node keyed by its *sequence hash* (``eventlog.hashing.chain_hash`` from the
+  parent's sequence hash; a root block's sequence hash is its ``tokens_hash``), so equal prefixes on
+  different workers share a node. A node's value is an int bitmask of the worker *slots* holding it.
+* Per slot, ``block_hash -> entry`` (the block's sequence hash and its parent's, packed in one
+  int) maps the engine's opaque ids back to nodes, for removals and for the parent of a later store.
+* Gap bookkeeping (per slot, child counts per node and held nodes lacking their parent) lets
+  ``find_matches`` *bisect* along the query for slots without gaps; slots with gaps fall back to
+  ANDing the masks along the query, in C, until empty.
+
+Membership is *flat* and the counters are the compact form's (both described in ``index.py``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+from itertools import accumulate, compress, repeat, takewhile
+from operator import and_, neg
+
+import numpy as np
+
+from eventlog.hashing import CHAIN_MULTIPLIER, MASK64
+from replicas.core.index_codec import (
+    PLAIN_VERSION_V2,
+    block_columns,
+    columns_v1,
+    columns_v2,
+    expiry_columns,
+    expiry_v1,
+    expiry_v2,
+    node_masks,
+)
+from replicas.core.index_common import (
+    DIGEST_SALT,
+    OverlapScores,
+    WorkerKey,
+    membership_mix,
+    worker_weight,
+)
+from replicas.core.index_reference_restore import restore_slot
+
+Entry = int  # a held block: seq | (parent seq + 1) << 64 (a root's parent is _ROOT, so: seq)
+
+_P = CHAIN_MULTIPLIER
+_ROOT = -1  # parent of a root block in the gap bookkeeping (sequence hashes are >= 0)
+_SHARED_INTS = 256  # CPython keeps one object for each int from -5 to this
+_BITS = bytes.maketrans(b"01", b"\x00\x01")  # '0'/'1' digits -> falsy/truthy bytes
+
+
+class PrefixIndex:
+    def __init__(
+        self,
+        *,
+        approximate: bool = False,
+        ttl_secs: float = 120.0,
+        max_tree_size: int = 2**20,
+        prune_target_ratio: float = 0.8,
+    ) -> None:
+        self.approximate = approximate
+        self.ttl_secs = float(ttl_secs)
+        self.max_tree_size = int(max_tree_size)
+        self.prune_target_ratio = float(prune_target_ratio)
+        self.counters: dict[tuple[str, str], int] = {}
+        self._nodes: dict[int, int] = {}  # seq hash -> bitmask of slots holding it
+        self._slots: dict[WorkerKey, int] = {}
+        self._keys: list[WorkerKey | None] = []  # slot -> worker key
+        self._free: list[int] = []  # released slots (heap: lowest reused first)
+        # slot -> {block_hash: entry}; entries are ints, not tuples, so that a million of them
+        # cost the garbage collector nothing
+        self._blocks: list[dict[int, Entry]] = []
+        self._dups: list[dict[int, int]] = []  # slot -> {seq: block ids beyond the first}
+        self._sums: list[int] = []  # slot -> sum of membership mixes (mod 2**64, lazily)
+        self._weights: list[int] = []  # slot -> digest weight of its worker key
+        self._total = 0
+        # Gap tracking, so find_matches can bisect: a slot is "clean" when every node it holds
+        # has its parent held too (then holding block i implies holding blocks 0..i).
+        self._kids: list[dict[int, int]] = []  # slot -> {seq: held nodes whose parent is seq}
+        self._gaps: list[int] = []  # slot -> held nodes whose parent it does not hold
+        self._gappy = 0  # bitmask of slots with gaps
+        self._sizes_cache: dict[WorkerKey, int] | None = None
+        # approximate mode: (slot, seq) -> (expiry, depth); heap of (expiry, -depth, id, rank, seq)
+        self._expiry: dict[tuple[int, int], tuple[float, int]] = {}
+        self._heap: list[tuple[float, int, str, int, int]] = []
+
+    # --- bookkeeping -------------------------------------------------------------------------
+
+    def _count(self, event_type: str, status: str, n: int = 1) -> None:
+        key = (event_type, status)
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    def _slot_for(self, worker: WorkerKey) -> int:
+        slot = self._slots.get(worker)
+        if slot is not None:
+            return slot
+        worker = (str(worker[0]), int(worker[1]))
+        if self._free:
+            slot = heapq.heappop(self._free)
+            self._keys[slot] = worker
+            self._weights[slot] = worker_weight(worker)
+        else:
+            slot = len(self._keys)
+            self._keys.append(worker)
+            self._blocks.append({})
+            self._dups.append({})
+            self._sums.append(0)
+            self._kids.append({})
+            self._gaps.append(0)
+            self._weights.append(worker_weight(worker))
+        self._slots[worker] = slot
+        return slot
+
+    def _release(self, slot: int, block_hash: int, entry: Entry) -> None:
+        """Drop one block id's membership (the caller already popped it from the slot's map)."""
+        seq = entry & MASK64
+        parent = (entry >> 64) - 1
+        self._sums[slot] -= membership_mix(block_hash, seq)
+        self._total -= 1
+        dups = self._dups[slot]
+        extra = dups.get(seq)
+        if extra:  # another block id of this worker still maps to the same node
+            if extra == 1:
+                del dups[seq]
+            else:
+                dups[seq] = extra - 1
+            return
+        nodes = self._nodes
+        bit = 1 << slot
+        mask = nodes[seq] ^ bit
+        if mask:
+            nodes[seq] = mask
+        else:
+            del nodes[seq]
+        if self.approximate:
+            self._expiry.pop((slot, seq), None)
+        kids = self._kids[slot]
+        gaps = self._gaps[slot] + kids.get(seq, 0)  # its held children lose their parent
+        if parent != _ROOT:
+            left = kids.get(parent, 0) - 1
+            if left > 0:
+                kids[parent] = left
+            else:
+                kids.pop(parent, None)
+            if not nodes.get(parent, 0) & bit:
+                gaps -= 1  # it was itself a child without its parent
+        self._set_gaps(slot, gaps)
+
+    def _set_gaps(self, slot: int, gaps: int) -> None:
+        gaps = max(gaps, 0)  # only a 64-bit hash collision could drive it negative
+        self._gaps[slot] = gaps
+        if gaps:
+            self._gappy |= 1 << slot
+        else:
+            self._gappy &= ~(1 << slot)
+
+    def _free_slot(self, slot: int) -> None:
+        worker = self._keys[slot]
+        assert worker is not None
+        del self._slots[worker]
+        self._keys[slot] = None
+        self._blocks[slot] = {}
+        self._dups[slot] = {}
+        self._sums[slot] = 0
+        self._kids[slot] = {}
+        self._set_gaps(slot, 0)
+        heapq.heappush(self._free, slot)
+
+    # --- KV events ---------------------------------------------------------------------------
+
+    def store(
+        self,
+        worker: WorkerKey,
+        parent_block_hash: int | None,
+        blocks: Sequence[tuple[int, int]],
+    ) -> str:
+        """Apply a BlocksStored: ``blocks`` are ``(block_hash, tokens_hash)`` in chain order."""
+        if parent_block_hash is None:
+            slot = self._slot_for(worker)
+            parent = 0  # chain_hash(0, t) == t: a root block's sequence hash is its tokens_hash
+        else:
+            slot = self._slots.get(worker, -1)
+            known = self._blocks[slot].get(parent_block_hash) if slot >= 0 else None
+            if known is None:
+                self._count("stored", "parent_block_not_found")
+                return "parent_block_not_found"
+            parent = known & MASK64
+        self._sizes_cache = None
+        bmap = self._blocks[slot]
+        before = len(bmap)
+        moved = 0
+        claim = bmap.setdefault
+        nodes = self._nodes
+        get = nodes.get
+        bit = 1 << slot
+        mult, mask64, salt = _P, MASK64, DIGEST_SALT  # locals: this loop is the apply hot path
+        kids = self._kids[slot]
+        gaps = self._gaps[slot]
+        prev = _ROOT if parent_block_hash is None else parent  # held by this worker (or root)
+        prev_kids = -1  # kids[prev] when known, else -1
+        if parent_block_hash is None and blocks:
+            # The loop tells a new block id by getting its own fresh ``entry`` object back from
+            # ``setdefault``. Only a root's entry can be small (its parent part is 0), and
+            # CPython shares the objects of ints up to 256, so a re-announced root with such a
+            # tiny sequence hash would look new: skip it here (re-announcing changes nothing).
+            first_hash, first_tokens = blocks[0]
+            seq = first_tokens & mask64
+            if seq <= _SHARED_INTS and bmap.get(first_hash) == seq:
+                blocks, prev, parent = blocks[1:], seq, seq
+        moved_any = False  # a move may have released the chain's own parent
+        acc = 0
+        for block_hash, tokens_hash in blocks:
+            seq = parent = (parent * mult + tokens_hash) & mask64
+            entry = seq | (prev + 1) << 64
+            held = claim(block_hash, entry)  # one dict lookup for a new id, the common case
+            if held is not entry:  # the id was held already (getting ``entry`` back: see above)
+                if held & mask64 == seq:
+                    prev, prev_kids = seq, -1
+                    continue  # re-announced: nothing changes
+                # the engine reused the id for other content: move it
+                bmap[block_hash] = entry
+                self._gaps[slot] = gaps
+                self._release(slot, block_hash, held)
+                gaps = self._gaps[slot]
+                prev_kids = -1
+                moved += 1
+                moved_any = True
+            acc += (seq ^ salt) * (2 * block_hash + 1)  # digest term, reduced once per batch
+            mask = get(seq)
+            if mask is None:  # a node nobody held: the common case when prompts are new
+                nodes[seq] = bit
+            elif mask & bit:  # held under another block id: membership unchanged
+                dups = self._dups[slot]
+                dups[seq] = dups.get(seq, 0) + 1
+                prev, prev_kids = seq, -1
+                continue
+            else:
+                nodes[seq] = mask | bit
+            if prev_kids >= 0:  # the parent was added just before: its child count is known
+                kids[prev] = prev_kids + 1
+            elif prev != _ROOT:
+                kids[prev] = kids.get(prev, 0) + 1
+                if moved_any and not get(prev, 0) & bit:
+                    gaps += 1  # stored under a parent this batch itself moved away
+            if gaps:  # children held without this node were gaps (impossible in a clean slot)
+                prev_kids = kids.get(seq, 0)
+                gaps -= prev_kids
+            else:
+                prev_kids = 0
+            prev = seq
+        self._set_gaps(slot, gaps)
+        self._sums[slot] = (self._sums[slot] + acc) & MASK64
+        self._total += len(bmap) - before + moved
+        self._count("stored", "ok")
+        return "ok"
+
+    def remove(self, worker: WorkerKey, block_hashes: Sequence[int]) -> int:
+        """Apply a BlocksRemoved; returns how many block hashes were unknown (the rest apply)."""
+        slot = self._slots.get(worker)
+        unknown = 0
+        if slot is None:
+            unknown = len(block_hashes)
+        else:
+            self._sizes_cache = None
+            unknown = self._remove_from_slot(slot, block_hashes)
+        self._count("removed", "ok")
+        if unknown:
+            self._count("removed", "block_not_found", unknown)
+        return unknown
+
+    def _remove_from_slot(self, slot: int, block_hashes: Sequence[int]) -> int:
+        """``_release`` for a batch of block ids, inlined with locals (the replay hot path for
+        evictions); returns how many ids the slot did not hold."""
+        pop = self._blocks[slot].pop
+        dups = self._dups[slot]
+        kids = self._kids[slot]
+        nodes = self._nodes
+        expiry = self._expiry if self.approximate else None
+        bit = 1 << slot
+        gaps = self._gaps[slot]
+        mask64, salt = MASK64, DIGEST_SALT
+        acc = removed = unknown = 0
+        for block_hash in block_hashes:
+            entry = pop(block_hash, None)
+            if entry is None:
+                unknown += 1
+                continue
+            seq = entry & mask64
+            acc += ((seq ^ salt) * (2 * block_hash + 1)) & mask64
+            removed += 1
+            extra = dups.get(seq) if dups else None
+            if extra:  # another block id of this worker still maps to the same node
+                if extra == 1:
+                    del dups[seq]
+                else:
+                    dups[seq] = extra - 1
+                continue
+            mask = nodes[seq] ^ bit
+            if mask:
+                nodes[seq] = mask
+            else:
+                del nodes[seq]
+            if expiry is not None:
+                expiry.pop((slot, seq), None)
+            gaps += kids.get(seq, 0)  # its held children lose their parent
+            parent = (entry >> 64) - 1
+            if parent != _ROOT:
+                left = kids.get(parent, 0) - 1
+                if left > 0:
+                    kids[parent] = left
+                else:
+                    kids.pop(parent, None)
+                if not nodes.get(parent, 0) & bit:
+                    gaps -= 1  # it was itself a child without its parent
+            if gaps < 0:  # as _set_gaps: only a 64-bit hash collision gets here
+                gaps = 0
+        self._sums[slot] = (self._sums[slot] - acc) & MASK64
+        self._total -= removed
+        self._set_gaps(slot, gaps)
+        return unknown
+
+    def _clear_slot(self, slot: int) -> None:
+        bit = 1 << slot
+        nodes = self._nodes
+        bmap = self._blocks[slot]
+        dups = self._dups[slot]
+        seqs = (e & MASK64 for e in bmap.values())
+        for seq in set(seqs) if dups else seqs:
+            mask = nodes[seq] ^ bit
+            if mask:
+                nodes[seq] = mask
+            else:
+                del nodes[seq]
+            if self.approximate:
+                self._expiry.pop((slot, seq), None)
+        self._total -= len(bmap)
+        self._free_slot(slot)
+
+    def clear(self, worker: WorkerKey) -> None:
+        """Apply AllBlocksCleared for one dp rank of a worker."""
+        slot = self._slots.get(worker)
+        if slot is not None:
+            self._sizes_cache = None
+            self._clear_slot(slot)
+        self._count("cleared", "ok")
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget every dp rank of a worker (retired or lost)."""
+        for worker, slot in sorted(self._slots.items()):
+            if worker[0] == worker_id:
+                self._sizes_cache = None
+                self._clear_slot(slot)
+
+    # --- queries -----------------------------------------------------------------------------
+
+    def find_matches(self, seq_hashes: Sequence[int]) -> OverlapScores:
+        """Matched prefix length (in blocks) of ``seq_hashes`` per worker key, plus tree sizes."""
+        scores: dict[WorkerKey, int] = {}
+        get = self._nodes.get
+        first = get(seq_hashes[0], 0) if seq_hashes else 0
+        if first:
+            keys = self._keys
+            end = len(seq_hashes)
+            gappy = first & self._gappy
+            held = first ^ gappy
+            start = 0
+            # Clean slots hold every ancestor of what they hold, so "slot holds block i" only
+            # turns false once along the query: bisect for each point where the set shrinks.
+            while held:
+                stop = bisect_left(
+                    range(end), True, start + 1, end,
+                    key=lambda i: get(seq_hashes[i], 0) & held != held,
+                )
+                left = get(seq_hashes[stop], 0) & held if stop < end else 0
+                self._record(scores, keys, held ^ left, stop)
+                held, start = left, stop
+            if gappy:
+                # slots with gaps: running intersection along the query, in C, until empty
+                running = list(takewhile(bool, accumulate(
+                    map(get, seq_hashes, repeat(0)), and_, initial=gappy)))
+                end = len(running) - 1
+                held, start = gappy, 0
+                while held:
+                    stop = bisect_left(running, True, start + 1, end + 1, key=held.__ne__) - 1
+                    left = running[stop + 1] if stop < end else 0
+                    self._record(scores, keys, held ^ left, stop)
+                    held, start = left, stop + 1
+        return OverlapScores(scores, dict(self._tree_sizes()))
+
+    @staticmethod
+    def _record(scores: dict[WorkerKey, int], keys: list[WorkerKey | None], slots: int,
+                matched: int) -> None:
+        """Give every slot whose bit is set in ``slots`` a score of ``matched`` blocks."""
+        # decode the bits in C: binary digits, least significant first, as 0/1 bytes
+        flags = bin(slots)[:1:-1].encode().translate(_BITS)
+        scores.update(zip(compress(keys, flags), repeat(matched)))  # type: ignore[arg-type]
+
+    def _tree_sizes(self) -> dict[WorkerKey, int]:
+        sizes = self._sizes_cache
+        if sizes is None:
+            blocks = self._blocks
+            sizes = {w: len(blocks[s]) for w, s in self._slots.items() if blocks[s]}
+            self._sizes_cache = sizes
+        return sizes
+
+    def tree_size(self, worker: WorkerKey) -> int:
+        slot = self._slots.get(worker)
+        return 0 if slot is None else len(self._blocks[slot])
+
+    @property
+    def total_blocks(self) -> int:
+        """Block ids held, summed over worker keys."""
+        return self._total
+
+    @property
+    def node_count(self) -> int:
+        """Distinct sequence hashes held by anyone (shared prefixes count once)."""
+        return len(self._nodes)
+
+    @property
+    def digest(self) -> int:
+        """Order-independent digest of every (worker key, block_hash, seq hash) membership."""
+        total = 0
+        for slot, worker in enumerate(self._keys):
+            if worker is not None:
+                total += self._weights[slot] * (self._sums[slot] & MASK64)
+        return total & MASK64
+
+    # --- approximate mode --------------------------------------------------------------------
+
+    def store_routed(self, worker: WorkerKey, seq_hashes: Sequence[int], now: float) -> None:
+        """Record a routing decision as blocks the worker will hold until ``now + ttl_secs``."""
+        self.expire(now)
+        if not seq_hashes:
+            return
+        self._sizes_cache = None
+        slot = self._slot_for(worker)
+        bmap = self._blocks[slot]
+        nodes = self._nodes
+        expiry_map = self._expiry
+        heap = self._heap
+        bit = 1 << slot
+        expires = now + self.ttl_secs
+        worker_id, dp_rank = self._keys[slot]  # type: ignore[misc]
+        acc = 0
+        added = 0
+        kids = self._kids[slot]
+        gaps = self._gaps[slot]
+        prev = _ROOT
+        for depth, seq in enumerate(seq_hashes, 1):
+            if seq not in bmap:
+                bmap[seq] = seq | (prev + 1) << 64  # no engine id here: the seq names the block
+                added += 1
+                acc += ((seq ^ DIGEST_SALT) * (2 * seq + 1)) & MASK64
+                nodes[seq] = nodes.get(seq, 0) | bit
+                if prev != _ROOT:
+                    kids[prev] = kids.get(prev, 0) + 1
+                if gaps:
+                    gaps -= kids.get(seq, 0)
+            prev = seq
+            expiry_map[(slot, seq)] = (expires, depth)
+            heapq.heappush(heap, (expires, -depth, worker_id, dp_rank, seq))
+        self._set_gaps(slot, gaps)
+        self._sums[slot] = (self._sums[slot] + acc) & MASK64
+        self._total += added
+        if self._total > self.max_tree_size:
+            self._prune()
+        if len(heap) > 4 * max(len(expiry_map), 1024):
+            self._compact_heap()
+
+    def _pop_live(self, until: float | None = None) -> tuple[int, int] | None:
+        """Pop the earliest heap entry that is still current (and expires at or before ``until``
+        when given); stale entries (refreshed or already dropped) are discarded on the way."""
+        heap = self._heap
+        while heap and (until is None or heap[0][0] <= until):
+            expires, _neg_depth, worker_id, dp_rank, seq = heapq.heappop(heap)
+            slot = self._slots.get((worker_id, dp_rank))
+            if slot is None:
+                continue
+            current = self._expiry.get((slot, seq))
+            if current is None or current[0] != expires:
+                continue
+            return slot, seq
+        return None
+
+    def _drop_entry(self, slot: int, seq: int) -> None:
+        entry = self._blocks[slot].pop(seq)
+        self._expiry.pop((slot, seq), None)
+        self._release(slot, seq, entry)
+        self._sums[slot] &= MASK64
+
+    def expire(self, now: float) -> int:
+        """Drop approximate-mode entries whose expiry is at or before event time ``now``."""
+        dropped = 0
+        while (entry := self._pop_live(now)) is not None:
+            self._drop_entry(*entry)
+            dropped += 1
+        if dropped:
+            self._sizes_cache = None
+            self._count("expired", "ok", dropped)
+        return dropped
+
+    def _prune(self) -> None:
+        target = int(self.max_tree_size * self.prune_target_ratio)
+        pruned = 0
+        while self._total > target:
+            entry = self._pop_live()
+            if entry is None:
+                break
+            self._drop_entry(*entry)
+            pruned += 1
+        self._count("pruned", "ok", pruned)
+
+    def _compact_heap(self) -> None:
+        keys = self._keys
+        self._heap = [
+            (expires, -depth, *keys[slot], seq)  # type: ignore[misc]
+            for (slot, seq), (expires, depth) in self._expiry.items()
+        ]
+        heapq.heapify(self._heap)
+
+    # --- snapshots ---------------------------------------------------------------------------
+    #
+    # Plain form v2 is columnar, so that a million blocks restore with bulk operations instead
+    # of per-block Python: per worker key, its blocks in the slot map's order as little-endian
+    # arrays of engine block ids and sequence hashes, plus the parents compressed by *kind*
+    # (a chain is stored in order, so most blocks' parent is the previous row's sequence hash;
+    # only the others carry an explicit parent). v1 (flat int lists) is still read.
+
+    def to_plain(self) -> dict[str, object]:
+        """Lists/dicts/ints/strs/floats/bytes only (msgspec-encodable), deterministic."""
+        return self.plain_encoder(copy=False)()
+
+    def plain_encoder(self, *, copy: bool = True) -> Callable[[], dict[str, object]]:
+        """Capture the index now and return a function that builds its plain form later.
+
+        With ``copy`` the per-worker maps are shallow-copied (C-speed, ~20 ms per million
+        blocks; entries are immutable ints), so the returned function may run in a worker
+        thread while the index keeps changing on the event loop."""
+        workers = [(w, self._blocks[s].copy() if copy else self._blocks[s])
+                   for w, s in sorted(self._slots.items())]
+        expiry = dict(self._expiry) if copy else self._expiry
+        keys = list(self._keys)
+        head = {
+            "version": PLAIN_VERSION_V2,
+            "approximate": self.approximate,
+            "ttl_secs": self.ttl_secs,
+            "max_tree_size": self.max_tree_size,
+            "prune_target_ratio": self.prune_target_ratio,
+        }
+        counters = [[t, s, n] for (t, s), n in sorted(self.counters.items())]
+
+        def build() -> dict[str, object]:
+            return {**head,
+                    "workers": [[w[0], w[1], *block_columns(bmap)] for w, bmap in workers],
+                    "expiry": expiry_columns(expiry, keys),
+                    "counters": counters}
+
+        return build
+
+    @classmethod
+    def from_plain(cls, obj: object) -> PrefixIndex:
+        if not isinstance(obj, dict) or obj.get("version") not in (1, PLAIN_VERSION_V2):
+            raise ValueError("this snapshot's prefix index is in the compact form: run every "
+                             "replica with --router-index-form compact" if isinstance(obj, dict)
+                             and obj.get("version") == 3 else "not a plain PrefixIndex")
+        index = cls(
+            approximate=bool(obj["approximate"]),
+            ttl_secs=float(obj["ttl_secs"]),
+            max_tree_size=int(obj["max_tree_size"]),
+            prune_target_ratio=float(obj["prune_target_ratio"]),
+        )
+        legacy = obj["version"] == 1
+        held: list[tuple[int, np.ndarray]] = []
+        for row in obj["workers"]:
+            block_hashes, seqs, parents, roots = (columns_v1(row[2]) if legacy
+                                                  else columns_v2(*row[2:]))
+            slot = index._slot_for((str(row[0]), int(row[1])))
+            held.append((slot, restore_slot(index, slot, block_hashes, seqs, parents, roots)))
+        index._nodes = node_masks(held)
+        for row in obj["expiry"]:
+            index._restore_expiry((str(row[0]), int(row[1])),
+                                  *(expiry_v1(row[2]) if legacy else expiry_v2(*row[2:])))
+        heapq.heapify(index._heap)
+        index.counters = {(t, s): int(n) for t, s, n in obj["counters"]}
+        return index
+
+    def _restore_expiry(self, worker: WorkerKey, seqs: list[int], expires: list[float],
+                        depths: list[int]) -> None:
+        slot = self._slots[worker]
+        self._expiry.update(zip(zip(repeat(slot), seqs), zip(expires, depths, strict=True),
+                                strict=False))  # repeat() is endless
+        self._heap.extend(zip(expires, map(neg, depths), repeat(worker[0]), repeat(worker[1]),
+                              seqs, strict=False))

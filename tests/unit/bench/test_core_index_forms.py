@@ -1,0 +1,24 @@
+"""`bench core --index both`: both index forms measured in one run, memory per held block reported,
+and the ratios computed from the two (figures printed, never asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import core
+
+
+def test_both_forms_report_memory_and_ratios(capsys: pytest.CaptureFixture[str]) -> None:
+    assert core.main(["--json", "--index", "both", "--workers", "4", "--blocks", "3000",
+                      "--prompt-tokens", "512", "--samples", "20", "--replay-batches", "0",
+                      "--replication-requests", "50"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["index_form"] == "compact"
+    assert result["index_blocks"] == result["reference"]["index_blocks"] >= 3000
+    for figures in (result, result["reference"]):
+        assert "rss_bytes_per_held_block" in figures
+        assert figures["decision_picked_cached_worker"] >= 0
+    assert result["ratios"]["index_blocks"] == 1.0
+    assert "index_array_bytes_per_held_block" in result
