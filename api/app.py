@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp
 
 from api.admin import admin_router, require_admin
+from api.admin_tenants import tenants_router
 from api.config import option
 from api.errors import ApiError, error_response, install_error_handlers
 from api.forward import Forwarder, replica_headers
@@ -28,6 +29,7 @@ from api.routes import API_ROUTES
 from api.routes.batch import serve_batch
 from api.routes.gateway import Gateway, GatewayConfig
 from api.session_control import EngineSessions
+from api.tenancy import Identity
 from api.tokenizer import Tokenizer, load_model_tokenizer
 from api.tracing import Tracing
 from eventlog.appender import AppendFailed
@@ -68,6 +70,9 @@ class AppConfig:
     response_ttl_secs: float = option("response-ttl-secs").default
     # OTLP collector for the request path's spans (api/tracing.py); None: no tracing.
     otlp_traces_endpoint: str | None = None
+    # Tenants (api/tenancy.py): API keys -> tenant, or a trusted gateway's header.
+    api_keys_file: str | None = None
+    tenant_header: str | None = None
 
 
 def _json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None
@@ -143,14 +148,15 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         max_prompt_tokens=cfg.max_prompt_tokens, ready_wait=cfg.ready_wait,
         session_ttl_secs=cfg.session_ttl_secs, response_ttl_secs=cfg.response_ttl_secs,
         has_model_path=bool(cfg.model_path or cfg.tokenizer)),
-        metrics, forwarder, tokenizer, engine_sessions)
+        metrics, forwarder, tokenizer, engine_sessions,
+        Identity.configure(cfg.api_keys_file, cfg.tenant_header))
 
     # --- OpenAI-compatible ---------------------------------------------------------------
 
     async def handle(endpoint: str, request: Request) -> Response:
         received, started = time.time(), time.perf_counter()
         raw = await read_body(request)
-        refused = await gateway.admit()
+        refused = await gateway.admit(request)
         if refused is not None:
             return refused
         parsed = parse_request(endpoint, raw, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens,
@@ -339,6 +345,7 @@ def create_app(replica: Replica, config: AppConfig | None = None,
             unrecorded_seen["not_appended"] = outage.not_appended
 
     app.include_router(admin_router(replica, cfg))
+    app.include_router(tenants_router(replica, cfg))
     for make_router in extra_routers:
         app.include_router(make_router(replica, cfg))
 

@@ -63,6 +63,18 @@ SERVER = Group(
                 "(default) or grpc; needs the `tracing` extra (off by default)"),
 )
 
+TENANTS = Group(
+    "tenants",
+    Option("api-keys-file", help="YAML or JSON mapping API key -> tenant id: requests must send "
+                                 "`Authorization: Bearer KEY` (401 otherwise) and count against "
+                                 "their tenant's limits (PUT /admin/tenants/ID)"),
+    Option("tenant-header", help="without keys: take the tenant id from this request header, "
+                                 "set by a trusted gateway (e.g. x-tenant-id); off by default"),
+    Option("no-tenant-fair-queue", bool, True, dest="tenant_fair_queue",
+           help="with tenants, keep the router queue in --router-queue-policy order alone "
+                "instead of serving tenants by weighted fair share of tokens"),
+)
+
 ROUTING = Group(
     "routing",
     Option("router-mode", default="kv", choices=MODES),
@@ -191,7 +203,8 @@ WORKER_FAULTS = Group(
            "seconds an open circuit breaker waits before its half-open trial", at_least=0),
 )
 
-SERVE = (SERVER, ROUTING, DURABILITY, LIVENESS, WORKER_FAULTS, NATS_SECURITY, DYNAMO_ALWAYS)
+SERVE = (SERVER, TENANTS, ROUTING, DURABILITY, LIVENESS, WORKER_FAULTS, NATS_SECURITY,
+         DYNAMO_ALWAYS)
 """Every option of `jetrouter serve`, in the order `--help` shows them."""
 
 

@@ -93,6 +93,17 @@ class RouterMetrics:
             ["worker"], registry=reg)
         self.rejections = Counter(f"{p}_rejections", "Requests refused, by reason",
                                   ["reason"], registry=reg)
+        # Tenants (api/tenancy.py): the label is a tenant with limits, else "other", so the
+        # label set stays as small as the configured tenants however many keys clients send.
+        self.tenant_requests = Counter(
+            f"{p}_tenant_requests", "Tenant admissions by outcome (admitted, limited_<limit>)",
+            ["tenant", "outcome"], registry=reg)
+        self.tenant_tokens = Counter(
+            f"{p}_tenant_tokens", "Tokens reserved by admitted tenant requests (prompt + "
+            "max_tokens)", ["tenant"], registry=reg)
+        self.tenant_queue_wait = Histogram(
+            f"{p}_tenant_queue_wait_seconds", "Time a tenant's request waited in the router "
+            "queue", ["tenant"], buckets=_LATENCY_BUCKETS, registry=reg)
         self.decisions_not_recorded = Counter(
             f"{p}_decisions_not_recorded",
             "Routing decisions JetStream refused or did not acknowledge in time; each one's "

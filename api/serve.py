@@ -53,6 +53,8 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
         default_thresholds=busy_thresholds(args),
         queue_threshold=args.router_queue_threshold,
         queue_policy=args.router_queue_policy,
+        tenant_fair_queue=bool(args.api_keys_file or args.tenant_header)
+        and args.tenant_fair_queue,
         track_output_blocks=args.router_track_output_blocks,
         prefill_load_model=args.router_prefill_load_model,
         seed=args.seed,
@@ -98,6 +100,13 @@ def run(args: argparse.Namespace, *, extra_routers: Sequence[RouterFactory] = ()
         check_connect_sync(config.nats_options, name=config.replica_id)
     except (NatsOptionsInvalid, NatsConnectFatal) as exc:
         raise CliError(str(exc)) from None
+    if args.api_keys_file:
+        from api.tenancy import KeysFileInvalid, load_keys
+
+        try:
+            load_keys(args.api_keys_file)  # one clear line at start, not a failing app
+        except KeysFileInvalid as exc:
+            raise CliError(str(exc)) from None
     if args.model_path:
         from eventlog.model_tokenizer import ModelFolderUnusable, load_codec
 

@@ -288,7 +288,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = __doc__
     sub = p.add_subparsers(dest="bench_kind",
-                           metavar="{trace,core,overhead,faults,durability,routesim,scale}")
+                           metavar="{trace,core,overhead,faults,durability,routesim,scale,tenants}")
     sub.required = False
     core_p = sub.add_parser("core", help="benchmark the router state machine (no network)")
     try:  # lazily: written separately, and its imports stay out of the trace replay
@@ -316,6 +316,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     routesim_p = sub.add_parser("routesim", help="routing quality on the trace without "
                                 "processes: engine schedulers in virtual time, the real cost model")
     importlib.import_module("bench.routesim").add_arguments(routesim_p)
+    tenants_p = sub.add_parser("tenants", help="tenant limits across 3 replicas (fleet-wide vs "
+                               "per-replica, SIGKILL mid-flood), victim TTFT and Jain's index "
+                               "with FCFS and fair queueing")
+    importlib.import_module("bench.tenants").add_arguments(tenants_p)
     trace_p = sub.add_parser("trace", help="replay a trace against routers (the default)")
     _add_trace_arguments(trace_p, suppress=True)
     _add_trace_arguments(p, suppress=False)
@@ -460,6 +464,8 @@ def run(args: argparse.Namespace) -> int:
         return int(importlib.import_module("bench.faults").run(args) or 0)
     if getattr(args, "bench_kind", None) == "durability":
         return int(importlib.import_module("bench.durability").run(args) or 0)
+    if getattr(args, "bench_kind", None) == "tenants":
+        return int(importlib.import_module("bench.tenants").run(args) or 0)
     if getattr(args, "bench_kind", None) == "routesim":
         return int(importlib.import_module("bench.routesim").run(args) or 0)
     return asyncio.run(_run_trace(args))

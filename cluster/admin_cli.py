@@ -2,7 +2,7 @@
 
     jetrouter admin [--url URL] [--token TOKEN] [--cluster-file PATH] [--json] VERB [ARGS]
 
-Verbs: ``state``, ``snapshot``, ``snapshots``, ``reset [--yes]``, ``threshold [N]``,
+Verbs: ``state``, ``snapshot``, ``snapshots``, ``reset [--yes]``, ``threshold [N]``, ``tenants``,
 ``replicas``, ``workers``, ``request REQUEST_ID``, and ``export FILE`` / ``import FILE`` (a backup
 of the streams and the newest snapshot, through NATS itself: cluster/backup.py). With no
 ``--url``/``--token`` the client reads ``.jetrouter/cluster.json`` (written by `jetrouter up`):
@@ -331,6 +331,37 @@ show_sessions = show_list("sessions", ("session_id", "worker_id", "dp_rank", "mo
                           "no sticky sessions")
 
 
+def show_tenants(data: Any) -> str:
+    """``GET /admin/tenants`` (a list) or one tenant's answer, usage flattened into columns."""
+    rows = _listed(data, "tenants") if "tenants" in data else [data]
+    flat = [{**{k: v for k, v in r.items() if k != "usage"}, **r.get("usage", {})}
+            for r in rows]
+    return render_table(flat, ("tenant", "configured", "requests_per_minute",
+                               "tokens_per_minute", "max_concurrent", "weight", "isolated",
+                               "requests_last_minute", "tokens_last_minute", "concurrent")
+                        ) if flat else "no tenants"
+
+
+def _tenant_request(args: argparse.Namespace) -> tuple[str, str, object, Show]:
+    """`tenants` (list), `tenants ID`, `tenants set ID --rpm ...`, `tenants delete ID`."""
+    action, tenant = args.tenant_action, args.tenant
+    if action in ("set", "delete") and not tenant:
+        raise CliError(f"`tenants {action}` needs a tenant id")
+    if action == "set":
+        body = {"requests_per_minute": args.rpm, "tokens_per_minute": args.tpm,
+                "max_concurrent": args.max_concurrent, "weight": args.weight,
+                "isolated": args.isolated}
+        return "PUT", "/admin/tenants/" + quote(tenant, safe=""), body, show_tenants
+    if action == "delete":
+        return "DELETE", "/admin/tenants/" + quote(tenant, safe=""), None, \
+            lambda d: f"tenant {d.get('tenant')} deleted"
+    if action not in (None, "show", "list"):  # `tenants ID`: the id in the action's place
+        tenant = action
+    if tenant:
+        return "GET", "/admin/tenants/" + quote(tenant, safe=""), None, show_tenants
+    return "GET", "/admin/tenants", None, show_tenants
+
+
 def candidate_rows(decision: dict[str, Any]) -> list[dict[str, Any]]:
     """Every candidate as a dict, cheapest first, the chosen one marked with `*`."""
     rows: list[dict[str, Any]] = []
@@ -443,6 +474,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub.add_parser("sessions", help="sticky sessions: the engine each is pinned to, its TTL")
     q = sub.add_parser("request", help="one routing decision with every candidate's costs")
     q.add_argument("request_id", metavar="REQUEST_ID")
+    tn = sub.add_parser("tenants", help="tenants' limits and usage; `tenants set ID --rpm N "
+                                        "...` sets one's limits, `tenants delete ID` drops them")
+    tn.add_argument("tenant_action", nargs="?", metavar="set|delete|ID")
+    tn.add_argument("tenant", nargs="?", metavar="ID")
+    tn.add_argument("--rpm", type=_positive_int, help="requests per minute (default: no limit)")
+    tn.add_argument("--tpm", type=_positive_int, help="tokens per minute (prompt + max_tokens)")
+    tn.add_argument("--max-concurrent", type=_positive_int, help="requests in flight at once")
+    tn.add_argument("--weight", type=float, default=1.0, help="share under fair queueing")
+    tn.add_argument("--isolated", action="store_true",
+                    help="keep its prompts' KV cache apart from other tenants' (cache_salt)")
     backup.add_verbs(sub)
     # `--json` is also accepted after the verb (`jetrouter admin state --json`).
     for child in sub.choices.values():
@@ -464,6 +505,8 @@ def _request(args: argparse.Namespace, target: Target) -> tuple[str, str, object
         raise AdminRequestFailed("reset cancelled")
     if verb == "threshold" and args.threshold is not None:
         return "PUT", THRESHOLD_PATH, {"threshold": args.threshold}, show_threshold_set
+    if verb == "tenants":
+        return _tenant_request(args)
     if verb == "request":
         return "GET", "/admin/requests/" + quote(args.request_id, safe=""), None, show_request
     method, path, show = ROUTES[verb]

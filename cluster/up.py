@@ -570,7 +570,8 @@ UP = Group(
 # out, each child keeps its own default. Forwarding another one is one more name here.
 FORWARDED = ("router-mode", "kv-cache-block-size", "num-gpu-blocks", "speedup-ratio",
              "model",  # the engines' served model name (also --served-model-name)
-             "otlp-traces-endpoint")
+             "otlp-traces-endpoint", "api-keys-file", "tenant-header", "router-queue-threshold",
+             "no-tenant-fair-queue")
 
 
 def _names(groups: tuple[Group, ...]) -> set[str]:
@@ -716,6 +717,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s up: %(message)s",
                         datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per readiness poll
+    if args.api_keys_file:  # the replicas run in the repository root: give them the full path
+        from api.tenancy import KeysFileInvalid, load_keys
+
+        args.api_keys_file = str(Path(args.api_keys_file).resolve())
+        try:
+            load_keys(args.api_keys_file)
+        except KeysFileInvalid as exc:
+            raise CliError(str(exc)) from None
     router_args, worker_args = forwarded_args(args)
     check_model_path(args.model_path)
     if args.secure and args.nats_url:

@@ -35,6 +35,9 @@ Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_RATIO)]
 Priority = Annotated[int, msgspec.Meta(ge=-(2**31), lt=2**31)]
 
+# A tenant's id: short, so that it can be a metric label and a subject of admin calls.
+TenantId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+
 BlockPair = tuple[Hash, Hash]
 """(block_hash, tokens_hash): the engine's opaque id and jetrouter's hash of the block's tokens."""
 
@@ -164,6 +167,11 @@ class RequestRouted(_Event, frozen=True, tag=True):
     # How its prefill load decays (--router-prefill-load-model): "none" or "linear"; any other
     # value (a model a newer replica knows) counts as "none".
     prefill_load_model: Annotated[str, msgspec.Meta(max_length=32)] = "none"
+    # The tenant the request was admitted for ("": none, and every older message) and the
+    # tokens its admission reserved against the tenant's tokens-per-minute budget (prompt +
+    # max_tokens; 0 on a later hop of the same request, which was admitted once).
+    tenant: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    tenant_tokens: Count = 0
 
 
 class PrefillCompleted(_Event, frozen=True, tag=True):
@@ -279,6 +287,29 @@ class WorkerHealthChanged(_Event, frozen=True, tag=True):
     ts: Ts
 
 
+class TenantLimitsSet(_Event, frozen=True, tag=True):
+    """A tenant's limits, replacing any earlier ones (replicas/core/tenants.py). None: no limit
+    of that kind. ``weight`` is its share under fair queueing; ``isolated`` keeps its prompts'
+    cache apart from other tenants'."""
+
+    tenant: TenantId
+    requests_per_minute: Count | None
+    tokens_per_minute: Count | None
+    max_concurrent: Count | None
+    weight: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)]
+    isolated: bool
+    ts: Ts
+    # An isolated tenant's prompts go to engines with this as vLLM's cache_salt, and the router
+    # hashes them under it: drawn at random when isolation is first set, so no other client
+    # can name it; the same on every replica because it travels here.
+    cache_salt: Annotated[str, msgspec.Meta(max_length=128)] = ""
+
+
+class TenantDeleted(_Event, frozen=True, tag=True):
+    tenant: TenantId
+    ts: Ts
+
+
 KvEvent = WorkerRegistered | WorkerRetired | BlocksStored | BlocksRemoved | AllBlocksCleared
 RouterEvent = (
     RequestRouted | PrefillCompleted | OutputProgress | RequestFinished | ReplicaLost
@@ -286,6 +317,7 @@ RouterEvent = (
 )
 ControlEvent = (
     BusyThresholdsSet | SnapshotThresholdSet | SnapshotTaken | StateReset | WorkerHealthChanged
+    | TenantLimitsSet | TenantDeleted
 )
 Event = KvEvent | RouterEvent | ControlEvent
 

@@ -175,6 +175,19 @@ def adapter_salt(adapter: str | None) -> int:
     return _xxh3(b"lora-adapter:" + adapter.encode(), SEED) or 1  # never 0: that is the base
 
 
+def extra_keys_salt(key: object) -> int:
+    """Salt xored into ``tokens_hash`` of a block whose engine-reported ``extra_keys`` are
+    ``key`` (multimodal inputs, a cache salt), as the bridge decodes them from the event."""
+    return _xxh3(b"extra-keys:" + repr(key).encode(), SEED) or 1
+
+
+def cache_salt_salt(cache_salt: str) -> int:
+    """Salt of the first block of a prompt sent with vLLM's ``cache_salt``: vLLM puts the salt
+    in the extra keys of the prompt's first block only (``(cache_salt,)``, a list once it has
+    crossed msgpack), and the chain carries it to every later block. 0 for no salt."""
+    return extra_keys_salt([cache_salt]) if cache_salt else 0
+
+
 def salted(local: list[int], salt: int) -> list[int]:
     """``tokens_hash`` values under an adapter's salt (unchanged for salt 0)."""
     if not salt:
@@ -182,16 +195,24 @@ def salted(local: list[int], salt: int) -> list[int]:
     return [value ^ salt for value in local]
 
 
-def prompt_hashes(tokens: Sequence[int], block_size: int, adapter: str | None = None) -> list[int]:
+def prompt_hashes(tokens: Sequence[int], block_size: int, adapter: str | None = None,
+                  cache_salt: str = "") -> list[int]:
     """Sequence hashes of every full block of a prompt: what the router matches and records.
 
-    ``adapter``: the LoRA adapter the request runs under (None: the base model)."""
+    ``adapter``: the LoRA adapter the request runs under (None: the base model).
+    ``cache_salt``: vLLM's ``cache_salt`` the engine gets with the prompt ("" for none)."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     salt = adapter_salt(adapter)
+    first = cache_salt_salt(cache_salt)
     if len(tokens) < _NUMPY_MIN_BLOCKS * block_size or not _LITTLE:
-        return sequence_hashes(salted(tokens_hashes(tokens, block_size), salt))
+        local_list = salted(tokens_hashes(tokens, block_size), salt)
+        if first and local_list:
+            local_list = [local_list[0] ^ first, *local_list[1:]]
+        return sequence_hashes(local_list)
     local = _tokens_hash_array(tokens, block_size)
     if salt:
         local ^= np.uint64(salt)
+    if first:
+        local[0] ^= np.uint64(first)
     return _chain_array(local)

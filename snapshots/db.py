@@ -89,6 +89,8 @@ decision_ledger = Table(
     # until the request ends, or when the engine did not report it).
     Column("predicted_tokens", Integer),
     Column("cached_tokens", Integer),
+    # The tenant the request was admitted for (NULL: none, or routed before tenants existed).
+    Column("tenant", String(128)),
     # ReplicaLost looks for the open requests of one replica.
     Index("ix_decision_ledger_open", "replica_id", "finished_ts"),
 )
@@ -131,7 +133,7 @@ def make_engine(url: str) -> AsyncEngine:
 # Nullable columns added after a table's first release: a database written by an older
 # version gets them with ALTER TABLE at start (rows it already holds read NULL: unknown).
 ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
-    "decision_ledger": ("predicted_tokens", "cached_tokens"),
+    "decision_ledger": ("predicted_tokens", "cached_tokens", "tenant"),
 }
 
 

@@ -218,6 +218,7 @@ def _routed_row(seq: int, e: ev.RequestRouted) -> dict[str, Any]:
         "lost_ts": None,
         "predicted_tokens": e.overlap_blocks * e.block_size if e.block_size > 0 else None,
         "cached_tokens": None,
+        "tenant": e.tenant or None,
     }
 
 

@@ -57,7 +57,8 @@ def field_values(annotation: Any) -> st.SearchStrategy[Any]:
 EVENT_TYPES = [ev.WorkerRegistered, ev.WorkerRetired, ev.BlocksStored, ev.BlocksRemoved,
                ev.AllBlocksCleared, ev.RequestRouted, ev.PrefillCompleted, ev.RequestFinished,
                ev.ReplicaLost, ev.BusyThresholdsSet, ev.SnapshotThresholdSet, ev.SnapshotTaken,
-               ev.StateReset, ev.WorkerHealthChanged, ev.ResponseStored]
+               ev.StateReset, ev.WorkerHealthChanged, ev.ResponseStored, ev.TenantLimitsSet,
+               ev.TenantDeleted]
 
 
 _FIELD_VALUES = {cls: [(f.encode_name, field_values(f.type)) for f in msgspec.structs.fields(cls)]

@@ -131,12 +131,12 @@ class Engine:
     # --- requests ---------------------------------------------------------------------------
 
     def submit(self, request_id: str, prompt: list[int], max_tokens: int, *,
-               transferred_tokens: int = 0) -> RequestHandle:
+               transferred_tokens: int = 0, cache_salt: str = "") -> RequestHandle:
         """Queue a request (raises ValueError/RequestTooLarge for one that can never run).
         ``transferred_tokens``: prompt tokens whose KV a prefill engine handed over."""
         handle = RequestHandle(self)
         handle.req = self.core.add(request_id, prompt, max_tokens, tag=handle,
-                                   transferred_tokens=transferred_tokens)
+                                   transferred_tokens=transferred_tokens, cache_salt=cache_salt)
         self.prompt_tokens_total += len(prompt)
         self.poke()
         return handle

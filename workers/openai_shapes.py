@@ -36,6 +36,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     request_id: str | None
+    # vLLM's cache_salt: the prompt's blocks are cached apart from the same tokens without it
+    cache_salt: str = ""
 
 
 def _token_list(value: list[Any]) -> list[int] | None:
@@ -103,8 +105,10 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int,
     ext = body.get("jetrouter")
     rid = ext.get("request_id") if isinstance(ext, dict) else None
     model = body.get("model")
+    salt = body.get("cache_salt")
     return ParsedRequest(chat, model if isinstance(model, str) else None, ids, max_tokens, stream,
-                         include_usage, str(rid) if rid else header_request_id)
+                         include_usage, str(rid) if rid else header_request_id,
+                         salt if isinstance(salt, str) else "")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eventlog.errors import JetrouterError
-from eventlog.hashing import tokens_hashes
+from eventlog.hashing import cache_salt_salt, tokens_hashes
 from workers.generation import ContextState, next_token, wrong_token
 from workers.kvcache import Block, KVCache, KvChange
 from workers.perf_model import (
@@ -116,6 +116,9 @@ class SimRequest:
     done: bool = False
     transferred_tokens: int = 0  # prompt tokens whose KV a prefill engine hands over
     received_blocks: int = 0  # transferred blocks this engine did not hold (it paid for these)
+    # vLLM's cache_salt: xored into the first block's tokens_hash, as vLLM keys it and the
+    # router hashes it (eventlog.hashing.cache_salt_salt); 0 for none.
+    first_block_salt: int = 0
 
     def decoding(self) -> bool:
         """Computing only the last emitted token (a decode step, not prefill)."""
@@ -153,7 +156,7 @@ class EngineCore:
     # --- requests ---------------------------------------------------------------------------
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, tag: Any = None,
-            transferred_tokens: int = 0) -> SimRequest:
+            transferred_tokens: int = 0, cache_salt: str = "") -> SimRequest:
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         if max_tokens < 1:
@@ -164,7 +167,8 @@ class EngineCore:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the KV cache "
                 f"({self.config.num_gpu_blocks} blocks of {bs} tokens)")
         req = SimRequest(request_id, len(prompt), max_tokens, list(prompt), ContextState(prompt),
-                         tag, transferred_tokens=max(0, min(transferred_tokens, len(prompt))))
+                         tag, transferred_tokens=max(0, min(transferred_tokens, len(prompt))),
+                         first_block_salt=cache_salt_salt(cache_salt))
         self.waiting.append(req)
         return req
 
@@ -304,6 +308,8 @@ class EngineCore:
         if have < full_blocks:
             bs = self.config.block_size
             req.block_hashes.extend(tokens_hashes(req.tokens[have * bs:full_blocks * bs], bs))
+            if have == 0 and req.first_block_salt:
+                req.block_hashes[0] ^= req.first_block_salt
         return req.block_hashes[:full_blocks]
 
     def _commit_full_blocks(self, req: SimRequest) -> None:

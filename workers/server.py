@@ -231,7 +231,7 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
         transferred = transferred_tokens(ext, parsed.prompt_ids, settings.engine.block_size)
         try:
             handle = engine.submit(request_id, parsed.prompt_ids, parsed.max_tokens,
-                                   transferred_tokens=transferred)
+                                   transferred_tokens=transferred, cache_salt=parsed.cache_salt)
         except ValueError as exc:
             runtime.metrics.count(endpoint, "bad_request")
             return _error(400, str(exc), param="max_tokens")

@@ -162,7 +162,8 @@ class Passthrough:
                 model=self.request.model, token_ids=self.request.token_ids,
                 expected_osl=self.request.expected_osl, osl_hint=self.request.osl_hint,
                 priority=self.request.priority, overlap_weight=self.request.overlap_weight,
-                exclude=frozenset(self.failed), session=self.request.session))
+                exclude=frozenset(self.failed), session=self.request.session,
+                tenant=failed.event.tenant))
         except RoutingError:
             return False
         except Exception:  # the decision could not be appended

@@ -214,7 +214,8 @@ class Run:
                 overlap_weight=self.parsed.overlap_weight,
                 latency_sensitivity=self.parsed.latency_sensitivity,
                 exclude=frozenset(self.failed),
-                session=self.base.session))  # a session moves with its turn: re-pinned
+                session=self.base.session,  # a session moves with its turn: re-pinned
+                tenant=self.base.event.tenant))  # still in flight for its tenant
         except Exception as exc:  # RoutingError, or the decision could not be appended
             if not isinstance(exc, RoutingError):
                 log.exception("request %s: re-routing failed", self.base.request_id)

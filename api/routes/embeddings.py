@@ -74,7 +74,7 @@ def embeddings_routes(gateway: Gateway) -> APIRouter:
     @router.post(PATH)
     async def embeddings(request: Request) -> Response:
         raw = await read_body(request)
-        refused = await gateway.admit()
+        refused = await gateway.admit(request)
         if refused is not None:
             return refused
         body = request_object(raw)

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -28,6 +28,7 @@ from api.nvext_response import NvextFields, add_to_response
 from api.openai_schema import MAX_SESSION_ID, MAX_TOKEN_COUNT, ParsedRequest, decode_json
 from api.session_control import EngineSessions
 from api.shed import Shedder
+from api.tenancy import Identity, current_tenant, rate_limit_headers, rate_limited
 from api.tokenizer import Tokenizer
 from replicas.core.shedding import PriorityTier
 from replicas.core.sticky import SessionRequest
@@ -59,7 +60,7 @@ class GatewayConfig:
 class Gateway:
     def __init__(self, replica: Replica, cfg: GatewayConfig, metrics: RouterMetrics,
                  forwarder: Forwarder, tokenizer: Tokenizer,
-                 engine_sessions: EngineSessions) -> None:
+                 engine_sessions: EngineSessions, identity: Identity | None = None) -> None:
         self.replica = replica
         self.cfg = cfg
         self.metrics = metrics
@@ -67,6 +68,7 @@ class Gateway:
         self.tokenizer = tokenizer
         self.engine_sessions = engine_sessions
         self.shedder = Shedder(replica, metrics)
+        self.identity = identity  # None: no tenants (api/tenancy.py)
 
     def headers(self, worker_id: str | None = None,
                 request_id: str | None = None) -> dict[str, str]:
@@ -77,8 +79,11 @@ class Gateway:
 
     # --- admission ----------------------------------------------------------------------------
 
-    async def admit(self) -> Response | None:
-        """None when this replica takes requests, else the 503 the client gets."""
+    async def admit(self, request: Request | None = None) -> Response | None:
+        """None when this replica takes requests, else the 503 the client gets. With tenants
+        configured, also who the client is (ApiError 401 for an unknown API key)."""
+        if self.identity is not None and request is not None:
+            current_tenant.set(self.identity.tenant_of(request))
         replica = self.replica
         if not replica.ready and not replica.draining and self.cfg.ready_wait > 0:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -130,10 +135,30 @@ class Gateway:
         client gets when there is none. ``disaggregated``: the route can run a prefill hop
         first (chat and completions); other routes go to an engine that does both."""
         metrics = self.metrics
+        tenant = current_tenant.get()
+        if tenant and not req.tenant:
+            if self.cache_salt() and not req.cache_salt:
+                # Only chat and completions bodies are salted for the engine: anything else
+                # would reach the engine's shared prefix cache unsalted.
+                raise ApiError(400, "this tenant's cache is isolated, which only "
+                               "/v1/chat/completions and /v1/completions (one prompt) support")
+            refused = self.admit_tenant(endpoint, tenant, req)
+            if refused is not None:
+                return refused
+            req = replace(req, tenant=tenant, tenant_tokens=min(
+                len(req.token_ids) + req.expected_osl, MAX_TOKEN_COUNT))
+        routed = False
         try:
+            waited = time.perf_counter()
             if disaggregated and self.replica.is_disaggregated(req.model):
-                return await self.forwarder.prefill.route(req)
-            return await self.replica.route(req), None
+                decided = await self.forwarder.prefill.route(req)
+            else:
+                decided = await self.replica.route(req), None
+            routed = True
+            if req.tenant:  # the router queue's wait (routing itself is microseconds)
+                self.metrics.tenant_queue_wait.labels(tenant=self.tenant_label(req.tenant)
+                                                      ).observe(time.perf_counter() - waited)
+            return decided
         except UnknownModel as exc:
             raise ApiError(404, str(exc), param="model", code="model_not_found") from None
         except NoWorkers as exc:
@@ -148,6 +173,37 @@ class Gateway:
             resp = overloaded_response()
             resp.headers.update(self.headers())
             return resp
+        finally:
+            if req.tenant and not routed:
+                self.replica.tenant_not_routed(req.request_id)
+
+    def cache_salt(self) -> str:
+        """The cache_salt of this request's tenant when it is isolated, else ""."""
+        tenant = current_tenant.get()
+        limits = self.replica.state.tenants.limits.get(tenant) if tenant else None
+        return limits.cache_salt if limits is not None and limits.isolated else ""
+
+    def tenant_label(self, tenant: str) -> str:
+        """The metric label: configured tenants by name, every other one as "other"."""
+        return tenant if tenant in self.replica.state.tenants.limits else "other"
+
+    def admit_tenant(self, endpoint: str, tenant: str, req: RouteRequest) -> Response | None:
+        """None when ``tenant`` may start ``req`` (it then counts as this replica's pending
+        admission); else the 429 the client gets. The rate-limit headers for the answer are
+        left in ``rate_limit_headers`` when the tenant has limits."""
+        tokens = min(len(req.token_ids) + req.expected_osl, MAX_TOKEN_COUNT)
+        verdict = self.replica.admit_tenant(req.request_id, tenant, tokens)
+        label = self.tenant_label(tenant)
+        if verdict.admitted:
+            self.metrics.tenant_requests.labels(tenant=label, outcome="admitted").inc()
+            self.metrics.tenant_tokens.labels(tenant=label).inc(tokens)
+            if verdict.limits.limited:
+                rate_limit_headers.set(verdict.headers())
+            return None
+        self.metrics.tenant_requests.labels(tenant=label, outcome=f"limited_{verdict.reason}"
+                                            ).inc()
+        self.metrics.count_request(endpoint, "rejected")
+        return rate_limited(verdict, tenant, self.headers(None, req.request_id))
 
     def observe(self, routed: Routed) -> None:
         self.metrics.input_tokens.observe(routed.isl_tokens)
@@ -168,6 +224,12 @@ class Gateway:
         shed = self.shed(endpoint, parsed.model, parsed.priority)
         if shed is not None:
             return shed
+        salt = self.cache_salt()
+        if salt:
+            # An isolated tenant's prompt is cached under its own salt; a cache_salt the
+            # client sent is replaced, so no client can name another tenant's.
+            parsed.body["cache_salt"] = salt
+            raw = msgspec.json.encode(parsed.body)
         route_req = RouteRequest(
             request_id=request_id, model=parsed.model, token_ids=parsed.prompt_ids,
             # n choices of one prompt: one prefill, n times the output.
@@ -175,7 +237,7 @@ class Gateway:
             osl_hint=parsed.osl_hint, priority=PRIORITY_LEVEL[parsed.priority],
             overlap_weight=parsed.overlap_weight,
             latency_sensitivity=parsed.latency_sensitivity,
-            session=self.session_of(parsed, request))
+            session=self.session_of(parsed, request), cache_salt=salt)
         routing_started = time.perf_counter()
         decided = await self.route(endpoint, route_req, disaggregated=True)
         if isinstance(decided, Response):
@@ -219,6 +281,8 @@ class Gateway:
             resp = await add_to_response(resp, NvextFields(
                 parsed.extra_fields, routed, self.replica.replica_id,
                 self.replica.config.state.block_size, received, started, routing_s))
+        if (limits := rate_limit_headers.get()) is not None:
+            resp.headers.update(limits)
         return resp
 
 

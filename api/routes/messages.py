@@ -106,8 +106,8 @@ def _max_tokens(body: dict[str, Any]) -> int:
 def messages_routes(gateway: Gateway) -> APIRouter:
     router = APIRouter()
 
-    async def create(raw: bytes) -> Response:
-        refused = await gateway.admit()
+    async def create(raw: bytes, request: Request) -> Response:
+        refused = await gateway.admit(request)
         if refused is not None:
             return refused
         body = _body(raw)
@@ -137,8 +137,8 @@ def messages_routes(gateway: Gateway) -> APIRouter:
         except DecisionNotRecorded as exc:
             return gateway.not_recorded("messages", exc, req.request_id)
 
-    async def count(raw: bytes) -> Response:
-        refused = await gateway.admit()
+    async def count(raw: bytes, request: Request) -> Response:
+        refused = await gateway.admit(request)
         if refused is not None:
             return refused
         body = _body(raw)
@@ -154,7 +154,7 @@ def messages_routes(gateway: Gateway) -> APIRouter:
     async def messages(request: Request) -> Response:
         raw = await read_body(request)
         try:
-            return as_anthropic(await create(raw))
+            return as_anthropic(await create(raw, request))
         except ApiError as exc:
             return as_anthropic(exc.response())
 
@@ -162,7 +162,7 @@ def messages_routes(gateway: Gateway) -> APIRouter:
     async def count_tokens(request: Request) -> Response:
         raw = await read_body(request)
         try:
-            return as_anthropic(await count(raw))
+            return as_anthropic(await count(raw, request))
         except ApiError as exc:
             return as_anthropic(exc.response())
 

@@ -157,7 +157,7 @@ def responses_routes(gateway: Gateway) -> APIRouter:
     @router.post(PATH)
     async def responses(request: Request) -> Response:
         raw = await read_body(request)
-        refused = await gateway.admit()
+        refused = await gateway.admit(request)
         if refused is not None:
             return refused
         body = request_object(raw)

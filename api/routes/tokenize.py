@@ -105,7 +105,7 @@ def tokenize_routes(gateway: Gateway) -> APIRouter:
 
     async def answer(path: str, request: Request) -> Response:
         raw = await read_body(request)
-        refused = await gateway.admit()
+        refused = await gateway.admit(request)
         if refused is not None:
             return refused
         body = request_object(raw)

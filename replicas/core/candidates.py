@@ -60,9 +60,11 @@ def is_disaggregated(state: RouterState, model: str) -> bool:
 
 
 def request_hashes(state: RouterState, model: str, token_ids: Sequence[int],
-                   block_size: int) -> list[int]:
-    """The prompt's block sequence hashes, salted when ``model`` is a LoRA adapter."""
-    return prompt_hashes(token_ids, block_size, adapter=adapter_of(state, model))
+                   block_size: int, cache_salt: str = "") -> list[int]:
+    """The prompt's block sequence hashes, salted when ``model`` is a LoRA adapter and when
+    the engine gets the prompt with a ``cache_salt``."""
+    return prompt_hashes(token_ids, block_size, adapter=adapter_of(state, model),
+                         cache_salt=cache_salt)
 
 
 def build_candidates(state: RouterState, model: str, seq_hashes: Sequence[int], *,

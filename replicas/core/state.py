@@ -34,6 +34,7 @@ from replicas.core.prefill_model import PrefillLoadModel
 from replicas.core.selection import BusyThresholds
 from replicas.core.sessions import SessionTable
 from replicas.core.stored_responses import StoredResponses
+from replicas.core.tenants import TenantBook
 
 _MASK = (1 << 64) - 1
 # 2: columnar index and load (replicas/core/index.py, replicas/core/load.py); 1 is still read, so a
@@ -113,6 +114,8 @@ class RouterState:
         self.sessions = SessionTable()  # sticky session pins (router stream)
         # Responses API: response id -> the engine that stored it (router stream)
         self.responses = StoredResponses()
+        # Tenants' limits (control stream) and usage (router stream): replicas/core/tenants.py
+        self.tenants = TenantBook()
         self.positions: dict[str, int] = {k: 0 for k in STREAM_KINDS}
         self.epoch = 0
         self.now = 0.0
@@ -187,6 +190,8 @@ class RouterState:
         if len(self.responses):
             for _ in self.responses.expire(self.now):
                 self.stats.bump(ROUTER, "ResponseExpired", "ok")
+        if self.tenants:
+            self.tenants.expire(self.now)
 
     # KV stream
 
@@ -283,6 +288,7 @@ class RouterState:
 
     def _end(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
+            self.tenants.ended_one(request_id)
             self._ended.add(request_id, self._routed_ts.pop(request_id, self.now))
 
     def _request_routed(self, e: ev.RequestRouted) -> str:
@@ -309,6 +315,8 @@ class RouterState:
         if not added:
             return "duplicate_request"
         heapq.heappush(self._expiry, (e.ts, e.request_id))
+        if e.tenant:
+            self.tenants.routed(e)
         self._routed_ts[e.request_id] = e.ts
         if self.config.approximate:
             self.index.store_routed((e.worker_id, e.dp_rank), e.block_seq_hashes, e.ts)
@@ -327,6 +335,7 @@ class RouterState:
             # A PrefillCompleted folded into the finish (group commit): the same state as the
             # two events, including what the prefill load model learns from the completion.
             self.load.prefill_completed(e.request_id, e.prefill_ts)
+        self.tenants.finished(e.request_id, e.outcome, e.output_tokens)
         if not self.load.finish(e.request_id):
             # Remember it anyway: a decision whose append timed out is finished by its replica
             # ("not_routed") in case it landed; should it land after all, it must not count.
@@ -389,12 +398,19 @@ class RouterState:
         self.load = ActiveLoad()
         self.sessions.clear()
         self.responses.clear()
+        self.tenants.clear_usage()  # limits are config, like thresholds: they stay
         self._expiry.clear()
         self._routed_ts.clear()
         self._ended.clear()
         self.last_event_id.clear()
         self.out_of_sync.clear()
         return "ok"
+
+    def _tenant_limits_set(self, e: ev.TenantLimitsSet) -> str:
+        return self.tenants.set_limits(e)
+
+    def _tenant_deleted(self, e: ev.TenantDeleted) -> str:
+        return self.tenants.delete(e)
 
     def _worker_health_changed(self, e: ev.WorkerHealthChanged) -> str:
         self.health[e.worker_id] = e.status
@@ -427,7 +443,8 @@ class RouterState:
         parts = {"index": self.index.digest & _MASK, "load": self.load.digest & _MASK,
                  "config": config, "sessions": self.sessions.digest & _MASK,
                  # Zero while no response is stored: the sum then equals older replicas' digest.
-                 "responses": self.responses.digest & _MASK}
+                 "responses": self.responses.digest & _MASK,
+                 "tenants": self.tenants.digest}  # likewise zero while no tenant is known
         parts["state"] = sum(parts.values()) & _MASK
         return parts
 
@@ -464,6 +481,7 @@ class RouterState:
             "load": self.load.to_plain(),
             "sessions": self.sessions.to_plain(),
             "responses": self.responses.to_plain(),
+            "tenants": self.tenants.to_plain(),
             # Only live entries: finished requests linger in the heap until they age out.
             "expiry": sorted(x for x in self._expiry if self.load.request(x[1]) is not None),
             # Replicas of earlier versions read "ended" (id -> routed ts): left empty for them,
@@ -502,6 +520,7 @@ class RouterState:
         state.load = ActiveLoad.from_plain(doc["load"])
         state.sessions = SessionTable.from_plain(doc.get("sessions", []))  # absent in older blobs
         state.responses = StoredResponses.from_plain(doc.get("responses", []))  # likewise
+        state.tenants = TenantBook.from_plain(doc.get("tenants"))  # likewise
         state._expiry = [tuple(x) for x in doc["expiry"]]  # type: ignore[misc]
         heapq.heapify(state._expiry)
         state._routed_ts = {rid: ts for ts, rid in state._expiry}
@@ -534,6 +553,8 @@ _HANDLERS = {
     ev.SnapshotTaken: RouterState._snapshot_taken,
     ev.StateReset: RouterState._state_reset,
     ev.WorkerHealthChanged: RouterState._worker_health_changed,
+    ev.TenantLimitsSet: RouterState._tenant_limits_set,
+    ev.TenantDeleted: RouterState._tenant_deleted,
 }
 
 

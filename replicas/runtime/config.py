@@ -21,6 +21,9 @@ class ReplicaConfig:
     queue_threshold: float | None = None
     queue_policy: str = QueuePolicy.FCFS
     queue_timeout: float = 30.0
+    # Tenants are configured: the router queue serves them by weighted fair share
+    # (replicas/core/fair_queue.py) instead of the policy alone.
+    tenant_fair_queue: bool = False
     # Recorded on each decision this replica routes, so every replica accounts that request
     # alike (replicas/core/load.py): output blocks tracked, prefill load model.
     track_output_blocks: bool = False

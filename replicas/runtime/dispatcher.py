@@ -31,6 +31,7 @@ from replicas.core.candidates import (
     request_hashes,
     served_models,
 )
+from replicas.core.fair_queue import FairQueue
 from replicas.core.index import WorkerKey
 from replicas.core.overlay import Overlay, pending_decision
 from replicas.core.queue import RequestQueue, should_queue
@@ -38,6 +39,7 @@ from replicas.core.routing_errors import AllWorkersBusy, NoWorkers, RoutingError
 from replicas.core.selection import BusyThresholds, Candidate, Decision, Overloaded, Selector
 from replicas.core.sticky import SessionRequest, StickyOverlay, session_events, sticky_target
 from replicas.core.stored_responses import Lookup, response_target
+from replicas.core.tenant_admission import TenantPending, Verdict, admit
 from replicas.runtime.background import Background
 from replicas.runtime.config import ReplicaConfig
 from replicas.runtime.decision_log import (
@@ -72,6 +74,13 @@ class RouteRequest:
     # The one engine this request may go to (a Responses API follow-up must reach the engine
     # that stored the previous response); it wins over a session's pin.
     pinned: WorkerKey | None = None
+    # The tenant the request is admitted for ("": none) and the tokens its admission reserves
+    # (replicas/core/tenants.py); recorded on the decision.
+    tenant: str = ""
+    tenant_tokens: int = 0
+    # vLLM's cache_salt the engine gets with this prompt (an isolated tenant's): its blocks
+    # hash under it (eventlog.hashing.cache_salt_salt).
+    cache_salt: str = ""
 
 
 @dataclass(slots=True)
@@ -107,6 +116,8 @@ class Dispatcher:
         self.selector = Selector(config.routing)
         self.overlay = Overlay()
         self.sticky = StickyOverlay()  # pins routed here and not yet applied from the stream
+        # Tenant admissions made here and not yet applied from the stream.
+        self.tenant_pending = TenantPending()
         # Degraded mode (replicas/runtime/log_outage.py): while the event log is unavailable,
         # decisions are counted in the overlay only, and neither they nor their follow-up
         # events are appended.
@@ -119,7 +130,11 @@ class Dispatcher:
         # Set when the load may have dropped (a router or control event applied): the queue
         # dispatcher re-judges then.
         self.load_changed = asyncio.Event()
-        self._queue: RequestQueue[_Queued] = RequestQueue(config.queue_policy)
+        self._queue: RequestQueue[_Queued] | FairQueue[_Queued] = (
+            FairQueue(config.queue_policy, self._tenant_service, self._tenant_in_flight,
+                      self._tenants_active)
+            if config.tenant_fair_queue
+            else RequestQueue(config.queue_policy))
         # Output counts waiting to be appended as OutputProgress, per request: one append in
         # flight per request at a time, carrying the newest count when it goes.
         self._progress: dict[str, int] = {}
@@ -157,11 +172,13 @@ class Dispatcher:
         """The decision is in the state now (or never will be): stop counting it here."""
         self.overlay.reconcile(request_id)
         self.sticky.settled(request_id)
+        self.tenant_pending.settle(request_id)
 
     def forget_pending(self) -> None:
         """A reset re-reads the streams from its cut: nothing pending survives it."""
         self.overlay.clear()
         self.sticky.clear()
+        self.tenant_pending.clear()
 
     def candidates(self, model: str, seq_hashes: Sequence[int],
                    exclude: frozenset[str] = frozenset(),
@@ -180,7 +197,7 @@ class Dispatcher:
         check_routable(state, req.model)
         t0 = time.perf_counter()
         seq_hashes = request_hashes(state, req.model, req.token_ids,
-                                    self.config.state.block_size)
+                                    self.config.state.block_size, req.cache_salt)
         t1 = time.perf_counter()
         cands = self.candidates(req.model, seq_hashes, req.exclude, req.phase)
         if only is not None:
@@ -226,7 +243,8 @@ class Dispatcher:
             model=req.model, block_size=self.config.state.block_size,
             phase=req.phase, kv_reuse=self.config.assume_kv_reuse,
             track_output_blocks=self.config.track_output_blocks, osl_hint=req.osl_hint,
-            prefill_load_model=self.config.prefill_load_model)
+            prefill_load_model=self.config.prefill_load_model,
+            tenant=req.tenant, tenant_tokens=req.tenant_tokens)
         extra: list[ev.Event] = []
         if session is not None:
             extra = session_events(session, req.request_id, result.worker, req.model, sticky,
@@ -240,6 +258,17 @@ class Dispatcher:
                       result.overlap_blocks, len(seq_hashes), result, event, timings, extra,
                       sticky, session)
 
+    def admit_tenant(self, request_id: str, tenant: str, tokens: int) -> Verdict:
+        """Judge a tenant's request against its limits, on the applied usage plus this
+        replica's own pending admissions; an admitted one counts as pending at once (no await
+        between the judgement and the count, so two requests on this replica cannot both take
+        the last unit of a budget)."""
+        now = time.time()
+        verdict = admit(self.port.state.tenants, self.tenant_pending, tenant, now, tokens)
+        if verdict.admitted:
+            self.tenant_pending.add(request_id, tenant, now, tokens)
+        return verdict
+
     # --- routing ---------------------------------------------------------------------------
 
     async def route(self, req: RouteRequest) -> Routed:
@@ -248,9 +277,7 @@ class Dispatcher:
         if self.config.queue_threshold is not None and self._must_queue(req):
             fut: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
             queued_at = time.perf_counter()
-            self._queue.push((req, fut), arrival=time.monotonic(),
-                             priority_jump=req.latency_sensitivity,
-                             uncached_isl_tokens=len(req.token_ids))
+            self._enqueue((req, fut))
             self.load_changed.set()
             try:
                 routed = await asyncio.wait_for(asyncio.shield(fut), self.config.queue_timeout)
@@ -396,6 +423,39 @@ class Dispatcher:
             return True  # keep arrival order: nobody overtakes the queue
         cands = self.candidates(req.model, ())
         return bool(cands) and should_queue(cands, threshold)
+
+    def _enqueue(self, item: _Queued) -> None:
+        req = item[0]
+        if isinstance(self._queue, FairQueue):
+            self._queue.push(item, arrival=time.monotonic(), priority_jump=req.latency_sensitivity,
+                             uncached_isl_tokens=len(req.token_ids), tenant=req.tenant,
+                             tier=req.priority, tokens=req.tenant_tokens)
+        else:
+            self._queue.push(item, arrival=time.monotonic(), priority_jump=req.latency_sensitivity,
+                             uncached_isl_tokens=len(req.token_ids))
+
+    def _tenant_service(self, tenant: str) -> float:
+        """Service ``tenant`` has received, per unit of weight, for the fair queue: its tokens
+        in the last minute fleet-wide (the replicated book) plus what this replica admitted
+        and the stream has not brought back, less what of that still waits in the queue."""
+        book = self.port.state.tenants
+        limits = book.limits.get(tenant)
+        tokens = book.usage(tenant, time.time()).tokens + self.tenant_pending.usage(tenant).tokens
+        if isinstance(self._queue, FairQueue):
+            tokens -= self._queue.queued_tokens(tenant)
+        return tokens / (limits.weight if limits is not None else 1.0)
+
+    def _tenant_in_flight(self, tenant: str) -> int:
+        """``tenant``'s requests released and not ended, fleet-wide as this replica knows."""
+        n = self.port.state.tenants.usage(tenant, time.time()).concurrent
+        n += self.tenant_pending.usage(tenant).concurrent
+        if isinstance(self._queue, FairQueue):
+            n -= self._queue.queued(tenant)
+        return n
+
+    def _tenants_active(self) -> list[str]:
+        """Tenants served in the last minute or with requests in flight, fleet-wide."""
+        return list({*self.port.state.tenants.active(), *self.tenant_pending.tenants()})
 
     async def _dispatch_queue(self) -> None:
         """Release queued requests in policy order while some worker has capacity. The decision

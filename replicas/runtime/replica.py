@@ -45,6 +45,8 @@ from replicas.core.routing_errors import AllWorkersBusy, NoWorkers, RoutingError
 from replicas.core.selection import BusyThresholds
 from replicas.core.state import RouterState
 from replicas.core.stored_responses import Lookup
+from replicas.core.tenant_admission import Verdict
+from replicas.core.tenants import TenantLimits
 from replicas.runtime.background import Background
 from replicas.runtime.config import ReplicaConfig
 from replicas.runtime.decision_log import DecisionLogHealth, DecisionNotRecorded
@@ -524,6 +526,25 @@ class Replica:
         event = ev.BusyThresholdsSet(model, decode_blocks, prefill_tokens, prefill_tokens_frac,
                                      time.time())
         seq = await self.append(self.names.control_subject("thresholds"), event, None)
+        await self.wait_applied(CONTROL, seq)
+
+    def admit_tenant(self, request_id: str, tenant: str, tokens: int) -> Verdict:
+        return self.dispatcher.admit_tenant(request_id, tenant, tokens)
+
+    def tenant_not_routed(self, request_id: str) -> None:
+        """An admitted request that was not routed after all: its admission stops counting."""
+        self.dispatcher.tenant_pending.settle(request_id)
+
+    async def set_tenant_limits(self, tenant: str, limits: TenantLimits) -> None:
+        event = ev.TenantLimitsSet(tenant, limits.requests_per_minute, limits.tokens_per_minute,
+                                   limits.max_concurrent, limits.weight, limits.isolated,
+                                   time.time(), limits.cache_salt)
+        seq = await self.append(self.names.control_subject("tenants"), event, None)
+        await self.wait_applied(CONTROL, seq)
+
+    async def delete_tenant(self, tenant: str) -> None:
+        seq = await self.append(self.names.control_subject("tenants"),
+                                ev.TenantDeleted(tenant, time.time()), None)
         await self.wait_applied(CONTROL, seq)
 
     async def set_snapshot_threshold(self, threshold: int) -> None:

@@ -22,10 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import xxhash
-
 from eventlog.events import AllBlocksCleared, BlocksRemoved, BlocksStored, Event
-from eventlog.hashing import MASK64, SEED, adapter_salt, tokens_hashes
+from eventlog.hashing import MASK64, adapter_salt, extra_keys_salt, tokens_hashes
 from workers.bridge.decode import (
     DEVICE_MEDIUM,
     EngineBatch,
@@ -44,8 +42,7 @@ def adapter_of(stored: EngineStored) -> str | None:
     return None
 
 
-def _extra_salt(key: object) -> int:
-    return xxhash.xxh3_64_intdigest(b"extra-keys:" + repr(key).encode(), seed=SEED) or 1
+_extra_salt = extra_keys_salt  # the router salts a cache_salt request's first block alike
 
 
 def _medium(medium: str) -> str | None:

@@ -173,6 +173,16 @@ def test_up_forwards_what_the_registry_says() -> None:
         assert router_config.option(option.name).type is option.type
 
 
+def test_up_forwards_the_tenant_flags_to_its_replicas() -> None:
+    args = build_parser(["up"]).parse_args(["up", "--api-keys-file", "/k.yaml", "--tenant-header",
+                                            "x-tenant-id", "--no-tenant-fair-queue",
+                                            "--router-queue-threshold", "0.5"])
+    router, worker = up.forwarded_args(args)
+    assert router == ["--api-keys-file=/k.yaml", "--tenant-header=x-tenant-id",
+                      "--router-queue-threshold=0.5", "--no-tenant-fair-queue"]
+    assert worker == []
+
+
 def test_an_option_and_an_alias_are_one_line_each() -> None:
     groups = (Group("g", Option("port", int, 8000, "listen port", above=0,
                                 aliases=("--http-port",)),
