@@ -42,6 +42,8 @@ OLDEST_EVENT_FORMAT = max(1, EVENT_FORMAT - 1)
 # event type raises EVENT_FORMAT by one and lists the type here with the new number.
 INTRODUCED_IN: dict[type, int] = {
     ev.ResponseStored: 2,  # the Responses API's stored-response affinity
+    ev.TenantLimitsSet: 2,  # tenants' fleet-wide limits
+    ev.TenantDeleted: 2,
 }
 
 
