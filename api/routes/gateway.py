@@ -23,6 +23,7 @@ from api.errors import ApiError, error_response, overloaded_response
 from api.forward import Forwarder, replica_headers
 from api.forward.continuation import with_transfer
 from api.forward.passthrough import Passthrough
+from api.handoff_fields import refuse_handoff_fields
 from api.metrics import Rejection, RouterMetrics
 from api.nvext_response import NvextFields, add_to_response
 from api.openai_schema import MAX_SESSION_ID, MAX_TOKEN_COUNT, ParsedRequest, decode_json
@@ -240,6 +241,7 @@ def request_object(raw: bytes) -> dict[str, Any]:
     body = decode_json(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "Invalid request body: expected a JSON object.")
+    refuse_handoff_fields(body)  # only the router speaks the KV hand-off
     return body
 
 
