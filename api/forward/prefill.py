@@ -8,10 +8,24 @@ For a model with prefill engines (``Replica.is_disaggregated``) a request gets t
 decisions, both ``RequestRouted`` events on the router stream (replicas/core/disagg.py):
 
 1. the **prefill decision**, under ``<request_id>~prefill``: the chosen engine computes the
-   prompt (``POST /v1/prefill``) and answers with a transfer handle; that hop then ends like any
-   other (``PrefillCompleted``, ``RequestFinished``), so its prefill load is freed at once;
+   prompt and answers with a transfer handle; that hop then ends like any other
+   (``PrefillCompleted``, ``RequestFinished``), so its prefill load is freed at once;
 2. the **decode decision**, under the request's own id: the chosen engine receives the handle in
-   the forwarded body (``"jetrouter": {"kv_transfer": ...}``) and streams the answer.
+   the forwarded body and streams the answer.
+
+The hand-off speaks the prefill engine's protocol (``WorkerRegistered.engine_kind``):
+
+* **vLLM** (:mod:`api.forward.vllm_handoff`): the client's request with ``kv_transfer_params:
+  {"do_remote_decode": true}``, one token, not streamed, on the route the client used; the
+  answer's ``kv_transfer_params`` go to the decode engine at the top level of its body, and it
+  pulls the blocks (NIXL) instead of computing the prompt;
+* **jetrouter** (the simulated engine, workers/handoff.py): ``POST /v1/prefill`` with the
+  routed token ids; the handle goes to the decode engine as ``"jetrouter": {"kv_transfer":
+  ...}``.
+
+Either way ``route`` returns the decode hop's hand-off as the fields to set in its body
+(:func:`api.forward.continuation.with_transfer`). Clients may not send these fields themselves
+(api/handoff_fields.py).
 
 The prefill engine is called while the prefill decision's append is on its way; its answer is
 used only once the decision is recorded (``Replica.recorded``): a refused one ends the hop
@@ -33,10 +47,11 @@ from typing import Any
 
 import msgspec
 
+from api.forward import vllm_handoff
 from api.forward.engine import HopFailure, classify
 from api.upstream import UpstreamError, UpstreamPool
 from eventlog.errors import JetrouterError
-from eventlog.events import Outcome
+from eventlog.events import EngineKind, Outcome
 from eventlog.names import TRANSFER_KEY, prefill_request_id
 from replicas.core import disagg
 from replicas.runtime.replica import (
@@ -90,8 +105,12 @@ class PrefillRouter:
         self.on_outcome = on_outcome
         self.on_worker_failure = on_worker_failure
 
-    async def route(self, req: RouteRequest) -> tuple[Routed, dict[str, Any] | None]:
-        """(the decode decision, the transfer handle) or (an aggregated decision, None)."""
+    async def route(self, req: RouteRequest, *, endpoint: str = "completions",
+                    body: dict[str, Any] | None = None
+                    ) -> tuple[Routed, dict[str, Any] | None]:
+        """(the decode decision, the fields that hand the KV over in the decode hop's body) or
+        (an aggregated decision, None). ``endpoint`` ("completions" or "chat") and ``body``
+        (the client's JSON body) make a vLLM prefill engine's request."""
         transfer: dict[str, Any] | None = None
         outcome = DisaggOutcome.NO_PREFILL_ENGINE
         try:
@@ -104,7 +123,7 @@ class PrefillRouter:
                      req.request_id, exc)
             pre = None
         if pre is not None:
-            transfer = await self._prefill(pre, req)
+            transfer = await self._prefill(pre, req, endpoint, body)
             outcome = (DisaggOutcome.DISAGGREGATED if transfer is not None
                        else DisaggOutcome.PREFILL_FAILED)
         if self.on_outcome is not None:
@@ -112,22 +131,35 @@ class PrefillRouter:
         phase = disagg.DECODE if transfer is not None else disagg.AGGREGATED
         return await self.replica.route(replace(req, phase=phase)), transfer
 
-    async def _prefill(self, pre: Routed, req: RouteRequest) -> dict[str, Any] | None:
-        """Run the prefill hop; its handle, or None (hop ended as ``error``) when it failed."""
+    def engine_kind(self, worker_id: str) -> str:
+        info = self.replica.state.workers.get(worker_id)
+        return info.engine_kind if info is not None else EngineKind.JETROUTER
+
+    async def _prefill(self, pre: Routed, req: RouteRequest, endpoint: str,
+                       body: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Run the prefill hop; the decode hop's hand-off fields, or None (hop ended as
+        ``error``) when it failed."""
         outcome, cached = Outcome.CANCELLED, -1
+        vllm = self.engine_kind(pre.worker_id) == EngineKind.VLLM
         try:
-            try:
-                answer = await self._call(pre, req)  # while the decision's append is acked
+            try:  # the engine is asked while the decision's append is acked
+                if vllm:
+                    if body is None:  # a caller without the client's body: nothing to send
+                        raise PrefillFailed(PrefillProblem.BAD_REQUEST,
+                                            "no client body for a vLLM prefill request")
+                    answer = await self._call(pre, vllm_handoff.engine_path(endpoint),
+                                              vllm_handoff.prefill_body(body))
+                else:
+                    answer = await self._call(pre, PREFILL_PATH, {
+                        "model": req.model, "prompt": list(req.token_ids), "max_tokens": 1,
+                        "jetrouter": {"dp_rank": pre.dp_rank}})
             finally:
                 try:
                     await self.replica.recorded(pre)
                 except DecisionNotRecorded:
                     outcome = Outcome.NOT_ROUTED  # the request is answered 503
                     raise
-            transfer = answer.get(TRANSFER_KEY)
-            if not isinstance(transfer, dict):
-                raise PrefillFailed(PrefillProblem.BAD_ANSWER,
-                                    "the prefill answer has no kv_transfer")
+            transfer = _handoff(answer, vllm)
             usage = answer.get("usage")
             details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
             value = details.get("cached_tokens") if isinstance(details, dict) else None
@@ -145,13 +177,11 @@ class PrefillRouter:
         finally:
             self.replica.finished(pre.request_id, outcome, 0, cached)
 
-    async def _call(self, pre: Routed, req: RouteRequest) -> dict[str, Any]:
-        body = msgspec.json.encode({"model": req.model, "prompt": list(req.token_ids),
-                                    "max_tokens": 1, "jetrouter": {"dp_rank": pre.dp_rank}})
-        url = pre.worker_url.rstrip("/") + PREFILL_PATH
+    async def _call(self, pre: Routed, path: str, request: dict[str, Any]) -> dict[str, Any]:
+        url = pre.worker_url.rstrip("/") + path
         headers = {"content-type": "application/json", "x-request-id": pre.request_id}
         try:
-            resp = await self.pool.post(url, body, headers)
+            resp = await self.pool.post(url, msgspec.json.encode(request), headers)
             try:
                 raw = await resp.aread()
             finally:
@@ -171,3 +201,17 @@ class PrefillRouter:
             raise PrefillFailed(PrefillProblem.BAD_ANSWER,
                                 "the prefill answer is not an object")
         return answer
+
+
+def _handoff(answer: dict[str, Any], vllm: bool) -> dict[str, Any]:
+    """The fields that hand the prompt's KV over in the decode hop's body, from the prefill
+    engine's answer; PrefillFailed (bad_answer) when the answer holds no usable handle."""
+    if vllm:
+        params = vllm_handoff.transfer_params(answer)
+        if isinstance(params, str):
+            raise PrefillFailed(PrefillProblem.BAD_ANSWER, params)
+        return {vllm_handoff.KV_TRANSFER_PARAMS: params}
+    handle = answer.get(TRANSFER_KEY)
+    if not isinstance(handle, dict):
+        raise PrefillFailed(PrefillProblem.BAD_ANSWER, "the prefill answer has no kv_transfer")
+    return {"jetrouter": {TRANSFER_KEY: handle}}
