@@ -3,7 +3,10 @@
 Only the leader checks. Every ``interval`` it sends each worker the same deterministic completion
 (token-id prompt, temperature 0, ``max_tokens`` 8, non-streaming) and judges the answer against
 the model's reference (:class:`~replicas.core.health.ReferenceAnswers`, or a known expected text),
-and its latency against the worker's baseline. A failed check is retried at once up to
+and its latency against the worker's baseline. A check that times out while the engine's own
+token counters (its /metrics) advance is *busy*, not failed: a real engine on a loaded host is
+slow for seconds at a time (long prompts, a first KV transfer) without being dead, and is not
+judged by that attempt. A failed check is retried at once up to
 ``max_retries`` times (2 by default), each attempt counting on the breaker, so a worker returning
 wrong tokens goes HEALTHY → SUSPICIOUS → UNHEALTHY within one round, while a one-off blip
 (failure, then success) only costs a brief SUSPICIOUS.
@@ -50,6 +53,7 @@ class CanaryVerdict(StrEnum):
     SLOW = "slow"          # right tokens, latency above slow_factor x the worker's baseline
     MISMATCH = "mismatch"  # an answer, but not the reference tokens
     ERROR = "error"        # no answer (connection, status, timeout, malformed body)
+    BUSY = "busy"          # timed out while the engine was generating: not judged
 
 
 # Observer for the health-check-duration metric: (worker_id, seconds, verdict).
@@ -71,6 +75,33 @@ class Attempt:
     latency: float      # seconds, request sent → full answer
     text: str = ""
     reason: str = ""    # why not ok
+    # Timed out, but the engine's own token counters moved meanwhile: it is slow because it is
+    # busy (long prompts, a first KV transfer), not dead, so the attempt is not judged.
+    busy: bool = False
+
+
+# Counters an engine's /metrics advances as it makes progress: output tokens (vLLM, SGLang and
+# the simulated engine) and vLLM's prompt tokens (counted when a prompt's prefill completes).
+# Not a counter of requests received: an engine that takes a request and then hangs must not
+# look busy.
+PROGRESS_SUFFIXES = ("generation_tokens_total",)
+PROGRESS_NAMES = frozenset({"vllm:prompt_tokens_total"})
+
+
+def progress_of(metrics_text: str) -> float | None:
+    """The sum of the progress counters in a Prometheus text page, or None without any."""
+    total, seen = 0.0, False
+    for line in metrics_text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in PROGRESS_NAMES or name.endswith(PROGRESS_SUFFIXES):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
+            seen = True
+    return total if seen else None
 
 
 class CanaryChecker:
@@ -112,6 +143,7 @@ class CanaryChecker:
         self.rounds = 0          # rounds started (tests count detection in rounds, not seconds)
         self.ticks = 0           # loop iterations, leader or not
         self.reports = 0         # passive reports received, leader or not
+        self.busy = 0            # attempts that timed out on an engine making progress
         self._leading = False
         self._published: dict[str, str] = {}  # worker -> last status emit() accepted
         self._emit_lock = asyncio.Lock()
@@ -235,6 +267,13 @@ class CanaryChecker:
         expected = self.expected_of(model) if self.expected_of is not None else None
         if expected is None:
             expected = self.references.expected(worker_id, model)
+        if a.busy:
+            self.busy += 1
+            log.info("worker %s: canary timed out after %.1f s while the engine made progress "
+                     "(busy, not judged)", worker_id, a.latency)
+            if self.on_check is not None:
+                self.on_check(worker_id, a.latency, CanaryVerdict.BUSY)
+            return True  # not retried: another request would only add to the load
         match = a.ok and (expected is None or a.text == expected)
         if self.on_check is not None:
             slow = match and self.board.worker(worker_id).is_slow(a.latency)
@@ -249,13 +288,17 @@ class CanaryChecker:
     async def _attempt(self, worker_id: str, url: str) -> Attempt:
         body = {"model": self.model_of(worker_id), "prompt": self.prompt,
                 "max_tokens": self.max_tokens, "temperature": 0.0, "stream": False}
+        before = await self._progress(url)
         started = time.monotonic()
         try:
             r = await self.client.post(url.rstrip("/") + "/v1/completions", json=body,
                                        headers={"x-request-id": f"canary-{self.rounds}"},
                                        timeout=self.timeout)
         except httpx.TimeoutException:
-            return Attempt(False, time.monotonic() - started, reason="timeout")
+            latency = time.monotonic() - started
+            after = await self._progress(url) if before is not None else None
+            busy = after is not None and before is not None and after > before
+            return Attempt(False, latency, reason="timeout", busy=busy)
         except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL: a registered url
             return Attempt(False, time.monotonic() - started, reason=type(exc).__name__)
         latency = time.monotonic() - started
@@ -268,6 +311,14 @@ class CanaryChecker:
         except (ValueError, KeyError, IndexError, TypeError):
             return Attempt(False, latency, reason="malformed completion")
         return Attempt(True, latency, text)
+
+    async def _progress(self, url: str) -> float | None:
+        """The engine's progress counters now (``progress_of`` its /metrics), or None."""
+        try:
+            r = await self.client.get(url.rstrip("/") + "/metrics", timeout=self.timeout)
+        except (httpx.HTTPError, httpx.InvalidURL):
+            return None
+        return progress_of(r.text) if r.status_code == 200 else None
 
     async def _publish(self, change: StatusChange,
                        emitted: list[StatusChange] | None = None) -> None:
