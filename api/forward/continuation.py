@@ -223,7 +223,8 @@ class Continuation:
         if "error" in obj:
             err = obj["error"]
             msg = err.get("message") if isinstance(err, dict) else err
-            raise HopFailed(HopFailure.STREAM_ERROR, f"the engine sent an error event: {msg}")
+            raise HopFailed(HopFailure.STREAM_ERROR, f"the engine sent an error event: {msg}",
+                            engine_answered=True)
         usage = obj.get("usage")
         if isinstance(usage, dict):
             hop.usage = usage

@@ -146,21 +146,80 @@ async def test_a_prefill_answer_without_params_falls_back_to_aggregated() -> Non
     assert counter(metrics, DISAGG, "outcome") == {"prefill_failed": 1.0}
 
 
-async def test_a_decode_engine_that_cannot_pull_the_blocks_fails_the_hop_not_the_client(
+async def test_a_decode_engine_that_cannot_pull_the_blocks_computes_the_prompt_itself(
         ) -> None:
-    """Params naming an engine that is gone: the real decode engine answered 200 and then an
-    error event (vLLM's default KV-load failure policy fails the request). The router ends
-    that hop as failed and answers the client (here no other decode engine: a 502 error
-    event), instead of hanging or passing a half answer on."""
-    prefill, decode = recorded("completions_prefill"), recorded("decode_malformed_params")
-    assert decode["events"][0]["error"]["code"] == 500
+    """Params naming an engine that is gone (a prefill engine restarted, a lease ran out): the
+    real decode engine answered 200 and then an error event (vLLM's default KV-load failure
+    policy fails the request). The router ends that hop as failed and sends the request again
+    without params; the same engine (alive: it answered) computes the prompt, and the client
+    gets a whole answer instead of an error."""
+    prefill, failed = recorded("completions_prefill"), recorded("decode_malformed_params")
+    assert failed["events"][0]["error"]["code"] == 500
     path = prefill["path"]
+    aggregated = recorded("completions_aggregated")
+    body = {**client_body(recorded("completions_decode")), "stream": False}
+    body.pop("stream_options")
+    resp, _, dec, metrics = await serve(Pair({path: prefill}, {path: failed}, aggregated),
+                                        path, body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == streamed_text(aggregated["events"])
+    assert resp.headers["x-jetrouter-migrations"] == "1"
+    assert ["kv_transfer_params" in r.body for r in dec.received] == [True, False]
+    assert counter(metrics, "jetrouter_migrations_total", "reason") == {"stream_error": 1.0}
+
+
+async def test_an_unreachable_prefill_engine_falls_back_to_aggregated() -> None:
+    prefill = recorded("completions_prefill")
+    aggregated = recorded("completions_aggregated")
     body = client_body(recorded("completions_decode"))
-    resp, _, dec, _ = await serve(Pair({path: prefill}, {path: decode}), path, body)
-    assert resp.status_code == 200  # the head went out before the engine's error event
+    async with standin_engine(lambda got: replay(prefill)) as gone:
+        dead_url = gone.url  # closed when the block ends: connection refused from then on
+    async with standin_engine(lambda got: replay(aggregated)) as dec, \
+            router_on_a_socket([worker("p0", dead_url, Role.PREFILL),
+                                worker("d0", dec.url, Role.DECODE)]) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            resp = await client.post(prefill["path"], json=body)
+            metrics = (await client.get("/metrics")).text
+    assert resp.status_code == 200, resp.text
+    assert streamed_text(sse_payloads(resp.text)) == streamed_text(aggregated["events"])
+    assert "kv_transfer_params" not in dec.received[0].body
+    assert counter(metrics, DISAGG, "outcome") == {"prefill_failed": 1.0}
+
+
+async def test_a_decode_engine_dying_mid_stream_migrates_to_another_decode_engine() -> None:
+    """The decode engine that got the hand-off streams three recorded tokens and its connection
+    breaks; the request continues on the other decode engine from the tokens already sent (a
+    continuation without hand-off), and the client reads one whole stream."""
+    prefill, decode = recorded("completions_prefill"), recorded("completions_decode")
+    path = prefill["path"]
+    tokens = [e for e in decode["events"] if isinstance(e, dict) and e.get("choices")]
+    tail = decode["events"][len(tokens):]  # the usage chunk and [DONE]
+
+    def answer(got: Received) -> Reply:
+        if "kv_transfer_params" in got.body:
+            return Reply(events=decode["events"], break_after=3)
+        return Reply(events=tokens[3:] + tail)
+
+    async with standin_engine(lambda got: replay(prefill)) as pre, \
+            standin_engine(answer) as d0, standin_engine(answer) as d1, \
+            router_on_a_socket([worker("p0", pre.url, Role.PREFILL),
+                                worker("d0", d0.url, Role.DECODE),
+                                worker("d1", d1.url, Role.DECODE)]) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            # A budget the router's byte tokenizer (this test has no model path) does not
+            # consider spent by the three tokens' text.
+            resp = await client.post(path, json={**client_body(decode), "max_tokens": 64})
+            metrics = (await client.get("/metrics")).text
+    assert resp.status_code == 200, resp.text
     events = sse_payloads(resp.text)
-    assert events[-1] == "[DONE]" and "error" in events[-2], events
-    assert len(dec.received) == 1
+    assert streamed_text(events) == streamed_text(decode["events"]), events
+    assert not any(isinstance(e, dict) and "error" in e for e in events)
+    first, second = sorted([d0, d1], key=lambda d: "kv_transfer_params" not in
+                           (d.received[0].body if d.received else {}))
+    assert [("kv_transfer_params" in r.body) for r in first.received] == [True]
+    assert [("kv_transfer_params" in r.body) for r in second.received] == [False]
+    assert second.received[0].body["max_tokens"] < 64  # continued: the budget left
+    assert counter(metrics, "jetrouter_migrations_total", "reason") == {"stream_error": 1.0}
 
 
 def test_recorded_params_carry_what_the_decode_engine_needs() -> None:
