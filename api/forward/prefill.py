@@ -95,15 +95,18 @@ class PrefillRouter:
     """Runs the prefill hop of disaggregated requests for one replica.
 
     ``on_outcome(outcome)`` counts each request (a :class:`DisaggOutcome`).
-    ``on_worker_failure(worker_id, reason)`` is the Forwarder's passive health signal."""
+    ``on_worker_failure(worker_id, reason)`` is the Forwarder's passive health signal.
+    ``on_transfer(blocks)`` counts the KV blocks each successful hand-off names."""
 
     def __init__(self, replica: Replica, pool: UpstreamPool, *,
                  on_outcome: Callable[[DisaggOutcome], None] | None = None,
-                 on_worker_failure: Callable[[str, str], None] | None = None) -> None:
+                 on_worker_failure: Callable[[str, str], None] | None = None,
+                 on_transfer: Callable[[int], None] | None = None) -> None:
         self.replica = replica
         self.pool = pool
         self.on_outcome = on_outcome
         self.on_worker_failure = on_worker_failure
+        self.on_transfer = on_transfer  # KV blocks of each hand-off
 
     async def route(self, req: RouteRequest, *, endpoint: str = "completions",
                     body: dict[str, Any] | None = None
@@ -160,6 +163,8 @@ class PrefillRouter:
                     outcome = Outcome.NOT_ROUTED  # the request is answered 503
                     raise
             transfer = _handoff(answer, vllm)
+            if self.on_transfer is not None:
+                self.on_transfer(_blocks(transfer))
             usage = answer.get("usage")
             details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
             value = details.get("cached_tokens") if isinstance(details, dict) else None
@@ -215,3 +220,15 @@ def _handoff(answer: dict[str, Any], vllm: bool) -> dict[str, Any]:
     if not isinstance(handle, dict):
         raise PrefillFailed(PrefillProblem.BAD_ANSWER, "the prefill answer has no kv_transfer")
     return {"jetrouter": {TRANSFER_KEY: handle}}
+
+
+def _blocks(transfer: dict[str, Any]) -> int:
+    """The KV blocks a hand-off names (vLLM's remote block ids, or the jetrouter handle's
+    block hashes)."""
+    params = transfer.get(vllm_handoff.KV_TRANSFER_PARAMS)
+    if isinstance(params, dict):
+        return vllm_handoff.transfer_blocks(params)
+    ext = transfer.get("jetrouter")
+    handle = ext.get(TRANSFER_KEY) if isinstance(ext, dict) else None
+    hashes = handle.get("block_hashes") if isinstance(handle, dict) else None
+    return len(hashes) if isinstance(hashes, list) else 0

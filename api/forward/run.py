@@ -168,6 +168,8 @@ class Run:
         m.count_request(self.endpoint, outcome)
         if self.ex.ttft is not None:
             m.ttft.observe(self.ex.ttft)
+            if self.handoff and not self.migrations:  # the first token came after the pull
+                m.kv_handoff_seconds.observe(self.ex.ttft)
         for gap in self.ex.itl:
             m.itl.observe(gap)
         if outcome == Outcome.OK:

@@ -112,6 +112,15 @@ async def test_the_prefill_hop_speaks_vllm_and_hands_its_params_to_the_decode_ho
     assert streamed_text(events) == streamed_text(decode["events"]) != ""
     assert events[-1] == "[DONE]"
     assert counter(metrics, DISAGG, "outcome") == {"disaggregated": 1.0}
+    # The hand-off is measured: the blocks the params name, and one prefill-answer-to-first-
+    # token time.
+    assert sample(metrics, "jetrouter_kv_transfer_blocks_sum") == transfer_blocks(params)
+    assert sample(metrics, "jetrouter_kv_handoff_seconds_count") == 1.0
+
+
+def sample(metrics_text: str, name: str) -> float:
+    line = next(ln for ln in metrics_text.splitlines() if ln.startswith(name + " "))
+    return float(line.rsplit(" ", 1)[1])
 
 
 async def test_a_non_streaming_client_gets_the_decode_answer_as_one_body() -> None:
