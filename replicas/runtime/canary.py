@@ -9,7 +9,10 @@ slow for seconds at a time (long prompts, a first KV transfer) without being dea
 judged by that attempt. A failed check is retried at once up to
 ``max_retries`` times (2 by default), each attempt counting on the breaker, so a worker returning
 wrong tokens goes HEALTHY → SUSPICIOUS → UNHEALTHY within one round, while a one-off blip
-(failure, then success) only costs a brief SUSPICIOUS.
+(failure, then success) only costs a brief SUSPICIOUS. A timeout is not retried at once: asking
+a slow engine again only adds to its load, and three timeouts in one round would condemn an
+engine for a few seconds of slowness; it takes timeouts in three rounds (the breaker's
+threshold) to mark an engine that answers nothing and makes no progress unhealthy.
 
 Passive signals: any replica's proxy that sees an engine fail (connection refused or reset,
 5xx, idle timeout) calls :func:`report_passive`, a core-NATS publish of
@@ -45,6 +48,7 @@ log = logging.getLogger("jetrouter.canary")
 # model's vocabulary, which made every engine of a small model look unhealthy.
 CANARY_PROMPT: tuple[int, ...] = tuple(100 + (i * 7919) % 1000 for i in range(24))
 CANARY_MAX_TOKENS = 8
+TIMEOUT = "timeout"  # Attempt.reason of a check that got no answer in time
 
 class CanaryVerdict(StrEnum):
     """How one canary went: the ``outcome`` label of the health-check-duration metric."""
@@ -220,7 +224,8 @@ class CanaryChecker:
         self._pin_first_answers(attempts)
         retry: list[str] = []
         for worker_id, attempt in attempts.items():
-            if not await self._judge(worker_id, attempt, emitted):
+            if not await self._judge(worker_id, attempt, emitted) and \
+                    attempt.reason != TIMEOUT:
                 retry.append(worker_id)
         await asyncio.gather(*(self._retry(w, workers[w], emitted) for w in retry))
         return emitted
@@ -257,7 +262,8 @@ class CanaryChecker:
         for _ in range(self.max_retries):
             if not self.board.should_check(worker_id, self.clock()):
                 return
-            if await self._judge(worker_id, await self._attempt(worker_id, url), emitted):
+            attempt = await self._attempt(worker_id, url)
+            if await self._judge(worker_id, attempt, emitted) or attempt.reason == TIMEOUT:
                 return
 
     async def _judge(self, worker_id: str, a: Attempt, emitted: list[StatusChange]) -> bool:
@@ -298,7 +304,7 @@ class CanaryChecker:
             latency = time.monotonic() - started
             after = await self._progress(url) if before is not None else None
             busy = after is not None and before is not None and after > before
-            return Attempt(False, latency, reason="timeout", busy=busy)
+            return Attempt(False, latency, reason=TIMEOUT, busy=busy)
         except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL: a registered url
             return Attempt(False, time.monotonic() - started, reason=type(exc).__name__)
         latency = time.monotonic() - started
