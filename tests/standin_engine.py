@@ -32,6 +32,8 @@ class Reply:
     events: list[Any] | None = None  # an SSE stream: JSON objects (or "[DONE]") in order
     # Stop after this many events without ending the chunked body (an engine dying mid-stream).
     break_after: int | None = None
+    text: str | None = None          # a plain-text answer (a Prometheus page)
+    hold: asyncio.Event | None = None  # answer only once this is set (an engine that is stuck)
 
 
 Answer = Callable[[Received], Reply]
@@ -66,6 +68,14 @@ class StandinEngine:
 
     async def _reply(self, writer: asyncio.StreamWriter, reply: Reply) -> bool:
         """Write one answer; False when the connection must close (a broken stream)."""
+        if reply.hold is not None:
+            await reply.hold.wait()
+        if reply.text is not None:
+            body = reply.text.encode()
+            writer.write(f"HTTP/1.1 {reply.status} X\r\ncontent-type: text/plain\r\n"
+                         f"content-length: {len(body)}\r\n\r\n".encode() + body)
+            await writer.drain()
+            return True
         if reply.events is None:
             body = json.dumps(reply.json).encode()
             writer.write(f"HTTP/1.1 {reply.status} X\r\ncontent-type: application/json\r\n"

@@ -4,9 +4,10 @@ Only the leader checks. Every ``interval`` it sends each worker the same determi
 (token-id prompt, temperature 0, ``max_tokens`` 8, non-streaming) and judges the answer against
 the model's reference (:class:`~replicas.core.health.ReferenceAnswers`, or a known expected text),
 and its latency against the worker's baseline. A check that times out while the engine's own
-token counters (its /metrics) advance is *busy*, not failed: a real engine on a loaded host is
-slow for seconds at a time (long prompts, a first KV transfer) without being dead, and is not
-judged by that attempt. A failed check is retried at once up to
+token counters (its /metrics) advance, or that already had requests in flight and still answers
+``/health``, is *busy*, not failed: a real engine on a loaded host is slow for seconds at a time
+(long prompts, kernels compiled for new shapes, a first KV transfer) without being dead, and is
+not judged by that attempt. A failed check is retried at once up to
 ``max_retries`` times (2 by default), each attempt counting on the breaker, so a worker returning
 wrong tokens goes HEALTHY → SUSPICIOUS → UNHEALTHY within one round, while a one-off blip
 (failure, then success) only costs a brief SUSPICIOUS. A timeout is not retried at once: asking
@@ -57,7 +58,7 @@ class CanaryVerdict(StrEnum):
     SLOW = "slow"          # right tokens, latency above slow_factor x the worker's baseline
     MISMATCH = "mismatch"  # an answer, but not the reference tokens
     ERROR = "error"        # no answer (connection, status, timeout, malformed body)
-    BUSY = "busy"          # timed out while the engine was generating: not judged
+    BUSY = "busy"          # timed out while the engine was working: not judged
 
 
 # Observer for the health-check-duration metric: (worker_id, seconds, verdict).
@@ -90,22 +91,39 @@ class Attempt:
 # look busy.
 PROGRESS_SUFFIXES = ("generation_tokens_total",)
 PROGRESS_NAMES = frozenset({"vllm:prompt_tokens_total"})
+# A real engine's own count of requests it is running or has queued (vLLM, SGLang). A step can
+# take many seconds with no counter moving (the first requests after a start compile kernels
+# for new shapes on a CPU engine), so requests in flight before the check, together with the
+# engine's own /health, also explain a timeout.
+IN_FLIGHT_NAMES = frozenset(f"{engine}:num_requests_{state}" for engine in ("vllm", "sglang")
+                            for state in ("running", "waiting"))
 
 
-def progress_of(metrics_text: str) -> float | None:
-    """The sum of the progress counters in a Prometheus text page, or None without any."""
-    total, seen = 0.0, False
+@dataclass(frozen=True, slots=True)
+class Progress:
+    tokens: float | None  # the progress counters summed; None: the engine has none
+    in_flight: float      # requests the engine runs or queues (0 when it does not say)
+
+
+def progress_of(metrics_text: str) -> Progress:
+    """The progress counters and in-flight gauges of a Prometheus text page."""
+    total, seen, in_flight = 0.0, False, 0.0
     for line in metrics_text.splitlines():
         if not line or line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in PROGRESS_NAMES or name.endswith(PROGRESS_SUFFIXES):
-            try:
-                total += float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                continue
-            seen = True
-    return total if seen else None
+        counter = name in PROGRESS_NAMES or name.endswith(PROGRESS_SUFFIXES)
+        if not counter and name not in IN_FLIGHT_NAMES:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except ValueError:
+            continue
+        if counter:
+            total, seen = total + value, True
+        else:
+            in_flight += value
+    return Progress(total if seen else None, in_flight)
 
 
 class CanaryChecker:
@@ -302,9 +320,8 @@ class CanaryChecker:
                                        timeout=self.timeout)
         except httpx.TimeoutException:
             latency = time.monotonic() - started
-            after = await self._progress(url) if before is not None else None
-            busy = after is not None and before is not None and after > before
-            return Attempt(False, latency, reason=TIMEOUT, busy=busy)
+            return Attempt(False, latency, reason=TIMEOUT,
+                           busy=await self._busy(url, before))
         except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL: a registered url
             return Attempt(False, time.monotonic() - started, reason=type(exc).__name__)
         latency = time.monotonic() - started
@@ -318,13 +335,32 @@ class CanaryChecker:
             return Attempt(False, latency, reason="malformed completion")
         return Attempt(True, latency, text)
 
-    async def _progress(self, url: str) -> float | None:
-        """The engine's progress counters now (``progress_of`` its /metrics), or None."""
+    async def _progress(self, url: str) -> Progress | None:
+        """The engine's progress now (``progress_of`` its /metrics), or None."""
         try:
             r = await self.client.get(url.rstrip("/") + "/metrics", timeout=self.timeout)
         except (httpx.HTTPError, httpx.InvalidURL):
             return None
         return progress_of(r.text) if r.status_code == 200 else None
+
+    async def _busy(self, url: str, before: Progress | None) -> bool:
+        """After a timeout: whether the engine is working rather than dead. Its token counters
+        moved since ``before``; or it already had requests in flight then and its own /health
+        still answers (vLLM's fails once its engine core is gone)."""
+        if before is None:
+            return False
+        after = await self._progress(url)
+        if after is None:
+            return False
+        if before.tokens is not None and after.tokens is not None and after.tokens > before.tokens:
+            return True
+        if before.in_flight <= 0:
+            return False
+        try:
+            r = await self.client.get(url.rstrip("/") + "/health", timeout=self.timeout)
+        except (httpx.HTTPError, httpx.InvalidURL):
+            return False
+        return r.status_code == 200
 
     async def _publish(self, change: StatusChange,
                        emitted: list[StatusChange] | None = None) -> None:
