@@ -105,6 +105,10 @@ class VllmEngine:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env["VLLM_HOST_IP"] = "127.0.0.1"
         env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
+        # A Responses follow-up (previous_response_id) reaches the engine that stored the
+        # first response; vLLM 0.32 keeps responses only with this set (its default is off, and
+        # the follow-up is answered 404).
+        env.setdefault("VLLM_ENABLE_RESPONSES_API_STORE", "1")
         env["PYTHONUNBUFFERED"] = "1"
         # The router's interpreter may have put its own venv first on these; the engine must
         # import only what its own environment has.
