@@ -226,6 +226,29 @@ async def test_busy_engines_are_not_marked_unhealthy(pd_cluster: Any) -> None:
     assert set(health.values()) == {"healthy"}, health
 
 
+async def test_several_choices_of_one_prompt_are_handed_off(pd_cluster: Any) -> None:
+    """``n`` = 2 (relayed as the engine streams it; vLLM refuses n > 1 with greedy sampling,
+    so a seeded sample): one prefill, and the decode engine's choices equal its own
+    aggregated answer to the same seeded request."""
+    decode = pd_cluster.engines[1]
+    router = pd_cluster.router_urls[0]
+    prompt = token_ids(9500, 300)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": OUTPUT, "temperature": 1.0,
+            "seed": 11}
+    async with httpx.AsyncClient(timeout=300.0) as client:
+        before = await metrics(client, decode.url)
+        resp = await client.post(router + "/v1/completions", json={**body, "n": 2})
+        moved = delta(await metrics(client, decode.url), before)
+        await pd_cluster.reset_prefix_caches(MODEL, [decode])
+        alone = await client.post(decode.url + "/v1/completions", json={**body, "n": 2})
+    print(f"\nn=2: HTTP {resp.status_code}, decode engine {moved}", file=sys.stderr)
+    assert resp.status_code == 200, resp.text
+    assert alone.status_code == 200, alone.text
+    texts = sorted((c["index"], c["text"]) for c in resp.json()["choices"])
+    assert texts == sorted((c["index"], c["text"]) for c in alone.json()["choices"])
+    assert moved["transfers"] >= 1 and moved.get("failed_transfers", 0.0) == 0, moved
+
+
 async def test_a_killed_prefill_engine_means_aggregated_serving(pd_cluster: Any) -> None:
     """SIGKILL the prefill engine: requests are served aggregated by the decode engine (first
     through a failed prefill hop, then, once the bridge retires the engine, without one), with
