@@ -85,6 +85,7 @@ class WorkerInfo:
     registered_ts: float
     loras: list[str] = field(default_factory=list)  # LoRA adapters served besides `model`
     role: str = "both"  # "prefill" | "decode" | "both" (replicas/core/disagg.py)
+    engine_kind: str = "jetrouter"  # an EngineKind: the hand-off protocol it speaks
 
 
 @dataclass(slots=True)
@@ -195,7 +196,8 @@ class RouterState:
         self.lost_workers.pop(e.worker_id, None)
         info = WorkerInfo(e.worker_id, e.url, e.model, e.block_size, e.kv_total_blocks,
                           e.max_num_batched_tokens, e.dp_size, e.ts, list(e.loras),
-                          str(e.role))  # the digest reprs it: a plain string either way
+                          str(e.role),  # the digest reprs it: a plain string either way
+                          str(e.engine_kind))
         if e.block_size != self.config.block_size:
             self.workers.pop(e.worker_id, None)
             self.health.pop(e.worker_id, None)
@@ -419,7 +421,8 @@ class RouterState:
             sorted(self.health.items()),
             sorted((w.worker_id, w.url, w.model, w.block_size, w.kv_total_blocks,
                     w.max_num_batched_tokens, w.dp_size, *((tuple(w.loras),) if w.loras else ()),
-                    *((w.role,) if w.role != "both" else ()))
+                    *((w.role,) if w.role != "both" else ()),
+                    *((w.engine_kind,) if w.engine_kind != "jetrouter" else ()))
                    for w in self.workers.values()),
             sorted(self.lost_workers),
             sorted((w.worker_id, w.block_size) for w in self.refused_workers.values()),
