@@ -453,9 +453,9 @@ class RouterState:
             "epoch": self.epoch,
             "now": self.now,
             "positions": dict(self.positions),
-            "workers": [_slots(w) for w in self.workers.values()],
-            "lost_workers": [_slots(w) for w in self.lost_workers.values()],
-            "refused_workers": [_slots(w) for w in self.refused_workers.values()],
+            "workers": [_worker_doc(w) for w in self.workers.values()],
+            "lost_workers": [_worker_doc(w) for w in self.lost_workers.values()],
+            "refused_workers": [_worker_doc(w) for w in self.refused_workers.values()],
             "thresholds": {m: [t.active_decode_blocks_threshold, t.active_prefill_tokens_threshold,
                                t.active_prefill_tokens_threshold_frac]
                            for m, t in self.thresholds.items()},
@@ -516,6 +516,16 @@ class RouterState:
 
 def _slots(obj: object) -> dict[str, object]:
     return {name: getattr(obj, name) for name in obj.__slots__}  # type: ignore[attr-defined]
+
+
+def _worker_doc(w: WorkerInfo) -> dict[str, object]:
+    """A worker in a snapshot. ``engine_kind`` is left out while it is the default, so a
+    snapshot of a fleet without vLLM or SGLang engines is one the release before the field
+    reads (it builds WorkerInfo from exactly these keys); decoding fills the default back in."""
+    doc = _slots(w)
+    if w.engine_kind == "jetrouter":
+        del doc["engine_kind"]
+    return doc
 
 
 _HANDLERS = {
