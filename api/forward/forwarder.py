@@ -69,7 +69,8 @@ class Forwarder:
         self.pool = UpstreamPool(connect_timeout=connect_timeout, idle_timeout=idle)
         self.prefill = PrefillRouter(
             replica, self.pool, on_worker_failure=self.report_failure,
-            on_outcome=lambda outcome: metrics.disaggregated.labels(outcome=outcome).inc())
+            on_outcome=lambda outcome: metrics.disaggregated.labels(outcome=outcome).inc(),
+            on_transfer=metrics.kv_transfer_blocks.observe)
         self.context = RunContext(replica, metrics, self.pool, self.tokenizer, limit,
                                   chat_default_max_tokens, self.report_failure)
 

@@ -8,10 +8,24 @@ For a model with prefill engines (``Replica.is_disaggregated``) a request gets t
 decisions, both ``RequestRouted`` events on the router stream (replicas/core/disagg.py):
 
 1. the **prefill decision**, under ``<request_id>~prefill``: the chosen engine computes the
-   prompt (``POST /v1/prefill``) and answers with a transfer handle; that hop then ends like any
-   other (``PrefillCompleted``, ``RequestFinished``), so its prefill load is freed at once;
+   prompt and answers with a transfer handle; that hop then ends like any other
+   (``PrefillCompleted``, ``RequestFinished``), so its prefill load is freed at once;
 2. the **decode decision**, under the request's own id: the chosen engine receives the handle in
-   the forwarded body (``"jetrouter": {"kv_transfer": ...}``) and streams the answer.
+   the forwarded body and streams the answer.
+
+The hand-off speaks the prefill engine's protocol (``WorkerRegistered.engine_kind``):
+
+* **vLLM** (:mod:`api.forward.vllm_handoff`): the client's request with ``kv_transfer_params:
+  {"do_remote_decode": true}``, one token, not streamed, on the route the client used; the
+  answer's ``kv_transfer_params`` go to the decode engine at the top level of its body, and it
+  pulls the blocks (NIXL) instead of computing the prompt;
+* **jetrouter** (the simulated engine, workers/handoff.py): ``POST /v1/prefill`` with the
+  routed token ids; the handle goes to the decode engine as ``"jetrouter": {"kv_transfer":
+  ...}``.
+
+Either way ``route`` returns the decode hop's hand-off as the fields to set in its body
+(:func:`api.forward.continuation.with_transfer`). Clients may not send these fields themselves
+(api/handoff_fields.py).
 
 The prefill engine is called while the prefill decision's append is on its way; its answer is
 used only once the decision is recorded (``Replica.recorded``): a refused one ends the hop
@@ -34,10 +48,11 @@ from typing import Any
 import msgspec
 
 from api import tracing
+from api.forward import vllm_handoff
 from api.forward.engine import HopFailure, classify
 from api.upstream import UpstreamError, UpstreamPool
 from eventlog.errors import JetrouterError
-from eventlog.events import Outcome
+from eventlog.events import EngineKind, Outcome
 from eventlog.names import TRANSFER_KEY, prefill_request_id
 from replicas.core import disagg
 from replicas.runtime.replica import (
@@ -81,18 +96,25 @@ class PrefillRouter:
     """Runs the prefill hop of disaggregated requests for one replica.
 
     ``on_outcome(outcome)`` counts each request (a :class:`DisaggOutcome`).
-    ``on_worker_failure(worker_id, reason)`` is the Forwarder's passive health signal."""
+    ``on_worker_failure(worker_id, reason)`` is the Forwarder's passive health signal.
+    ``on_transfer(blocks)`` counts the KV blocks each successful hand-off names."""
 
     def __init__(self, replica: Replica, pool: UpstreamPool, *,
                  on_outcome: Callable[[DisaggOutcome], None] | None = None,
-                 on_worker_failure: Callable[[str, str], None] | None = None) -> None:
+                 on_worker_failure: Callable[[str, str], None] | None = None,
+                 on_transfer: Callable[[int], None] | None = None) -> None:
         self.replica = replica
         self.pool = pool
         self.on_outcome = on_outcome
         self.on_worker_failure = on_worker_failure
+        self.on_transfer = on_transfer  # KV blocks of each hand-off
 
-    async def route(self, req: RouteRequest) -> tuple[Routed, dict[str, Any] | None]:
-        """(the decode decision, the transfer handle) or (an aggregated decision, None)."""
+    async def route(self, req: RouteRequest, *, endpoint: str = "completions",
+                    body: dict[str, Any] | None = None
+                    ) -> tuple[Routed, dict[str, Any] | None]:
+        """(the decode decision, the fields that hand the KV over in the decode hop's body) or
+        (an aggregated decision, None). ``endpoint`` ("completions" or "chat") and ``body``
+        (the client's JSON body) make a vLLM prefill engine's request."""
         transfer: dict[str, Any] | None = None
         outcome = DisaggOutcome.NO_PREFILL_ENGINE
         try:
@@ -105,7 +127,7 @@ class PrefillRouter:
                      req.request_id, exc)
             pre = None
         if pre is not None:
-            transfer = await self._prefill(pre, req)
+            transfer = await self._prefill(pre, req, endpoint, body)
             outcome = (DisaggOutcome.DISAGGREGATED if transfer is not None
                        else DisaggOutcome.PREFILL_FAILED)
         if self.on_outcome is not None:
@@ -113,22 +135,37 @@ class PrefillRouter:
         phase = disagg.DECODE if transfer is not None else disagg.AGGREGATED
         return await self.replica.route(replace(req, phase=phase)), transfer
 
-    async def _prefill(self, pre: Routed, req: RouteRequest) -> dict[str, Any] | None:
-        """Run the prefill hop; its handle, or None (hop ended as ``error``) when it failed."""
+    def engine_kind(self, worker_id: str) -> str:
+        info = self.replica.state.workers.get(worker_id)
+        return info.engine_kind if info is not None else EngineKind.JETROUTER
+
+    async def _prefill(self, pre: Routed, req: RouteRequest, endpoint: str,
+                       body: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Run the prefill hop; the decode hop's hand-off fields, or None (hop ended as
+        ``error``) when it failed."""
         outcome, cached = Outcome.CANCELLED, -1
+        vllm = self.engine_kind(pre.worker_id) == EngineKind.VLLM
         try:
-            try:
-                answer = await self._call(pre, req)  # while the decision's append is acked
+            try:  # the engine is asked while the decision's append is acked
+                if vllm:
+                    if body is None:  # a caller without the client's body: nothing to send
+                        raise PrefillFailed(PrefillProblem.BAD_REQUEST,
+                                            "no client body for a vLLM prefill request")
+                    answer = await self._call(pre, vllm_handoff.engine_path(endpoint),
+                                              vllm_handoff.prefill_body(body))
+                else:
+                    answer = await self._call(pre, PREFILL_PATH, {
+                        "model": req.model, "prompt": list(req.token_ids), "max_tokens": 1,
+                        "jetrouter": {"dp_rank": pre.dp_rank}})
             finally:
                 try:
                     await self.replica.recorded(pre)
                 except DecisionNotRecorded:
                     outcome = Outcome.NOT_ROUTED  # the request is answered 503
                     raise
-            transfer = answer.get(TRANSFER_KEY)
-            if not isinstance(transfer, dict):
-                raise PrefillFailed(PrefillProblem.BAD_ANSWER,
-                                    "the prefill answer has no kv_transfer")
+            transfer = _handoff(answer, vllm)
+            if self.on_transfer is not None:
+                self.on_transfer(_blocks(transfer))
             usage = answer.get("usage")
             details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
             value = details.get("cached_tokens") if isinstance(details, dict) else None
@@ -146,14 +183,12 @@ class PrefillRouter:
         finally:
             self.replica.finished(pre.request_id, outcome, 0, cached)
 
-    async def _call(self, pre: Routed, req: RouteRequest) -> dict[str, Any]:
-        body = msgspec.json.encode({"model": req.model, "prompt": list(req.token_ids),
-                                    "max_tokens": 1, "jetrouter": {"dp_rank": pre.dp_rank}})
-        url = pre.worker_url.rstrip("/") + PREFILL_PATH
+    async def _call(self, pre: Routed, path: str, request: dict[str, Any]) -> dict[str, Any]:
+        url = pre.worker_url.rstrip("/") + path
         headers = {"content-type": "application/json", "x-request-id": pre.request_id}
         tracing.start_hop(pre.request_id, url, headers)
         try:
-            resp = await self.pool.post(url, body, headers)
+            resp = await self.pool.post(url, msgspec.json.encode(request), headers)
             tracing.hop_answered(pre.request_id, resp.status_code)
             try:
                 raw = await resp.aread()
@@ -175,3 +210,29 @@ class PrefillRouter:
             raise PrefillFailed(PrefillProblem.BAD_ANSWER,
                                 "the prefill answer is not an object")
         return answer
+
+
+def _handoff(answer: dict[str, Any], vllm: bool) -> dict[str, Any]:
+    """The fields that hand the prompt's KV over in the decode hop's body, from the prefill
+    engine's answer; PrefillFailed (bad_answer) when the answer holds no usable handle."""
+    if vllm:
+        params = vllm_handoff.transfer_params(answer)
+        if isinstance(params, str):
+            raise PrefillFailed(PrefillProblem.BAD_ANSWER, params)
+        return {vllm_handoff.KV_TRANSFER_PARAMS: params}
+    handle = answer.get(TRANSFER_KEY)
+    if not isinstance(handle, dict):
+        raise PrefillFailed(PrefillProblem.BAD_ANSWER, "the prefill answer has no kv_transfer")
+    return {"jetrouter": {TRANSFER_KEY: handle}}
+
+
+def _blocks(transfer: dict[str, Any]) -> int:
+    """The KV blocks a hand-off names (vLLM's remote block ids, or the jetrouter handle's
+    block hashes)."""
+    params = transfer.get(vllm_handoff.KV_TRANSFER_PARAMS)
+    if isinstance(params, dict):
+        return vllm_handoff.transfer_blocks(params)
+    ext = transfer.get("jetrouter")
+    handle = ext.get(TRANSFER_KEY) if isinstance(ext, dict) else None
+    hashes = handle.get("block_hashes") if isinstance(handle, dict) else None
+    return len(hashes) if isinstance(hashes, list) else 0

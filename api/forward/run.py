@@ -119,6 +119,7 @@ class Run:
             plan = replace(plan, body=with_transfer(plan.body, transfer))
         self.plan: HopPlan = plan
         self.hop: Hop = self._start_hop(routed, plan)
+        self.handoff = transfer is not None  # the first hop pulls its prompt's KV blocks
         self.ex = Exchange()
         self.resp: UpstreamResponse | None = None
         self.failed: set[str] = set()
@@ -168,6 +169,8 @@ class Run:
         m.count_request(self.endpoint, outcome)
         if self.ex.ttft is not None:
             m.ttft.observe(self.ex.ttft)
+            if self.handoff and not self.migrations:  # the first token came after the pull
+                m.kv_handoff_seconds.observe(self.ex.ttft)
         for gap in self.ex.itl:
             m.itl.observe(gap)
         if outcome == Outcome.OK:
@@ -192,12 +195,20 @@ class Run:
         under ``<request_id>~<n>``, at most ``migration_limit`` times. The failed hop ends
         ``migrated`` when the next one is routed, else ``error`` (and ``give_up`` says why)."""
         failed = self.hop
-        self.failed.add(failed.worker_id)
+        # A decode engine that could not pull the prompt's blocks (the prefill engine restarted,
+        # its lease on them ran out) fails the request itself before any token. It is alive, so
+        # it stays a candidate and is not reported; the next hop carries no hand-off and
+        # computes the prompt.
+        pull_failed = (self.handoff and failed is self.cont.hops[0] and failed.tokens == 0
+                       and failure.engine_answered)
+        if not pull_failed:
+            self.failed.add(failed.worker_id)
         limit = self.ctx.migration_limit
         log.warning("request %s: engine %s failed (%s); %s", self.base.request_id,
                     failed.worker_id, failure, "migrating" if self.migrations < limit
                     else "migration limit reached")
-        self.ctx.report_failure(failed.worker_id, failure.reason)
+        if not pull_failed:
+            self.ctx.report_failure(failed.worker_id, failure.reason)
         if self.migrations >= limit:
             self.give_up = (f"the inference engine failed ({failure.reason}) and the migration "
                             f"limit ({limit}) is reached")

@@ -23,6 +23,7 @@ from api.errors import ApiError, error_response, overloaded_response
 from api.forward import Forwarder, replica_headers
 from api.forward.continuation import with_transfer
 from api.forward.passthrough import Passthrough
+from api.handoff_fields import refuse_handoff_fields
 from api.metrics import Rejection, RouterMetrics
 from api.nvext_response import NvextFields, add_to_response
 from api.openai_schema import MAX_SESSION_ID, MAX_TOKEN_COUNT, ParsedRequest, decode_json
@@ -129,11 +130,13 @@ class Gateway:
 
     # --- routing ------------------------------------------------------------------------------
 
-    async def route(self, endpoint: str, req: RouteRequest, *, disaggregated: bool = False
+    async def route(self, endpoint: str, req: RouteRequest, *, disaggregated: bool = False,
+                    body: dict[str, Any] | None = None
                     ) -> tuple[Routed, dict[str, Any] | None] | Response:
-        """The decision (and a disaggregated request's KV transfer handle), or the answer the
+        """The decision (and a disaggregated request's KV hand-off fields), or the answer the
         client gets when there is none. ``disaggregated``: the route can run a prefill hop
-        first (chat and completions); other routes go to an engine that does both."""
+        first (chat and completions, whose client ``body`` a vLLM prefill engine is sent);
+        other routes go to an engine that does both."""
         metrics = self.metrics
         tenant = current_tenant.get()
         if tenant and not req.tenant:
@@ -151,7 +154,8 @@ class Gateway:
         try:
             waited = time.perf_counter()
             if disaggregated and self.replica.is_disaggregated(req.model):
-                decided = await self.forwarder.prefill.route(req)
+                decided = await self.forwarder.prefill.route(req, endpoint=endpoint,
+                                                              body=body)
             else:
                 decided = await self.replica.route(req), None
             routed = True
@@ -239,7 +243,7 @@ class Gateway:
             latency_sensitivity=parsed.latency_sensitivity,
             session=self.session_of(parsed, request), cache_salt=salt)
         routing_started = time.perf_counter()
-        decided = await self.route(endpoint, route_req, disaggregated=True)
+        decided = await self.route(endpoint, route_req, disaggregated=True, body=parsed.body)
         if isinstance(decided, Response):
             return decided
         routed, transfer = decided
@@ -304,6 +308,7 @@ def request_object(raw: bytes) -> dict[str, Any]:
     body = decode_json(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "Invalid request body: expected a JSON object.")
+    refuse_handoff_fields(body)  # only the router speaks the KV hand-off
     return body
 
 

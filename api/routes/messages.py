@@ -24,6 +24,7 @@ from fastapi.responses import Response
 
 from api.errors import ApiError
 from api.forward.passthrough import Passthrough
+from api.handoff_fields import refuse_handoff_fields
 from api.openai_schema import MAX_TOKEN_COUNT, decode_json
 from api.routes.gateway import PRIORITY_LEVEL, Gateway, model_of
 from api.routes.tokenize import forward_to_engine
@@ -79,6 +80,7 @@ def _body(raw: bytes) -> dict[str, Any]:
     body = decode_json(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    refuse_handoff_fields(body)  # only the router speaks the KV hand-off
     return body
 
 

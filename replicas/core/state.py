@@ -86,6 +86,7 @@ class WorkerInfo:
     registered_ts: float
     loras: list[str] = field(default_factory=list)  # LoRA adapters served besides `model`
     role: str = "both"  # "prefill" | "decode" | "both" (replicas/core/disagg.py)
+    engine_kind: str = "jetrouter"  # an EngineKind: the hand-off protocol it speaks
 
 
 @dataclass(slots=True)
@@ -200,7 +201,8 @@ class RouterState:
         self.lost_workers.pop(e.worker_id, None)
         info = WorkerInfo(e.worker_id, e.url, e.model, e.block_size, e.kv_total_blocks,
                           e.max_num_batched_tokens, e.dp_size, e.ts, list(e.loras),
-                          str(e.role))  # the digest reprs it: a plain string either way
+                          str(e.role),  # the digest reprs it: a plain string either way
+                          str(e.engine_kind))
         if e.block_size != self.config.block_size:
             self.workers.pop(e.worker_id, None)
             self.health.pop(e.worker_id, None)
@@ -435,7 +437,8 @@ class RouterState:
             sorted(self.health.items()),
             sorted((w.worker_id, w.url, w.model, w.block_size, w.kv_total_blocks,
                     w.max_num_batched_tokens, w.dp_size, *((tuple(w.loras),) if w.loras else ()),
-                    *((w.role,) if w.role != "both" else ()))
+                    *((w.role,) if w.role != "both" else ()),
+                    *((w.engine_kind,) if w.engine_kind != "jetrouter" else ()))
                    for w in self.workers.values()),
             sorted(self.lost_workers),
             sorted((w.worker_id, w.block_size) for w in self.refused_workers.values()),
@@ -467,9 +470,9 @@ class RouterState:
             "epoch": self.epoch,
             "now": self.now,
             "positions": dict(self.positions),
-            "workers": [_slots(w) for w in self.workers.values()],
-            "lost_workers": [_slots(w) for w in self.lost_workers.values()],
-            "refused_workers": [_slots(w) for w in self.refused_workers.values()],
+            "workers": [_worker_doc(w) for w in self.workers.values()],
+            "lost_workers": [_worker_doc(w) for w in self.lost_workers.values()],
+            "refused_workers": [_worker_doc(w) for w in self.refused_workers.values()],
             "thresholds": {m: [t.active_decode_blocks_threshold, t.active_prefill_tokens_threshold,
                                t.active_prefill_tokens_threshold_frac]
                            for m, t in self.thresholds.items()},
@@ -532,6 +535,16 @@ class RouterState:
 
 def _slots(obj: object) -> dict[str, object]:
     return {name: getattr(obj, name) for name in obj.__slots__}  # type: ignore[attr-defined]
+
+
+def _worker_doc(w: WorkerInfo) -> dict[str, object]:
+    """A worker in a snapshot. ``engine_kind`` is left out while it is the default, so a
+    snapshot of a fleet without vLLM or SGLang engines is one the release before the field
+    reads (it builds WorkerInfo from exactly these keys); decoding fills the default back in."""
+    doc = _slots(w)
+    if w.engine_kind == "jetrouter":
+        del doc["engine_kind"]
+    return doc
 
 
 _HANDLERS = {

@@ -3,10 +3,17 @@
 Only the leader checks. Every ``interval`` it sends each worker the same deterministic completion
 (token-id prompt, temperature 0, ``max_tokens`` 8, non-streaming) and judges the answer against
 the model's reference (:class:`~replicas.core.health.ReferenceAnswers`, or a known expected text),
-and its latency against the worker's baseline. A failed check is retried at once up to
+and its latency against the worker's baseline. A check that times out while the engine's own
+token counters (its /metrics) advance, or that already had requests in flight and still answers
+``/health``, is *busy*, not failed: a real engine on a loaded host is slow for seconds at a time
+(long prompts, kernels compiled for new shapes, a first KV transfer) without being dead, and is
+not judged by that attempt. A failed check is retried at once up to
 ``max_retries`` times (2 by default), each attempt counting on the breaker, so a worker returning
 wrong tokens goes HEALTHY → SUSPICIOUS → UNHEALTHY within one round, while a one-off blip
-(failure, then success) only costs a brief SUSPICIOUS.
+(failure, then success) only costs a brief SUSPICIOUS. A timeout is not retried at once: asking
+a slow engine again only adds to its load, and three timeouts in one round would condemn an
+engine for a few seconds of slowness; it takes timeouts in three rounds (the breaker's
+threshold) to mark an engine that answers nothing and makes no progress unhealthy.
 
 Passive signals: any replica's proxy that sees an engine fail (connection refused or reset,
 5xx, idle timeout) calls :func:`report_passive`, a core-NATS publish of
@@ -42,6 +49,7 @@ log = logging.getLogger("jetrouter.canary")
 # model's vocabulary, which made every engine of a small model look unhealthy.
 CANARY_PROMPT: tuple[int, ...] = tuple(100 + (i * 7919) % 1000 for i in range(24))
 CANARY_MAX_TOKENS = 8
+TIMEOUT = "timeout"  # Attempt.reason of a check that got no answer in time
 
 class CanaryVerdict(StrEnum):
     """How one canary went: the ``outcome`` label of the health-check-duration metric."""
@@ -50,6 +58,7 @@ class CanaryVerdict(StrEnum):
     SLOW = "slow"          # right tokens, latency above slow_factor x the worker's baseline
     MISMATCH = "mismatch"  # an answer, but not the reference tokens
     ERROR = "error"        # no answer (connection, status, timeout, malformed body)
+    BUSY = "busy"          # timed out while the engine was working: not judged
 
 
 # Observer for the health-check-duration metric: (worker_id, seconds, verdict).
@@ -71,6 +80,50 @@ class Attempt:
     latency: float      # seconds, request sent → full answer
     text: str = ""
     reason: str = ""    # why not ok
+    # Timed out, but the engine's own token counters moved meanwhile: it is slow because it is
+    # busy (long prompts, a first KV transfer), not dead, so the attempt is not judged.
+    busy: bool = False
+
+
+# Counters an engine's /metrics advances as it makes progress: output tokens (vLLM, SGLang and
+# the simulated engine) and vLLM's prompt tokens (counted when a prompt's prefill completes).
+# Not a counter of requests received: an engine that takes a request and then hangs must not
+# look busy.
+PROGRESS_SUFFIXES = ("generation_tokens_total",)
+PROGRESS_NAMES = frozenset({"vllm:prompt_tokens_total"})
+# A real engine's own count of requests it is running or has queued (vLLM, SGLang). A step can
+# take many seconds with no counter moving (the first requests after a start compile kernels
+# for new shapes on a CPU engine), so requests in flight before the check, together with the
+# engine's own /health, also explain a timeout.
+IN_FLIGHT_NAMES = frozenset(f"{engine}:num_requests_{state}" for engine in ("vllm", "sglang")
+                            for state in ("running", "waiting"))
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    tokens: float | None  # the progress counters summed; None: the engine has none
+    in_flight: float      # requests the engine runs or queues (0 when it does not say)
+
+
+def progress_of(metrics_text: str) -> Progress:
+    """The progress counters and in-flight gauges of a Prometheus text page."""
+    total, seen, in_flight = 0.0, False, 0.0
+    for line in metrics_text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        counter = name in PROGRESS_NAMES or name.endswith(PROGRESS_SUFFIXES)
+        if not counter and name not in IN_FLIGHT_NAMES:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except ValueError:
+            continue
+        if counter:
+            total, seen = total + value, True
+        else:
+            in_flight += value
+    return Progress(total if seen else None, in_flight)
 
 
 class CanaryChecker:
@@ -112,6 +165,7 @@ class CanaryChecker:
         self.rounds = 0          # rounds started (tests count detection in rounds, not seconds)
         self.ticks = 0           # loop iterations, leader or not
         self.reports = 0         # passive reports received, leader or not
+        self.busy = 0            # attempts that timed out on an engine making progress
         self._leading = False
         self._published: dict[str, str] = {}  # worker -> last status emit() accepted
         self._emit_lock = asyncio.Lock()
@@ -188,7 +242,8 @@ class CanaryChecker:
         self._pin_first_answers(attempts)
         retry: list[str] = []
         for worker_id, attempt in attempts.items():
-            if not await self._judge(worker_id, attempt, emitted):
+            if not await self._judge(worker_id, attempt, emitted) and \
+                    attempt.reason != TIMEOUT:
                 retry.append(worker_id)
         await asyncio.gather(*(self._retry(w, workers[w], emitted) for w in retry))
         return emitted
@@ -225,7 +280,8 @@ class CanaryChecker:
         for _ in range(self.max_retries):
             if not self.board.should_check(worker_id, self.clock()):
                 return
-            if await self._judge(worker_id, await self._attempt(worker_id, url), emitted):
+            attempt = await self._attempt(worker_id, url)
+            if await self._judge(worker_id, attempt, emitted) or attempt.reason == TIMEOUT:
                 return
 
     async def _judge(self, worker_id: str, a: Attempt, emitted: list[StatusChange]) -> bool:
@@ -235,6 +291,13 @@ class CanaryChecker:
         expected = self.expected_of(model) if self.expected_of is not None else None
         if expected is None:
             expected = self.references.expected(worker_id, model)
+        if a.busy:
+            self.busy += 1
+            log.info("worker %s: canary timed out after %.1f s while the engine made progress "
+                     "(busy, not judged)", worker_id, a.latency)
+            if self.on_check is not None:
+                self.on_check(worker_id, a.latency, CanaryVerdict.BUSY)
+            return True  # not retried: another request would only add to the load
         match = a.ok and (expected is None or a.text == expected)
         if self.on_check is not None:
             slow = match and self.board.worker(worker_id).is_slow(a.latency)
@@ -249,13 +312,16 @@ class CanaryChecker:
     async def _attempt(self, worker_id: str, url: str) -> Attempt:
         body = {"model": self.model_of(worker_id), "prompt": self.prompt,
                 "max_tokens": self.max_tokens, "temperature": 0.0, "stream": False}
+        before = await self._progress(url)
         started = time.monotonic()
         try:
             r = await self.client.post(url.rstrip("/") + "/v1/completions", json=body,
                                        headers={"x-request-id": f"canary-{self.rounds}"},
                                        timeout=self.timeout)
         except httpx.TimeoutException:
-            return Attempt(False, time.monotonic() - started, reason="timeout")
+            latency = time.monotonic() - started
+            return Attempt(False, latency, reason=TIMEOUT,
+                           busy=await self._busy(url, before))
         except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL: a registered url
             return Attempt(False, time.monotonic() - started, reason=type(exc).__name__)
         latency = time.monotonic() - started
@@ -268,6 +334,33 @@ class CanaryChecker:
         except (ValueError, KeyError, IndexError, TypeError):
             return Attempt(False, latency, reason="malformed completion")
         return Attempt(True, latency, text)
+
+    async def _progress(self, url: str) -> Progress | None:
+        """The engine's progress now (``progress_of`` its /metrics), or None."""
+        try:
+            r = await self.client.get(url.rstrip("/") + "/metrics", timeout=self.timeout)
+        except (httpx.HTTPError, httpx.InvalidURL):
+            return None
+        return progress_of(r.text) if r.status_code == 200 else None
+
+    async def _busy(self, url: str, before: Progress | None) -> bool:
+        """After a timeout: whether the engine is working rather than dead. Its token counters
+        moved since ``before``; or it already had requests in flight then and its own /health
+        still answers (vLLM's fails once its engine core is gone)."""
+        if before is None:
+            return False
+        after = await self._progress(url)
+        if after is None:
+            return False
+        if before.tokens is not None and after.tokens is not None and after.tokens > before.tokens:
+            return True
+        if before.in_flight <= 0:
+            return False
+        try:
+            r = await self.client.get(url.rstrip("/") + "/health", timeout=self.timeout)
+        except (httpx.HTTPError, httpx.InvalidURL):
+            return False
+        return r.status_code == 200
 
     async def _publish(self, change: StatusChange,
                        emitted: list[StatusChange] | None = None) -> None:

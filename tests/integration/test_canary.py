@@ -208,6 +208,20 @@ async def test_hung_worker_times_out_and_becomes_unhealthy(urls: dict[str, str])
         await until(lambda: h.reached("w0", HealthStatus.HEALTHY))
 
 
+async def test_a_slow_worker_still_generating_is_busy_not_failed_by_a_timeout(
+        urls: dict[str, str]) -> None:
+    """Steps 20x slower: the canary's 8 tokens take longer than the timeout, but the engine's
+    generation counter moves meanwhile, so the timeouts are not failures (a hung engine's
+    counter stands still: the test above)."""
+    async with running(urls, timeout=1.0) as h:
+        await settled(h, rounds=1)
+        await fault(urls["w1"], action="slow", factor=20)
+        await until(lambda: h.checker.busy >= 3)
+        assert h.reached("w1", HealthStatus.UNHEALTHY) is None
+        assert h.checker.board.breaker_state("w1") == BreakerState.CLOSED
+        await fault(urls["w1"], action="clear")
+
+
 async def test_passive_reports_count_only_on_the_leader_and_new_leader_adopts_the_log(
         urls: dict[str, str], nats_server: NatsServer,
         nats_connect: Callable[[str], Awaitable[NATS]]) -> None:

@@ -232,7 +232,8 @@ async def test_limit_holds_and_nothing_is_counted_twice_when_a_replica_is_killed
 
 
 async def test_limits_are_restored_from_a_snapshot(cluster: LocalCluster) -> None:
-    async with httpx.AsyncClient() as h:
+    # A snapshot on a busy machine can take longer than httpx's default 5 s.
+    async with httpx.AsyncClient(timeout=60) as h:
         await set_limits(h, cluster, "dave", requests_per_minute=77, tokens_per_minute=None,
                          max_concurrent=3, weight=2.5, isolated=False)
         state = (await h.get(f"{cluster.router_urls[0]}/admin/state",
@@ -246,8 +247,11 @@ async def test_limits_are_restored_from_a_snapshot(cluster: LocalCluster) -> Non
         nc = await nats.connect(cluster.nats_url)
         try:
             js = nc.jetstream()
-            info = await js.stream_info(Names(NAMESPACE).stream("control"))
-            assert info.state.first_seq > at_or_after
+            # The leader purges after it has written the snapshot: on a busy machine that can
+            # come after the admin call's answer.
+            await until(lambda: js.stream_info(Names(NAMESPACE).stream("control")),
+                        lambda info: info.state.first_seq > at_or_after,
+                        what="the control stream purged past the limit event")
         finally:
             await nc.close()
         cluster.kill("r1")

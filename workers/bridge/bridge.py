@@ -36,7 +36,7 @@ from nats.js.errors import NotFoundError
 from eventlog.appender import Appender, AppendFailed
 from eventlog.connect import NatsOptions
 from eventlog.errors import JetrouterError
-from eventlog.events import Event, Role, WorkerRegistered, WorkerRetired
+from eventlog.events import EngineKind, Event, Role, WorkerRegistered, WorkerRetired
 from eventlog.names import KV, Names
 from workers.bridge.decode import BadPayload, EngineStored, decode_payload
 from workers.bridge.engine_http import EngineHttp, EngineUnavailable, MetricsView
@@ -73,9 +73,11 @@ class BridgeSettings:
     kv_total_blocks: int | None = None
     max_num_batched_tokens: int = 8192
     advertise_url: str | None = None
-    # Disaggregated serving: a prefill engine must answer POST /v1/prefill with a transfer
-    # handle (workers/handoff.py); when it does not, routers fall back to aggregated serving.
+    # Disaggregated serving: routers hand a prefill engine's KV over in the protocol of its
+    # engine kind ("auto": found in /metrics; api/forward/prefill.py); a failed hand-off falls
+    # back to aggregated serving.
     role: str = "both"
+    engine_kind: str = "auto"
     model: str | None = None
     health_interval: float = 2.0
     unhealthy_after: float = 10.0
@@ -294,15 +296,22 @@ class Bridge:
             self.s.worker_id, self.s.advertise_url or self.s.engine_url, self.model,
             self.block_size, self.kv_total_blocks, self.s.max_num_batched_tokens,
             self.clock(), dp_size=dp_size, loras=list(self.loras),
-            role=Role(self.s.role))
+            role=Role(self.s.role), engine_kind=self._engine_kind())
         self.translator = Translator(self.s.worker_id, self.block_size, self.next_event_id)
         await self._append([event], f"{self.s.worker_id}.{self.gen}.registered")
         self.registered = True
         self.retired = False
         self.mirror.reset()
         self.mirror_valid = True
-        log.info("registered %s: model %s, block size %d, %d KV blocks, loras %s",
-                 self.s.worker_id, self.model, self.block_size, self.kv_total_blocks, self.loras)
+        log.info("registered %s: model %s, block size %d, %d KV blocks, loras %s, role %s, "
+                 "engine %s", self.s.worker_id, self.model, self.block_size,
+                 self.kv_total_blocks, self.loras, event.role, event.engine_kind)
+
+    def _engine_kind(self) -> EngineKind:
+        if self.s.engine_kind != "auto":
+            return EngineKind(self.s.engine_kind)
+        found = self.metrics.engine_kind
+        return EngineKind(found) if found in tuple(EngineKind) else EngineKind.JETROUTER
 
     async def _handle(self, frame: Frame) -> None:
         """Append one engine batch (its seq follows ``last_seq``)."""

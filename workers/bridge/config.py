@@ -8,7 +8,7 @@ To add an option or an alias: one line in the group it belongs to (eventlog/flag
 from __future__ import annotations
 
 from eventlog.connect import NAMESPACE, NATS_SECURITY
-from eventlog.events import Role
+from eventlog.events import EngineKind, Role
 from eventlog.flags import Group, Option, find
 
 
@@ -44,9 +44,13 @@ ENGINE = Group(
     Option("advertise-url", help="URL routers send requests to (default: --engine-url)"),
     Option("model", help="served model name (default: the base model in /v1/models)"),
     Option("role", default=Role.BOTH, choices=tuple(Role),
-           help="disaggregated serving role registered for the engine; a prefill engine must "
-                "serve POST /v1/prefill (see README), else routers fall back to aggregated "
-                "serving on decode engines"),
+           help="disaggregated serving role registered for the engine; routers hand a prefill "
+                "vLLM engine's KV over with vLLM's kv_transfer_params (a NIXL KV connector on "
+                "both engines), a jetrouter engine's with POST /v1/prefill (see README); a "
+                "failed hand-off falls back to aggregated serving on decode engines"),
+    Option("engine-kind", default="auto", choices=("auto", *EngineKind),
+           help="the engine software, which decides the KV hand-off protocol (default: from "
+                "the metric names in /metrics: vllm: or sglang:, else jetrouter)"),
 )
 
 BRIDGE_PROCESS = Group(

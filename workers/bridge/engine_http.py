@@ -7,7 +7,7 @@
   ``vllm:kv_cache_usage_perc`` (older: ``vllm:gpu_cache_usage_perc``, a 0..1 fraction despite the
   name) are the load, per ``engine`` label (the data-parallel rank); ``process_start_time_seconds``
   identifies the engine incarnation (a restarted engine reports a new one). SGLang's ``sglang:``
-  names are read the same way.
+  names are read the same way; the prefix seen names the engine kind (``vllm`` or ``sglang``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ class MetricsView:
     start_time: float | None = None
     # per dp rank: num_running, num_waiting, kv_usage (0..1)
     load: dict[int, dict[str, float]] = field(default_factory=dict)
+    # Which engine the metric names come from ("vllm" or "sglang"; None: neither prefix seen).
+    engine_kind: str | None = None
 
 
 def _rank(labels: dict[str, str]) -> int:
@@ -64,6 +66,7 @@ def parse_metrics(text: str) -> MetricsView:
             prefix = next((p for p in _PREFIXES if name.startswith(p)), None)
             if prefix is None:
                 continue
+            view.engine_kind = view.engine_kind or prefix[:-1]
             short = name[len(prefix):]
             if short == "cache_config_info":
                 labels = sample.labels

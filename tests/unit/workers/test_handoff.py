@@ -32,7 +32,9 @@ def test_the_leading_blocks_that_agree_are_transferred() -> None:
 
 def test_handle_rides_in_the_jetrouter_extension() -> None:
     body = msgspec.json.encode({"model": "m", "prompt": "hi", "jetrouter": {"dp_rank": 1}})
-    out = msgspec.json.decode(with_transfer(body, {"handle": "p0/x"}))
+    # The prefill router hands jetrouter's own hand-off as the ``jetrouter`` object to merge.
+    transfer = {"jetrouter": {"kv_transfer": {"handle": "p0/x"}}}
+    out = msgspec.json.decode(with_transfer(body, transfer))
     assert out["jetrouter"] == {"dp_rank": 1, "kv_transfer": {"handle": "p0/x"}}
     assert out["prompt"] == "hi"
 
