@@ -17,9 +17,8 @@ from fastapi.responses import Response
 
 from api.errors import ApiError
 from api.openai_schema import MAX_TOKEN_ID
-from api.routes.gateway import PRIORITY_LEVEL, Gateway, model_of, request_object
+from api.routes.gateway import PRIORITY_LEVEL, Gateway, model_of
 from api.tokenizer import encode_prompt
-from leanhttp.hotpath import read_body
 from replicas.core.shedding import PriorityTier
 from replicas.runtime.replica import DecisionNotRecorded, RouteRequest
 
@@ -73,11 +72,10 @@ def embeddings_routes(gateway: Gateway) -> APIRouter:
 
     @router.post(PATH)
     async def embeddings(request: Request) -> Response:
-        raw = await read_body(request)
-        refused = await gateway.admit(request)
-        if refused is not None:
-            return refused
-        body = request_object(raw)
+        opened = await gateway.opened(request)
+        if isinstance(opened, Response):
+            return opened
+        raw, body = opened
         model = model_of(body)
         assert model is not None
         ids = input_ids(gateway, body)

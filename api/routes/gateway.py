@@ -31,6 +31,7 @@ from api.session_control import EngineSessions
 from api.shed import Shedder
 from api.tenancy import Identity, current_tenant, rate_limit_headers, rate_limited
 from api.tokenizer import Tokenizer
+from leanhttp.hotpath import read_body
 from replicas.core.shedding import PriorityTier
 from replicas.core.sticky import SessionRequest
 from replicas.runtime.replica import (
@@ -95,6 +96,15 @@ class Gateway:
                                   type="service_unavailable",
                                   headers={**self.headers(), "retry-after": "1"})
         return None
+
+    async def opened(self, request: Request) -> tuple[bytes, dict[str, Any]] | Response:
+        """The raw body and its JSON object of a request this replica takes (ApiError 400 for
+        a body that is no JSON object), else the answer the client gets (:meth:`admit`)."""
+        raw = await read_body(request)
+        refused = await self.admit(request)
+        if refused is not None:
+            return refused
+        return raw, request_object(raw)
 
     def shed(self, endpoint: str, model: str, priority: str) -> Response | None:
         retry = self.shedder.check(model, priority)

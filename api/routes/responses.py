@@ -28,11 +28,10 @@ from fastapi.responses import Response
 from api.errors import ApiError, error_response
 from api.forward.passthrough import Passthrough
 from api.openai_schema import MAX_TOKEN_COUNT
-from api.routes.gateway import PRIORITY_LEVEL, Gateway, model_of, request_object
+from api.routes.gateway import PRIORITY_LEVEL, Gateway, model_of
 from api.tokenizer import encode_chat
 from eventlog.chat_forms import FormError, responses_messages
 from eventlog.model_tokenizer import ChatTemplateFailed
-from leanhttp.hotpath import read_body
 from replicas.core.shedding import PriorityTier
 from replicas.runtime.replica import DecisionNotRecorded, Lookup, RouteRequest
 
@@ -156,11 +155,10 @@ def responses_routes(gateway: Gateway) -> APIRouter:
 
     @router.post(PATH)
     async def responses(request: Request) -> Response:
-        raw = await read_body(request)
-        refused = await gateway.admit(request)
-        if refused is not None:
-            return refused
-        body = request_object(raw)
+        opened = await gateway.opened(request)
+        if isinstance(opened, Response):
+            return opened
+        raw, body = opened
         model = model_of(body)
         assert model is not None
         stream = _flag(body, "stream", False)

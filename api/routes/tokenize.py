@@ -18,11 +18,10 @@ from fastapi.responses import Response
 
 from api.errors import ApiError, error_response
 from api.openai_schema import MAX_TOKEN_ID
-from api.routes.gateway import Gateway, model_of, request_object
+from api.routes.gateway import Gateway, model_of
 from api.tokenizer import encode_chat, encode_prompt
 from api.upstream import UpstreamError
 from eventlog.model_tokenizer import ChatTemplateFailed
-from leanhttp.hotpath import read_body
 from replicas.core.candidates import HEALTH_WEIGHT
 
 CALL_TIMEOUT = 30.0
@@ -104,11 +103,10 @@ def tokenize_routes(gateway: Gateway) -> APIRouter:
     router = APIRouter()
 
     async def answer(path: str, request: Request) -> Response:
-        raw = await read_body(request)
-        refused = await gateway.admit(request)
-        if refused is not None:
-            return refused
-        body = request_object(raw)
+        opened = await gateway.opened(request)
+        if isinstance(opened, Response):
+            return opened
+        raw, body = opened
         model = model_of(body, required=False)
         if not gateway.cfg.has_model_path:
             return await forward_to_engine(gateway, path, raw, model)
