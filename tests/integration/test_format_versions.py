@@ -53,8 +53,10 @@ async def test_admin_replicas_shows_each_replicas_version_and_formats(
         got = await until(rows, lambda rs: len(rs) == 2, what="both replicas listed")
     formats = {"events": wire.EVENT_FORMAT, "snapshots": SNAPSHOT_FORMAT}
     assert all(r["version"] == version and r["formats"] == formats for r in got), got
+    # The CLI asks the replica already seen listing both (a peer's first heartbeat reaches
+    # each replica at its own time).
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "api.cli", "admin", "--url", cluster.router_urls[1], "--token",
+        sys.executable, "-m", "api.cli", "admin", "--url", cluster.router_urls[0], "--token",
         cluster.admin_token, "replicas", cwd=str(REPO), stdout=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": str(REPO)})
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
