@@ -125,3 +125,29 @@ async def test_a_non_streamed_request_answers_500_with_openai_error_json(
                 "model": MODEL, "max_tokens": 16, "prompt": "Tell me about routers."})
         assert response.status_code == 500
         assert response.json()["error"]["type"] == "server_error"
+
+
+async def test_a_passthrough_stream_ends_with_an_error_event_too(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # n > 1 is relayed verbatim (api/forward/passthrough.py): the same promise holds there.
+    from api.forward.passthrough import Passthrough
+
+    real = Passthrough._on_payload
+    seen = [0]
+
+    def failing(self: Passthrough, payload: bytes) -> None:
+        seen[0] += 1
+        if seen[0] == 3:
+            raise RuntimeError("injected fault while streaming")
+        real(self, payload)
+
+    monkeypatch.setattr(Passthrough, "_on_payload", failing)
+    async with simulated_engine("w1") as engine, router_on_a_socket(engine) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            async with client.stream("POST", "/v1/completions", json={
+                    "model": MODEL, "max_tokens": 16, "stream": True, "n": 2,
+                    "prompt": "Tell me about routers."}) as response:
+                assert response.status_code == 200
+                body = (await response.aread()).decode()  # raises if the body is cut
+    assert '"type":"server_error"' in body.rstrip().split("\n\n")[-1]
+    assert len(stream_failures(caplog)) == 1
