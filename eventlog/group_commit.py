@@ -39,7 +39,7 @@ import msgspec
 
 from eventlog import events as ev
 from eventlog.appender import Appender, AppendFailed, is_transient
-from eventlog.wire import event_format, format_headers
+from eventlog.wire import event_format, headers_for
 
 log = logging.getLogger(__name__)
 
@@ -123,14 +123,14 @@ class GroupCommit:
     async def _drain(self) -> None:
         while self._queue:
             self._urgent = False
-            taken, payload = self._take()
+            taken, payload, fmt = self._take()
             if not taken:
                 continue
             self._sent += 1
             msg_id = f"{self._prefix}.{self._sent}"
             try:
-                seq = await self._append_held(payload, msg_id, format_headers(
-                    item.event for item in taken if item.event is not None))
+                # _take judged every event's format already: no second pass over them.
+                seq = await self._append_held(payload, msg_id, headers_for(fmt))
             except asyncio.CancelledError:
                 for item in taken:
                     _settle(item.future, exc=asyncio.CancelledError())
@@ -164,7 +164,7 @@ class GroupCommit:
             await asyncio.sleep(delay)  # backoff between two tries of one message
             delay = min(delay * 2, 2.0)
 
-    def _take(self) -> tuple[list[_Queued], bytes]:
+    def _take(self) -> tuple[list[_Queued], bytes, int]:
         """The next message: queued items from the front, within the size limits."""
         parts: list[msgspec.Raw] = []
         taken: list[_Queued] = []
@@ -194,7 +194,7 @@ class GroupCommit:
                 self._prefill.pop(event.request_id, None)
         del queue[:n]
         taken = [item for item in taken if item.event is not None]
-        return taken, _raw_encoder.encode(parts) if parts else b""
+        return taken, _raw_encoder.encode(parts) if parts else b"", first_format or 1
 
     async def flush(self, timeout: float = 5.0) -> None:
         """Send everything queued (lazy events too) and wait for it; used before shutting down."""

@@ -76,7 +76,11 @@ def message_format(events: Iterable[object]) -> int:
 def format_headers(events: Iterable[object]) -> dict[str, str] | None:
     """The header that marks a message of ``events`` with its format; None for format 1, which
     is never marked (see the module docstring)."""
-    fmt = message_format(events)
+    return headers_for(message_format(events))
+
+
+def headers_for(fmt: int) -> dict[str, str] | None:
+    """The header of a message whose format is already known (None for format 1)."""
     return None if fmt == 1 else {FORMAT_HEADER: str(fmt)}
 
 def check_message(headers: Mapping[str, str] | None, stream: str, seq: int) -> int:
