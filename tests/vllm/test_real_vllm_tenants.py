@@ -88,4 +88,6 @@ async def test_isolated_tenant_cache_is_apart_and_predicted_exactly(tenant_clust
         repeat = await _complete(h, url, "key-iso", prompt)
         assert _cached(repeat) >= 5 * BLOCK
         if PREDICTED_HEADER in repeat.headers:
-            assert int(repeat.headers[PREDICTED_HEADER]) == _cached(repeat)
+            # vLLM recomputes the last token of a fully cached block-aligned prompt, so it
+            # reports one block fewer than the router predicts (decision 0019); otherwise equal.
+            assert int(repeat.headers[PREDICTED_HEADER]) - _cached(repeat) in (0, BLOCK)
