@@ -288,7 +288,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = __doc__
     sub = p.add_subparsers(dest="bench_kind",
-                           metavar="{trace,core,overhead,faults,durability,routesim,scale,tenants}")
+                           metavar="{trace,core,overhead,faults,durability,restart,routesim,scale,"
+                                   "tenants}")
     sub.required = False
     core_p = sub.add_parser("core", help="benchmark the router state machine (no network)")
     try:  # lazily: written separately, and its imports stay out of the trace replay
@@ -313,6 +314,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     durability_p = sub.add_parser("durability", help="snapshot size, take and restore times, "
                                   "and SIGKILL-to-ready with a 1M-block state")
     importlib.import_module("bench.durability").add_arguments(durability_p)
+    restart_p = sub.add_parser("restart", help="SIGKILL a replica: time to ready and to routing "
+                               "right again, cold restart vs the pre-imported standby")
+    importlib.import_module("bench.restart").add_arguments(restart_p)
     routesim_p = sub.add_parser("routesim", help="routing quality on the trace without "
                                 "processes: engine schedulers in virtual time, the real cost model")
     importlib.import_module("bench.routesim").add_arguments(routesim_p)
@@ -462,6 +466,8 @@ def run(args: argparse.Namespace) -> int:
         return int(importlib.import_module("bench.scale").run(args) or 0)
     if getattr(args, "bench_kind", None) == "faults":
         return int(importlib.import_module("bench.faults").run(args) or 0)
+    if getattr(args, "bench_kind", None) == "restart":
+        return int(importlib.import_module("bench.restart").run(args) or 0)
     if getattr(args, "bench_kind", None) == "durability":
         return int(importlib.import_module("bench.durability").run(args) or 0)
     if getattr(args, "bench_kind", None) == "tenants":

@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from api.config import SERVE
+from cluster.standby_pool import StandbySlot
 from eventlog import server as nats_server
 from eventlog.connect import NAMESPACE, NATS_SECURITY, NatsOptions, options_from_args
 from eventlog.errors import JetrouterError
@@ -159,6 +160,8 @@ class LocalCluster:
         router_module: str = "api.cli",
         prefill_workers: int = 0,
         decode_workers: int = 0,
+        standby: bool = False,
+        stable_after: float = STABLE_AFTER,
     ) -> None:
         # router_module: what `python -m` runs as `<module> serve ...` for each replica (a test
         # passes one that adds debug routes; the product never ships them).
@@ -200,9 +203,16 @@ class LocalCluster:
         self._roles: dict[str, Role] = {}  # worker name -> role, for prefill/decode engines
         self._nats: Any = None  # eventlog.server.NatsServer | NatsCluster when embedded
         self._supervisors: dict[str, asyncio.Task[None]] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self.stable_after = stable_after  # a child up this long has its restart backoff reset
         self._stopping = asyncio.Event()
         self._closed = False
         self._prctl = _load_prctl()
+        # standby: keep one pre-imported replica process (cluster/standby_pool.py) so a replica
+        # that dies comes back without paying the interpreter's imports again. Only for the
+        # product's own entry point: a test's router_module may add routes the standby lacks.
+        self.standby = (StandbySlot(self._spawn_standby, self.data_dir / "logs" / "standby.log")
+                        if standby and restart and router_module == "api.cli" else None)
 
     # -- public view ------------------------------------------------------------------------
 
@@ -303,6 +313,8 @@ class LocalCluster:
             self._supervisors[name] = asyncio.create_task(self._supervise(child),
                                                           name=f"supervise-{name}")
         await self.wait_ready()
+        if self.standby is not None:  # only now: it must not slow the cluster's own start
+            await self.standby.fill()
 
     async def stop(self) -> None:
         """SIGTERM every child, SIGKILL what is left after `stop_timeout`, then stop nats."""
@@ -321,6 +333,10 @@ class LocalCluster:
                 await asyncio.wait(pending, timeout=5.0)
                 for task in pending:
                     task.cancel()
+        for task in self._background:
+            task.cancel()
+        if self.standby is not None:
+            await self.standby.close()
         # Children spawned but never supervised (start-up failed half-way).
         for child in self.children.values():
             if child.running and child.proc is not None:
@@ -443,13 +459,17 @@ class LocalCluster:
             if self._stopping.is_set():
                 return
             uptime = time.monotonic() - child.started_at
-            if uptime >= STABLE_AFTER:
+            if uptime >= self.stable_after:
                 backoff = BACKOFF_MIN
             if not self.restart:
                 log.warning("%s (pid %d) exited with %s; not restarting (--no-restart)",
                             child.name, child.proc.pid, rc)
                 self._write_cluster_json()
                 return
+            if backoff == BACKOFF_MIN and await self._restart_from_standby(child):
+                # At once: the first restart after a stable run; a crash loop still backs off.
+                backoff = min(backoff * 2, BACKOFF_MAX)
+                continue
             log.warning("%s (pid %d) exited with %s after %.1f s; restarting in %.1f s",
                         child.name, child.proc.pid, rc, uptime, backoff)
             # Waiting here IS the restart policy; a stop request cuts it short.
@@ -464,6 +484,50 @@ class LocalCluster:
             if self._stopping.is_set():  # stop() ran while we were spawning
                 self._signal(child, signal.SIGTERM)
             self._write_cluster_json()
+
+    async def _spawn_standby(self, stderr_path: Path) -> asyncio.subprocess.Process:
+        with stderr_path.open("ab") as errf:
+            return await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "api.standby", stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=errf, cwd=str(REPO_ROOT),
+                env=_child_env(), start_new_session=True,
+                preexec_fn=functools.partial(_die_with_parent, self._prctl, os.getpid()))
+
+    async def _restart_from_standby(self, child: Child) -> bool:
+        """Hand a dead replica's command line to the waiting standby; False when there is none
+        (the caller restarts it the usual way)."""
+        if self.standby is None or child.kind != "replica" or self._stopping.is_set():
+            return False
+        self._move_if_port_taken(child)
+        argv = child.argv[3:]  # [python, -m, api.cli, serve, ...] -> what follows `jetrouter`
+        with child.log_path.open("ab") as logf:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            logf.write(f"\n=== {stamp} jetrouter up: {child.name} from the standby ===\n".encode())
+        proc = await self.standby.take(argv, self.child_nats_options(child.name).child_env(),
+                                       child.log_path)
+        if proc is None:
+            return False
+        dead_pid = child.pid
+        child.proc = proc
+        child.started_at = time.monotonic()
+        child.restarts += 1
+        log.warning("%s (pid %d) exited; restarted at once as pid %d (the standby)",
+                    child.name, dead_pid, proc.pid)
+        self._write_cluster_json()
+        refill = asyncio.create_task(self._refill_standby_once_ready(child),
+                                     name="standby-refill")
+        self._background.add(refill)
+        refill.add_done_callback(self._background.discard)
+        return True
+
+    async def _refill_standby_once_ready(self, child: Child) -> None:
+        """The next standby starts once the restarted replica is ready (or has given up), so
+        its imports do not take CPU from the replica that is coming back."""
+        assert self.standby is not None
+        with contextlib.suppress(ClusterStartError):
+            await self.wait_ready([child.name], timeout=self.ready_timeout)
+        if not self._stopping.is_set():
+            await self.standby.fill()
 
     def _move_if_port_taken(self, child: Child) -> None:
         """A child on a port `up` picked (no --base-port) whose port another process took while
@@ -558,6 +622,9 @@ UP = Group(
     Option("nats-cluster", int, 1, "embedded nats-server cluster size (1 or 3)", at_least=1),
     NAMESPACE,
     Option("no-restart", bool, help="do not restart a replica or worker that dies"),
+    Option("no-standby", bool, help="keep no pre-imported standby process (by default one waits "
+                                    "to take a dead replica's place at once, without paying "
+                                    "the start-up imports; ~70 MB of memory)"),
     Option("admin-token", help="admin bearer token (default: a fresh random one)"),
     Option("ready-timeout", float, 60.0, "seconds to wait for every child to be ready",
            above=0),
@@ -758,6 +825,7 @@ def _cluster_from_args(args: argparse.Namespace, router_args: list[str], worker_
         base_port=args.base_port or None,
         data_dir=args.data_dir, router_args=router_args, worker_args=worker_args,
         nats_url=args.nats_url, restart=not args.no_restart, namespace=args.namespace,
+        standby=not args.no_standby,
         nats_cluster=args.nats_cluster, admin_token=args.admin_token,
         ready_timeout=args.ready_timeout, model_path=args.model_path, secure=args.secure,
         nats_options=nats_options)
