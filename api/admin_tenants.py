@@ -1,5 +1,11 @@
 """Admin API for tenants (design.md §9): ``GET /admin/tenants``, ``GET|PUT|DELETE
-/admin/tenants/{id}``, behind the admin bearer token.
+/admin/tenants/{id}``, ``GET|POST /admin/tenants/{id}/keys``, ``DELETE /admin/api-keys/{key_id}``,
+behind the admin bearer token.
+
+API keys created here are drawn by this replica (or given in the body, to bring an existing key
+over), shown once in the answer, and replicated as their SHA-256 only (``ApiKeySet``): neither the
+stream, nor a snapshot, nor a backup holds a usable key. A key is named afterwards by its
+``key_id``, the first 16 hex digits of that digest.
 
 A change is a control-stream event (``TenantLimitsSet`` / ``TenantDeleted``): the answer comes
 once this replica has applied it, and every other replica applies the same event. An update is
@@ -23,7 +29,7 @@ from fastapi.responses import Response
 from api.admin import require_admin
 from api.errors import ApiError
 from api.openai_schema import decode_json
-from api.tenancy import MAX_TENANT_ID
+from api.tenancy import MAX_TENANT_ID, key_sha256
 from eventlog.events import MAX_COUNT
 from replicas.core.tenants import WINDOW, TenantLimits
 from replicas.runtime.replica import Replica
@@ -32,6 +38,9 @@ _json = msgspec.json.Encoder()
 _ID = re.compile(r"^[A-Za-z0-9_.:@-]+$")
 _FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "weight", "isolated")
 MAX_WEIGHT = 1e6
+KEY_ID_CHARS = 16  # hex digits of a key's SHA-256 that name it in answers
+MIN_KEY_CHARS = 20  # a key brought over must be at least this long
+MAX_KEY_CHARS = 256
 
 
 def _json_response(obj: object, status: int = 200) -> Response:
@@ -79,7 +88,7 @@ def tenant_doc(replica: Replica, tenant: str, at: float) -> dict[str, Any]:
     limits = book.limits.get(tenant)
     used = book.usage(tenant, at)
     return {"tenant": tenant, "configured": limits is not None,
-            **(limits or TenantLimits()).to_doc(),
+            **(limits or TenantLimits()).to_doc(), "api_keys": len(book.keys_of(tenant)),
             "usage": {"requests_last_minute": used.requests, "tokens_last_minute": used.tokens,
                       "concurrent": used.concurrent, "window_s": WINDOW}}
 
@@ -125,4 +134,65 @@ def tenants_router(replica: Replica, cfg: Any) -> APIRouter:
         await replica.delete_tenant(tenant)
         return _json_response({"tenant": tenant, "deleted": True})
 
+    @router.get("/admin/tenants/{tenant}/keys")
+    async def list_keys(tenant: str, request: Request) -> Response:
+        require_admin(request, admin_token)
+        check_tenant_id(tenant)
+        return _json_response({"tenant": tenant, "keys": [
+            {"key_id": d[:KEY_ID_CHARS]} for d in replica.state.tenants.keys_of(tenant)]})
+
+    @router.post("/admin/tenants/{tenant}/keys")
+    async def create_key(tenant: str, request: Request) -> Response:
+        require_admin(request, admin_token)
+        check_tenant_id(tenant)
+        raw = await request.body()
+        body = decode_json(raw) if raw.strip() else {}
+        key = parse_key_body(body)
+        digest = key_sha256(key)
+        owner = replica.state.tenants.keys.get(digest)
+        if owner is not None and owner != tenant:
+            raise ApiError(409, "this API key already belongs to another tenant", param="key")
+        await replica.set_api_key(digest, tenant)
+        return _json_response({"tenant": tenant, "key": key,
+                               "key_id": digest[:KEY_ID_CHARS]}, status=201)
+
+    @router.delete("/admin/api-keys/{key_id}")
+    async def revoke_key(key_id: str, request: Request) -> Response:
+        require_admin(request, admin_token)
+        digest = find_key(replica, key_id)
+        tenant = replica.state.tenants.keys[digest]
+        await replica.revoke_api_key(digest)
+        return _json_response({"key_id": digest[:KEY_ID_CHARS], "tenant": tenant,
+                               "revoked": True})
+
     return router
+
+
+def parse_key_body(body: object) -> str:
+    """The key to store: drawn here, or the body's ``key`` (an existing key brought over)."""
+    if not isinstance(body, dict) or set(body) - {"key"}:
+        raise ApiError(400, "the body must be empty or a JSON object with only `key` (an "
+                       "existing API key to bring over; by default one is drawn)")
+    key = body.get("key")
+    if key is None:
+        return f"sk-jr-{secrets.token_urlsafe(32)}"
+    if not isinstance(key, str) or not MIN_KEY_CHARS <= len(key) <= MAX_KEY_CHARS \
+            or not key.isprintable() or key != key.strip() or " " in key:
+        raise ApiError(400, f"`key` must be {MIN_KEY_CHARS} to {MAX_KEY_CHARS} printable "
+                       "characters without spaces", param="key")
+    return key
+
+
+def find_key(replica: Replica, key_id: str) -> str:
+    """The one key digest starting with ``key_id`` (ApiError 400/404/409 otherwise)."""
+    key_id = key_id.lower()
+    if not 8 <= len(key_id) <= 64 or any(c not in "0123456789abcdef" for c in key_id):
+        raise ApiError(400, "a key id is 8 to 64 hex digits (the `key_id` a key was created "
+                       "with)", param="key_id")
+    found = [d for d in replica.state.tenants.keys if d.startswith(key_id)]
+    if not found:
+        raise ApiError(404, f"no API key with id {key_id!r}", param="key_id")
+    if len(found) > 1:
+        raise ApiError(409, f"key id {key_id!r} names {len(found)} keys; give more digits",
+                       param="key_id")
+    return found[0]

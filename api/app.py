@@ -149,7 +149,8 @@ def create_app(replica: Replica, config: AppConfig | None = None,
         session_ttl_secs=cfg.session_ttl_secs, response_ttl_secs=cfg.response_ttl_secs,
         has_model_path=bool(cfg.model_path or cfg.tokenizer)),
         metrics, forwarder, tokenizer, engine_sessions,
-        Identity.configure(cfg.api_keys_file, cfg.tenant_header))
+        Identity.configure(cfg.api_keys_file, cfg.tenant_header,
+                           lambda: replica.state.tenants.keys))
 
     # --- OpenAI-compatible ---------------------------------------------------------------
 

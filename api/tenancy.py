@@ -1,9 +1,10 @@
 """Who is the tenant, and what it is told (design.md §9, "Tenants").
 
 A request's tenant comes from its API key (``Authorization: Bearer KEY`` looked up in
-``--api-keys-file``; an unknown or missing key is refused with 401 once keys are configured) or,
-without keys, from a header a trusted gateway sets (``--tenant-header``). With neither, there is
-no tenant and nothing here runs on the request path.
+``--api-keys-file`` and among the keys set through the admin API, ``POST
+/admin/tenants/{id}/keys``; an unknown or missing key is refused with 401 once any key exists) or,
+without keys, from a header a trusted gateway sets (``--tenant-header``). With none of them there
+is no tenant: one lookup of the (empty) replicated key table per request.
 
 Over a limit the answer is OpenAI's: 429 ``rate_limit_exceeded`` with ``retry-after`` (and
 ``retry-after-ms``, which the official client reads first), and every answer to a tenant with
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,36 +80,48 @@ def load_keys(path: str) -> dict[bytes, str]:
 
 @dataclass(frozen=True, slots=True)
 class Identity:
-    """How this replica tells tenants apart (None in the app: it does not)."""
+    """How this replica tells tenants apart: keys from ``--api-keys-file`` (``keys``), keys set
+    through the admin API (``replicated()``: the tenant book's SHA-256 hex -> tenant, the same
+    on every replica), or a gateway's ``header``. Keys, once any exist, win over the header."""
 
     keys: dict[bytes, str] | None = None
     header: str | None = None
+    replicated: Callable[[], dict[str, str]] = dict
 
     @classmethod
-    def configure(cls, keys_file: str | None, header: str | None) -> Identity | None:
-        if not keys_file and not header:
-            return None
+    def configure(cls, keys_file: str | None, header: str | None,
+                  replicated: Callable[[], dict[str, str]] = dict) -> Identity:
         return cls(load_keys(keys_file) if keys_file else None,
-                   header.lower() if header else None)
+                   header.lower() if header else None, replicated)
 
     def tenant_of(self, request: Request) -> str:
         """The request's tenant ("" for none); ApiError 401/400 when it cannot be told."""
-        if self.keys is not None:
+        replicated = self.replicated()
+        if self.keys is not None or replicated:
             scheme, _, key = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer":
                 key = request.headers.get("x-api-key", "")  # Anthropic's clients send this
-            tenant = self.keys.get(_digest(key.strip()))
+            digest = _digest(key.strip())
+            tenant = self.keys.get(digest) if self.keys is not None else None
+            if tenant is None:
+                tenant = replicated.get(digest.hex())
             if tenant is None:
                 raise ApiError(401, "Incorrect API key provided. Send `Authorization: Bearer "
                                "KEY` with a key this router knows.", type="invalid_request_error",
                                code="invalid_api_key", headers={"www-authenticate": "Bearer"})
             return tenant
-        assert self.header is not None
+        if self.header is None:
+            return ""
         value = request.headers.get(self.header, "").strip()
         if len(value) > MAX_TENANT_ID:
             raise ApiError(400, f"Invalid '{self.header}' header: at most {MAX_TENANT_ID} "
                            "characters.", param=self.header)
         return value
+
+
+def key_sha256(key: str) -> str:
+    """The digest an API key is known by in the tenant book (lowercase hex)."""
+    return _digest(key).hex()
 
 
 def rate_limited(verdict: Verdict, tenant: str, headers: dict[str, str]) -> Response:

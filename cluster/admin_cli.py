@@ -3,8 +3,8 @@
     jetrouter admin [--url URL] [--token TOKEN] [--cluster-file PATH] [--json] VERB [ARGS]
 
 Verbs: ``state``, ``snapshot``, ``snapshots``, ``reset [--yes]``, ``threshold [N]``, ``tenants``,
-``replicas``, ``workers``, ``request REQUEST_ID``, and ``export FILE`` / ``import FILE`` (a backup
-of the streams and the newest snapshot, through NATS itself: cluster/backup.py). With no
+``keys``, ``replicas``, ``workers``, ``request REQUEST_ID``, and ``export FILE`` / ``import FILE``
+(a backup of the streams and the newest snapshot, through NATS itself: cluster/backup.py). With no
 ``--url``/``--token`` the client reads ``.jetrouter/cluster.json`` (written by `jetrouter up`):
 the replicas' URLs, tried in order (the next one on a connection error), and its
 ``admin_token``. Output is readable tables and lines, or
@@ -338,6 +338,7 @@ def show_tenants(data: Any) -> str:
             for r in rows]
     return render_table(flat, ("tenant", "configured", "requests_per_minute",
                                "tokens_per_minute", "max_concurrent", "weight", "isolated",
+                               "api_keys",
                                "requests_last_minute", "tokens_last_minute", "concurrent")
                         ) if flat else "no tenants"
 
@@ -360,6 +361,28 @@ def _tenant_request(args: argparse.Namespace) -> tuple[str, str, object, Show]:
     if tenant:
         return "GET", "/admin/tenants/" + quote(tenant, safe=""), None, show_tenants
     return "GET", "/admin/tenants", None, show_tenants
+
+
+def _key_request(args: argparse.Namespace) -> tuple[str, str, object, Show]:
+    """`keys ID` (list), `keys add ID [--key K]`, `keys revoke KEY_ID`."""
+    action, target = args.key_action, args.key_target
+    if action in ("add", "revoke") and not target:
+        raise CliError(f"`keys {action}` needs a {'tenant id' if action == 'add' else 'key id'}")
+    if action == "add":
+        return "POST", f"/admin/tenants/{quote(target, safe='')}/keys", \
+            ({"key": args.key} if args.key else {}), \
+            lambda d: (f"tenant {d['tenant']}: new API key {d['key']} (key id {d['key_id']}); "
+                       "it is shown only this once")
+    if action == "revoke":
+        return "DELETE", "/admin/api-keys/" + quote(target, safe=""), None, \
+            lambda d: f"API key {d['key_id']} of tenant {d['tenant']} revoked"
+    tenant = target or action
+    if not tenant:
+        raise CliError("`keys` needs a tenant id: `keys ID`, `keys add ID` or `keys revoke "
+                       "KEY_ID`")
+    return "GET", f"/admin/tenants/{quote(tenant, safe='')}/keys", None, \
+        lambda d: render_table(d["keys"], ("key_id",)) if d["keys"] else \
+        f"tenant {d['tenant']} has no API keys set through the admin API"
 
 
 def candidate_rows(decision: dict[str, Any]) -> list[dict[str, Any]]:
@@ -484,6 +507,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     tn.add_argument("--weight", type=float, default=1.0, help="share under fair queueing")
     tn.add_argument("--isolated", action="store_true",
                     help="keep its prompts' KV cache apart from other tenants' (cache_salt)")
+    ky = sub.add_parser("keys", help="tenants' API keys: `keys ID` lists one's, `keys add ID` "
+                                     "draws one (shown once), `keys revoke KEY_ID`")
+    ky.add_argument("key_action", nargs="?", metavar="add|revoke|ID")
+    ky.add_argument("key_target", nargs="?", metavar="ID|KEY_ID")
+    ky.add_argument("--key", help="`keys add`: bring over this existing key instead of drawing one")
     backup.add_verbs(sub)
     # `--json` is also accepted after the verb (`jetrouter admin state --json`).
     for child in sub.choices.values():
@@ -507,6 +535,8 @@ def _request(args: argparse.Namespace, target: Target) -> tuple[str, str, object
         return "PUT", THRESHOLD_PATH, {"threshold": args.threshold}, show_threshold_set
     if verb == "tenants":
         return _tenant_request(args)
+    if verb == "keys":
+        return _key_request(args)
     if verb == "request":
         return "GET", "/admin/requests/" + quote(args.request_id, safe=""), None, show_request
     method, path, show = ROUTES[verb]

@@ -322,6 +322,24 @@ class TenantDeleted(_Event, frozen=True, tag=True):
     ts: Ts
 
 
+# SHA-256 of an API key, lowercase hex: the key itself never travels or is stored.
+KeySha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+
+
+class ApiKeySet(_Event, frozen=True, tag=True):
+    """The API key whose SHA-256 is ``key_sha256`` names ``tenant`` (api/tenancy.py). The key
+    is shown once to whoever created it through the admin API; only its digest is kept."""
+
+    key_sha256: KeySha256
+    tenant: TenantId
+    ts: Ts
+
+
+class ApiKeyRevoked(_Event, frozen=True, tag=True):
+    key_sha256: KeySha256
+    ts: Ts
+
+
 KvEvent = WorkerRegistered | WorkerRetired | BlocksStored | BlocksRemoved | AllBlocksCleared
 RouterEvent = (
     RequestRouted | PrefillCompleted | OutputProgress | RequestFinished | ReplicaLost
@@ -329,7 +347,7 @@ RouterEvent = (
 )
 ControlEvent = (
     BusyThresholdsSet | SnapshotThresholdSet | SnapshotTaken | StateReset | WorkerHealthChanged
-    | TenantLimitsSet | TenantDeleted
+    | TenantLimitsSet | TenantDeleted | ApiKeySet | ApiKeyRevoked
 )
 Event = KvEvent | RouterEvent | ControlEvent
 

@@ -34,9 +34,12 @@ from eventlog.errors import JetrouterError
 
 FORMAT_HEADER = "Jr-Format"
 
-# The newest event-message format this code writes and reads; it reads EVENT_FORMAT - 1 too.
-EVENT_FORMAT = 2
-OLDEST_EVENT_FORMAT = max(1, EVENT_FORMAT - 1)
+# The newest event-message format this code writes and reads.
+EVENT_FORMAT = 3
+# The oldest it reads. Every format so far only added event types (INTRODUCED_IN), so an older
+# format's messages are made of types this release still applies the same way, and most
+# messages of every release are format 1. A release that changes or drops a type raises this.
+OLDEST_EVENT_FORMAT = 1
 
 # Event types added after format 1, with the format that added them. A release that adds an
 # event type raises EVENT_FORMAT by one and lists the type here with the new number.
@@ -44,6 +47,8 @@ INTRODUCED_IN: dict[type, int] = {
     ev.ResponseStored: 2,  # the Responses API's stored-response affinity
     ev.TenantLimitsSet: 2,  # tenants' fleet-wide limits
     ev.TenantDeleted: 2,
+    ev.ApiKeySet: 3,  # API keys managed through the admin API, as SHA-256 digests
+    ev.ApiKeyRevoked: 3,
 }
 
 

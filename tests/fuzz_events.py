@@ -58,7 +58,7 @@ EVENT_TYPES = [ev.WorkerRegistered, ev.WorkerRetired, ev.BlocksStored, ev.Blocks
                ev.AllBlocksCleared, ev.RequestRouted, ev.PrefillCompleted, ev.RequestFinished,
                ev.ReplicaLost, ev.BusyThresholdsSet, ev.SnapshotThresholdSet, ev.SnapshotTaken,
                ev.StateReset, ev.WorkerHealthChanged, ev.ResponseStored, ev.TenantLimitsSet,
-               ev.TenantDeleted]
+               ev.TenantDeleted, ev.ApiKeySet, ev.ApiKeyRevoked]
 
 
 _FIELD_VALUES = {cls: [(f.encode_name, field_values(f.type)) for f in msgspec.structs.fields(cls)]

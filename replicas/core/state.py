@@ -41,8 +41,10 @@ _MASK = (1 << 64) - 1
 # replica upgraded in place restores from the snapshots its predecessors wrote. The promise
 # (eventlog/wire.py): this format and the one before are read, a newer one raises NewerFormat;
 # tests/unit/test_golden_fixtures.py loads a snapshot the previous release wrote.
-SNAPSHOT_FORMAT = 2
-_READABLE_FORMATS = (1, 2)
+# The newest state format written; a state is written in the oldest one that carries it
+# (`snapshot_format`), so the previous release keeps loading what this one writes.
+SNAPSHOT_FORMAT = 3
+_READABLE_FORMATS = (1, 2, 3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,6 +416,12 @@ class RouterState:
     def _tenant_deleted(self, e: ev.TenantDeleted) -> str:
         return self.tenants.delete(e)
 
+    def _api_key_set(self, e: ev.ApiKeySet) -> str:
+        return self.tenants.set_key(e)
+
+    def _api_key_revoked(self, e: ev.ApiKeyRevoked) -> str:
+        return self.tenants.revoke_key(e)
+
     def _worker_health_changed(self, e: ev.WorkerHealthChanged) -> str:
         self.health[e.worker_id] = e.status
         return "ok"
@@ -453,6 +461,12 @@ class RouterState:
 
     # --- encode / decode (snapshots) -------------------------------------------------------
 
+    @property
+    def snapshot_format(self) -> int:
+        """The oldest state format that carries this state: 3 adds API keys (tenants), so a
+        state without any is written as format 2, which the previous release reads."""
+        return 3 if self.tenants.keys else 2
+
     def encode(self) -> bytes:
         return self.encoder(copy=False)()
 
@@ -466,7 +480,7 @@ class RouterState:
         reading ``positions`` and capturing, so the snapshot and its positions agree."""
         index_plain = self.index.plain_encoder(copy=copy)
         doc: dict[str, object] = {
-            "format": SNAPSHOT_FORMAT,
+            "format": self.snapshot_format,
             "epoch": self.epoch,
             "now": self.now,
             "positions": dict(self.positions),
@@ -568,6 +582,8 @@ _HANDLERS = {
     ev.WorkerHealthChanged: RouterState._worker_health_changed,
     ev.TenantLimitsSet: RouterState._tenant_limits_set,
     ev.TenantDeleted: RouterState._tenant_deleted,
+    ev.ApiKeySet: RouterState._api_key_set,
+    ev.ApiKeyRevoked: RouterState._api_key_revoked,
 }
 
 

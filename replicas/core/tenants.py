@@ -84,6 +84,9 @@ class TenantBook:
 
     def __init__(self) -> None:
         self.limits: dict[str, TenantLimits] = {}
+        # API keys set through the admin API: SHA-256 (hex) -> tenant. The keys themselves are
+        # nowhere in the fleet; the file keys of --api-keys-file are not replicated state.
+        self.keys: dict[str, str] = {}
         self._charges: dict[str, _Charge] = {}  # base request id -> charge in the window
         # Per tenant: (ts, base id) of its charges in the window, sorted.
         self._window: dict[str, list[tuple[float, str]]] = {}
@@ -106,6 +109,17 @@ class TenantBook:
 
     def delete(self, e: ev.TenantDeleted) -> str:
         return "ok" if self.limits.pop(e.tenant, None) is not None else "unknown_tenant"
+
+    def set_key(self, e: ev.ApiKeySet) -> str:
+        self.keys[e.key_sha256] = e.tenant
+        return "ok"
+
+    def revoke_key(self, e: ev.ApiKeyRevoked) -> str:
+        return "ok" if self.keys.pop(e.key_sha256, None) is not None else "unknown_key"
+
+    def keys_of(self, tenant: str) -> list[str]:
+        """The digests of ``tenant``'s API keys, sorted."""
+        return sorted(d for d, t in self.keys.items() if t == tenant)
 
     # --- router stream -------------------------------------------------------------------------
 
@@ -207,8 +221,8 @@ class TenantBook:
         return list({*self._window, *self._concurrent})
 
     def tenants(self) -> list[str]:
-        """Every tenant with limits or usage, sorted."""
-        return sorted({*self.limits, *self._window, *self._concurrent})
+        """Every tenant with limits, API keys or usage, sorted."""
+        return sorted({*self.limits, *self.keys.values(), *self._window, *self._concurrent})
 
     @property
     def digest(self) -> int:
@@ -218,7 +232,8 @@ class TenantBook:
                           lim.weight, lim.isolated, lim.cache_salt)
                      for t, lim in self.limits.items())
         opened = sum(_mix(b, t, n) for b, (t, n) in self._open.items())
-        return (limits + opened + self._usage_digest) & _MASK
+        keys = sum(_mix(d, t) for d, t in self.keys.items())
+        return (limits + opened + keys + self._usage_digest) & _MASK
 
     # --- snapshots -----------------------------------------------------------------------------
 
@@ -231,6 +246,8 @@ class TenantBook:
                         for b, c in self._charges.items()],
             "hops": dict(self._hops),
             "open": {b: [t, n] for b, (t, n) in self._open.items()},
+            # Absent while there is none: a snapshot without keys is what format 2 wrote.
+            **({"keys": dict(self.keys)} if self.keys else {}),
         }
 
     @classmethod
@@ -246,6 +263,7 @@ class TenantBook:
             book._tokens[tenant] = book._tokens.get(tenant, 0) + tokens
             book._usage_digest += _mix(b, tenant, ts, tokens)
         book._hops = dict(doc["hops"])  # type: ignore[call-overload]
+        book.keys = dict(doc.get("keys") or {})  # type: ignore[call-overload]
         for b, (t, n) in doc["open"].items():  # type: ignore[attr-defined]
             book._open[b] = (t, n)
             book._concurrent[t] = book._concurrent.get(t, 0) + 1

@@ -177,7 +177,8 @@ class Leader:
             positions = dict(state.positions)
             epoch = state.epoch
             meta = await self.store.put(blob, positions=positions, epoch=epoch,
-                                        created_by=self.replica.replica_id, trigger=trigger)
+                                        created_by=self.replica.replica_id, trigger=trigger,
+                                        format=state.snapshot_format)
             if not self.is_leader:  # lost the lease while writing: leave it to the new leader
                 raise NoLeader("lost the leader lease while writing the snapshot")
             event = ev.SnapshotTaken(meta.snapshot_id, positions, meta.size, meta.sha256,

@@ -547,6 +547,16 @@ class Replica:
                                 ev.TenantDeleted(tenant, time.time()), None)
         await self.wait_applied(CONTROL, seq)
 
+    async def set_api_key(self, key_sha256: str, tenant: str) -> None:
+        seq = await self.append(self.names.control_subject("tenants"),
+                                ev.ApiKeySet(key_sha256, tenant, time.time()), None)
+        await self.wait_applied(CONTROL, seq)
+
+    async def revoke_api_key(self, key_sha256: str) -> None:
+        seq = await self.append(self.names.control_subject("tenants"),
+                                ev.ApiKeyRevoked(key_sha256, time.time()), None)
+        await self.wait_applied(CONTROL, seq)
+
     async def set_snapshot_threshold(self, threshold: int) -> None:
         seq = await self.append(self.names.control_subject("snapshot-threshold"),
                                 ev.SnapshotThresholdSet(threshold, time.time()), None)

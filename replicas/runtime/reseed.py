@@ -94,7 +94,8 @@ async def reseed(js: JetStreamContext, nc: NatsClient, names: Names, store: Snap
                                                 max_bytes=max_bytes)
                 starts[kind] = info.state.first_seq
         meta = await store.put(state.encoder(), positions=positions, epoch=state.epoch,
-                               created_by=replica_id, trigger="log-lost")
+                               created_by=replica_id, trigger="log-lost",
+                               format=state.snapshot_format)
         await nc.publish(names.reannounce_subject("all"), b"")
         log.warning("replica %s: NATS came back without its streams; re-created them from "
                     "this replica's state at %s, wrote snapshot %s from it and asked every "

@@ -8,7 +8,7 @@ import pytest
 from starlette.requests import Request
 
 from api.errors import ApiError
-from api.tenancy import Identity, KeysFileInvalid, load_keys
+from api.tenancy import Identity, KeysFileInvalid, key_sha256, load_keys
 
 
 def _request(headers: dict[str, str]) -> Request:
@@ -55,4 +55,16 @@ def test_trusted_header_without_keys() -> None:
     assert ident.tenant_of(_request({})) == ""  # no tenant: served as before
     with pytest.raises(ApiError):
         ident.tenant_of(_request({"x-tenant-id": "t" * 129}))
-    assert Identity.configure(None, None) is None  # nothing configured: nothing runs
+    # Nothing configured: no tenant, no key asked for.
+    assert Identity.configure(None, None).tenant_of(_request({})) == ""
+
+
+def test_keys_from_the_admin_api_are_looked_up_by_digest_and_win_over_the_header() -> None:
+    replicated: dict[str, str] = {}
+    ident = Identity.configure(None, "X-Tenant-Id", lambda: replicated)
+    assert ident.tenant_of(_request({"x-tenant-id": "team-a"})) == "team-a"
+    replicated[key_sha256("sk-admin-made")] = "team-b"  # applied from ApiKeySet
+    assert ident.tenant_of(_request({"authorization": "Bearer sk-admin-made"})) == "team-b"
+    with pytest.raises(ApiError) as err:  # once a key exists, the header alone is not enough
+        ident.tenant_of(_request({"x-tenant-id": "team-a"}))
+    assert err.value.status == 401
