@@ -24,8 +24,8 @@ from eventlog.connect import (
     check_files,
     options_from_args,
 )
-from eventlog.flags import CliError, add_options, build
 from replicas.runtime.replica import Replica, ReplicaConfig
+from settings.flags import CliError, add_options, build
 
 if TYPE_CHECKING:  # api.app is imported when serving starts, not at CLI start-up
     from api.app import RouterFactory

@@ -48,8 +48,8 @@ from typing import Any
 import httpx
 
 from bench.report import percentile
+from errors.root import JetrouterError
 from eventlog import tokens
-from eventlog.errors import JetrouterError
 from workers.generation import expected_tokens
 
 MODEL = "jetrouter-sim"

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 DEFAULT_CONCURRENCY = (1, 16, 64)
 IDLE_SECONDS = 3.0

@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 
 from bench.overhead import RawConnection, UnexpectedStatus, proc_cpu_seconds, split_url
-from eventlog.flags import CliError
+from settings.flags import CliError
 
 MODEL = "jetrouter-sim"
 VOCAB = 30_000

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 DEPENDS_CONDITIONS = ("service_started", "service_healthy", "service_completed_successfully")
 HEALTH_PATHS = {"serve": "/ready", "worker": "/health"}

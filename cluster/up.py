@@ -34,13 +34,13 @@ from typing import Any
 import httpx
 
 from api.config import SERVE
+from errors.root import JetrouterError
 from eventlog import server as nats_server
 from eventlog.connect import NAMESPACE, NATS_SECURITY, NatsOptions, options_from_args
-from eventlog.errors import JetrouterError
 from eventlog.events import Role
-from eventlog.flags import Group, Option, add_options, find, forward_argv, options_of, unset
 from eventlog.names import Names
 from eventlog.pki import CertificateNotMade
+from settings.flags import Group, Option, add_options, find, forward_argv, options_of, unset
 from workers.config import WORKER
 
 log = logging.getLogger("jetrouter.up")

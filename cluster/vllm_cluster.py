@@ -29,7 +29,7 @@ from typing import Any, TextIO
 import httpx
 
 from cluster.up import LocalCluster
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 from eventlog.server import NatsServer
 from workers.vllm.engine import DEFAULT_BLOCK_SIZE, VllmEngine
 from workers.vllm.env import REPO_ROOT, child_preexec

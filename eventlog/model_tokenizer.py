@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from errors.root import JetrouterError
 from eventlog import tokens
-from eventlog.errors import JetrouterError
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"

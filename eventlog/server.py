@@ -26,7 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 LOOPBACK = "127.0.0.1"
 _POLL_INTERVAL = 0.01

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 from eventlog.model_tokenizer import ByteCodec, ChatTemplateFailed, Codec
 from eventlog.tokens import MAX_TOKEN_ID, decode, role_error
 

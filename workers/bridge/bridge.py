@@ -33,9 +33,9 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
+from errors.root import JetrouterError
 from eventlog.appender import Appender, AppendFailed
 from eventlog.connect import NatsOptions
-from eventlog.errors import JetrouterError
 from eventlog.events import EngineKind, Event, Role, WorkerRegistered, WorkerRetired
 from eventlog.names import KV, Names
 from workers.bridge.decode import BadPayload, EngineStored, decode_payload
