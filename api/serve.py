@@ -108,7 +108,7 @@ def run(args: argparse.Namespace, *, extra_routers: Sequence[RouterFactory] = ()
         except KeysFileInvalid as exc:
             raise CliError(str(exc)) from None
     if args.model_path:
-        from eventlog.model_tokenizer import ModelFolderUnusable, load_codec
+        from tokenization.model_tokenizer import ModelFolderUnusable, load_codec
 
         try:
             load_codec(args.model_path)  # a bad folder is one clear line, not a traceback

@@ -49,7 +49,7 @@ import httpx
 
 from bench.report import percentile
 from errors.root import JetrouterError
-from eventlog import tokens
+from tokenization import tokens
 from workers.generation import expected_tokens
 
 MODEL = "jetrouter-sim"

@@ -617,7 +617,7 @@ def check_model_path(path: str | None) -> None:
     if not path:
         return
     from api.cli import CliError
-    from eventlog.model_tokenizer import ModelFolderUnusable, load_codec
+    from tokenization.model_tokenizer import ModelFolderUnusable, load_codec
 
     try:
         load_codec(path)

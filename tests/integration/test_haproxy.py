@@ -28,9 +28,9 @@ import pytest
 import pytest_asyncio
 
 from cluster.up import LocalCluster
-from eventlog import tokens
 from eventlog.server import free_port
 from tests.waiting import until
+from tokenization import tokens
 from workers.generation import expected_tokens
 
 HAPROXY = shutil.which("haproxy")

@@ -12,8 +12,8 @@ import pytest
 import pytest_asyncio
 
 from cluster.up import LocalCluster
-from eventlog.model_tokenizer import ModelTokenizer
 from tests.waiting import until
+from tokenization.model_tokenizer import ModelTokenizer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 MODEL = "jetrouter-sim"

@@ -320,7 +320,8 @@ def test_haproxy_defaults_are_inherited_and_overridden() -> None:
 
 # --- the image installs only pyproject's runtime dependencies ----------------------------------
 
-PACKAGES = ("errors", "settings", "eventlog", "replicas", "snapshots", "api", "workers", "leanhttp")
+PACKAGES = ("errors", "settings", "eventlog", "tokenization", "replicas", "snapshots", "api",
+            "workers", "leanhttp")
 
 
 def _required_imports(path: Path) -> set[str]:
