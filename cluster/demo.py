@@ -163,7 +163,7 @@ async def _demo(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from api.cli import CliError
     from cluster.up import ClusterStartError
-    from eventlog.server import NatsServerNotFound
+    from natsops.server import NatsServerNotFound
 
     try:
         if args.engine == "vllm":

@@ -35,11 +35,11 @@ import httpx
 
 from api.config import SERVE
 from errors.root import JetrouterError
-from eventlog import server as nats_server
 from eventlog.connect import NAMESPACE, NATS_SECURITY, NatsOptions, options_from_args
 from eventlog.events import Role
 from eventlog.names import Names
-from eventlog.pki import CertificateNotMade
+from natsops import server as nats_server
+from natsops.pki import CertificateNotMade
 from settings.flags import Group, Option, add_options, find, forward_argv, options_of, unset
 from workers.config import WORKER
 
@@ -189,16 +189,16 @@ class LocalCluster:
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
         # --secure: the embedded nats-server gets TLS, users and per-role permissions
-        # (cluster/secure.py); every child connects as its own identity.
+        # (natsops/secure.py); every child connects as its own identity.
         self.secure = secure
         if secure and nats_url:
             raise ValueError("--secure sets up the embedded nats-server; for an existing NATS "
                              "give its credentials with the --nats-* flags instead")
         self.nats_options = nats_options or NatsOptions()  # for an existing NATS (--nats-url)
-        self.secure_setup: Any = None  # cluster.secure.SecureSetup once started with secure=True
+        self.secure_setup: Any = None  # natsops.secure.SecureSetup once started with secure=True
         self.children: dict[str, Child] = {}
         self._roles: dict[str, Role] = {}  # worker name -> role, for prefill/decode engines
-        self._nats: Any = None  # eventlog.server.NatsServer | NatsCluster when embedded
+        self._nats: Any = None  # natsops.server.NatsServer | NatsCluster when embedded
         self._supervisors: dict[str, asyncio.Task[None]] = {}
         self._stopping = asyncio.Event()
         self._closed = False
@@ -282,7 +282,7 @@ class LocalCluster:
         (self.data_dir / "logs").mkdir(exist_ok=True)
         self._plan_children()
         if self.secure:
-            from cluster.secure import prepare
+            from natsops.secure import prepare
 
             self.secure_setup = await asyncio.to_thread(
                 prepare, self.data_dir / "secure",

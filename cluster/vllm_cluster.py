@@ -30,7 +30,7 @@ import httpx
 
 from cluster.up import LocalCluster
 from errors.root import JetrouterError
-from eventlog.server import NatsServer
+from natsops.server import NatsServer
 from workers.vllm.engine import DEFAULT_BLOCK_SIZE, VllmEngine
 from workers.vllm.env import REPO_ROOT, child_preexec
 

@@ -3,7 +3,7 @@
 Both engine-side publishers — the simulated engine's (`workers/publisher.py`) and the bridge in
 front of a real engine (`workers/bridge/bridge.py`) — must outlive NATS being away at start-up:
 the engine keeps serving, so they retry with a growing delay instead of exiting. They see only
-the KV stream: an engine identity may see no other (`eventlog/natsconf.py`).
+the KV stream: an engine identity may see no other (`natsops/natsconf.py`).
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ import pytest
 from cluster.up import LocalCluster
 from eventlog import events as ev
 from eventlog.names import Names
-from eventlog.server import NatsServer
 from eventlog.streams import stream_bounds
+from natsops.server import NatsServer
 from tests.chaos.conftest import MODEL, until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]

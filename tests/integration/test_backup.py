@@ -17,8 +17,8 @@ import pytest
 
 from cluster.up import LocalCluster
 from eventlog.names import STREAM_KINDS, Names
-from eventlog.server import NatsServer
 from eventlog.streams import stream_bounds
+from natsops.server import NatsServer
 from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(240)

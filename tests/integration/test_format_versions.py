@@ -20,7 +20,7 @@ from cluster.up import LocalCluster
 from eventlog import events as ev
 from eventlog import wire
 from eventlog.names import CONTROL, Names
-from eventlog.server import NatsServer
+from natsops.server import NatsServer
 from replicas.core.state import SNAPSHOT_FORMAT, RouterState
 from snapshots.store import SnapshotStore
 from tests.waiting import until

@@ -28,7 +28,7 @@ import pytest
 import pytest_asyncio
 
 from cluster.up import LocalCluster
-from eventlog.server import free_port
+from natsops.server import free_port
 from tests.waiting import until
 from tokenization import tokens
 from workers.generation import expected_tokens

@@ -10,7 +10,7 @@ import pytest
 
 from eventlog.connect import NatsOptions
 from eventlog.names import KV, Names
-from eventlog.server import NatsServer, free_port
+from natsops.server import NatsServer, free_port
 from workers.kv_link import connect_kv_stream
 
 

@@ -320,8 +320,8 @@ def test_haproxy_defaults_are_inherited_and_overridden() -> None:
 
 # --- the image installs only pyproject's runtime dependencies ----------------------------------
 
-PACKAGES = ("errors", "settings", "eventlog", "tokenization", "replicas", "snapshots", "api",
-            "workers", "leanhttp")
+PACKAGES = ("errors", "settings", "eventlog", "tokenization", "natsops", "replicas", "snapshots",
+            "api", "workers", "leanhttp")
 
 
 def _required_imports(path: Path) -> set[str]:
@@ -423,7 +423,7 @@ def test_secured_override_mutation_is_reported(copy: Path, old: str, new: str,
 
 
 def test_committed_nats_config_is_the_rendered_one() -> None:
-    from cluster.secure import compose_config
+    from natsops.secure import compose_config
 
     assert (ROOT / "deploy" / "nats" / "jetrouter.conf").read_text() == compose_config(), \
-        "deploy/nats/jetrouter.conf drifted from cluster/secure.py compose_config(): re-render it"
+        "deploy/nats/jetrouter.conf drifted from natsops/secure.py compose_config(): re-render it"
