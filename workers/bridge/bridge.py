@@ -50,8 +50,12 @@ from workers.bridge.resume import (
 )
 from workers.bridge.translate import CacheMirror, Translator
 from workers.bridge.zmqio import Frame, LiveFeed, ReplayUnavailable, replay
-from workers.kv_link import connect_kv_stream
-from workers.publisher import MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, block_count
+from workers.engine_link import (
+    MAX_BLOCKS_PER_MESSAGE,
+    MAX_EVENTS_PER_MESSAGE,
+    block_count,
+    connect_kv_stream,
+)
 
 log = logging.getLogger(__name__)
 
