@@ -29,7 +29,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "bridge": ("workers.bridge.cli", "put one real engine (vLLM, SGLang) behind jetrouter"),
     "up": ("cluster.up", "run a whole local cluster (nats-server, replicas, workers)"),
     "bench": ("bench.cli", "benchmarks: `bench core` (state machine) or a trace replay"),
-    "demo": ("cluster.demo",
+    "demo": ("bench.demo",
              "start a local cluster, replay a trace slice in kv and round-robin mode"),
     "admin": ("cluster.admin_cli", "admin API client"),
     "check-config": ("cluster.checkconfig", "check compose.yaml and deploy/ for consistency"),

@@ -22,10 +22,10 @@ import httpx
 import openai
 import pytest
 
-from cluster.up import LocalCluster
 from eventlog import events as ev
 from eventlog.names import Names
 from eventlog.streams import stream_bounds
+from launch.local_cluster import LocalCluster
 from natsops.server import NatsServer
 from tests.chaos.conftest import MODEL, until
 

@@ -23,7 +23,7 @@ import pytest
 import pytest_asyncio
 
 from api import cli
-from cluster.up import LocalCluster
+from launch.local_cluster import LocalCluster
 from natsops.server import free_ports
 from tests.waiting import until
 

@@ -20,7 +20,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
+from launch.local_cluster import LocalCluster
 from tests.waiting import until
 from tokenization import tokens
 from workers.generation import expected_tokens

@@ -15,9 +15,9 @@ import httpx
 import nats
 import pytest
 
-from cluster.up import LocalCluster
 from eventlog.names import STREAM_KINDS, Names
 from eventlog.streams import stream_bounds
+from launch.local_cluster import LocalCluster
 from natsops.server import NatsServer
 from tests.waiting import until
 

@@ -25,11 +25,11 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
 from eventlog.events import RequestRouted
 from eventlog.hashing import prompt_hashes
 from eventlog.names import ROUTER, Names
 from eventlog.reader import StreamReader
+from launch.local_cluster import LocalCluster
 from tests.waiting import until
 from tokenization.model_tokenizer import ModelTokenizer
 from workers.tinymodel import WORDS

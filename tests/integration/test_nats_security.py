@@ -22,12 +22,12 @@ import nkeys
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
 from eventlog.appender import Appender, AppendFailed
 from eventlog.connect import NatsConnectFatal, NatsOptions, connect
 from eventlog.events import BlocksStored
 from eventlog.names import Names
 from eventlog.streams import ensure_streams
+from launch.local_cluster import LocalCluster
 from natsops.natsconf import Identity, ServerTls, render
 from natsops.pki import Pki
 from natsops.server import NatsServer

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
+from launch.local_cluster import LocalCluster
 from natsops.server import free_port
 from tests.waiting import until
 

@@ -18,7 +18,7 @@ import pytest
 
 import natsops.server
 from api import cli
-from cluster.up import LocalCluster
+from launch.local_cluster import LocalCluster
 
 REPO = Path(__file__).resolve().parents[2]
 needs_serve = pytest.mark.skipif(not (REPO / "api" / "serve.py").exists(),
