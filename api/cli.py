@@ -32,7 +32,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "demo": ("bench.demo",
              "start a local cluster, replay a trace slice in kv and round-robin mode"),
     "admin": ("cluster.admin_cli", "admin API client"),
-    "check-config": ("cluster.checkconfig", "check compose.yaml and deploy/ for consistency"),
+    "check-config": ("cluster.checkconfig.cli", "check compose.yaml and deploy/ for consistency"),
     "chaos": ("cluster.chaos", "run the chaos scenarios against a local cluster"),
 }
 
