@@ -73,4 +73,4 @@ test-upgrade: install $(PREVIOUS_DIR)/.venv/bin/python
 
 # Aggregated vs disaggregated on the same two engines (1 prefill + 1 decode, NIXL).
 demo-vllm-disagg: install vllm-env
-	JETROUTER_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/python -m cluster.demo_vllm_disagg
+	JETROUTER_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/python -m bench.demo_vllm_disagg

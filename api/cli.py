@@ -3,7 +3,7 @@
 Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
 this file only wires them up. Every ``--some-flag`` is also settable as ``JETROUTER_SOME_FLAG``
 in the environment (flags on the command line win): the process verbs (`serve`, `worker`,
-`bridge`, `up`) declare their options once in eventlog/flags.py terms, the tooling verbs get
+`bridge`, `up`) declare their options once in settings/flags.py terms, the tooling verbs get
 the same treatment from :func:`apply_env_defaults`. Every user error — a bad flag, a bad
 variable, a :class:`CliError` raised by a verb — is one line ``jetrouter VERB: error: ...`` on
 stderr and exit status 2.
@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from eventlog.flags import TRUE_WORDS, CliError, OneLineParser, env_name
+from settings.flags import TRUE_WORDS, CliError, OneLineParser, env_name
 
 __all__ = ["VERBS", "CliError", "build_parser", "env_name", "main"]
 
@@ -29,17 +29,17 @@ VERBS: dict[str, tuple[str, str]] = {
     "bridge": ("workers.bridge.cli", "put one real engine (vLLM, SGLang) behind jetrouter"),
     "up": ("cluster.up", "run a whole local cluster (nats-server, replicas, workers)"),
     "bench": ("bench.cli", "benchmarks: `bench core` (state machine) or a trace replay"),
-    "demo": ("cluster.demo",
+    "demo": ("bench.demo",
              "start a local cluster, replay a trace slice in kv and round-robin mode"),
     "admin": ("cluster.admin_cli", "admin API client"),
-    "check-config": ("cluster.checkconfig", "check compose.yaml and deploy/ for consistency"),
+    "check-config": ("cluster.checkconfig.cli", "check compose.yaml and deploy/ for consistency"),
     "chaos": ("cluster.chaos", "run the chaos scenarios against a local cluster"),
 }
 
 
 def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
     """Let JETROUTER_<FLAG> set the default of each long option of a tooling verb (`bench`,
-    `admin`, ...); the process verbs' options come from eventlog/flags.py, which did it already."""
+    `admin`, ...); the process verbs' options come from settings/flags.py, which did it already."""
     for action in parser._actions:
         long_opts = [o for o in action.option_strings if o.startswith("--")]
         if not long_opts or action.dest == "help" or hasattr(action, "registry_option"):

@@ -1,9 +1,9 @@
-"""The router replica's options (`jetrouter serve`), each declared once (see eventlog/flags.py).
+"""The router replica's options (`jetrouter serve`), each declared once (see settings/flags.py).
 
 Names follow the seeds (design.md §10). `jetrouter serve`'s argparse, its environment variables
 and the typed configs below come from :data:`SERVE`; `jetrouter up` forwards some of them to the
 replicas it starts, and `jetrouter bench core` times the routing defaults declared here.
-To add an option or an alias: one line in the group it belongs to (eventlog/flags.py says how).
+To add an option or an alias: one line in the group it belongs to (settings/flags.py says how).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from api.http_limits import (
     DEFAULT_REQUEST_READ_TIMEOUT,
 )
 from eventlog.connect import NAMESPACE, NATS_SECURITY
-from eventlog.flags import Group, Option, defaults, find
 from replicas.core.prefill_model import PREFILL_LOAD_MODELS
 from replicas.core.queue import POLICIES
 from replicas.core.selection import MODES, BusyThresholds, RoutingConfig
 from replicas.core.state import StateConfig
+from settings.flags import Group, Option, defaults, find
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import encoded_error_body
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 log = logging.getLogger("jetrouter.http")
 

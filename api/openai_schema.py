@@ -21,9 +21,9 @@ import msgspec
 from api.errors import ApiError
 from api.handoff_fields import refuse_handoff_fields
 from api.tokenizer import Tokenizer, encode_chat, encode_prompt
-from eventlog.model_tokenizer import ChatTemplateFailed
-from eventlog.tokens import role_error
 from replicas.core.shedding import TIERS, PriorityTier
+from tokenization.model_tokenizer import ChatTemplateFailed
+from tokenization.tokens import role_error
 
 ENDPOINTS = ("completions", "chat")
 PRIORITIES = TIERS

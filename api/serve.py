@@ -24,8 +24,8 @@ from eventlog.connect import (
     check_files,
     options_from_args,
 )
-from eventlog.flags import CliError, add_options, build
 from replicas.runtime.replica import Replica, ReplicaConfig
+from settings.flags import CliError, add_options, build
 
 if TYPE_CHECKING:  # api.app is imported when serving starts, not at CLI start-up
     from api.app import RouterFactory
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace, *, extra_routers: Sequence[RouterFactory] = ()
         except KeysFileInvalid as exc:
             raise CliError(str(exc)) from None
     if args.model_path:
-        from eventlog.model_tokenizer import ModelFolderUnusable, load_codec
+        from tokenization.model_tokenizer import ModelFolderUnusable, load_codec
 
         try:
             load_codec(args.model_path)  # a bad folder is one clear line, not a traceback

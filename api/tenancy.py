@@ -25,7 +25,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from api.errors import ApiError, error_response
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 from replicas.core.tenant_admission import Verdict
 
 MAX_TENANT_ID = 128

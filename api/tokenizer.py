@@ -1,12 +1,12 @@
 """Turning prompt text into the token ids the router hashes into KV blocks.
 
 The router only needs ids that match what the engines cache, so the choice follows the fleet:
-simulated workers without a model use :mod:`eventlog.tokens` (one id per UTF-8 byte); a model
+simulated workers without a model use :mod:`tokenization.tokens` (one id per UTF-8 byte); a model
 folder (``--model-path``, or the older ``--tokenizer`` pointing at a ``tokenizer.json``) is
-tokenized by :class:`eventlog.model_tokenizer.ModelTokenizer`, the same code the simulated engine
-runs, following vLLM's rules for completions (special tokens added) and chat (template rendered,
-no special tokens added). ``encode`` itself never adds special tokens: it is for plain text such as
-generated output re-tokenized for a migrated request.
+tokenized by :class:`tokenization.model_tokenizer.ModelTokenizer`, the same code the simulated
+engine runs, following vLLM's rules for completions (special tokens added) and chat (template
+rendered, no special tokens added). ``encode`` itself never adds special tokens: it is for plain
+text such as generated output re-tokenized for a migrated request.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from eventlog import tokens
-from eventlog.model_tokenizer import ByteCodec, ModelFolderUnusable, ModelTokenizer, load_codec
+from tokenization import tokens
+from tokenization.model_tokenizer import ByteCodec, ModelFolderUnusable, ModelTokenizer, load_codec
 
 
 @runtime_checkable

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 from eventlog.events import Outcome
 from eventlog.names import split_hop
 from replicas.runtime.replica import Routed, RouteRequest

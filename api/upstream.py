@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import cast
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 MAX_HEAD_BYTES = 64 * 1024          # a response head bigger than this is not an engine talking
 READ_HIGH_WATER = 1024 * 1024       # stop reading the socket while this much is unconsumed

@@ -1,15 +1,14 @@
 """`jetrouter bench`: replay a Mooncake-format trace against routers (or `bench core`).
 
-``jetrouter bench [trace] --url URL[,URL...]`` replays against running router replicas.
-Without ``--url`` the bench starts its own local cluster (`cluster.up.LocalCluster`: embedded
-nats-server, replicas, simulated workers) with ``--router-mode`` (default kv), and with
-``--compare MODE`` a second, fresh cluster (new data dir and namespace) in that mode, then prints
-both runs side by side. ``jetrouter bench core ...`` is the state-machine benchmark
-(`bench.core`); ``jetrouter bench overhead ...`` measures what one replica adds in front of
-an engine (`bench.overhead`); ``jetrouter bench faults ...`` injects engine and replica
-faults under steady load and prints what clients saw (`bench.faults`); ``jetrouter bench scale``
-prints routed req/s as replicas are added, with each replica's CPU and replication share
-(`bench.scale`).
+``jetrouter bench [trace] --url URL[,URL...]`` replays against running router replicas. Without
+``--url`` the bench starts its own local cluster (`launch.local_cluster.LocalCluster`: embedded
+nats-server, replicas, simulated workers) with ``--router-mode`` (default kv), and with ``--compare
+MODE`` a second, fresh cluster (new data dir and namespace) in that mode, then prints both runs side
+by side. ``jetrouter bench core ...`` is the state-machine benchmark (`bench.core`); ``jetrouter
+bench overhead ...`` measures what one replica adds in front of an engine (`bench.overhead`);
+``jetrouter bench faults ...`` injects engine and replica faults under steady load and prints what
+clients saw (`bench.faults`); ``jetrouter bench scale`` prints routed req/s as replicas are added,
+with each replica's CPU and replication share (`bench.scale`).
 
 `run_trace_bench`, `run_managed` and `compare` are the programmatic entry points (the demo uses
 them); `build_summaries` and `print_report` turn their results into the printed report.
@@ -105,7 +104,9 @@ async def run_managed(requests: Sequence[TraceRecord], options: BenchOptions, sp
                       mode: str = "kv", *, index: int = 0,
                       data_dir: Path | None = None, label: str | None = None) -> RunResult:
     """Start a fresh LocalCluster with ``--router-mode mode``, replay, stop it."""
-    from cluster.up import LocalCluster  # lazily: `bench --url` needs no cluster machinery
+    from launch.local_cluster import (
+        LocalCluster,  # lazily: `bench --url` needs no cluster machinery
+    )
 
     block = str(spec.kv_cache_block_size)
     router_args = ["--router-mode", mode, "--kv-cache-block-size", block, *spec.router_args]
@@ -418,7 +419,7 @@ async def _run_trace(args: argparse.Namespace) -> int:
         capacity, num_workers = args.cache_blocks, None
     else:
         spec = spec_from_args(args)
-        from cluster.up import check_model_path
+        from launch.local_cluster import check_model_path
 
         check_model_path(str(spec.model_path) if spec.model_path else None)
         options = options_from_args(args, args.label or args.router_mode)
@@ -434,9 +435,10 @@ async def _run_trace(args: argparse.Namespace) -> int:
             else:
                 runs = await compare(records, options, spec, modes)
         except ModuleNotFoundError as exc:
-            if exc.name != "cluster.up":
+            if exc.name != "launch.local_cluster":
                 raise
-            raise _cli_error("a managed cluster needs cluster/up.py; pass --url instead") from None
+            raise _cli_error(
+                "a managed cluster needs the launch package; pass --url instead") from None
         if args.label and len(runs) == 1:
             runs[0].label = args.label
         capacity, num_workers = spec.capacity_trace_blocks(args.trace_block_tokens), spec.workers

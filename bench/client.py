@@ -28,7 +28,7 @@ from bench.trace import (
     TraceRecord,
     words_of,
 )
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 OK, FAILED, REJECTED = "ok", "failed", "rejected"
 DEFAULT_MODEL = "jetrouter-sim"

@@ -235,8 +235,8 @@ async def bench_replay(work: Workload, batches: int, forms: Sequence[str] = ("co
         from eventlog.appender import Appender
         from eventlog.events import BlocksStored
         from eventlog.names import KV, Names
-        from eventlog.server import NatsServer
         from eventlog.streams import ensure_streams
+        from natsops.server import NatsServer
     except ImportError as exc:  # pragma: no cover - the event log pieces are written in parallel
         return {f: {"replay_block_events_per_s": None, "replay_skipped": f"missing {exc.name}"}
                 for f in forms}

@@ -50,8 +50,8 @@ from nats.js import JetStreamContext
 from eventlog import events as ev
 from eventlog.names import CONTROL, KV, STREAM_KINDS, Names
 from eventlog.reader import StreamReader
-from eventlog.server import NatsServer, free_port
 from eventlog.streams import ensure_streams, stream_bounds
+from natsops.server import NatsServer, free_port
 from replicas.core.state import RouterState
 from snapshots.store import SnapshotStore
 

@@ -48,8 +48,8 @@ from typing import Any
 import httpx
 
 from bench.report import percentile
-from eventlog import tokens
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
+from tokenization import tokens
 from workers.generation import expected_tokens
 
 MODEL = "jetrouter-sim"
@@ -407,7 +407,7 @@ class FaultBench:
 
 
 async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from cluster.up import LocalCluster  # lazily: the cluster machinery is heavy
+    from launch.local_cluster import LocalCluster  # lazily: the cluster machinery is heavy
 
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = [f for f in faults if f not in FAULTS]

@@ -1,8 +1,8 @@
 """`jetrouter bench overhead`: what one router replica adds in front of an engine.
 
 One run starts a local cluster of one replica and one fast simulated worker
-(`cluster.up.LocalCluster`, ``--speedup-ratio`` high so the engine itself costs almost nothing)
-and measures, side by side:
+(`launch.local_cluster.LocalCluster`, ``--speedup-ratio`` high so the engine itself costs almost
+nothing) and measures, side by side:
 
 * **TTFT** of streaming ``/v1/completions`` sent through the replica and straight to the worker,
   at each ``--concurrency`` level (closed loop: every connection sends its next request as soon as
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 DEFAULT_CONCURRENCY = (1, 16, 64)
 IDLE_SECONDS = 3.0
@@ -437,7 +437,7 @@ def _describe(opts: OverheadOptions) -> dict[str, Any]:
 async def run_overhead(opts: OverheadOptions, data_dir: Path | None = None,
                        log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Start a 1-replica, 1-worker cluster, measure, stop it."""
-    from cluster.up import LocalCluster
+    from launch.local_cluster import LocalCluster
 
     owned = data_dir is None
     root = data_dir or Path(tempfile.mkdtemp(prefix="jetrouter-overhead-"))

@@ -7,8 +7,7 @@ compares them side by side:
 * ``cold``: the supervisor restarts a killed replica as a fresh ``python -m api.cli serve``
   (``jetrouter up --no-standby``);
 * ``standby``: a pre-imported standby process takes the dead replica's place
-  (cluster/standby_pool.py,
-  ``jetrouter up``'s default).
+  (launch/standby_pool.py; ``jetrouter up``'s default).
 
 Each mode seeds ``--prefixes`` prompts (one request each, recording which engine served it),
 then ``--repeats`` times: waits until the cluster is settled (replica ready, standby waiting),
@@ -89,7 +88,7 @@ async def _until_ready(client: httpx.AsyncClient, url: str, deadline: float) -> 
 
 async def _one_mode(mode: str, args: argparse.Namespace,
                     log: Any) -> dict[str, Any]:
-    from cluster.up import LocalCluster  # lazily: `bench --help` needs no cluster machinery
+    from launch.local_cluster import LocalCluster  # lazily: `bench --help` needs none of it
 
     root = Path(tempfile.mkdtemp(prefix=f"jetrouter-restart-{mode}-"))
     kills: list[dict[str, Any]] = []

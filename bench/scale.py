@@ -1,11 +1,11 @@
 """`jetrouter bench scale`: routed req/s as replicas are added, and what replication costs each.
 
-For each replica count in ``--replicas`` (default 1, 2, 4, … up to what ``os.cpu_count()``
-can hold) a fresh `cluster.up.LocalCluster` starts with ``--nats-cluster`` nats-servers (default
-3) and ``--workers`` fast simulated engines (``--worker-speedup-ratio``). A load generator of
-``--load-processes`` OS processes (each an asyncio loop of keep-alive HTTP/1.1 connections, no
-HTTP library in the way) sends closed-loop ``/v1/completions`` requests — token-id prompts, a few
-shared prefixes plus a unique suffix, ``--max-tokens`` output tokens — spread over the replicas.
+For each replica count in ``--replicas`` (default 1, 2, 4, … up to what ``os.cpu_count()`` can hold)
+a fresh `launch.local_cluster.LocalCluster` starts with ``--nats-cluster`` nats-servers (default 3)
+and ``--workers`` fast simulated engines (``--worker-speedup-ratio``). A load generator of
+``--load-processes`` OS processes (each an asyncio loop of keep-alive HTTP/1.1 connections, no HTTP
+library in the way) sends closed-loop ``/v1/completions`` requests — token-id prompts, a few shared
+prefixes plus a unique suffix, ``--max-tokens`` output tokens — spread over the replicas.
 
 Measured over ``--duration`` seconds after ``--warmup``:
 
@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 
 from bench.overhead import RawConnection, UnexpectedStatus, proc_cpu_seconds, split_url
-from eventlog.flags import CliError
+from settings.flags import CliError
 
 MODEL = "jetrouter-sim"
 VOCAB = 30_000
@@ -201,7 +201,7 @@ async def _until(probe: Any, ok: Any, timeout: float) -> Any:
 
 
 async def run_one(replicas: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    from cluster.up import LocalCluster
+    from launch.local_cluster import LocalCluster
 
     data = root / f"r{replicas}"
     cluster = LocalCluster(replicas=replicas, workers=args.workers, data_dir=data,

@@ -123,7 +123,7 @@ class Load:
 def _cluster(root: Path, name: str, args: argparse.Namespace, *, replicas: int, workers: int,
              router_args: Sequence[str] = (), worker_args: Sequence[str] = (),
              nats_url: str | None = None) -> Any:
-    from cluster.up import LocalCluster
+    from launch.local_cluster import LocalCluster
 
     data = root / name
     data.mkdir(parents=True, exist_ok=True)

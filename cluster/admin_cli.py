@@ -28,7 +28,7 @@ import httpx
 
 from api.cli import CliError
 from cluster import backup
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 DEFAULT_CLUSTER_FILE = Path(".jetrouter") / "cluster.json"
 DEFAULT_TIMEOUT_S = 30.0  # a snapshot of a large state is taken while the request waits

@@ -39,6 +39,7 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from errors.root import JetrouterError
 from eventlog import wire
 from eventlog.appender import MSG_ID_HEADER
 from eventlog.connect import (
@@ -48,11 +49,10 @@ from eventlog.connect import (
     connect,
     options_from_args,
 )
-from eventlog.errors import JetrouterError
-from eventlog.flags import add_options
 from eventlog.names import STREAM_KINDS, Names
 from eventlog.streams import ensure_streams, stream_bounds
 from replicas.core.state import SNAPSHOT_FORMAT
+from settings.flags import add_options
 from snapshots.store import SnapshotMeta, SnapshotStore
 
 BACKUP_FORMAT = 1

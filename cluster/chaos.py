@@ -32,8 +32,8 @@ from cluster.chaos_scenarios import (
     Timing,
     run_scenario,
 )
-from cluster.up import LocalCluster
 from eventlog.connect import connect
+from launch.local_cluster import LocalCluster
 
 ALL_SCENARIOS = (*SCENARIOS, *OUTAGE_SCENARIOS)
 ALL_FAULTS = {**FAULTS, **OUTAGE_FAULTS}

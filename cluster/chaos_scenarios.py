@@ -30,11 +30,11 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from cluster.chaos_load import LoadDriver, summarize_failures
-from cluster.up import LocalCluster
 from eventlog import events as ev
 from eventlog.names import ROUTER, STREAM_KINDS, Names
 from eventlog.reader import StreamReader
 from eventlog.streams import stream_bounds
+from launch.local_cluster import LocalCluster
 
 SCENARIOS = ("replica-kill", "nats-kill", "replica-stop", "worker-kill", "cold-start")
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from cluster.up import LocalCluster
+from launch.local_cluster import LocalCluster
 
 MODEL = "jetrouter-sim"
 

@@ -25,7 +25,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 from eventlog.events import Event, encode_batch
 from eventlog.wire import format_headers
 

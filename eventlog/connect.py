@@ -3,7 +3,7 @@
 NATS carries every fact, so every process — replica, projector, engine, bridge, `up` — connects
 with the same options: servers plus credentials (a ``.creds`` file, an NKey seed file,
 user/password, or a token) and TLS (CA, client certificate/key, ``tls://`` URLs, TLS handshake
-first). :data:`NATS_SECURITY` declares those flags once (see :mod:`eventlog.flags`);
+first). :data:`NATS_SECURITY` declares those flags once (see :mod:`settings.flags`);
 :func:`options_from_args` reads them back; :func:`connect` hands them to ``nats.connect``.
 
 Secrets are best given as files (``--nats-password-file``, ``--nats-token-file``, ``--nats-creds``,
@@ -33,8 +33,8 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
-from eventlog.errors import JetrouterError
-from eventlog.flags import Group, Option, add_options
+from errors.root import JetrouterError
+from settings.flags import Group, Option, add_options
 
 log = logging.getLogger("jetrouter.nats")
 

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 # Bounds every decoded event must respect. Anything else on a stream is malformed: counted and
 # skipped by every replica alike, never applied

@@ -17,9 +17,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import NoReturn, Self
 
+from errors.root import JetrouterError
 from eventlog.appender import MSG_ID_HEADER, AppendFailed
 from eventlog.binding import foreign_party
-from eventlog.errors import JetrouterError
 from eventlog.events import Event, MalformedMessage, decode_batch, encode_batch
 from eventlog.log import StoredMessage
 from eventlog.names import STREAM_KINDS, Names

@@ -42,8 +42,8 @@ from nats.errors import ConnectionClosedError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from errors.root import JetrouterError
 from eventlog.binding import foreign_party
-from eventlog.errors import JetrouterError
 from eventlog.events import Event, MalformedMessage, decode_batch
 from eventlog.wire import NewerFormat, UnknownFormat, check_message
 

@@ -22,7 +22,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig, StreamInfo
 from nats.js.errors import APIError, NotFoundError
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 from eventlog.names import STREAM_KINDS, Names
 
 API_ANSWER_WAIT = 30.0

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from errors.root import JetrouterError
 from eventlog import events as ev
-from eventlog.errors import JetrouterError
 
 FORMAT_HEADER = "Jr-Format"
 

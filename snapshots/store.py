@@ -63,7 +63,7 @@ from nats.js.api import (
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 from nats.js.object_store import ObjectStore
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 from eventlog.names import Names
 from eventlog.streams import cluster_size_hint, ensure_stream, lookup_stream
 from replicas.core.state import SNAPSHOT_FORMAT

@@ -21,8 +21,8 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from eventlog.names import Names
-from eventlog.server import NatsCluster, NatsServer
 from eventlog.streams import ensure_streams
+from natsops.server import NatsCluster, NatsServer
 
 Connect = Callable[[str], Awaitable[NATS]]
 

@@ -1,8 +1,8 @@
 """An asyncio loop on a background thread, for synchronous tests that drive async machinery.
 
-Hypothesis runs each example as a plain function call, so a ``@given`` test cannot await; it
-hands coroutines to this loop instead (``LoopThread.run``), where a :class:`cluster.up.LocalCluster`
-or a NATS connection lives for the whole module.
+Hypothesis runs each example as a plain function call, so a ``@given`` test cannot await; it hands
+coroutines to this loop instead (``LoopThread.run``), where a
+:class:`launch.local_cluster.LocalCluster` or a NATS connection lives for the whole module.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from typing import Any
 import msgspec
 from fastapi.responses import JSONResponse, Response
 
-from eventlog.tokens import decode
 from leanhttp.hotpath import LastChunk, LeanStreamingResponse
+from tokenization.tokens import decode
 from workers.engine import Engine, RequestHandle
 from workers.openai_shapes import ParsedRequest, ResponseShaper, usage
 

@@ -12,9 +12,9 @@ from eventlog.connect import (
     check_files,
     options_from_args,
 )
-from eventlog.flags import CliError, add_options
-from eventlog.model_tokenizer import load_codec
 from eventlog.names import check_token
+from settings.flags import CliError, add_options
+from tokenization.model_tokenizer import load_codec
 from workers.config import LINEAR_CONSTANTS, WORKER
 from workers.perf_model import LINEAR
 from workers.scheduler import EngineConfig

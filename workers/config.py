@@ -1,15 +1,15 @@
-"""The simulated engine's options (`jetrouter worker`), each declared once (see eventlog/flags.py).
+"""The simulated engine's options (`jetrouter worker`), each declared once (see settings/flags.py).
 
 Names follow vLLM and Dynamo. The engine model's defaults are :class:`EngineConfig`'s own; the
 router's `jetrouter up` forwards some of these to the workers it starts.
-To add an option or an alias: one line in the group it belongs to (eventlog/flags.py says how).
+To add an option or an alias: one line in the group it belongs to (settings/flags.py says how).
 """
 
 from __future__ import annotations
 
 from eventlog.connect import NAMESPACE, NATS_SECURITY
 from eventlog.events import Role
-from eventlog.flags import Group, Option, find
+from settings.flags import Group, Option, find
 from workers.perf_model import PERF_MODELS
 from workers.scheduler import EngineConfig
 

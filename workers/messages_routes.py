@@ -1,7 +1,7 @@
 """The simulated engine's Anthropic routes: ``POST /v1/messages`` (streamed and not) and
 ``POST /v1/messages/count_tokens``.
 
-The prompt is the chat template over ``system`` + ``messages`` (:mod:`eventlog.chat_forms`, the
+The prompt is the chat template over ``system`` + ``messages`` (:mod:`tokenization.chat_forms`, the
 conversion the router routes by); the answer is the engine's deterministic text, stopped by
 ``max_tokens``. Streamed, the events are Anthropic's: ``message_start``,
 ``content_block_start``, ``ping``, a ``content_block_delta`` per token, ``content_block_stop``,
@@ -19,10 +19,10 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from eventlog.chat_forms import FormError, anthropic_messages
-from eventlog.model_tokenizer import ChatTemplateFailed
-from eventlog.tokens import decode
 from leanhttp.hotpath import LastChunk, LeanStreamingResponse
+from tokenization.chat_forms import FormError, anthropic_messages
+from tokenization.model_tokenizer import ChatTemplateFailed
+from tokenization.tokens import decode
 from workers.engine import RequestHandle
 from workers.route_port import EngineRuntime, json_object
 

@@ -1,11 +1,11 @@
 """OpenAI request parsing and response shapes for the simulated worker (no I/O).
 
 Accepted: ``prompt`` as text, a token-id list, or a one-element list of either; chat ``messages``
-rendered and tokenized by the worker's codec (:mod:`eventlog.model_tokenizer`: the model folder's
-chat template, or :func:`eventlog.tokens.chat_prompt` over bytes without one); ``max_tokens``
-(or ``max_completion_tokens``); ``stream`` and ``stream_options.include_usage``. Other sampling
-fields are accepted and ignored: decoding is deterministic. ``ignore_eos`` is irrelevant (the
-simulator has no EOS).
+rendered and tokenized by the worker's codec (:mod:`tokenization.model_tokenizer`: the model
+folder's chat template, or :func:`tokenization.tokens.chat_prompt` over bytes without one);
+``max_tokens`` (or ``max_completion_tokens``); ``stream`` and ``stream_options.include_usage``.
+Other sampling fields are accepted and ignored: decoding is deterministic. ``ignore_eos`` is
+irrelevant (the simulator has no EOS).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from eventlog.errors import JetrouterError
-from eventlog.model_tokenizer import ByteCodec, ChatTemplateFailed, Codec
-from eventlog.tokens import MAX_TOKEN_ID, decode, role_error
+from errors.root import JetrouterError
+from tokenization.model_tokenizer import ByteCodec, ChatTemplateFailed, Codec
+from tokenization.tokens import MAX_TOKEN_ID, decode, role_error
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) documented default for /completions
 

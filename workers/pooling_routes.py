@@ -18,8 +18,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from eventlog.model_tokenizer import ChatTemplateFailed
-from eventlog.tokens import MAX_TOKEN_ID
+from tokenization.model_tokenizer import ChatTemplateFailed
+from tokenization.tokens import MAX_TOKEN_ID
 from workers.openai_shapes import error_body
 from workers.route_port import EngineRuntime, json_object
 

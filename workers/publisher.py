@@ -39,13 +39,15 @@ from eventlog.events import (
     WorkerRetired,
 )
 from eventlog.names import Names
-from workers.kv_link import connect_kv_stream
+from workers.engine_link import (
+    MAX_BLOCKS_PER_MESSAGE,
+    MAX_EVENTS_PER_MESSAGE,
+    block_count,
+    connect_kv_stream,
+)
 from workers.kvcache import Cleared, KvChange, Removed, Stored
 
 log = logging.getLogger(__name__)
-
-MAX_EVENTS_PER_MESSAGE = 256
-MAX_BLOCKS_PER_MESSAGE = 4096  # ~100 KB of msgpack, far below NATS' 1 MB default payload
 
 
 @dataclass(slots=True)
@@ -55,14 +57,6 @@ class _Outgoing:
     blocks: int
     mergeable: bool  # KV batches may be merged with their neighbours; lifecycle events not
     attempted: bool = False  # once sent under its msg id, its content must never change
-
-
-def block_count(event: Event) -> int:
-    if isinstance(event, BlocksStored):
-        return len(event.blocks)
-    if isinstance(event, BlocksRemoved):
-        return len(event.block_hashes)
-    return 1
 
 
 class KvPublisher:

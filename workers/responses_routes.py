@@ -1,6 +1,6 @@
 """The simulated engine's ``POST /v1/responses`` (OpenAI's Responses API, streamed and not).
 
-The prompt is the chat template over ``instructions`` + ``input`` (:mod:`eventlog.chat_forms`,
+The prompt is the chat template over ``instructions`` + ``input`` (:mod:`tokenization.chat_forms`,
 the conversion the router routes by). With ``store`` (the default) the engine keeps the
 conversation under the response's id, in its own memory as vLLM does: a request naming it as
 ``previous_response_id`` continues it (its messages and answer come first), and an id this engine
@@ -23,10 +23,10 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from eventlog.chat_forms import FormError, responses_messages
-from eventlog.model_tokenizer import ChatTemplateFailed
-from eventlog.tokens import decode
 from leanhttp.hotpath import LastChunk, LeanStreamingResponse
+from tokenization.chat_forms import FormError, responses_messages
+from tokenization.model_tokenizer import ChatTemplateFailed
+from tokenization.tokens import decode
 from workers.engine import RequestHandle
 from workers.openai_shapes import error_body
 from workers.route_port import EngineRuntime, json_object

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from fastapi import Request
 
-from eventlog.model_tokenizer import Codec
+from tokenization.model_tokenizer import Codec
 from workers.engine import Engine
 
 

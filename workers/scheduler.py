@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 from eventlog.hashing import cache_salt_salt, tokens_hashes
 from workers.generation import ContextState, next_token, wrong_token
 from workers.kvcache import Block, KVCache, KvChange

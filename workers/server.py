@@ -28,9 +28,7 @@ from fastapi.responses import JSONResponse, Response
 
 from eventlog.connect import NatsOptions
 from eventlog.events import Role, WorkerRegistered
-from eventlog.model_tokenizer import load_codec
 from eventlog.names import Names, check_token
-from eventlog.tokens import decode
 from leanhttp.hotpath import (
     FrontDoor,
     LastChunk,
@@ -38,6 +36,8 @@ from leanhttp.hotpath import (
     install_hot_routes,
     read_body,
 )
+from tokenization.model_tokenizer import load_codec
+from tokenization.tokens import decode
 from workers.choices import MAX_CHOICES, serve_choices
 from workers.engine import Engine, RequestHandle
 from workers.faults import FaultState, crash_now

@@ -22,7 +22,7 @@ from api.upstream import (
     UpstreamPool,
     UpstreamResponse,
 )
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 
 class HopFailure(StrEnum):

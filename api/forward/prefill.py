@@ -51,7 +51,7 @@ from api import tracing
 from api.forward import vllm_handoff
 from api.forward.engine import HopFailure, classify
 from api.upstream import UpstreamError, UpstreamPool
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 from eventlog.events import EngineKind, Outcome
 from eventlog.names import TRANSFER_KEY, prefill_request_id
 from replicas.core import disagg

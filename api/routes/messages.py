@@ -1,7 +1,7 @@
 """Anthropic's ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
 
 Messages are routed like a chat: the prompt's token ids are the chat template over ``system`` +
-``messages`` (:mod:`eventlog.chat_forms`, the conversion the simulated engine uses too), so the
+``messages`` (:mod:`tokenization.chat_forms`, the conversion the simulated engine uses too), so the
 decision is KV-aware; the request and the answer (a message, or Anthropic's stream of
 ``message_start`` ... ``message_stop`` events) pass through verbatim.
 
@@ -29,11 +29,11 @@ from api.openai_schema import MAX_TOKEN_COUNT, decode_json
 from api.routes.gateway import PRIORITY_LEVEL, Gateway, model_of
 from api.routes.tokenize import forward_to_engine
 from api.tokenizer import encode_chat
-from eventlog.chat_forms import FormError, anthropic_messages
-from eventlog.model_tokenizer import ChatTemplateFailed
 from leanhttp.hotpath import read_body
 from replicas.core.shedding import PriorityTier
 from replicas.runtime.replica import DecisionNotRecorded, RouteRequest
+from tokenization.chat_forms import FormError, anthropic_messages
+from tokenization.model_tokenizer import ChatTemplateFailed
 
 PATH = "/v1/messages"
 COUNT_PATH = "/v1/messages/count_tokens"

@@ -2,7 +2,7 @@
 affinity.
 
 Routing: the prompt's token ids are what the engine computes, the model's chat template over
-``instructions`` + ``input`` (:mod:`eventlog.chat_forms`), so the decision is KV-aware like a
+``instructions`` + ``input`` (:mod:`tokenization.chat_forms`), so the decision is KV-aware like a
 chat's. The request is forwarded verbatim and the answer relayed verbatim
 (:mod:`api.forward.passthrough`).
 
@@ -30,10 +30,10 @@ from api.forward.passthrough import Passthrough
 from api.openai_schema import MAX_TOKEN_COUNT
 from api.routes.gateway import PRIORITY_LEVEL, Gateway, model_of
 from api.tokenizer import encode_chat
-from eventlog.chat_forms import FormError, responses_messages
-from eventlog.model_tokenizer import ChatTemplateFailed
 from replicas.core.shedding import PriorityTier
 from replicas.runtime.replica import DecisionNotRecorded, Lookup, RouteRequest
+from tokenization.chat_forms import FormError, responses_messages
+from tokenization.model_tokenizer import ChatTemplateFailed
 
 log = logging.getLogger("jetrouter.responses")
 

@@ -2,7 +2,7 @@
 
 With a model folder (``--model-path``) the router answers itself, with the tokenizer it routes
 by: the ids a client sees are the ids the router hashes into KV blocks, computed by the same code
-as the engines' (``eventlog.model_tokenizer``). Without one, the router's byte ids would be a
+as the engines' (``tokenization.model_tokenizer``). Without one, the router's byte ids would be a
 guess about a real engine's tokenizer, so the request is forwarded to an engine serving the model
 (no routing decision: nothing is generated and no load is charged) and its answer passed on.
 """
@@ -21,8 +21,8 @@ from api.openai_schema import MAX_TOKEN_ID
 from api.routes.gateway import Gateway, model_of
 from api.tokenizer import encode_chat, encode_prompt
 from api.upstream import UpstreamError
-from eventlog.model_tokenizer import ChatTemplateFailed
 from replicas.core.candidates import HEALTH_WEIGHT
+from tokenization.model_tokenizer import ChatTemplateFailed
 
 CALL_TIMEOUT = 30.0
 _json_type = "application/json"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 
 class RoutingError(JetrouterError):

@@ -18,8 +18,8 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from errors.root import JetrouterError
 from eventlog import events as ev
-from eventlog.errors import JetrouterError
 from eventlog.log import EventLog, LogReader
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
 from eventlog.reader import StartPurged

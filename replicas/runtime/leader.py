@@ -29,8 +29,8 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 
+from errors.root import JetrouterError
 from eventlog import events as ev
-from eventlog.errors import JetrouterError
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
 from eventlog.streams import stream_bounds
 from replicas.core.health import HealthBoard, HealthConfig

@@ -37,7 +37,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 log = logging.getLogger("jetrouter.replica")
 

@@ -39,7 +39,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 from eventlog.names import KV, STREAM_KINDS, Names
 from eventlog.streams import lookup_stream, recreate_stream
 from replicas.core.state import RouterState, StateConfig

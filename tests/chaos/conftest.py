@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from cluster.up import LocalCluster
+from launch.local_cluster import LocalCluster
 from tests.waiting import until as _until
 
 MODEL = "jetrouter-sim"

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
+from launch.local_cluster import LocalCluster
 from tests.chaos.conftest import MODEL, Admin, until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(150)]

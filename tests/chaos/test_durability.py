@@ -17,11 +17,11 @@ import nats
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
 from eventlog.events import SnapshotTaken
 from eventlog.names import CONTROL, Names
 from eventlog.reader import StartPurged, StreamReader
 from eventlog.streams import stream_bounds
+from launch.local_cluster import LocalCluster
 from snapshots.store import SnapshotStore
 from tests.chaos.conftest import MODEL, Admin, Load, running, until
 

@@ -32,13 +32,13 @@ import nats
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
-from eventlog import tokens
 from eventlog.events import RequestFinished, WorkerHealthChanged
 from eventlog.names import CONTROL, ROUTER, Names
 from eventlog.reader import StreamReader
 from eventlog.streams import stream_bounds
+from launch.local_cluster import LocalCluster
 from tests.chaos.conftest import MODEL, until
+from tokenization import tokens
 from workers.generation import expected_tokens
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(120)]

@@ -22,11 +22,11 @@ import httpx
 import openai
 import pytest
 
-from cluster.up import LocalCluster
 from eventlog import events as ev
 from eventlog.names import Names
-from eventlog.server import NatsServer
 from eventlog.streams import stream_bounds
+from launch.local_cluster import LocalCluster
+from natsops.server import NatsServer
 from tests.chaos.conftest import MODEL, until
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]

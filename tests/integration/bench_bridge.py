@@ -28,8 +28,8 @@ import nats
 from nats.js.errors import NotFoundError
 
 from eventlog.names import Names
-from eventlog.server import NatsServer
 from eventlog.streams import ensure_streams
+from natsops.server import NatsServer
 from tests.kvengine import EngineSim
 from workers.bridge.decode import decode_payload
 from workers.bridge.resume import H_SEQ

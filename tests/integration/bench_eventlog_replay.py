@@ -21,8 +21,8 @@ import nats
 from eventlog.events import BlocksStored, decode_batch, encode_batch
 from eventlog.names import Names
 from eventlog.reader import StreamReader
-from eventlog.server import NatsServer
 from eventlog.streams import ensure_streams, stream_bounds
+from natsops.server import NatsServer
 
 
 def make_payloads(messages: int, blocks: int, events: int, rng: random.Random) -> list[bytes]:

@@ -26,8 +26,8 @@ import nats
 from eventlog import events as ev
 from eventlog.events import encode_batch
 from eventlog.names import ROUTER, Names
-from eventlog.server import NatsServer
 from eventlog.streams import ensure_streams
+from natsops.server import NatsServer
 from snapshots.db import default_url
 from snapshots.projections import ProjectionFeeder, Projections
 

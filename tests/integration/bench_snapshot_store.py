@@ -24,7 +24,7 @@ from collections.abc import Callable
 import nats
 
 from eventlog.names import Names
-from eventlog.server import NatsServer
+from natsops.server import NatsServer
 from replicas.core.state import RouterState
 from snapshots.store import SnapshotStore
 

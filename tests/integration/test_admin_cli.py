@@ -23,8 +23,8 @@ import pytest
 import pytest_asyncio
 
 from api import cli
-from cluster.up import LocalCluster
-from eventlog.server import free_ports
+from launch.local_cluster import LocalCluster
+from natsops.server import free_ports
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(90)]

@@ -12,8 +12,8 @@ import nats
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
 from eventlog.names import Names
+from launch.local_cluster import LocalCluster
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]

@@ -20,9 +20,9 @@ import openai
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
-from eventlog import tokens
+from launch.local_cluster import LocalCluster
 from tests.waiting import until
+from tokenization import tokens
 from workers.generation import expected_tokens
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]

@@ -20,8 +20,8 @@ import pytest
 import pytest_asyncio
 from nats.js.api import DiscardPolicy
 
-from cluster.up import LocalCluster
 from eventlog.names import CONTROL, ROUTER, Names
+from launch.local_cluster import LocalCluster
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]

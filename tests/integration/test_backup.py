@@ -15,10 +15,10 @@ import httpx
 import nats
 import pytest
 
-from cluster.up import LocalCluster
 from eventlog.names import STREAM_KINDS, Names
-from eventlog.server import NatsServer
 from eventlog.streams import stream_bounds
+from launch.local_cluster import LocalCluster
+from natsops.server import NatsServer
 from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(240)

@@ -32,8 +32,8 @@ from eventlog.events import (
 )
 from eventlog.hashing import prompt_hashes
 from eventlog.names import Names
-from eventlog.server import NatsServer
 from eventlog.streams import ensure_streams
+from natsops.server import NatsServer
 from replicas.core.state import RouterState, StateConfig
 from tests.kvengine import EngineSim
 from tests.waiting import until

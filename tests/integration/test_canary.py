@@ -16,7 +16,7 @@ from nats.aio.client import Client as NATS
 
 from eventlog import events as ev
 from eventlog.names import KV, Names
-from eventlog.server import NatsServer
+from natsops.server import NatsServer
 from replicas.core.health import (
     BreakerState,
     HealthBoard,

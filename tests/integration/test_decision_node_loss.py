@@ -17,11 +17,11 @@ import httpx
 import nats
 import pytest
 
-from cluster.up import LocalCluster
 from eventlog import events as ev
 from eventlog.names import ROUTER, Names
 from eventlog.reader import StreamReader
 from eventlog.streams import stream_bounds
+from launch.local_cluster import LocalCluster
 from tests.integration.test_append_refused import BODY, converged, states
 from tests.waiting import until
 

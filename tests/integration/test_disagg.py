@@ -17,7 +17,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
+from launch.local_cluster import LocalCluster
 from tests.waiting import until
 
 pytestmark = [pytest.mark.timeout(180)]

@@ -9,8 +9,8 @@ import pytest
 from eventlog.appender import Appender, AppendFailed
 from eventlog.events import AllBlocksCleared, BlocksStored, decode_batch
 from eventlog.names import Names
-from eventlog.server import NatsServer
 from eventlog.streams import stream_bounds
+from natsops.server import NatsServer
 
 NAMES = Names("jr")
 KV = NAMES.stream("kv")

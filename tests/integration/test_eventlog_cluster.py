@@ -18,8 +18,8 @@ from eventlog.appender import Appender, AppendFailed
 from eventlog.events import BlocksStored
 from eventlog.names import Names
 from eventlog.reader import StreamReader
-from eventlog.server import NatsCluster, NatsServer, _http_json
 from eventlog.streams import ensure_streams
+from natsops.server import NatsCluster, NatsServer, _http_json
 
 NAMES = Names("jr")
 KV = NAMES.stream("kv")

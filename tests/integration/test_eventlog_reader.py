@@ -12,7 +12,7 @@ from eventlog.appender import Appender
 from eventlog.events import BlocksStored, Event
 from eventlog.names import Names
 from eventlog.reader import StartPurged, StreamReader
-from eventlog.server import NatsServer
+from natsops.server import NatsServer
 from tests.waiting import until
 
 NAMES = Names("jr")

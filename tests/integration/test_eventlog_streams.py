@@ -9,13 +9,13 @@ from nats.js.api import StorageType
 from nats.js.errors import NoStreamResponseError
 
 from eventlog.names import STREAM_KINDS, Names
-from eventlog.server import NatsCluster, NatsServer
 from eventlog.streams import (
     cluster_size_hint,
     ensure_streams,
     recreate_stream,
     stream_bounds,
 )
+from natsops.server import NatsCluster, NatsServer
 from snapshots.lease import LeaderLease
 from snapshots.store import SnapshotStore
 from tests.waiting import until

@@ -16,11 +16,11 @@ import nats
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
 from eventlog import events as ev
 from eventlog import wire
 from eventlog.names import CONTROL, Names
-from eventlog.server import NatsServer
+from launch.local_cluster import LocalCluster
+from natsops.server import NatsServer
 from replicas.core.state import SNAPSHOT_FORMAT, RouterState
 from snapshots.store import SnapshotStore
 from tests.waiting import until

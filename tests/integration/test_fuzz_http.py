@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.up import LocalCluster
+from launch.local_cluster import LocalCluster
 from tests.loop_thread import LoopThread
 
 MODEL = "jetrouter-sim"

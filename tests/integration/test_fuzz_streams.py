@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as NATS
 
-from cluster.up import LocalCluster
 from eventlog.names import CONTROL, KV, ROUTER, Names
+from launch.local_cluster import LocalCluster
 from tests.fuzz_events import pack, payloads
 from tests.loop_thread import LoopThread
 

@@ -27,10 +27,10 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
-from eventlog import tokens
-from eventlog.server import free_port
+from launch.local_cluster import LocalCluster
+from natsops.server import free_port
 from tests.waiting import until
+from tokenization import tokens
 from workers.generation import expected_tokens
 
 HAPROXY = shutil.which("haproxy")

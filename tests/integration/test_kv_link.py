@@ -1,4 +1,4 @@
-"""workers/kv_link.py: an engine-side publisher that starts before NATS keeps trying, and is
+"""workers/engine_link.py: an engine-side publisher that starts before NATS keeps trying, and is
 connected, with the KV stream in place, once a real nats-server comes up on its address."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from eventlog.connect import NatsOptions
 from eventlog.names import KV, Names
-from eventlog.server import NatsServer, free_port
-from workers.kv_link import connect_kv_stream
+from natsops.server import NatsServer, free_port
+from workers.engine_link import connect_kv_stream
 
 
 @pytest.mark.timeout(60)

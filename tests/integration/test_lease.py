@@ -12,7 +12,7 @@ import pytest
 from nats.js import JetStreamContext
 
 from eventlog.names import Names
-from eventlog.server import NatsCluster, NatsServer
+from natsops.server import NatsCluster, NatsServer
 from snapshots.lease import LeaderLease
 
 NAMES = Names("jr")

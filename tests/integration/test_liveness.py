@@ -24,8 +24,8 @@ from eventlog import events as ev
 from eventlog.appender import Appender
 from eventlog.names import CONTROL, KV, ROUTER, Names
 from eventlog.reader import StreamReader
-from eventlog.server import NatsServer
 from eventlog.streams import stream_bounds
+from natsops.server import NatsServer
 from replicas.core.divergence import Divergence
 from replicas.core.state import RouterState
 from replicas.runtime.liveness import Heartbeat, Liveness, liveness_subject

@@ -19,7 +19,7 @@ from nats.aio.client import Client as NATS
 
 from eventlog import events as ev
 from eventlog.names import ROUTER, Names
-from eventlog.server import NatsCluster, NatsServer
+from natsops.server import NatsCluster, NatsServer
 from replicas.core.state import RouterState
 from replicas.runtime.liveness import Liveness, PeerStatus
 from tests.port_stub import PortIdentity

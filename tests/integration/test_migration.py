@@ -28,12 +28,12 @@ from api.forward.engine import HopFailed, SseSplitter
 from api.metrics import RouterMetrics
 from api.openai_schema import parse_request
 from api.tokenizer import ByteTokenizer
-from cluster.up import LocalCluster
-from eventlog import tokens
 from eventlog.events import RequestFinished
 from eventlog.names import ROUTER, Names
 from eventlog.reader import StreamReader
+from launch.local_cluster import LocalCluster
 from tests.waiting import until
+from tokenization import tokens
 from workers.generation import expected_tokens
 
 pytestmark = [pytest.mark.timeout(120)]

@@ -25,13 +25,13 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
 from eventlog.events import RequestRouted
 from eventlog.hashing import prompt_hashes
-from eventlog.model_tokenizer import ModelTokenizer
 from eventlog.names import ROUTER, Names
 from eventlog.reader import StreamReader
+from launch.local_cluster import LocalCluster
 from tests.waiting import until
+from tokenization.model_tokenizer import ModelTokenizer
 from workers.tinymodel import WORDS
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]

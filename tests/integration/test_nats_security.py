@@ -2,7 +2,7 @@
 
 The cluster is `jetrouter up --secure` (LocalCluster(secure=True)): a private CA and server
 certificate made with openssl, one password per identity, the server configuration rendered by
-eventlog/natsconf.py — the same code that renders deploy/nats/. Real replica, projector and
+natsops/natsconf.py — the same code that renders deploy/nats/. Real replica, projector and
 engine processes, each connected as its own identity.
 """
 
@@ -22,15 +22,15 @@ import nkeys
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
 from eventlog.appender import Appender, AppendFailed
 from eventlog.connect import NatsConnectFatal, NatsOptions, connect
 from eventlog.events import BlocksStored
 from eventlog.names import Names
-from eventlog.natsconf import Identity, ServerTls, render
-from eventlog.pki import Pki
-from eventlog.server import NatsServer
 from eventlog.streams import ensure_streams
+from launch.local_cluster import LocalCluster
+from natsops.natsconf import Identity, ServerTls, render
+from natsops.pki import Pki
+from natsops.server import NatsServer
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180),

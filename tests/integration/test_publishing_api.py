@@ -11,7 +11,7 @@ import pytest
 
 from eventlog.events import decode_batch
 from eventlog.hashing import prompt_hashes
-from eventlog.server import NatsServer
+from natsops.server import NatsServer
 from replicas.core.state import RouterState, StateConfig
 from tests.waiting import until
 from workers.publishing import KvPublisher, Names, Removed, WorkerRegistered, stored_blocks

@@ -13,8 +13,8 @@ from eventlog.appender import Appender
 from eventlog.events import BlocksStored, encode_batch
 from eventlog.names import KV, ROUTER, STREAM_KINDS, Names
 from eventlog.reader import StreamReader
-from eventlog.server import NatsServer
 from eventlog.streams import ensure_streams, stream_bounds
+from natsops.server import NatsServer
 from replicas.core.state import RouterState, StateConfig
 from tests.eventgen import interleave, router_history, worker_history
 

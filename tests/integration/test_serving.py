@@ -15,12 +15,12 @@ import pytest
 import pytest_asyncio
 
 from api.errors import SERVICE_UNAVAILABLE_BODY
-from cluster.up import LocalCluster
-from eventlog import tokens
 from eventlog.events import RequestFinished
 from eventlog.names import ROUTER, Names
 from eventlog.reader import StreamReader
+from launch.local_cluster import LocalCluster
 from tests.waiting import until
+from tokenization import tokens
 from workers.generation import expected_tokens
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]

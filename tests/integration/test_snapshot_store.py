@@ -20,7 +20,7 @@ from nats.js.api import ObjectInfo
 from nats.js.kv import MSG_ROLLUP_SUBJECT
 
 from eventlog.names import Names
-from eventlog.server import NatsCluster
+from natsops.server import NatsCluster
 from replicas.core.state import RouterState
 from snapshots.store import SnapshotCorrupt, SnapshotNotFound, SnapshotStore
 from tests.eventgen import worker_history

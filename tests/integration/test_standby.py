@@ -1,4 +1,4 @@
-"""The pre-imported standby (api/standby.py, cluster/standby_pool.py): a SIGKILLed replica of
+"""The pre-imported standby (api/standby.py, launch/standby_pool.py): a SIGKILLed replica of
 `LocalCluster(standby=True)` comes back as the standby process, routes, and a new standby waits."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from api.standby import READY_LINE, activation_line
-from cluster.up import LocalCluster
+from launch.local_cluster import LocalCluster
 from tests.waiting import until
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,8 +17,8 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
-from eventlog.server import free_port
+from launch.local_cluster import LocalCluster
+from natsops.server import free_port
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]

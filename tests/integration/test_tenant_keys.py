@@ -17,8 +17,8 @@ import openai
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
 from eventlog.names import STREAM_KINDS, Names
+from launch.local_cluster import LocalCluster
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]

@@ -21,9 +21,9 @@ import openai
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
 from eventlog.events import RequestRouted, decode_batch
 from eventlog.names import Names
+from launch.local_cluster import LocalCluster
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]

@@ -11,9 +11,9 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from cluster.up import LocalCluster
-from eventlog.model_tokenizer import ModelTokenizer
+from launch.local_cluster import LocalCluster
 from tests.waiting import until
+from tokenization.model_tokenizer import ModelTokenizer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 MODEL = "jetrouter-sim"

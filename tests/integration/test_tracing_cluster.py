@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from bench.otlp_receiver import HttpReceiver
-from cluster.up import LocalCluster, forwarded_args
+from cluster.up import forwarded_args
+from launch.local_cluster import LocalCluster
 from tests.waiting import until
 
 pytestmark = [pytest.mark.timeout(120)]

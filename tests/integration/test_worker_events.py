@@ -23,7 +23,7 @@ from eventlog.events import (
 )
 from eventlog.hashing import tokens_hashes
 from eventlog.names import Names
-from eventlog.tokens import encode
+from tokenization.tokens import encode
 from workers.procs import WorkerProcess
 
 NAMES = Names("jr")

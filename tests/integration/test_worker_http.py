@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from eventlog.tokens import chat_prompt, decode, encode
+from tokenization.tokens import chat_prompt, decode, encode
 from workers.faults import CRASH_EXIT_CODE
 from workers.generation import expected_tokens
 from workers.procs import WorkerProcess

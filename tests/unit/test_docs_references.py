@@ -10,12 +10,13 @@ a file moves, so they are checked here rather than by review.
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DESIGN = ROOT / "docs" / "design.md"
-SOURCE_PACKAGES = ("eventlog", "replicas", "snapshots", "api", "workers", "bench", "cluster",
-                   "leanhttp")
+SOURCE_PACKAGES = tuple(
+    tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"])
 
 SECTION_HEADING = re.compile(r"^## (\d+)\. \S", re.MULTILINE)
 # "design.md §7", "design.md §9-§10", "design.md §2 and §7"; a reference may wrap onto the next

@@ -1,4 +1,4 @@
-"""Every exception class jetrouter defines descends from ``eventlog.errors.JetrouterError``.
+"""Every exception class jetrouter defines descends from ``errors.root.JetrouterError``.
 
 Read from the source (no imports), so modules with optional dependencies are checked too: a class
 whose bases name a built-in exception must also name ``JetrouterError``; classes built on those
@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import ast
 import builtins
+import tomllib
 from pathlib import Path
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("eventlog", "replicas", "snapshots", "api", "workers", "bench", "cluster", "leanhttp")
+PACKAGES = tuple(
+    tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"])
 BUILTIN_EXCEPTIONS = {name for name, value in vars(builtins).items()
                       if isinstance(value, type) and issubclass(value, BaseException)}
 

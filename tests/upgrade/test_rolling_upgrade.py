@@ -32,7 +32,8 @@ import pytest
 
 from cluster.chaos_load import LoadDriver, Sent, summarize_failures
 from cluster.chaos_scenarios import Probe
-from cluster.up import Child, LocalCluster
+from launch.children import Child
+from launch.local_cluster import LocalCluster
 from tests.waiting import until
 
 PREVIOUS = os.environ.get("JETROUTER_PREVIOUS_PYTHON", "")

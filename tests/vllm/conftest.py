@@ -57,7 +57,7 @@ def vllm_model() -> Path:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def vllm_cluster(vllm_model: Path, vllm_dir: Path) -> AsyncIterator[object]:
-    from cluster.vllm_cluster import VllmCluster, router_model_args
+    from launch.vllm_cluster import VllmCluster, router_model_args
 
     cluster = VllmCluster(
         python=vllm_env.venv_python(), model_dir=vllm_model,

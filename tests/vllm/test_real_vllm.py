@@ -94,7 +94,7 @@ async def test_same_prefix_goes_to_the_engine_that_cached_it_via_another_replica
 
 
 async def test_chat_request_hashes_like_the_engine(vllm_cluster: Any) -> None:
-    model_tokenizer = pytest.importorskip("eventlog.model_tokenizer")
+    model_tokenizer = pytest.importorskip("tokenization.model_tokenizer")
     cluster = vllm_cluster
     system = " ".join(f"Rule {i}: the router caches every block of the prompt prefix."
                       for i in range(12))

@@ -47,7 +47,7 @@ def token_ids(seed: int, n: int) -> list[int]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pd_cluster(vllm_model: Path, vllm_dir: Path) -> AsyncIterator[Any]:
-    from cluster.vllm_cluster import VllmCluster, router_model_args
+    from launch.vllm_cluster import VllmCluster, router_model_args
 
     cluster = VllmCluster(
         python=vllm_env.venv_python(), model_dir=vllm_model, data_dir=vllm_dir / "cluster",

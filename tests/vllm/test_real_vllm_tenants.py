@@ -32,7 +32,7 @@ PREDICTED_HEADER = "x-jetrouter-predicted-cached-tokens"
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def tenant_cluster(vllm_model: Path, vllm_dir: Path) -> AsyncIterator[Any]:
-    from cluster.vllm_cluster import VllmCluster, router_model_args
+    from launch.vllm_cluster import VllmCluster, router_model_args
 
     keys = vllm_dir / "keys.json"
     keys.write_text(json.dumps({"key-iso": "iso", "key-other": "other"}))

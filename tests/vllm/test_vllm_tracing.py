@@ -56,7 +56,7 @@ async def traced_cluster(vllm_model: Path, vllm_dir: Path, receiver: HttpReceive
                          ) -> AsyncIterator[Any]:
     if not _vllm_can_trace():
         pytest.skip("the vLLM environment has no OpenTelemetry SDK/exporter: vLLM cannot trace")
-    from cluster.vllm_cluster import VllmCluster, router_model_args
+    from launch.vllm_cluster import VllmCluster, router_model_args
 
     saved = os.environ.get(PROTOCOL)
     # Both processes inherit it: vLLM's default is grpc, the receiver speaks OTLP/HTTP.

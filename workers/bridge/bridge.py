@@ -33,9 +33,9 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
+from errors.root import JetrouterError
 from eventlog.appender import Appender, AppendFailed
 from eventlog.connect import NatsOptions
-from eventlog.errors import JetrouterError
 from eventlog.events import EngineKind, Event, Role, WorkerRegistered, WorkerRetired
 from eventlog.names import KV, Names
 from workers.bridge.decode import BadPayload, EngineStored, decode_payload
@@ -50,8 +50,12 @@ from workers.bridge.resume import (
 )
 from workers.bridge.translate import CacheMirror, Translator
 from workers.bridge.zmqio import Frame, LiveFeed, ReplayUnavailable, replay
-from workers.kv_link import connect_kv_stream
-from workers.publisher import MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, block_count
+from workers.engine_link import (
+    MAX_BLOCKS_PER_MESSAGE,
+    MAX_EVENTS_PER_MESSAGE,
+    block_count,
+    connect_kv_stream,
+)
 
 log = logging.getLogger(__name__)
 

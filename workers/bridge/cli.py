@@ -19,8 +19,8 @@ from eventlog.connect import (
     check_files,
     options_from_args,
 )
-from eventlog.flags import CliError, add_options, build
 from eventlog.names import check_token
+from settings.flags import CliError, add_options, build
 from workers.bridge.bridge import Bridge, BridgeConfigInvalid, BridgeSettings
 from workers.bridge.config import BRIDGE
 

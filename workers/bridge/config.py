@@ -1,15 +1,15 @@
-"""The bridge's options (`jetrouter bridge`), each declared once (see eventlog/flags.py).
+"""The bridge's options (`jetrouter bridge`), each declared once (see settings/flags.py).
 
 The option names are :class:`workers.bridge.bridge.BridgeSettings`' field names, so the settings
-are built from the parsed flags by name (:func:`eventlog.flags.build`).
-To add an option or an alias: one line in the group it belongs to (eventlog/flags.py says how).
+are built from the parsed flags by name (:func:`settings.flags.build`).
+To add an option or an alias: one line in the group it belongs to (settings/flags.py says how).
 """
 
 from __future__ import annotations
 
 from eventlog.connect import NAMESPACE, NATS_SECURITY
 from eventlog.events import EngineKind, Role
-from eventlog.flags import Group, Option, find
+from settings.flags import Group, Option, find
 
 
 def zmq_endpoint(raw: str) -> str:

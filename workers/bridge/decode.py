@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 MASK64 = (1 << 64) - 1
 DEVICE_MEDIUM = "GPU"

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 _PREFIXES = ("vllm:", "sglang:")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 END_SEQ = b"\xff" * 8
 

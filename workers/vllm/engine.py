@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from eventlog.server import free_ports
+from natsops.server import free_ports
 from workers.vllm.env import child_preexec
 
 DEFAULT_BLOCK_SIZE = 32

@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV_ENV_VAR = "JETROUTER_VLLM_VENV"

@@ -19,7 +19,7 @@ from eventlog.log import EventLog, LogReader
 from eventlog.memory import MemoryLog
 from eventlog.names import CONTROL, KV, Names
 from eventlog.reader import StartPurged
-from eventlog.server import NatsServer
+from natsops.server import NatsServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""The flag registry (eventlog/flags.py) and the one CLI error path (api/cli.py): every verb
+"""The flag registry (settings/flags.py) and the one CLI error path (api/cli.py): every verb
 refuses a bad flag or a bad JETROUTER_* value with one line and exit status 2, `--help` lists
 every declared option with its variable, and the typed configs take the declared defaults."""
 
@@ -15,7 +15,7 @@ from api.forward import Forwarder
 from api.metrics import RouterMetrics
 from cluster import up
 from eventlog.connect import NATS_SECURITY
-from eventlog.flags import (
+from settings.flags import (
     CliError,
     Group,
     OneLineParser,

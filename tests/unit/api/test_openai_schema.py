@@ -10,7 +10,7 @@ import pytest
 from api.errors import ApiError
 from api.openai_schema import ParsedRequest, parse_request
 from api.tokenizer import ByteTokenizer
-from eventlog import tokens
+from tokenization import tokens
 
 TOK = ByteTokenizer()
 LIMIT = 1000

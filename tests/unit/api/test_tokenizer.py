@@ -18,7 +18,7 @@ from api.tokenizer import (
     TokenizerLoadError,
     load_tokenizer,
 )
-from eventlog import tokens
+from tokenization import tokens
 
 SENTENCES = [
     "the router sends each request to the worker with the best cache",

@@ -1,4 +1,4 @@
-"""compose.yaml and deploy/ stay consistent (cluster/checkconfig.py), since CI cannot run Docker.
+"""compose.yaml and deploy/ stay consistent (cluster/checkconfig/), since CI cannot run Docker.
 
 The real files must check clean; each mutated copy must produce the one problem it plants. Every
 mutation asserts its text is present first, so a test cannot pass by mutating nothing.
@@ -17,15 +17,11 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from cluster.checkconfig import (
-    check_compose,
-    dockerfile_copied,
-    dockerfile_instructions,
-    main,
-    parse_haproxy,
-    parse_nats_flags,
-    required_variables,
-)
+from cluster.checkconfig.checker import check_compose, required_variables
+from cluster.checkconfig.cli import main
+from cluster.checkconfig.dockerfile import dockerfile_copied, dockerfile_instructions
+from cluster.checkconfig.haproxy import parse_haproxy
+from cluster.checkconfig.nats import parse_nats_flags
 
 pytest.importorskip("yaml")
 
@@ -320,12 +316,13 @@ def test_haproxy_defaults_are_inherited_and_overridden() -> None:
 
 # --- the image installs only pyproject's runtime dependencies ----------------------------------
 
-PACKAGES = ("eventlog", "replicas", "snapshots", "api", "workers", "leanhttp")
+PACKAGES = ("errors", "settings", "eventlog", "tokenization", "natsops", "replicas", "snapshots",
+            "api", "workers", "leanhttp")
 
 
 def _required_imports(path: Path) -> set[str]:
     """Top-level third-party modules a file imports, minus those guarded by `except ImportError`
-    (optional ones, like PyYAML in cluster/checkconfig.py)."""
+    (optional ones, like PyYAML in cluster/checkconfig/compose.py)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     optional: set[int] = set()
     for node in ast.walk(tree):
@@ -422,7 +419,7 @@ def test_secured_override_mutation_is_reported(copy: Path, old: str, new: str,
 
 
 def test_committed_nats_config_is_the_rendered_one() -> None:
-    from cluster.secure import compose_config
+    from natsops.secure import compose_config
 
     assert (ROOT / "deploy" / "nats" / "jetrouter.conf").read_text() == compose_config(), \
-        "deploy/nats/jetrouter.conf drifted from cluster/secure.py compose_config(): re-render it"
+        "deploy/nats/jetrouter.conf drifted from natsops/secure.py compose_config(): re-render it"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cluster.up import LocalCluster, _plain_workers, add_arguments
+from cluster.up import _plain_workers, add_arguments
+from launch.local_cluster import LocalCluster
 
 
 def parse(*argv: str) -> argparse.Namespace:

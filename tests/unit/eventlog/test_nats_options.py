@@ -1,4 +1,4 @@
-"""NATS connection options (eventlog/connect.py), server permissions (eventlog/natsconf.py) and
+"""NATS connection options (eventlog/connect.py), server permissions (natsops/natsconf.py) and
 subject binding (eventlog/binding.py) — the parts that need no server. The real server is in
 tests/integration/test_nats_security.py."""
 
@@ -24,7 +24,7 @@ from eventlog.connect import (
 )
 from eventlog.events import BlocksStored, ReplicaLost, RequestFinished, RequestRouted
 from eventlog.names import Names
-from eventlog.natsconf import Identity, permissions, render
+from natsops.natsconf import Identity, permissions, render
 
 NAMES = Names("jr")
 FLAGS = ["--nats-user", "r1", "--nats-password-file", "PW", "--nats-tls-ca", "CA",

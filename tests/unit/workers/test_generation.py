@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from eventlog.hashing import tokens_hashes
-from eventlog.tokens import VOCAB_SIZE, chat_prompt, decode, encode
+from tokenization.tokens import VOCAB_SIZE, chat_prompt, decode, encode
 from workers.generation import ContextState, expected_tokens, next_token, wrong_token
 from workers.scheduler import EngineConfig, EngineCore
 

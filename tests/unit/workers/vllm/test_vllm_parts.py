@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.demo_vllm import format_prediction, prediction_summary
+from bench.demo_vllm import format_prediction, prediction_summary
 from workers.vllm.engine import VllmEngine
 
 

@@ -5,7 +5,7 @@ tiny random-weight Llama and an offline-trained tokenizer (once, under ~/.cache/
 vLLM keys its compile cache by the model's path, so a fixed path starts engines faster on every
 later run; the cluster's own data and logs go to a temporary dir), starts NATS, N
 vLLM engines (concurrently, with a progress line), one `jetrouter bridge` per engine and the
-router replicas (`cluster.vllm_cluster`). Then, for each router mode, it empties the engines' prefix
+router replicas (`launch.vllm_cluster`). Then, for each router mode, it empties the engines' prefix
 caches, starts fresh replicas in that mode, replays the same workload through them with the bench
 client (`bench`), and finally prints both runs side by side: the engine-reported cached-token
 rate (``usage.prompt_tokens_details.cached_tokens``), TTFT percentiles, and how far the router's
@@ -38,7 +38,7 @@ from bench import report
 from bench.cli import build_summaries
 from bench.client import OK, BenchOptions, RunResult, run_trace_bench
 from bench.trace import GeneratorParams, TraceRecord, describe_records, generate, select
-from cluster.vllm_cluster import EngineStartError, VllmCluster, router_model_args
+from launch.vllm_cluster import EngineStartError, VllmCluster, router_model_args
 from workers.vllm import env as vllm_env
 
 BLOCK_SIZE = 32
@@ -53,7 +53,7 @@ VOCAB = 2000
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags that only the real-engine demo reads (`cluster.demo` owns the shared ones)."""
+    """Flags that only the real-engine demo reads (`bench.demo` owns the shared ones)."""
     g = p.add_argument_group("real engines (--engine vllm)")
     g.add_argument("--vllm-engines", type=int, default=2, help="vLLM engines (default 2)")
     g.add_argument("--vllm-layers", type=int, default=2,

@@ -2,11 +2,11 @@
 router replicas (the demo and the opt-in real-vLLM tests share it).
 
 Start order: nats-server; every engine at once (each takes 25-45 s to load and compile, so they
-start concurrently and a progress line shows what each is doing); one `jetrouter bridge` per
-engine (registers it as a worker and carries its ZMQ KV events into ``JR_KV``); then the router
-replicas (`cluster.up.LocalCluster` with no simulated workers, on the same NATS). Replicas can be
-stopped and started again in another router mode while engines and bridges keep running, which
-is what lets the demo compare modes without paying for engine start-up twice.
+start concurrently and a progress line shows what each is doing); one `jetrouter bridge` per engine
+(registers it as a worker and carries its ZMQ KV events into ``JR_KV``); then the router replicas
+(`launch.local_cluster.LocalCluster` with no simulated workers, on the same NATS). Replicas can be
+stopped and started again in another router mode while engines and bridges keep running, which is
+what lets the demo compare modes without paying for engine start-up twice.
 
 Every child runs in its own process group with SIGTERM-on-parent-death, and `stop` takes them
 down in reverse order, so Ctrl-C or a failing test leaves nothing behind.
@@ -28,9 +28,9 @@ from typing import Any, TextIO
 
 import httpx
 
-from cluster.up import LocalCluster
-from eventlog.errors import JetrouterError
-from eventlog.server import NatsServer
+from errors.root import JetrouterError
+from launch.local_cluster import LocalCluster
+from natsops.server import NatsServer
 from workers.vllm.engine import DEFAULT_BLOCK_SIZE, VllmEngine
 from workers.vllm.env import REPO_ROOT, child_preexec
 

@@ -14,7 +14,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 
 class CertificateNotMade(JetrouterError, RuntimeError):

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 ENV_PREFIX = "JETROUTER_"
 TRUE_WORDS = ("1", "true", "yes", "on")

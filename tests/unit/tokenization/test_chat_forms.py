@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from eventlog.chat_forms import FormError, anthropic_messages, responses_messages
+from tokenization.chat_forms import FormError, anthropic_messages, responses_messages
 
 
 def test_responses_instructions_and_text_input() -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
 
 RESPONSES_ROLES = ("user", "assistant", "system", "developer")
 ANTHROPIC_ROLES = ("user", "assistant")

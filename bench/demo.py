@@ -3,9 +3,9 @@
 The workload is the built-in Mooncake-format generator by default (multi-turn chats sharing a few
 system prompts): its prefix reuse shows within a one-minute replay, whereas a few minutes of the
 Mooncake conversation trace reuse little (use ``--trace PATH`` for a real trace, and make the slice
-long). For each router mode a fresh local cluster is started (`cluster.up.LocalCluster`: embedded
-nats-server, router replicas, simulated workers), the same slice of the trace is replayed through
-the routers (`bench`), and the cluster is stopped; then both runs are printed side by side.
+long). For each router mode a fresh local cluster is started (`launch.local_cluster.LocalCluster`:
+embedded nats-server, router replicas, simulated workers), the same slice of the trace is replayed
+through the routers (`bench`), and the cluster is stopped; then both runs are printed side by side.
 Defaults are sized to finish in about two minutes on a 2-core machine; the flags make it bigger.
 """
 
@@ -91,8 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     p.add_argument("--engine", choices=("sim", "vllm"), default="sim",
                    help="sim: simulated workers (default); vllm: real vLLM engines behind "
-                        "`jetrouter bridge` (cluster/demo_vllm.py; `make demo-vllm`)")
-    from cluster import demo_vllm
+                        "`jetrouter bridge` (bench/demo_vllm.py; `make demo-vllm`)")
+    from bench import demo_vllm
 
     demo_vllm.add_arguments(p)
 
@@ -130,7 +130,7 @@ async def _demo(args: argparse.Namespace) -> int:
         raise CliError(f"cannot load the trace: {exc}") from None
     if not records:
         raise CliError("no requests in the selected slice (check --start-offset)")
-    from cluster.up import check_model_path
+    from launch.local_cluster import check_model_path
 
     check_model_path(str(args.model_path) if args.model_path else None)
     spec = ClusterSpec(replicas=args.replicas, workers=args.workers,
@@ -162,12 +162,12 @@ async def _demo(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from api.cli import CliError
-    from cluster.up import ClusterStartError
-    from eventlog.server import NatsServerNotFound
+    from launch.local_cluster import ClusterStartError
+    from natsops.server import NatsServerNotFound
 
     try:
         if args.engine == "vllm":
-            from cluster import demo_vllm
+            from bench import demo_vllm
 
             return demo_vllm.run(args, ("kv", args.compare))
         return asyncio.run(_demo(args))

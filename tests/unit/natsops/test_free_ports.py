@@ -1,11 +1,11 @@
-"""`eventlog.server.free_port(s)`: ports to listen on, safe from outgoing connections."""
+"""`natsops.server.free_port(s)`: ports to listen on, safe from outgoing connections."""
 
 from __future__ import annotations
 
 import socket
 from pathlib import Path
 
-from eventlog.server import free_port, free_ports
+from natsops.server import free_port, free_ports
 
 
 def ephemeral_low() -> int | None:

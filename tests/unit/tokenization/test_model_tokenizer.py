@@ -1,4 +1,4 @@
-"""eventlog.model_tokenizer on a real model folder (workers/tinymodel.py, trained offline):
+"""tokenization.model_tokenizer on a real model folder (workers/tinymodel.py, trained offline):
 completions get the tokenizer's BOS, chats render the template and add nothing, and the router
 (api.openai_schema) and the simulated engine (workers.openai_shapes) compute identical ids."""
 
@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from api.errors import ApiError
 from api.openai_schema import parse_request as router_parse
 from api.tokenizer import HuggingFaceTokenizer, load_model_tokenizer
-from eventlog.model_tokenizer import (
+from tokenization.model_tokenizer import (
     ByteCodec,
     ChatTemplateFailed,
     ModelFolderUnusable,

@@ -1,6 +1,6 @@
 """A model folder's tokenizer and chat template, applied as an OpenAI-compatible engine does.
 
-The router and the simulated engine both import this (workers may import only ``eventlog``), so
+The router and the simulated engine both import this (``tokenization`` lies below both), so
 "text -> token ids" has one implementation: a router can only predict which KV blocks an engine
 caches if it turns a request into the engine's own token ids. The rules follow vLLM's OpenAI
 server, which is what real engines behind jetrouter run:
@@ -14,7 +14,8 @@ server, which is what real engines behind jetrouter run:
   template writes the BOS itself, and adding another would shift every block boundary;
 * token-id prompts are never touched.
 
-Without a model folder the byte tokenizer of :mod:`eventlog.tokens` stays the rule on both sides.
+Without a model folder the byte tokenizer of :mod:`tokenization.tokens` stays the rule on both
+sides.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from eventlog import tokens
-from eventlog.errors import JetrouterError
+from errors.root import JetrouterError
+from tokenization import tokens
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
