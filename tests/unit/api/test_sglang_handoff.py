@@ -56,9 +56,11 @@ def prefill_answer(chat: bool) -> dict[str, Any]:
 class Pair:
     """An SGLang prefill stand-in that answers once the decode stand-in got its request."""
 
-    def __init__(self, chat: bool, *, prefill_status: int = 200) -> None:
+    def __init__(self, chat: bool, *, prefill_status: int = 200,
+                 head_first: bool = False) -> None:
         self.chat = chat
         self.prefill_status = prefill_status
+        self.head_first = head_first  # a waiting decode engine has sent its response head
         self.decode_arrived = asyncio.Event()
         self.release = asyncio.Event()  # set at the end: frees a decode request still held
         self.decoded = ["Dis", "agg", "regated"]
@@ -74,6 +76,8 @@ class Pair:
             return Reply(events=completion_events(self.aggregated, chat=self.chat, model=MODEL))
         self.decode_arrived.set()
         if self.prefill_status != 200:  # waits for blocks that never come
+            if self.head_first:
+                return Reply(events=[], hold_events=self.release)
             return Reply(events=[], hold=self.release)
         return Reply(events=completion_events(self.decoded, chat=self.chat, model=MODEL))
 
@@ -164,11 +168,14 @@ async def test_both_engines_get_the_bootstrap_fields_concurrently(chat: bool) ->
     assert counter(metrics, DISAGG, "outcome") == {"disaggregated": 1.0}
 
 
-async def test_a_failed_prefill_ends_the_waiting_decode_hop_and_falls_back() -> None:
+@pytest.mark.parametrize("head_first", [False, True], ids=["before-head", "after-head"])
+async def test_a_failed_prefill_ends_the_waiting_decode_hop_and_falls_back(
+        head_first: bool) -> None:
     """The prefill engine answers 500 while the decode engine waits for blocks (a real one
-    would wait for its own timeout): the router ends that hop at once, without blaming the
-    decode engine, and sends the request again without the hand-off."""
-    pair = Pair(False, prefill_status=500)
+    would wait for its own timeout), before or after sending its response head: the router
+    ends that hop at once, without blaming the decode engine, and sends the request again
+    without the hand-off."""
+    pair = Pair(False, prefill_status=500, head_first=head_first)
     path, body = client_body(False)
     async with sglang_pair(pair) as (_, dec, url, replica):
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
