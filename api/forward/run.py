@@ -159,6 +159,8 @@ class Run:
     def _end_hop(self, hop: Hop, outcome: Outcome) -> None:
         if not hop.ended:
             hop.ended = True
+            if self.beside is not None and hop is self.cont.hops[0]:
+                self.beside.decode_ended()  # however it ended: a prefill for nobody stops
             cached = hop.cached_tokens
             self.ctx.replica.finished(hop.request_id, outcome, hop.count, cached)
             if cached >= 0:
@@ -409,8 +411,6 @@ class Run:
     async def abandon(self) -> None:
         """End whatever is still open as cancelled (no-op after a normal end)."""
         self._end_hop(self.hop, Outcome.CANCELLED)  # bookkeeping first: it must not wait on I/O
-        if self.beside is not None:
-            self.beside.decode_ended()
         self._end_request(Outcome.CANCELLED)
         await self._close()
 
