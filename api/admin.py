@@ -101,6 +101,7 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
                 "worker_id": w.worker_id, "url": w.url, "model": w.model,
                 "block_size": w.block_size, "kv_total_blocks": w.kv_total_blocks,
                 "dp_size": w.dp_size, "role": w.role, "engine_kind": w.engine_kind,
+                "bootstrap_port": w.bootstrap_port or None,
                 "health": state.health.get(w.worker_id, "healthy"),
                 "cached_blocks": sum(state.index.tree_size(k) for k in keys),
                 # What routing judges by: prefill decayed to event time, output blocks weighted.

@@ -110,6 +110,11 @@ class WorkerRegistered(_Event, frozen=True, tag=True):
     # The engine software (an EngineKind; the bridge finds it in the engine's /metrics). Older
     # events decode as "jetrouter", the only hand-off protocol routers spoke before.
     engine_kind: Annotated[str, msgspec.Meta(max_length=32)] = EngineKind.JETROUTER
+    # An SGLang prefill engine's bootstrap server port (--disaggregation-bootstrap-port), which
+    # the router names to both engines of a hand-off (api/forward/sglang_handoff.py); 0: not
+    # given. Releases before the field skip it (msgspec ignores unknown fields) and serve such
+    # an engine's requests as they did before; the state leaves it out of its digest.
+    bootstrap_port: Annotated[int, msgspec.Meta(ge=0, lt=2**16)] = 0
 
 
 class WorkerRetired(_Event, frozen=True, tag=True):
@@ -184,6 +189,11 @@ class RequestRouted(_Event, frozen=True, tag=True):
     # max_tokens; 0 on a later hop of the same request, which was admitted once).
     tenant: Annotated[str, msgspec.Meta(max_length=128)] = ""
     tenant_tokens: Count = 0
+    # A decode decision's KV hand-off: the blocks its engine receives from the prefill hop
+    # (vLLM: the remote block ids the prefill answer names; SGLang: the prompt's blocks), for
+    # the decision ledger. -1: not a hand-off, or an older message. No replica's state reads
+    # it, so releases before the field (which skip it) compute the same state.
+    transfer_blocks: Annotated[int, msgspec.Meta(ge=-1, le=MAX_COUNT)] = -1
 
 
 class PrefillCompleted(_Event, frozen=True, tag=True):

@@ -89,8 +89,9 @@ def prepare(directory: Path, replica_ids: Sequence[str], worker_ids: Sequence[st
 # --- Docker Compose ------------------------------------------------------------------------------
 
 COMPOSE_REPLICAS = ("r1", "r2", "r3")
-# vllm1: the bridge of the `vllm` profile publishes as that engine.
-COMPOSE_WORKERS = ("w1", "w2", "w3", "w4", "vllm1")
+# vllm1: the bridge of the `vllm` profile publishes as that engine; vllm-prefill and
+# vllm-decode: the bridges of the `vllm-pd` profile.
+COMPOSE_WORKERS = ("w1", "w2", "w3", "w4", "vllm1", "vllm-prefill", "vllm-decode")
 COMPOSE_NATS = ("nats1", "nats2", "nats3")
 CONTAINER_DIR = "/etc/nats"  # where compose.secure.yaml mounts deploy/nats
 
@@ -108,10 +109,10 @@ def compose_config(names: Names | None = None) -> str:
         "# nats-server configuration for",
         "#   docker compose -f compose.yaml -f compose.secure.yaml up -d",
         "# Rendered by natsops/secure.py compose_config() (a test keeps this file equal to it):",
-        "# one account, one user per replica (r1-r3) and engine (w1-w4, vllm1) with only the",
-        "# subjects its role needs (natsops/natsconf.py says which, and why), an unrestricted",
-        "# admin user, TLS for clients. No secret is here: `python -m natsops.secure compose`",
-        "# writes them to deploy/nats/secrets/ (git-ignored), which defines $PW_* below.",
+        "# one account, one user per replica (r1-r3) and engine (w1-w4, the vLLM bridges) with",
+        "# only the subjects its role needs (natsops/natsconf.py says which and why), an",
+        "# unrestricted admin user, TLS for clients. No secret is here: `python -m natsops.secure",
+        "# compose` writes them to deploy/nats/secrets/ (git-ignored), which defines $PW_* below.",
         "# Cluster routes stay plain TCP inside the compose network.",
         'include "secrets/passwords.conf"',
     ])

@@ -91,6 +91,9 @@ decision_ledger = Table(
     Column("cached_tokens", Integer),
     # The tenant the request was admitted for (NULL: none, or routed before tenants existed).
     Column("tenant", String(128)),
+    # A decode decision's KV hand-off: the blocks its engine receives from the prefill hop
+    # (RequestRouted.transfer_blocks; NULL: not a hand-off, or routed before it was recorded).
+    Column("transfer_blocks", Integer),
     # ReplicaLost looks for the open requests of one replica.
     Index("ix_decision_ledger_open", "replica_id", "finished_ts"),
 )
@@ -133,7 +136,7 @@ def make_engine(url: str) -> AsyncEngine:
 # Nullable columns added after a table's first release: a database written by an older
 # version gets them with ALTER TABLE at start (rows it already holds read NULL: unknown).
 ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
-    "decision_ledger": ("predicted_tokens", "cached_tokens", "tenant"),
+    "decision_ledger": ("predicted_tokens", "cached_tokens", "tenant", "transfer_blocks"),
 }
 
 

@@ -15,6 +15,10 @@ not depend on how messages were grouped (a rebuild by replay groups them differe
 * an update that arrives before its row exists hits nothing, as it would applied alone;
 * ``RequestFinished`` carries the engine's ``cached_tokens`` (when it reported them), kept in
   the row beside ``predicted_tokens`` (``overlap_blocks * block_size`` of the decision);
+* a disaggregated request's decode decision carries the KV blocks its engine receives
+  (``transfer_blocks``); the time the hand-off took is read from the hops' rows
+  (:func:`_phases`). Bytes are not recorded: neither vLLM's ``kv_transfer_params`` nor SGLang's
+  answers say how many a request moved (vLLM counts them only in its own metrics);
 * ``ReplicaLost`` flushes pending updates before marking stored rows, so "still open" means open
   at that point of the stream;
 * retention drops rows whose ``routed_ts`` is older than a cutoff computed from the newest event
@@ -48,11 +52,21 @@ CANDIDATE_FIELDS = (
 def _phases(rows: list[dict[str, Any]]) -> None:
     """Name each hop's part: ``prefill`` (hop -1), ``decode`` (the first hop after a prefill
     hop that handed its blocks over), else ``aggregated`` (no prefill hop, a prefill hop that
-    failed, or a migration hop: those prefill on their own engine)."""
-    handed_over = any(r["hop"] == PREFILL_HOP and r["outcome"] == ev.Outcome.OK for r in rows)
+    failed, or a migration hop: those prefill on their own engine).
+
+    The decode hop also gets ``handoff_s``: from the prefill hop's answer (its finish) to the
+    decode engine's first token, both stamped by the replica that ran them (NULL until both
+    happened). The two requests of an SGLang hand-off run concurrently and its prefill engine
+    answers once the blocks are across, so there it is near 0, and negative when the prefill
+    answer came after the first token."""
+    prefill = next((r for r in rows if r["hop"] == PREFILL_HOP
+                    and r["outcome"] == ev.Outcome.OK), None)
     for r in rows:
         r["phase"] = ("prefill" if r["hop"] == PREFILL_HOP
-                      else "decode" if r["hop"] == 0 and handed_over else "aggregated")
+                      else "decode" if r["hop"] == 0 and prefill is not None else "aggregated")
+        r["handoff_s"] = None
+        if r["phase"] == "decode" and prefill is not None and r["prefill_ts"] is not None:
+            r["handoff_s"] = r["prefill_ts"] - prefill["finished_ts"]
 
 
 class LedgerView:
@@ -219,6 +233,7 @@ def _routed_row(seq: int, e: ev.RequestRouted) -> dict[str, Any]:
         "predicted_tokens": e.overlap_blocks * e.block_size if e.block_size > 0 else None,
         "cached_tokens": None,
         "tenant": e.tenant or None,
+        "transfer_blocks": e.transfer_blocks if e.transfer_blocks >= 0 else None,
     }
 
 

@@ -34,6 +34,9 @@ class Reply:
     break_after: int | None = None
     text: str | None = None          # a plain-text answer (a Prometheus page)
     hold: asyncio.Event | None = None  # answer only once this is set (an engine that is stuck)
+    # Send the head of the stream at once, its events only once this is set (an engine that
+    # accepted the request and waits for something before its first token).
+    hold_events: asyncio.Event | None = None
 
 
 Answer = Callable[[Received], Reply]
@@ -84,6 +87,9 @@ class StandinEngine:
             return True
         writer.write(f"HTTP/1.1 {reply.status} X\r\ncontent-type: text/event-stream\r\n"
                      "transfer-encoding: chunked\r\n\r\n".encode())
+        if reply.hold_events is not None:
+            await writer.drain()
+            await reply.hold_events.wait()
         for i, event in enumerate(reply.events):
             if reply.break_after is not None and i >= reply.break_after:
                 await writer.drain()

@@ -96,7 +96,8 @@ class Forwarder:
                       routed: Routed, transfer: dict[str, Any] | None = None) -> Response:
         """``transfer``: the KV transfer handle of a disaggregated request's prefill hop, passed
         to the decode engine with the first hop."""
-        run = Run(self.context, endpoint, parsed, raw, routed, transfer)
+        run = Run(self.context, endpoint, parsed, raw, routed, transfer,
+                  self.prefill.concurrent.pop(routed.request_id, None))
         early = await run.open_first()
         headers = replica_headers(self.replica.replica_id, run.first_worker, routed.request_id)
         # The reuse this replica predicted on the engine it picked (compare with the usage's

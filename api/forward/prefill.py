@@ -19,6 +19,10 @@ The hand-off speaks the prefill engine's protocol (``WorkerRegistered.engine_kin
   {"do_remote_decode": true}``, one token, not streamed, on the route the client used; the
   answer's ``kv_transfer_params`` go to the decode engine at the top level of its body, and it
   pulls the blocks (NIXL) instead of computing the prompt;
+* **SGLang** (:mod:`api.forward.sglang_handoff`): both decisions first, then the client's
+  request with ``bootstrap_host``/``bootstrap_port``/``bootstrap_room`` to the prefill engine
+  and the decode engine *concurrently* (:class:`~api.forward.sglang_handoff.ConcurrentPrefill`,
+  which the decode hop's run watches); the prefill hop ends when its engine answers;
 * **jetrouter** (the simulated engine, workers/handoff.py): ``POST /v1/prefill`` with the
   routed token ids; the handle goes to the decode engine as ``"jetrouter": {"kv_transfer":
   ...}``.
@@ -48,7 +52,7 @@ from typing import Any
 import msgspec
 
 from api import tracing
-from api.forward import vllm_handoff
+from api.forward import sglang_handoff, vllm_handoff
 from api.forward.engine import HopFailure, classify
 from api.upstream import UpstreamError, UpstreamPool
 from errors.root import JetrouterError
@@ -108,6 +112,9 @@ class PrefillRouter:
         self.on_outcome = on_outcome
         self.on_worker_failure = on_worker_failure
         self.on_transfer = on_transfer  # KV blocks of each hand-off
+        # SGLang prefill requests running beside their decode hop, by the decode hop's id
+        # (taken by the Forwarder for the run; each removes itself when it ends).
+        self.concurrent: dict[str, sglang_handoff.ConcurrentPrefill] = {}
 
     async def route(self, req: RouteRequest, *, endpoint: str = "completions",
                     body: dict[str, Any] | None = None
@@ -126,6 +133,9 @@ class PrefillRouter:
             log.info("request %s: no prefill engine (%s); serving it aggregated",
                      req.request_id, exc)
             pre = None
+        if pre is not None and body is not None and (
+                self.engine_kind(pre.worker_id) == EngineKind.SGLANG):
+            return await self._beside(pre, req, endpoint, body)
         if pre is not None:
             transfer = await self._prefill(pre, req, endpoint, body)
             outcome = (DisaggOutcome.DISAGGREGATED if transfer is not None
@@ -133,21 +143,61 @@ class PrefillRouter:
         if self.on_outcome is not None:
             self.on_outcome(outcome)
         phase = disagg.DECODE if transfer is not None else disagg.AGGREGATED
-        return await self.replica.route(replace(req, phase=phase)), transfer
+        blocks = _blocks(transfer) if transfer is not None else -1
+        return await self.replica.route(replace(req, phase=phase, transfer_blocks=blocks)), transfer
+
+    async def _beside(self, pre: Routed, req: RouteRequest, endpoint: str,
+                      body: dict[str, Any]) -> tuple[Routed, dict[str, Any]]:
+        """SGLang: the decode decision now, then the prefill request in the background with the
+        same bootstrap fields the decode hop carries (sglang_handoff)."""
+        blocks = sglang_handoff.prompt_blocks(pre.isl_tokens, pre.event.block_size)
+        try:
+            routed = await self.replica.route(
+                replace(req, phase=disagg.DECODE, transfer_blocks=blocks))
+        except BaseException:
+            self.replica.finished(pre.request_id, Outcome.CANCELLED, 0)  # never sent
+            raise
+        info = self.replica.state.workers.get(pre.worker_id)
+        fields = sglang_handoff.bootstrap_fields(
+            pre.worker_url, info.bootstrap_port if info is not None else 0,
+            sglang_handoff.choices(body))
+        beside = sglang_handoff.ConcurrentPrefill(pre.request_id)
+        self.concurrent[routed.request_id] = beside
+
+        async def prefill() -> bool:
+            done: dict[str, Any] | None = None
+            try:
+                done = await self._prefill(pre, req, endpoint, body, fields)
+            except DecisionNotRecorded:
+                pass  # its decode decision meets the same refusal in its own run
+            finally:
+                self.concurrent.pop(routed.request_id, None)
+                if self.on_outcome is not None:  # cancelled too: no hand-off took place
+                    self.on_outcome(DisaggOutcome.DISAGGREGATED if done is not None
+                                    else DisaggOutcome.PREFILL_FAILED)
+            return done is not None
+
+        beside.start(prefill())
+        return routed, fields
 
     def engine_kind(self, worker_id: str) -> str:
         info = self.replica.state.workers.get(worker_id)
         return info.engine_kind if info is not None else EngineKind.JETROUTER
 
     async def _prefill(self, pre: Routed, req: RouteRequest, endpoint: str,
-                       body: dict[str, Any] | None) -> dict[str, Any] | None:
+                       body: dict[str, Any] | None, sglang: dict[str, Any] | None = None
+                       ) -> dict[str, Any] | None:
         """Run the prefill hop; the decode hop's hand-off fields, or None (hop ended as
-        ``error``) when it failed."""
+        ``error``) when it failed. ``sglang``: the bootstrap fields of an SGLang hand-off,
+        whose decode hop is already on its way."""
         outcome, cached = Outcome.CANCELLED, -1
         vllm = self.engine_kind(pre.worker_id) == EngineKind.VLLM
         try:
             try:  # the engine is asked while the decision's append is acked
-                if vllm:
+                if sglang is not None and body is not None:
+                    answer = await self._call(pre, vllm_handoff.engine_path(endpoint),
+                                              sglang_handoff.prefill_body(body, sglang))
+                elif vllm:
                     if body is None:  # a caller without the client's body: nothing to send
                         raise PrefillFailed(PrefillProblem.BAD_REQUEST,
                                             "no client body for a vLLM prefill request")
@@ -163,9 +213,11 @@ class PrefillRouter:
                 except DecisionNotRecorded:
                     outcome = Outcome.NOT_ROUTED  # the request is answered 503
                     raise
-            transfer = _handoff(answer, vllm)
+            transfer = sglang if sglang is not None else _handoff(answer, vllm)
             if self.on_transfer is not None:
-                self.on_transfer(_blocks(transfer))
+                self.on_transfer(_blocks(transfer) if sglang is None else
+                                 sglang_handoff.prompt_blocks(pre.isl_tokens,
+                                                              pre.event.block_size))
             usage = answer.get("usage")
             details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
             value = details.get("cached_tokens") if isinstance(details, dict) else None

@@ -33,6 +33,7 @@ from api.forward.engine import (
     open_upstream,
     upstream_event_batches,
 )
+from api.forward.sglang_handoff import ConcurrentPrefill
 from api.metrics import RouterMetrics
 from api.openai_schema import ParsedRequest
 from api.tokenizer import Tokenizer
@@ -107,7 +108,8 @@ class Run:
     """One client request through all its hops."""
 
     def __init__(self, ctx: RunContext, endpoint: str, parsed: ParsedRequest, raw: bytes,
-                 routed: Routed, transfer: dict[str, Any] | None = None) -> None:
+                 routed: Routed, transfer: dict[str, Any] | None = None,
+                 beside: ConcurrentPrefill | None = None) -> None:
         self.ctx = ctx
         self.endpoint = endpoint
         self.parsed = parsed
@@ -120,6 +122,7 @@ class Run:
         self.plan: HopPlan = plan
         self.hop: Hop = self._start_hop(routed, plan)
         self.handoff = transfer is not None  # the first hop pulls its prompt's KV blocks
+        self.beside = beside  # an SGLang prefill request the first hop's engine waits on
         self.ex = Exchange()
         self.resp: UpstreamResponse | None = None
         self.failed: set[str] = set()
@@ -156,6 +159,8 @@ class Run:
     def _end_hop(self, hop: Hop, outcome: Outcome) -> None:
         if not hop.ended:
             hop.ended = True
+            if self.beside is not None and hop is self.cont.hops[0]:
+                self.beside.decode_ended()  # however it ended: a prefill for nobody stops
             cached = hop.cached_tokens
             self.ctx.replica.finished(hop.request_id, outcome, hop.count, cached)
             if cached >= 0:
@@ -255,8 +260,9 @@ class Run:
                 await self.ctx.replica.recorded(hop.routed)  # raises DecisionNotRecorded
             url = hop.routed.worker_url.rstrip("/") + self.plan.path
             try:
-                resp = await open_upstream(self.ctx.pool, url, self.plan.body,
-                                           hop.request_id)
+                opening = open_upstream(self.ctx.pool, url, self.plan.body, hop.request_id)
+                beside = self.beside if hop is self.cont.hops[0] else None
+                resp = await (beside.opened(opening) if beside is not None else opening)
             except HopFailed as failure:
                 if await self._next_hop(failure):
                     continue
@@ -325,6 +331,8 @@ class Run:
             while True:
                 assert self.resp is not None
                 upstream = upstream_event_batches(self.resp)
+                if self.beside is not None and self.hop is self.cont.hops[0]:
+                    upstream = self.beside.events(upstream)
                 try:
                     async for events in upstream:
                         # What one read from the engine brought goes out in one write (one

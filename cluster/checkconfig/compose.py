@@ -110,6 +110,7 @@ class ComposeFile:
         # `${VAR:?message}`: the user must set VAR to start the stack (a secret with no default).
         # Unset here, it becomes a placeholder: required is not wrong.
         self.required: dict[str, str] = {}             # name -> value or placeholder
+        self.nixl_ports: dict[str, str] = {}           # NIXL handshake port -> engine
 
     def rel(self, path: Path) -> str:
         return os.path.relpath(path, self.root)

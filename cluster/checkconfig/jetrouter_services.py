@@ -155,6 +155,36 @@ class JetrouterChecks(ComposeFile):
                          f"--block-size {engine_block}")
         if set(engine.spec.get("profiles") or []) != set(svc.spec.get("profiles") or []):
             self.problem(where, f"profiles differ from {engine.name}'s")
+        if args.role != "both" and "vllm" in str(engine.spec.get("image", "")):
+            self.check_vllm_handoff(engine, flags, args.role)
+
+    def check_vllm_handoff(self, engine: Service, flags: dict[str, str], role: str) -> None:
+        """A vLLM engine registered as prefill or decode: routers hand its KV over with vLLM's
+        kv_transfer_params, which needs a KV connector; NixlConnector's handshake must listen
+        where the other engine reaches it (its service name, not the default localhost) on a
+        port no other engine of this file uses (engines sharing a host network would clash)."""
+        where = f"service {engine.name}"
+        try:
+            connector = json.loads(flags.get("--kv-transfer-config") or "{}").get("kv_connector")
+        except (json.JSONDecodeError, AttributeError) as exc:
+            self.problem(where, f"--kv-transfer-config is not a JSON object: {exc}")
+            return
+        if not connector:
+            self.problem(where, f"registered as {role} but no --kv-transfer-config "
+                         "kv_connector: every hand-off would fall back to aggregated serving")
+        if connector != "NixlConnector":
+            return
+        env = engine.spec.get("environment") or {}
+        env = env if isinstance(env, dict) else dict(e.split("=", 1) for e in env if "=" in e)
+        host, port = env.get("VLLM_NIXL_SIDE_CHANNEL_HOST"), env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+        if host != engine.name:
+            self.problem(where, f"VLLM_NIXL_SIDE_CHANNEL_HOST is {host or 'unset (localhost)'}: "
+                         f"the other engine must reach this one's NIXL handshake at {engine.name}")
+        other = self.nixl_ports.setdefault(str(port), engine.name)
+        if port is None or other != engine.name:
+            self.problem(where, f"VLLM_NIXL_SIDE_CHANNEL_PORT {port or 'unset'}"
+                         + (f" is also {other}'s" if port is not None else "")
+                         + ": each engine needs a port of its own")
 
     def check_ids_and_block_sizes(self) -> None:
         for verb, attr in (("serve", "replica_id"), ("worker", "worker_id")):

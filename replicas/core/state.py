@@ -89,6 +89,9 @@ class WorkerInfo:
     loras: list[str] = field(default_factory=list)  # LoRA adapters served besides `model`
     role: str = "both"  # "prefill" | "decode" | "both" (replicas/core/disagg.py)
     engine_kind: str = "jetrouter"  # an EngineKind: the hand-off protocol it speaks
+    # An SGLang prefill engine's bootstrap port (0: not given). Not in the digest and not in
+    # the worker's snapshot entry (see _worker_doc): only the hand-off's bytes use it.
+    bootstrap_port: int = 0
 
 
 @dataclass(slots=True)
@@ -204,7 +207,7 @@ class RouterState:
         info = WorkerInfo(e.worker_id, e.url, e.model, e.block_size, e.kv_total_blocks,
                           e.max_num_batched_tokens, e.dp_size, e.ts, list(e.loras),
                           str(e.role),  # the digest reprs it: a plain string either way
-                          str(e.engine_kind))
+                          str(e.engine_kind), e.bootstrap_port)
         if e.block_size != self.config.block_size:
             self.workers.pop(e.worker_id, None)
             self.health.pop(e.worker_id, None)
@@ -506,6 +509,9 @@ class RouterState:
             "ended": {},
             "ended_buckets": self._ended.to_plain(),
             "snapshot_floor": dict(self.snapshot_floor),
+            # Beside the workers, not in their entries: see _worker_doc.
+            "bootstrap_ports": {w.worker_id: w.bootstrap_port for w in self.workers.values()
+                                if w.bootstrap_port},
         }
 
         def encode() -> bytes:
@@ -528,6 +534,9 @@ class RouterState:
         state.lost_workers = {w["worker_id"]: WorkerInfo(**w) for w in doc.get("lost_workers", [])}
         state.refused_workers = {w["worker_id"]: WorkerInfo(**w)
                                  for w in doc.get("refused_workers", [])}
+        for worker_id, port in doc.get("bootstrap_ports", {}).items():  # absent in older blobs
+            if worker_id in state.workers:
+                state.workers[worker_id].bootstrap_port = port
         state.thresholds = {m: BusyThresholds(*t) for m, t in doc["thresholds"].items()}
         state.snapshot_threshold = doc["snapshot_threshold"]
         state.health = dict(doc["health"])
@@ -554,8 +563,12 @@ def _slots(obj: object) -> dict[str, object]:
 def _worker_doc(w: WorkerInfo) -> dict[str, object]:
     """A worker in a snapshot. ``engine_kind`` is left out while it is the default, so a
     snapshot of a fleet without vLLM or SGLang engines is one the release before the field
-    reads (it builds WorkerInfo from exactly these keys); decoding fills the default back in."""
+    reads (it builds WorkerInfo from exactly these keys); decoding fills the default back in.
+    ``bootstrap_port`` is never in the entry: the snapshot keeps the live workers' ports in a
+    map of its own (``bootstrap_ports``), a key the release before the field does not read, so
+    that release still loads the snapshot (and serves SGLang prefill engines as it did)."""
     doc = _slots(w)
+    del doc["bootstrap_port"]
     if w.engine_kind == "jetrouter":
         del doc["engine_kind"]
     return doc

@@ -81,6 +81,9 @@ class RouteRequest:
     # vLLM's cache_salt the engine gets with this prompt (an isolated tenant's): its blocks
     # hash under it (eventlog.hashing.cache_salt_salt).
     cache_salt: str = ""
+    # A decode decision's KV hand-off: the blocks its engine receives (-1: none); recorded on
+    # the decision for the ledger, read by no routing rule.
+    transfer_blocks: int = -1
 
 
 @dataclass(slots=True)
@@ -244,7 +247,8 @@ class Dispatcher:
             phase=req.phase, kv_reuse=self.config.assume_kv_reuse,
             track_output_blocks=self.config.track_output_blocks, osl_hint=req.osl_hint,
             prefill_load_model=self.config.prefill_load_model,
-            tenant=req.tenant, tenant_tokens=req.tenant_tokens)
+            tenant=req.tenant, tenant_tokens=req.tenant_tokens,
+            transfer_blocks=req.transfer_blocks)
         extra: list[ev.Event] = []
         if session is not None:
             extra = session_events(session, req.request_id, result.worker, req.model, sticky,

@@ -253,6 +253,17 @@ async def test_registers_streams_gauges_reannounces_and_retires(
     assert ids == sorted(set(ids)), "event ids strictly increasing"
 
 
+@pytest.mark.timeout(60)
+async def test_an_sglang_prefill_engine_registers_its_bootstrap_port(
+        nc: NATS, engine: EngineSim, bridges) -> None:  # type: ignore[no-untyped-def]
+    """Routers name the prefill engine's bootstrap server to both engines of an SGLang
+    hand-off (api/forward/sglang_handoff.py): the bridge's flags carry it to them."""
+    bridges(engine, nc.connected_url.geturl(), "e1", "--role", "prefill",
+            "--engine-kind", "sglang", "--bootstrap-port", "8998")
+    reg = await registered(nc)
+    assert (reg.role, reg.engine_kind, reg.bootstrap_port) == ("prefill", "sglang", 8998)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", ["map", "array"])
 async def test_gap_is_filled_from_the_replay_socket(

@@ -435,11 +435,13 @@ async def test_an_older_database_gains_the_new_columns(tmp_path: Path) -> None:
     with sqlite3.connect(db_file) as conn:  # as the previous release left it
         conn.execute("ALTER TABLE decision_ledger DROP COLUMN predicted_tokens")
         conn.execute("ALTER TABLE decision_ledger DROP COLUMN cached_tokens")
+        conn.execute("ALTER TABLE decision_ledger DROP COLUMN transfer_blocks")
     p = await opened(tmp_path)
     try:
         await p.apply(ROUTER, 2, [ev.RequestFinished("a", "ok", 4, 11.0, cached_tokens=16)])
         row = await p.request("a")
         assert row is not None and (row["predicted_tokens"], row["cached_tokens"]) == (None, 16)
+        assert row["transfer_blocks"] is None
     finally:
         await p.close()
 

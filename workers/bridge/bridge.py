@@ -82,6 +82,7 @@ class BridgeSettings:
     # back to aggregated serving.
     role: str = "both"
     engine_kind: str = "auto"
+    bootstrap_port: int = 0  # an SGLang prefill engine's bootstrap server (0: not given)
     model: str | None = None
     health_interval: float = 2.0
     unhealthy_after: float = 10.0
@@ -300,7 +301,8 @@ class Bridge:
             self.s.worker_id, self.s.advertise_url or self.s.engine_url, self.model,
             self.block_size, self.kv_total_blocks, self.s.max_num_batched_tokens,
             self.clock(), dp_size=dp_size, loras=list(self.loras),
-            role=Role(self.s.role), engine_kind=self._engine_kind())
+            role=Role(self.s.role), engine_kind=self._engine_kind(),
+            bootstrap_port=self.s.bootstrap_port)
         self.translator = Translator(self.s.worker_id, self.block_size, self.next_event_id)
         await self._append([event], f"{self.s.worker_id}.{self.gen}.registered")
         self.registered = True

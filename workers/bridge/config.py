@@ -51,6 +51,11 @@ ENGINE = Group(
     Option("engine-kind", default="auto", choices=("auto", *EngineKind),
            help="the engine software, which decides the KV hand-off protocol (default: from "
                 "the metric names in /metrics: vllm: or sglang:, else jetrouter)"),
+    Option("bootstrap-port", int, 0,
+           "an SGLang prefill engine's bootstrap server port (its "
+           "--disaggregation-bootstrap-port, SGLang's default 8998): routers name it to both "
+           "engines of a hand-off; 0: not given (routers send null, as SGLang's router does)",
+           at_least=0, at_most=65535),
 )
 
 BRIDGE_PROCESS = Group(

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 import uvicorn
 
 from api.app import AppConfig, create_app
-from eventlog.events import EngineKind, Role, WorkerRegistered
+from eventlog.events import EngineKind, Event, Role, WorkerRegistered
 from eventlog.memory import MemoryLog
-from eventlog.names import KV, Names
+from eventlog.names import KV, ROUTER, Names
 from replicas.core.state import StateConfig
 from replicas.runtime.replica import Replica, ReplicaConfig
 from tests.waiting import until
@@ -24,9 +24,9 @@ MODEL = "tiny"
 
 
 def worker(worker_id: str, url: str, role: Role = Role.BOTH,
-           kind: EngineKind = EngineKind.VLLM) -> WorkerRegistered:
+           kind: EngineKind = EngineKind.VLLM, bootstrap_port: int = 0) -> WorkerRegistered:
     return WorkerRegistered(worker_id, url, MODEL, BLOCK_SIZE, 4096, 8192, time.time(),
-                            role=role, engine_kind=kind)
+                            role=role, engine_kind=kind, bootstrap_port=bootstrap_port)
 
 
 @contextlib.asynccontextmanager
@@ -61,3 +61,21 @@ def counter(metrics_text: str, name: str, label: str) -> dict[str, float]:
             value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
             out[value] = float(line.rsplit(" ", 1)[1])
     return out
+
+
+async def router_events(log: MemoryLog) -> list[Event]:
+    """Every event on the router stream so far, in order."""
+    stream = NAMES.stream(ROUTER)
+    _, last = await log.bounds(stream)
+    out: list[Event] = []
+    if last == 0:
+        return out
+    reader = log.reader(stream)
+    try:
+        while True:
+            seq, events = await anext(reader)
+            out.extend(events)
+            if seq >= last:
+                return out
+    finally:
+        await reader.close()

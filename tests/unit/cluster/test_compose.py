@@ -141,7 +141,8 @@ MUTATIONS = [
     # --- one build, no default secrets, a balancer that drops a dead replica fast ------------
     pytest.param("compose.yaml", "  image: jetrouter:local\n",
                  "  image: jetrouter:local\n  build: {context: ., dockerfile: deploy/Dockerfile}\n",
-                 "services r1, r2, r3, w1, w2, w3, w4, vllm1-bridge all build 'jetrouter:local'",
+                 "services r1, r2, r3, w1, w2, w3, w4, vllm1-bridge, vllm-prefill-bridge, "
+                 "vllm-decode-bridge all build 'jetrouter:local'",
                  id="every-service-builds-the-image"),
     pytest.param("compose.yaml", '"service:r2-net"\n    pull_policy: never\n', '"service:r2-net"\n',
                  "service r2: runs 'jetrouter:local', built by r1, without `pull_policy: never`",
@@ -178,6 +179,18 @@ MUTATIONS = [
                  id="bridge-kv-events-wrong-port"),
     pytest.param("compose.yaml", '"--enable-prefix-caching", ', "",
                  "service vllm1: no --enable-prefix-caching", id="engine-without-prefix-cache"),
+    # --- the vllm-pd profile: vLLM's hand-off needs a KV connector and a reachable NIXL ------
+    pytest.param("compose.yaml", ',\n              "--kv-transfer-config", \'{"kv_connector": '
+                 '"NixlConnector", "kv_role": "kv_both"}\']', "]",
+                 "service vllm-prefill: registered as prefill but no --kv-transfer-config",
+                 id="pd-engine-without-kv-connector"),
+    pytest.param("compose.yaml", "      VLLM_NIXL_SIDE_CHANNEL_HOST: vllm-decode\n", "",
+                 "service vllm-decode: VLLM_NIXL_SIDE_CHANNEL_HOST is unset (localhost)",
+                 id="pd-engine-nixl-host-unset"),
+    pytest.param("compose.yaml", 'VLLM_NIXL_SIDE_CHANNEL_PORT: "5601"',
+                 'VLLM_NIXL_SIDE_CHANNEL_PORT: "5600"',
+                 "service vllm-decode: VLLM_NIXL_SIDE_CHANNEL_PORT 5600 is also vllm-prefill's",
+                 id="pd-engines-share-a-nixl-port"),
 ]
 
 
