@@ -85,6 +85,11 @@ def _family(name: str) -> GaugeMetricFamily | CounterMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
 
 
+def families() -> list[Metric]:
+    """Every family the collector exports, without samples (what it describes)."""
+    return [_family(name) for name in FAMILIES]
+
+
 class ReplicaCollector(Collector):
     """Reads ``replica`` (and the door's degradation level) at every scrape."""
 
@@ -96,7 +101,7 @@ class ReplicaCollector(Collector):
         self._reported: dict[tuple[str, tuple[str, ...]], float] = {}
 
     def describe(self) -> Iterable[Metric]:
-        return [_family(name) for name in FAMILIES]
+        return families()
 
     def _counter(self, name: str, labels: tuple[str, ...], value: float) -> float:
         key = (name, labels)
