@@ -21,9 +21,8 @@ Anything that is not HTTP/1.x raises :class:`ParseError`, and the parser is spen
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum, IntEnum
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 from eventlog.errors import JetrouterError
 
@@ -52,8 +51,7 @@ class ParseError(JetrouterError):
     """The bytes are not an HTTP/1.x response the parser can read."""
 
 
-@dataclass(frozen=True, slots=True)
-class Head:
+class Head(NamedTuple):
     status: int
     reason: str
     headers: dict[str, str]  # lower-case names; repeated headers joined with ", "
@@ -64,8 +62,9 @@ class Head:
 
 Event = Head | bytes | _Marker
 
-# States of the parser. _ENDED: the body is complete and END is the next event.
-(_HEAD, _BODY_LENGTH, _BODY_CLOSE, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _ENDED,
+# States of the parser; the chunked ones first (the hot path: one comparison). _ENDED: the body
+# is complete and END is the next event.
+(_CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _HEAD, _BODY_LENGTH, _BODY_CLOSE, _ENDED,
  _FAILED) = range(9)
 
 
@@ -112,6 +111,8 @@ class ResponseParser:
     def next_event(self) -> Event:
         """The next event from what was fed (see the module docstring)."""
         state = self._state
+        if state <= _TRAILERS:
+            return self._chunked()
         if state == _BODY_LENGTH:
             return self._length_body()
         if state == _HEAD:
@@ -129,9 +130,7 @@ class ResponseParser:
         if state == _ENDED:
             self._state = _HEAD
             return END
-        if state == _FAILED:
-            raise ParseError("the parser failed earlier; the connection is unusable")
-        return self._chunked()
+        raise ParseError("the parser failed earlier; the connection is unusable")
 
     # --- heads -------------------------------------------------------------------------------
 
@@ -233,29 +232,14 @@ class ResponseParser:
         return data
 
     def _chunked(self) -> Event:
-        """Chunk data decoded from everything buffered, in one piece; END after the trailers."""
+        """Chunk data decoded from everything buffered, in one piece; END after the trailers.
+        State lives in locals while the loop runs (it is the streaming hot path) and is written
+        back once; a failure leaves the parser failed."""
         buf = self._buf
+        state = self._state
+        remaining = self._remaining
         out: list[bytes] = []
         while True:
-            state = self._state
-            if state == _CHUNK_DATA:
-                if not buf:
-                    break
-                n = min(len(buf), self._remaining)
-                out.append(bytes(buf[:n]))
-                del buf[:n]
-                self._remaining -= n
-                if self._remaining == 0:
-                    self._state = _CHUNK_CRLF
-                continue
-            if state == _CHUNK_CRLF:
-                if len(buf) < 2:
-                    break
-                if buf[:2] != b"\r\n":
-                    self._fail("malformed chunked body (no CRLF after a chunk)")
-                del buf[:2]
-                self._state = _CHUNK_SIZE
-                continue
             if state == _CHUNK_SIZE:
                 i = buf.find(b"\r\n")
                 if i < 0:
@@ -263,38 +247,63 @@ class ResponseParser:
                         self._fail("malformed chunked body (chunk size line too long)")
                     break
                 line = bytes(buf[:i])
-                size_text = line.split(b";", 1)[0].strip()
+                size_text = line.split(b";", 1)[0].rstrip() if b";" in line else line
                 try:
-                    if not size_text or size_text[:1] in (b"-", b"+") or b"_" in size_text:
+                    if not size_text.isalnum():  # no sign, underscore or blank int() would take
                         raise ValueError
                     size = int(size_text, 16)
                 except ValueError:
                     self._fail(f"malformed chunk size {line[:40]!r}")
-                del buf[:i + 2]
                 if size == 0:
-                    self._state = _TRAILERS
-                else:
-                    self._state = _CHUNK_DATA
-                    self._remaining = size
-                continue
-            # _TRAILERS: the trailer section after the last chunk (almost always a bare CRLF)
-            if buf[:2] == b"\r\n":
-                del buf[:2]
-            else:
-                end = buf.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(buf) > MAX_HEAD_BYTES:
-                        self._fail("trailer section too large")
+                    del buf[:i + 2]
+                    state = _TRAILERS
+                    continue
+                end = i + 2 + size
+                if len(buf) >= end + 2:  # the whole chunk and its CRLF: the usual SSE read
+                    if buf[end:end + 2] != b"\r\n":
+                        self._fail("malformed chunked body (no CRLF after a chunk)")
+                    out.append(bytes(buf[i + 2:end]))
+                    del buf[:end + 2]
+                    continue
+                del buf[:i + 2]
+                state, remaining = _CHUNK_DATA, size
+            elif state == _CHUNK_DATA:
+                if not buf:
                     break
-                self.trailers = self._fields(bytes(buf[:end]).split(b"\r\n"))
-                del buf[:end + 4]
-            self._state = _ENDED
-            break
+                n = min(len(buf), remaining)
+                out.append(bytes(buf[:n]))
+                del buf[:n]
+                remaining -= n
+                if remaining == 0:
+                    state = _CHUNK_CRLF
+            elif state == _CHUNK_CRLF:
+                if len(buf) < 2:
+                    break
+                if buf[:2] != b"\r\n":
+                    self._fail("malformed chunked body (no CRLF after a chunk)")
+                del buf[:2]
+                state = _CHUNK_SIZE
+            else:  # _TRAILERS: the section after the last chunk (almost always a bare CRLF)
+                if buf[:2] == b"\r\n":
+                    del buf[:2]
+                else:
+                    end = buf.find(b"\r\n\r\n")
+                    if end < 0:
+                        if len(buf) > MAX_HEAD_BYTES:
+                            self._fail("trailer section too large")
+                        break
+                    self.trailers = self._fields(bytes(buf[:end]).split(b"\r\n"))
+                    del buf[:end + 4]
+                state = _ENDED
+                break
+        self._remaining = remaining
         if out:
+            self._state = state
             return out[0] if len(out) == 1 else b"".join(out)
-        if self._state == _ENDED:
+        if state == _ENDED:
             self._state = _HEAD
             return END
+        self._state = state
         if self._eof:
             self._fail("the connection closed mid-body")
         return NEED_DATA
