@@ -24,8 +24,9 @@ migrated. Read top-down (an import-linter contract keeps this order):
   :mod:`api.forward.handoff` — the KV hand-off per engine kind (vLLM, the simulated engine),
   where another kind plugs in.
 * :mod:`api.forward.continuation` — no I/O: what the client has seen, the body of the next hop,
-  and how an engine's event becomes the client's; :mod:`api.forward.nvext` and
-  :mod:`api.forward.sessions` — the ``nvext`` response fields and engine session calls.
+  and how an engine's event becomes the client's; :mod:`api.forward.nvext`,
+  :mod:`api.forward.sessions` and :mod:`api.forward.unrouted` — the ``nvext`` response fields,
+  engine session calls, and the tokenize calls an engine answers without a decision.
 * :mod:`api.forward.engine` — one hop's connection to one engine: the SSE events, and every way
   it breaks as a :class:`~api.forward.engine.HopFailed`.
 

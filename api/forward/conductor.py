@@ -20,7 +20,8 @@ One :class:`Conductor` per app (:func:`api.app.create_app`); the route modules i
    the tenant's rate-limit headers.
 
 The other routes (embeddings, Responses, Messages) go through :meth:`Conductor.relay`: shed,
-first hop, forwarded verbatim.
+first hop, forwarded verbatim; what an engine's tokenizer answers without a decision through
+:meth:`Conductor.unrouted`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from api.forward.forwarder import Forwarder
 from api.forward.nvext import NvextFields, add_to_response
 from api.forward.passthrough import Passthrough
 from api.forward.sessions import EngineSessions
+from api.forward.unrouted import forward_unrouted
 from api.handoff_fields import refuse_handoff_fields
 from api.metrics import Rejection, RouterMetrics
 from api.openai_schema import MAX_SESSION_ID, MAX_TOKEN_COUNT, ParsedRequest, decode_json
@@ -204,6 +206,12 @@ class Conductor:
             return await forward.respond()
         except DecisionNotRecorded as exc:
             return self.not_recorded(endpoint, exc, req.request_id)
+
+    async def unrouted(self, path: str, raw: bytes, model: str | None) -> Response:
+        """A request an engine's tokenizer answers, without a routing decision
+        (:mod:`api.forward.unrouted`)."""
+        return await forward_unrouted(self.replica, self.forwarder.pool, path, raw, model,
+                                      self.headers())
 
     # --- the steps -------------------------------------------------------------------------
 

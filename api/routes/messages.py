@@ -26,7 +26,6 @@ from api.errors import ApiError
 from api.forward.conductor import PRIORITY_LEVEL, Conductor, model_of
 from api.handoff_fields import refuse_handoff_fields
 from api.openai_schema import MAX_TOKEN_COUNT, decode_json
-from api.routes.tokenize import forward_to_engine
 from api.tokenizer import encode_chat
 from eventlog.chat_forms import FormError, anthropic_messages
 from eventlog.model_tokenizer import ChatTemplateFailed
@@ -132,7 +131,7 @@ def messages_routes(conductor: Conductor) -> APIRouter:
         body = _body(raw)
         model = model_of(body)
         if not conductor.cfg.has_model_path:
-            return await forward_to_engine(conductor, COUNT_PATH, raw, model)
+            return await conductor.unrouted(COUNT_PATH, raw, model)
         if model not in conductor.replica.models():
             raise ApiError(404, f"model: {model}", param="model")
         return Response(msgspec.json.encode({"input_tokens": len(prompt_ids(conductor, body))}),

@@ -9,22 +9,18 @@ guess about a real engine's tokenizer, so the request is forwarded to an engine 
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from api.errors import ApiError, error_response
+from api.errors import ApiError
 from api.forward.conductor import Conductor, model_of
 from api.openai_schema import MAX_TOKEN_ID
 from api.tokenizer import encode_chat, encode_prompt
-from api.upstream import UpstreamError
 from eventlog.model_tokenizer import ChatTemplateFailed
-from replicas.core.candidates import HEALTH_WEIGHT
 
-CALL_TIMEOUT = 30.0
 _json_type = "application/json"
 
 
@@ -61,44 +57,6 @@ def detokenize_locally(conductor: Conductor, body: dict[str, Any]) -> dict[str, 
     return {"prompt": decode(ids)}
 
 
-_turn = itertools.count()
-
-
-def engine_for(conductor: Conductor, model: str | None) -> tuple[str, str]:
-    """(worker id, url) of a usable engine serving ``model`` (any model when None), in turn."""
-    state = conductor.replica.state
-    if model is not None and model not in conductor.replica.models():
-        raise ApiError(404, f"The model `{model}` does not exist.", param="model",
-                       code="model_not_found")
-    usable = sorted(
-        (w.worker_id, w.url) for w in state.workers.values()
-        if (model is None or w.model == model or model in w.loras)
-        and HEALTH_WEIGHT.get(state.health.get(w.worker_id, "healthy"), 0.0) > 0.0)
-    if not usable:
-        raise ApiError(503, f"no engine serves model {model!r} now", type="service_unavailable")
-    return usable[next(_turn) % len(usable)]
-
-
-async def forward_to_engine(conductor: Conductor, path: str, raw: bytes,
-                            model: str | None) -> Response:
-    """A request that needs an engine's tokenizer but no routing decision (nothing is
-    generated, no load is charged): sent to an engine serving ``model``, its answer passed on."""
-    worker_id, url = engine_for(conductor, model)
-    headers = conductor.headers(worker_id)
-    try:
-        resp = await conductor.forwarder.pool.post(
-            url.rstrip("/") + path, raw, {"content-type": _json_type}, idle_timeout=CALL_TIMEOUT)
-        try:
-            data = await resp.aread()
-        finally:
-            resp.close()
-    except (UpstreamError, OSError) as exc:
-        return error_response(502, f"the engine {worker_id} failed: {exc}",
-                              type="upstream_error", headers=headers)
-    return Response(data, status_code=resp.status_code, headers=headers,
-                    media_type=resp.headers.get("content-type", _json_type))
-
-
 def tokenize_routes(conductor: Conductor) -> APIRouter:
     router = APIRouter()
 
@@ -109,7 +67,7 @@ def tokenize_routes(conductor: Conductor) -> APIRouter:
         raw, body = opened
         model = model_of(body, required=False)
         if not conductor.cfg.has_model_path:
-            return await forward_to_engine(conductor, path, raw, model)
+            return await conductor.unrouted(path, raw, model)
         if model is not None and model not in conductor.replica.models():
             raise ApiError(404, f"The model `{model}` does not exist.", param="model",
                            code="model_not_found")
