@@ -4,7 +4,9 @@ Each :class:`RouterMetrics` owns a private ``CollectorRegistry`` instead of the 
 one, so several replicas (and several tests) can live in one process without "duplicated
 timeseries" errors. The families mirror Dynamo's router metrics (overhead per stage, per-worker
 active load, KV hit rate, rejections, migrations, events applied) plus what an event-sourced
-router adds: per-stream lag and event outcomes.
+router adds: per-stream lag and event outcomes. The figures the replica keeps itself (load per
+worker, lag, leadership, health, ...) are not set here but read at scrape time by the collector
+of :mod:`api.replica_metrics`, attached with :meth:`RouterMetrics.attach`.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
-    Gauge,
     Histogram,
     generate_latest,
 )
+from prometheus_client.registry import Collector
 
 PREFIX = "jetrouter"
 OVERHEAD_STAGES = ("hashing", "matching", "selection", "total")
@@ -83,14 +85,6 @@ class RouterMetrics:
                                   "total (the three together), record (JetStream's "
                                   "acknowledgement of the decision)", ["stage"],
                                   buckets=_OVERHEAD_BUCKETS, registry=reg)
-        self.worker_active_decode_blocks = Gauge(
-            f"{p}_worker_active_decode_blocks",
-            "KV blocks held by requests decoding on each worker, as this replica sees it",
-            ["worker"], registry=reg)
-        self.worker_active_prefill_tokens = Gauge(
-            f"{p}_worker_active_prefill_tokens",
-            "Prompt tokens still to prefill on each worker, as this replica sees it",
-            ["worker"], registry=reg)
         self.rejections = Counter(f"{p}_rejections", "Requests refused, by reason",
                                   ["reason"], registry=reg)
         # Tenants (api/tenancy.py): the label is a tenant with limits, else "other", so the
@@ -108,42 +102,6 @@ class RouterMetrics:
             f"{p}_decisions_not_recorded",
             "Routing decisions JetStream refused or did not acknowledge in time; each one's "
             "request was answered 503 (reason: refused | timeout)", ["reason"], registry=reg)
-        self.decisions_unrecorded = Counter(
-            f"{p}_decisions_served_unrecorded",
-            "Requests served before JetStream acknowledged their routing decision (past "
-            "--decision-record-grace, e.g. during a stream leader election): state=served counts "
-            "them all, recorded_late those whose decision landed afterwards, lost those whose "
-            "append failed for good", ["state"], registry=reg)
-        self.decision_log_ok = Gauge(
-            f"{p}_decision_log_ok",
-            "0 while recent routing decisions could not be recorded (/ready is 503), else 1",
-            registry=reg)
-        self.event_log_degraded = Gauge(
-            f"{p}_event_log_degraded",
-            "1 while the event log (NATS JetStream) is unavailable and this replica routes in "
-            "degraded mode on the state it has (/ready stays 200 with degraded: true), else 0",
-            registry=reg)
-        self.decisions_not_appended = Counter(
-            f"{p}_decisions_not_appended",
-            "Routing decisions served in degraded mode without being appended to the event log; "
-            "their load was counted on this replica only", registry=reg)
-        self.queue_depth = Gauge(f"{p}_queue_depth",
-                                 "Requests held in the priority queue waiting for capacity",
-                                 registry=reg)
-        self.events_applied = Counter(f"{p}_events_applied",
-                                      "Events applied to router state, by stream, type and status",
-                                      ["stream", "event_type", "status"], registry=reg)
-        self.replication_seconds = Counter(
-            f"{p}_replication_apply_seconds",
-            "Seconds spent decoding and applying other replicas' router-stream messages",
-            registry=reg)
-        self.stream_lag = Gauge(f"{p}_stream_lag",
-                                "Messages in each stream not yet applied by this replica",
-                                ["stream"], registry=reg)
-        self.stream_blocked = Gauge(
-            f"{p}_stream_blocked",
-            "1 while this replica has stopped applying a stream at a message in a format newer "
-            "than its release reads (upgrade it)", ["stream"], registry=reg)
         self.disaggregated = Counter(
             f"{p}_disaggregated_requests",
             "Requests of models with prefill engines, by outcome: disaggregated, or why they "
@@ -163,40 +121,18 @@ class RouterMetrics:
         self.migrations = Counter(f"{p}_migrations",
                                   "Requests replayed on another worker after a failure, by reason",
                                   ["reason"], registry=reg)
-        self.inflight = Gauge(f"{p}_inflight_requests",
-                              "Requests this replica is currently serving", registry=reg)
-        # Durability, liveness and worker health (issues 4 to 6).
-        self.is_leader = Gauge(f"{p}_is_leader", "1 while this replica holds the leader lease",
-                               registry=reg)
-        self.snapshots = Counter(f"{p}_snapshots",
-                                 "Snapshots this replica has taken as leader", registry=reg)
-        self.restores = Gauge(f"{p}_snapshot_restores",
-                              "Times this replica loaded its state from a snapshot", registry=reg)
-        self.epoch = Gauge(f"{p}_epoch", "State epoch (bumped by every reset)", registry=reg)
         self.divergence = Counter(f"{p}_replica_divergence",
                                   "Peers found at equal positions with a different digest",
                                   registry=reg)
-        self.worker_status = Gauge(f"{p}_worker_status",
-                                   "Worker health: 0 healthy, 1 suspicious, 2 unhealthy, "
-                                   "3 draining, 4 dead", ["worker"], registry=reg)
-        self.breaker_state = Gauge(f"{p}_circuit_breaker_state",
-                                   "Leader's circuit breaker per worker: 0 closed, 1 open, "
-                                   "2 half-open", ["worker"], registry=reg)
         self.health_check_duration = Histogram(
             f"{p}_health_check_duration_seconds", "Canary health check latency by outcome",
             ["worker", "outcome"], buckets=_LATENCY_BUCKETS, registry=reg)
-        self.degradation_level = Gauge(f"{p}_degradation_level",
-                                       "Graceful degradation level (0 normal .. 4 critical)",
-                                       registry=reg)
-        self.sticky_sessions = Gauge(f"{p}_sticky_sessions",
-                                     "Sticky sessions pinned to an engine (replicated state)",
-                                     registry=reg)
         self.session_routes = Counter(
             f"{p}_session_routes",
             "Session turns routed here: pinned (to its engine), open (first turn or after its "
             "pin lapsed), repin (its engine was retired, unhealthy or failed)", ["how"],
             registry=reg)
-        self._load_workers: set[str] = set()
+        self._collector: Collector | None = None
         # Label children looked up once, not per request (a .labels() call costs a lock and a
         # few dict operations; the request path used to make five of them per request).
         self._request_children: dict[tuple[str, str], Any] = {}
@@ -219,19 +155,13 @@ class RouterMetrics:
                 child = children[stage] = self.overhead.labels(stage=stage)
             child.observe(seconds)
 
-    def set_worker_load(self, loads: Mapping[str, tuple[float, float]]) -> None:
-        """Set per-worker gauges from ``{worker: (active_decode_blocks, active_prefill_tokens)}``.
-
-        Workers missing from ``loads`` lose their series, so a retired worker stops being
-        reported instead of showing its last load forever.
-        """
-        for worker, (decode_blocks, prefill_tokens) in loads.items():
-            self.worker_active_decode_blocks.labels(worker=worker).set(decode_blocks)
-            self.worker_active_prefill_tokens.labels(worker=worker).set(prefill_tokens)
-        for gone in self._load_workers.difference(loads):
-            self.worker_active_decode_blocks.remove(gone)
-            self.worker_active_prefill_tokens.remove(gone)
-        self._load_workers = set(loads)
+    def attach(self, collector: Collector) -> None:
+        """Register ``collector`` (read at every scrape; :mod:`api.replica_metrics`), in place
+        of the one attached before, if any."""
+        if self._collector is not None:
+            self.registry.unregister(self._collector)
+        self.registry.register(collector)
+        self._collector = collector
 
     def render(self) -> tuple[bytes, str]:
         """(payload, content type) for ``GET /metrics``."""

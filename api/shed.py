@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import time
 
-from api.metrics import RouterMetrics
 from replicas.core.shedding import Degrader, decide, fleet_pressure, model_units, retry_after
 from replicas.runtime.replica import Replica
 
 
 class Shedder:
-    def __init__(self, replica: Replica, metrics: RouterMetrics) -> None:
+    def __init__(self, replica: Replica) -> None:
         self.replica = replica
-        self.metrics = metrics
         self.degrader = Degrader()
+
+    @property
+    def level(self) -> int:
+        """The degradation level of the last check (``jetrouter_degradation_level``)."""
+        return self.degrader.level
 
     def check(self, model: str, tier: str) -> float | None:
         """None to admit the request, else the Retry-After (seconds) of a shed."""
@@ -29,5 +32,4 @@ class Shedder:
         pressure = fleet_pressure(units, block_size=self.replica.config.state.block_size,
                                   usable_fraction=t or 1.0)
         level = self.degrader.update(pressure, time.time())
-        self.metrics.degradation_level.set(level)
         return float(retry_after(level)) if decide(level, tier) else None

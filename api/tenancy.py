@@ -31,7 +31,8 @@ from replicas.core.tenant_admission import Verdict
 MAX_TENANT_ID = 128
 
 # The tenant of the request this task serves: set at admission, read when it is routed (every
-# inference route goes through Gateway.admit and then Gateway.route in the same task).
+# inference route goes through Conductor.admit and then Conductor.first_hop in the same task,
+# api/forward/conductor.py).
 current_tenant: contextvars.ContextVar[str] = contextvars.ContextVar("jetrouter_tenant",
                                                                      default="")
 # The x-ratelimit-* headers of the admission of the request this task serves (None: no limits).

@@ -4,7 +4,9 @@ The router only ever POSTs JSON to an engine and reads back a (usually chunked, 
 does exactly that on a raw :class:`asyncio.Protocol` and nothing more: no redirects, cookies,
 proxies, TLS or HTTP/2. What it buys over httpx is per-request cost: a pool that is a LIFO list per
 (host, port) instead of a scan over every pooled connection, one buffer per connection, and an idle
-timeout that costs one clock read per wait instead of a timer (or a task) per read.
+timeout that costs one clock read per wait instead of a timer (or a task) per read. Reading the
+bytes as HTTP/1.1 (heads, chunked or length-framed bodies) is :mod:`api.http1_parser`'s, which
+does no I/O; this module owns the sockets, the pool and the waiting.
 
 Failure is reported as one of three exceptions, which :func:`api.forward.engine.classify` maps
 to the migration reasons: :class:`ConnectFailed` (connect_error), :class:`StreamBroken`
@@ -20,17 +22,15 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import cast
 
+from api.http1_parser import END, Head, ParseError, ResponseParser
 from errors.root import JetrouterError
 
-MAX_HEAD_BYTES = 64 * 1024          # a response head bigger than this is not an engine talking
 READ_HIGH_WATER = 1024 * 1024       # stop reading the socket while this much is unconsumed
 DEFAULT_MAX_IDLE_PER_HOST = 256
 # uvicorn (the engines' server) drops a keep-alive connection after 5 s of silence; not reusing
 # ours past 4 s keeps the race with that close (and the retry it costs) rare.
 DEFAULT_MAX_IDLE_AGE = 4.0
 _SMALL_BODY = 64 * 1024             # bodies up to this go out in the same write as the head
-
-_LENGTH, _CHUNKED, _UNTIL_CLOSE = 0, 1, 2
 
 
 class UpstreamError(JetrouterError):
@@ -91,7 +91,7 @@ class _Connection(asyncio.Protocol):
         self.loop = loop
         self.key = key
         self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
+        self.parser = ResponseParser()  # the bytes received and not yet read, as HTTP/1.1
         self.closed = False             # EOF, reset or closed by us: never usable again
         self.error: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
@@ -109,19 +109,22 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        self.buf += data
-        if len(self.buf) > READ_HIGH_WATER and not self.paused and self.transport is not None:
+        parser = self.parser
+        parser.feed(data)
+        if parser.buffered > READ_HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
         self._wake()
 
     def eof_received(self) -> bool:
         self.closed = True
+        self.parser.feed_eof()
         self._wake()
         return False  # let the transport close itself
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.parser.feed_eof()
         self.error = exc
         if self.timer is not None:
             self.timer.cancel()
@@ -142,8 +145,9 @@ class _Connection(asyncio.Protocol):
     # --- reading -------------------------------------------------------------------------------
 
     def consumed(self) -> None:
-        """Call after taking bytes out of ``buf``: resumes a socket paused for back-pressure."""
-        if self.paused and len(self.buf) <= READ_HIGH_WATER // 4 and self.transport is not None:
+        """Call after taking bytes out of the parser: resumes a socket paused for back-pressure."""
+        if self.paused and self.parser.buffered <= READ_HIGH_WATER // 4 \
+                and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
 
@@ -165,7 +169,7 @@ class _Connection(asyncio.Protocol):
             await waiter
         finally:
             self.waiter = None
-        if self.closed and not self.buf:
+        if self.closed and not self.parser.buffered:
             raise _Stale(self.error)
 
     def _on_timer(self) -> None:
@@ -192,34 +196,34 @@ class UpstreamResponse:
     :meth:`aiter_raw` or :meth:`aread`. Close it (:meth:`aclose`) whatever happens: a body read
     to its end puts the connection back in the pool, anything else closes it."""
 
-    def __init__(self, pool: UpstreamPool, conn: _Connection, status: int, reason: str,
-                 headers: dict[str, str], mode: int, length: int, keep_alive: bool,
-                 idle: float) -> None:
-        self.status_code = status
-        self.reason_phrase = reason
-        self.headers = headers
+    def __init__(self, pool: UpstreamPool, conn: _Connection, head: Head, idle: float) -> None:
+        self.status_code = head.status
+        self.reason_phrase = head.reason
+        self.headers = head.headers
         self._pool = pool
         self._conn: _Connection | None = conn
-        self._mode = mode
-        self._remaining = length     # body bytes left (length mode) or of the current chunk
-        self._crlf = False           # chunked: the CRLF after a chunk's data is still due
-        self._keep_alive = keep_alive
+        self._keep_alive = head.keep_alive
         self._idle = idle
         self.conn_requests = conn.requests  # requests sent on this connection, this one included
-        self.done = mode == _LENGTH and length == 0
-        if self.done:
-            self._release()
+        self.done = False
+        if conn.parser.body_complete:  # no body at all
+            conn.parser.next_event()  # its END
+            self._finish()
 
     @property
     def reused_connection(self) -> bool:
         """Whether the request went out on a connection that had served one before."""
         return self.conn_requests > 1
 
+    def _finish(self) -> None:
+        self.done = True
+        self._release()
+
     def _release(self) -> None:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        if self._keep_alive and not conn.buf:
+        if self._keep_alive and not conn.parser.buffered:
             self._pool._park(conn)
         else:
             conn.close()
@@ -228,6 +232,8 @@ class UpstreamResponse:
         try:
             await conn.wait(self._idle)
         except _Stale as exc:
+            if conn.parser.close_delimited:
+                return  # the parser was told of the end: the body is complete
             cause = f": {exc.args[0]}" if exc.args and exc.args[0] else ""
             raise StreamBroken(f"the engine closed the connection mid-body{cause}") from None
 
@@ -239,102 +245,28 @@ class UpstreamResponse:
         conn = self._conn
         if conn is None:
             raise StreamBroken("the response was closed")
+        parser = conn.parser
         try:
-            if self._mode == _CHUNKED:
-                return await self._next_chunked(conn)
-            while not conn.buf:
-                if self._mode == _UNTIL_CLOSE and conn.closed:
-                    self.done = True
-                    self._release()
-                    return b""
+            while True:
                 try:
-                    await conn.wait(self._idle)
-                except _Stale:
-                    if self._mode == _UNTIL_CLOSE:
-                        continue
-                    raise StreamBroken("the engine closed the connection mid-body") from None
-            buf = conn.buf
-            if self._mode == _LENGTH and len(buf) >= self._remaining:
-                data = bytes(buf[:self._remaining])
-                del buf[:self._remaining]
-                self._remaining = 0
-                self.done = True
-                self._release()
-                return data
-            data = bytes(buf)
-            buf.clear()
-            self._remaining -= len(data)
-            conn.consumed()
-            return data
+                    event = parser.next_event()
+                except ParseError as exc:
+                    raise StreamBroken(str(exc)) from None
+                if event.__class__ is bytes:
+                    if parser.body_complete:  # the last bytes: the connection is free now
+                        parser.next_event()
+                        self._finish()
+                    else:
+                        conn.consumed()
+                    return event  # type: ignore[return-value]
+                if event is END:
+                    self._finish()
+                    return b""
+                await self._wait(conn)  # NEED_DATA
         except BaseException:
             if not self.done:
                 self._abort()
             raise
-
-    async def _next_chunked(self, conn: _Connection) -> bytes:
-        buf = conn.buf
-        out: list[bytes] = []
-        while True:
-            if self._remaining:
-                if not buf:
-                    if out:
-                        break
-                    await self._wait(conn)
-                    continue
-                n = min(len(buf), self._remaining)
-                out.append(bytes(buf[:n]))
-                del buf[:n]
-                self._remaining -= n
-                self._crlf = self._remaining == 0
-                continue
-            if self._crlf:
-                if len(buf) < 2:
-                    if out:
-                        break
-                    await self._wait(conn)
-                    continue
-                if buf[:2] != b"\r\n":
-                    raise StreamBroken("malformed chunked body (no CRLF after a chunk)")
-                del buf[:2]
-                self._crlf = False
-            i = buf.find(b"\r\n")
-            if i < 0:
-                if len(buf) > 1024:
-                    raise StreamBroken("malformed chunked body (chunk size line too long)")
-                if out:
-                    break
-                await self._wait(conn)
-                continue
-            try:
-                size = int(bytes(buf[:i]).split(b";", 1)[0], 16)
-            except ValueError:
-                raise StreamBroken(f"malformed chunk size {bytes(buf[:i])[:40]!r}") from None
-            if size < 0:
-                raise StreamBroken("negative chunk size")
-            if size == 0:
-                await self._read_trailers(conn, i + 2)
-                self.done = True
-                self._release()
-                break
-            del buf[:i + 2]
-            self._remaining = size
-        conn.consumed()
-        return b"".join(out)
-
-    async def _read_trailers(self, conn: _Connection, start: int) -> None:
-        """Consume the trailer section after the last chunk (almost always just CRLF)."""
-        buf = conn.buf
-        while True:
-            if buf[start:start + 2] == b"\r\n":
-                del buf[:start + 2]
-                return
-            end = buf.find(b"\r\n\r\n", start)
-            if end >= 0:
-                del buf[:end + 4]
-                return
-            if len(buf) > MAX_HEAD_BYTES:
-                raise StreamBroken("trailer section too large")
-            await self._wait(conn)
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         while True:
@@ -431,7 +363,7 @@ class UpstreamPool:
         while conns:
             conn = conns.pop()
             conn.home = None
-            if conn.closed or conn.buf or conn.parked_at < oldest_ok \
+            if conn.closed or conn.parser.buffered or conn.parked_at < oldest_ok \
                     or conn.transport is None or conn.transport.is_closing():
                 conn.close()
                 continue
@@ -507,24 +439,22 @@ class UpstreamPool:
             else:
                 transport.write(head)
                 transport.write(body)
-            while True:
-                resp = await self._read_head(conn, idle)
-                if resp is not None:
-                    return resp
+            return await self._read_head(conn, idle)
         except BaseException:
             conn.close()
             raise
 
-    async def _read_head(self, conn: _Connection, idle: float) -> UpstreamResponse | None:
-        """Parse one response head; None for an interim (1xx) response, which is skipped."""
-        buf = conn.buf
+    async def _read_head(self, conn: _Connection, idle: float) -> UpstreamResponse:
+        """The response head (interim 1xx heads are skipped by the parser)."""
+        parser = conn.parser
         while True:
-            end = buf.find(b"\r\n\r\n")
-            if end >= 0:
-                break
-            if len(buf) > MAX_HEAD_BYTES:
-                raise StreamBroken("response head too large")
-            if buf:
+            try:
+                event = parser.next_event()
+            except ParseError as exc:
+                raise StreamBroken(str(exc)) from None
+            if isinstance(event, Head):
+                return UpstreamResponse(self, conn, event, idle)
+            if parser.buffered:
                 # Bytes of a response came: from here on a broken connection is a broken
                 # stream, not a stale one (the engine saw the request).
                 try:
@@ -533,54 +463,6 @@ class UpstreamPool:
                     raise StreamBroken("the engine closed the connection mid-head") from None
             else:
                 await conn.wait(idle)
-        head = bytes(buf[:end])
-        del buf[:end + 4]
-        lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
-            raise StreamBroken(f"not an HTTP/1.x response: {lines[0][:60]!r}")
-        try:
-            status = int(parts[1])
-        except ValueError:
-            raise StreamBroken(f"bad status line {lines[0][:60]!r}") from None
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep:
-                raise StreamBroken(f"bad header line {line[:60]!r}")
-            k = name.strip().lower().decode("latin-1")
-            v = value.strip().decode("latin-1")
-            headers[k] = f"{headers[k]}, {v}" if k in headers else v
-        if 100 <= status < 200:
-            return None
-        keep_alive = parts[0] == b"HTTP/1.1"
-        conn_hdr = headers.get("connection")
-        if conn_hdr is not None:
-            tokens = {x.strip() for x in conn_hdr.lower().split(",")}
-            if "close" in tokens:
-                keep_alive = False
-            elif "keep-alive" in tokens:
-                keep_alive = True
-        reason = parts[2].decode("latin-1") if len(parts) > 2 else ""
-        te = headers.get("transfer-encoding")
-        if status in (204, 304):
-            return UpstreamResponse(self, conn, status, reason, headers, _LENGTH, 0, keep_alive,
-                                    idle)
-        if te is not None and "chunked" in te.lower():
-            return UpstreamResponse(self, conn, status, reason, headers, _CHUNKED, 0,
-                                    keep_alive, idle)
-        cl = headers.get("content-length")
-        if cl is not None:
-            try:
-                length = int(cl)
-            except ValueError:
-                raise StreamBroken(f"bad content-length {cl!r}") from None
-            if length < 0:
-                raise StreamBroken(f"bad content-length {cl!r}")
-            return UpstreamResponse(self, conn, status, reason, headers, _LENGTH, length,
-                                    keep_alive, idle)
-        return UpstreamResponse(self, conn, status, reason, headers, _UNTIL_CLOSE, 0, False,
-                                idle)
 
     async def aclose(self) -> None:
         """Close every idle connection; responses still being read close when they end."""

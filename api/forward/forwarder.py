@@ -1,5 +1,7 @@
-"""The entry point of forwarding: one :class:`Forwarder` per app, one :class:`api.forward.run.Run`
-per request, and the streaming response that closes a run its client abandoned."""
+"""Forwarding a routed request: one :class:`Forwarder` per app, one hop runner per request — a
+:class:`api.forward.run.Run` (relayed token by token, continued on another engine mid-stream) or
+a :class:`api.forward.passthrough.Passthrough` (relayed verbatim) — and the streaming response
+that closes a run its client abandoned."""
 
 from __future__ import annotations
 
@@ -13,14 +15,17 @@ from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from api.config import option
-from api.forward.prefill import PrefillRouter
-from api.forward.run import PREDICTED_HEADER, Run, RunContext, replica_headers
+from api.forward.context import PREDICTED_HEADER, RunContext, replica_headers
+from api.forward.hops import HopRouter
+from api.forward.passthrough import Passthrough
+from api.forward.prefill import PrefillHop
+from api.forward.run import Run
 from api.metrics import RouterMetrics
 from api.openai_schema import ParsedRequest
 from api.tokenizer import ByteTokenizer, Tokenizer
 from api.upstream import UpstreamPool
 from leanhttp.hotpath import LeanStreamingResponse
-from replicas.runtime.replica import Replica, Routed
+from replicas.runtime.replica import Replica, Routed, RouteRequest
 
 log = logging.getLogger("jetrouter.forward")
 
@@ -37,9 +42,10 @@ class Forwarder:
     of the circuit breakers); if it returns an awaitable, that runs as a background task.
 
     The Forwarder owns its connections to the engines (``self.pool``, an
-    :class:`api.upstream.UpstreamPool`); :meth:`aclose` closes the idle ones. ``self.prefill``
-    runs the prefill hop of requests for models served disaggregated
-    (:mod:`api.forward.prefill`), on the same connections.
+    :class:`api.upstream.UpstreamPool`); :meth:`aclose` closes the idle ones. ``self.hops``
+    routes every hop (:class:`api.forward.hops.HopRouter`), running the prefill hop of
+    requests for models served disaggregated (:mod:`api.forward.prefill`) on the same
+    connections.
     """
 
     def __init__(self, replica: Replica, metrics: RouterMetrics, *,
@@ -67,11 +73,12 @@ class Forwarder:
         self._reports: set[asyncio.Future[object]] = set()
         # The pool's idle timeout fires when the engine sends nothing for that long.
         self.pool = UpstreamPool(connect_timeout=connect_timeout, idle_timeout=idle)
-        self.prefill = PrefillRouter(
-            replica, self.pool, on_worker_failure=self.report_failure,
-            on_outcome=lambda outcome: metrics.disaggregated.labels(outcome=outcome).inc(),
-            on_transfer=metrics.kv_transfer_blocks.observe)
-        self.context = RunContext(replica, metrics, self.pool, self.tokenizer, limit,
+        prefill = PrefillHop(replica, self.pool, on_worker_failure=self.report_failure,
+                             on_transfer=metrics.kv_transfer_blocks.observe)
+        self.hops = HopRouter(
+            replica, prefill,
+            on_disaggregated=lambda outcome: metrics.disaggregated.labels(outcome=outcome).inc())
+        self.context = RunContext(replica, metrics, self.pool, self.tokenizer, self.hops, limit,
                                   chat_default_max_tokens, self.report_failure)
 
     async def aclose(self) -> None:
@@ -93,11 +100,14 @@ class Forwarder:
             log.exception("on_worker_failure hook failed")
 
     async def forward(self, endpoint: str, parsed: ParsedRequest, raw: bytes,
-                      routed: Routed, transfer: dict[str, Any] | None = None) -> Response:
-        """``transfer``: the KV transfer handle of a disaggregated request's prefill hop, passed
-        to the decode engine with the first hop."""
-        run = Run(self.context, endpoint, parsed, raw, routed, transfer,
-                  self.prefill.concurrent.pop(routed.request_id, None))
+                      request: RouteRequest, routed: Routed,
+                      transfer: dict[str, Any] | None = None) -> Response:
+        """Chat or completions with one choice, first routed as ``request`` → ``routed``.
+        ``transfer``: the KV hand-off fields of a disaggregated request's prefill hop, passed
+        to the decode engine with the first hop. Starts the engine request at once; answers
+        once the decision is recorded (raises :class:`DecisionNotRecorded` if it was not)."""
+        run = Run(self.context, endpoint, parsed, raw, request, routed, transfer,
+                  self.hops.prefill.concurrent.pop(routed.request_id, None))
         early = await run.open_first()
         headers = replica_headers(self.replica.replica_id, run.first_worker, routed.request_id)
         # The reuse this replica predicted on the engine it picked (compare with the usage's
@@ -109,6 +119,13 @@ class Forwarder:
         if parsed.stream:
             return RunStream(run, headers)
         return await run.collect()
+
+    def passthrough(self, endpoint: str, request: RouteRequest, routed: Routed, path: str,
+                    body: bytes, *, stream: bool, **hooks: Any) -> Passthrough:
+        """A request forwarded verbatim (:mod:`api.forward.passthrough`); ``respond()`` runs
+        it."""
+        return Passthrough(self.context, endpoint, request, routed, path, body, stream=stream,
+                           **hooks)
 
 
 class RunStream(LeanStreamingResponse):

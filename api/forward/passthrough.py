@@ -30,11 +30,10 @@ from starlette.types import Receive, Scope, Send
 
 from api import tracing
 from api.errors import encoded_error_body, upstream_error_body
+from api.forward.context import PREDICTED_HEADER, RunContext, replica_headers
 from api.forward.engine import HopFailed, open_upstream, upstream_event_batches
-from api.forward.run import PREDICTED_HEADER, RunContext, replica_headers
 from api.upstream import UpstreamError, UpstreamResponse
 from eventlog.events import Outcome
-from eventlog.names import hop_request_id
 from leanhttp.hotpath import LeanStreamingResponse
 from replicas.runtime.replica import DecisionNotRecorded, Routed, RouteRequest, RoutingError
 
@@ -157,13 +156,9 @@ class Passthrough:
         if not self.movable or self.migrations >= self.ctx.migration_limit:
             return False
         try:
-            routed = await self.ctx.replica.route(RouteRequest(
-                request_id=hop_request_id(self.request.request_id, self.migrations + 1),
-                model=self.request.model, token_ids=self.request.token_ids,
-                expected_osl=self.request.expected_osl, osl_hint=self.request.osl_hint,
-                priority=self.request.priority, overlap_weight=self.request.overlap_weight,
-                exclude=frozenset(self.failed), session=self.request.session,
-                tenant=failed.event.tenant))
+            routed = await self.ctx.hops.next_hop(
+                self.request, self.migrations + 1, exclude=frozenset(self.failed),
+                session=self.request.session, tenant=failed.event.tenant)
         except RoutingError:
             return False
         except Exception:  # the decision could not be appended

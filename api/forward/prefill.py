@@ -1,51 +1,33 @@
-"""Disaggregated serving on the request path: the prefill hop and the KV hand-off.
+"""The prefill hop of a disaggregated request: run on the engine its decision chose, it ends
+with the fields that hand the prompt's KV blocks to the decode hop.
 
 The prefill hop is the one hop whose lifecycle on the router stream is not in
-:mod:`api.forward.run`: it streams nothing to the client, so it is routed, run and ended here,
-before the request's run starts on the decode engine.
+:mod:`api.forward.run`: it streams nothing to the client, so it is run and ended here, before
+the request's run starts on the decode engine. Its decision, and the decode decision after it,
+are made by :class:`api.forward.hops.HopRouter` (replicas/core/disagg.py): the prefill decision
+under ``<request_id>~prefill``, the decode decision under the request's own id.
 
-For a model with prefill engines (``Replica.is_disaggregated``) a request gets two routing
-decisions, both ``RequestRouted`` events on the router stream (replicas/core/disagg.py):
-
-1. the **prefill decision**, under ``<request_id>~prefill``: the chosen engine computes the
-   prompt and answers with a transfer handle; that hop then ends like any other
-   (``PrefillCompleted``, ``RequestFinished``), so its prefill load is freed at once;
-2. the **decode decision**, under the request's own id: the chosen engine receives the handle in
-   the forwarded body and streams the answer.
-
-The hand-off speaks the prefill engine's protocol (``WorkerRegistered.engine_kind``):
-
-* **vLLM** (:mod:`api.forward.vllm_handoff`): the client's request with ``kv_transfer_params:
-  {"do_remote_decode": true}``, one token, not streamed, on the route the client used; the
-  answer's ``kv_transfer_params`` go to the decode engine at the top level of its body, and it
-  pulls the blocks (NIXL) instead of computing the prompt;
-* **SGLang** (:mod:`api.forward.sglang_handoff`): both decisions first, then the client's
-  request with ``bootstrap_host``/``bootstrap_port``/``bootstrap_room`` to the prefill engine
-  and the decode engine *concurrently* (:class:`~api.forward.sglang_handoff.ConcurrentPrefill`,
-  which the decode hop's run watches); the prefill hop ends when its engine answers;
-* **jetrouter** (the simulated engine, workers/handoff.py): ``POST /v1/prefill`` with the
-  routed token ids; the handle goes to the decode engine as ``"jetrouter": {"kv_transfer":
-  ...}``.
-
-Either way ``route`` returns the decode hop's hand-off as the fields to set in its body
-(:func:`api.forward.continuation.with_transfer`). Clients may not send these fields themselves
-(api/handoff_fields.py).
+What the prefill engine is asked and how its answer reaches the decode engine is the engine
+kind's hand-off (``WorkerRegistered.engine_kind``; :mod:`api.forward.handoff`): vLLM's
+``kv_transfer_params`` (:mod:`api.forward.vllm_handoff`), or the simulated engine's
+``/v1/prefill`` and transfer handle (:mod:`api.forward.jetrouter_handoff`). SGLang's bootstrap
+hand-off (:mod:`api.forward.sglang_handoff`) is the exception: its prefill request runs
+*beside* the decode hop (:meth:`PrefillHop.start_beside`), both carrying the same bootstrap
+fields, because an SGLang prefill engine answers only once the decode engine has pulled the
+blocks. Clients may not send these fields themselves (api/handoff_fields.py).
 
 The prefill engine is called while the prefill decision's append is on its way; its answer is
 used only once the decision is recorded (``Replica.recorded``): a refused one ends the hop
-``not_routed`` and the request is answered 503, like a refused decode decision.
-
-If no prefill engine can take the request (none registered and healthy, all busy) or the prefill
-hop fails (refused connection, 5xx, a malformed answer), the request falls back to aggregated
-serving on a decode engine, as Dynamo's router does. A client that goes away during the prefill
-hop ends it as ``cancelled``.
+``not_routed`` and the request is answered 503, like a refused decode decision. A hop that fails
+(refused connection, 5xx, a 4xx, an answer without a usable handle) ends ``error`` and the
+request is served aggregated. A client that goes away during the prefill hop ends it as
+``cancelled``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from enum import StrEnum
 from typing import Any
 
@@ -54,22 +36,13 @@ import msgspec
 from api import tracing
 from api.forward import sglang_handoff, vllm_handoff
 from api.forward.engine import HopFailure, classify
+from api.forward.handoff import handoff_for
 from api.upstream import UpstreamError, UpstreamPool
 from errors.root import JetrouterError
 from eventlog.events import EngineKind, Outcome
-from eventlog.names import TRANSFER_KEY, prefill_request_id
-from replicas.core import disagg
-from replicas.runtime.replica import (
-    DecisionNotRecorded,
-    Replica,
-    Routed,
-    RouteRequest,
-    RoutingError,
-)
+from replicas.runtime.replica import DecisionNotRecorded, Replica, Routed, RouteRequest
 
 log = logging.getLogger("jetrouter.disagg")
-
-PREFILL_PATH = "/v1/prefill"
 
 
 class DisaggOutcome(StrEnum):
@@ -96,135 +69,92 @@ class PrefillFailed(JetrouterError):
         self.reason = reason
 
 
-class PrefillRouter:
+class PrefillHop:
     """Runs the prefill hop of disaggregated requests for one replica.
 
-    ``on_outcome(outcome)`` counts each request (a :class:`DisaggOutcome`).
     ``on_worker_failure(worker_id, reason)`` is the Forwarder's passive health signal.
     ``on_transfer(blocks)`` counts the KV blocks each successful hand-off names."""
 
     def __init__(self, replica: Replica, pool: UpstreamPool, *,
-                 on_outcome: Callable[[DisaggOutcome], None] | None = None,
                  on_worker_failure: Callable[[str, str], None] | None = None,
                  on_transfer: Callable[[int], None] | None = None) -> None:
         self.replica = replica
         self.pool = pool
-        self.on_outcome = on_outcome
         self.on_worker_failure = on_worker_failure
         self.on_transfer = on_transfer  # KV blocks of each hand-off
         # SGLang prefill requests running beside their decode hop, by the decode hop's id
         # (taken by the Forwarder for the run; each removes itself when it ends).
         self.concurrent: dict[str, sglang_handoff.ConcurrentPrefill] = {}
 
-    async def route(self, req: RouteRequest, *, endpoint: str = "completions",
-                    body: dict[str, Any] | None = None
-                    ) -> tuple[Routed, dict[str, Any] | None]:
-        """(the decode decision, the fields that hand the KV over in the decode hop's body) or
-        (an aggregated decision, None). ``endpoint`` ("completions" or "chat") and ``body``
-        (the client's JSON body) make a vLLM prefill engine's request."""
-        transfer: dict[str, Any] | None = None
-        outcome = DisaggOutcome.NO_PREFILL_ENGINE
-        try:
-            pre = await self.replica.route(replace(
-                req, request_id=prefill_request_id(req.request_id), phase=disagg.PREFILL))
-        except DecisionNotRecorded:
-            raise  # the router stream does not take decisions: the decode one would fail too
-        except RoutingError as exc:
-            log.info("request %s: no prefill engine (%s); serving it aggregated",
-                     req.request_id, exc)
-            pre = None
-        if pre is not None and body is not None and (
-                self.engine_kind(pre.worker_id) == EngineKind.SGLANG):
-            return await self._beside(pre, req, endpoint, body)
-        if pre is not None:
-            transfer = await self._prefill(pre, req, endpoint, body)
-            outcome = (DisaggOutcome.DISAGGREGATED if transfer is not None
-                       else DisaggOutcome.PREFILL_FAILED)
-        if self.on_outcome is not None:
-            self.on_outcome(outcome)
-        phase = disagg.DECODE if transfer is not None else disagg.AGGREGATED
-        blocks = _blocks(transfer) if transfer is not None else -1
-        return await self.replica.route(replace(req, phase=phase, transfer_blocks=blocks)), transfer
-
-    async def _beside(self, pre: Routed, req: RouteRequest, endpoint: str,
-                      body: dict[str, Any]) -> tuple[Routed, dict[str, Any]]:
-        """SGLang: the decode decision now, then the prefill request in the background with the
-        same bootstrap fields the decode hop carries (sglang_handoff)."""
-        blocks = sglang_handoff.prompt_blocks(pre.isl_tokens, pre.event.block_size)
-        try:
-            routed = await self.replica.route(
-                replace(req, phase=disagg.DECODE, transfer_blocks=blocks))
-        except BaseException:
-            self.replica.finished(pre.request_id, Outcome.CANCELLED, 0)  # never sent
-            raise
-        info = self.replica.state.workers.get(pre.worker_id)
-        fields = sglang_handoff.bootstrap_fields(
-            pre.worker_url, info.bootstrap_port if info is not None else 0,
-            sglang_handoff.choices(body))
-        beside = sglang_handoff.ConcurrentPrefill(pre.request_id)
-        self.concurrent[routed.request_id] = beside
-
-        async def prefill() -> bool:
-            done: dict[str, Any] | None = None
-            try:
-                done = await self._prefill(pre, req, endpoint, body, fields)
-            except DecisionNotRecorded:
-                pass  # its decode decision meets the same refusal in its own run
-            finally:
-                self.concurrent.pop(routed.request_id, None)
-                if self.on_outcome is not None:  # cancelled too: no hand-off took place
-                    self.on_outcome(DisaggOutcome.DISAGGREGATED if done is not None
-                                    else DisaggOutcome.PREFILL_FAILED)
-            return done is not None
-
-        beside.start(prefill())
-        return routed, fields
-
     def engine_kind(self, worker_id: str) -> str:
         info = self.replica.state.workers.get(worker_id)
         return info.engine_kind if info is not None else EngineKind.JETROUTER
 
-    async def _prefill(self, pre: Routed, req: RouteRequest, endpoint: str,
-                       body: dict[str, Any] | None, sglang: dict[str, Any] | None = None
-                       ) -> dict[str, Any] | None:
-        """Run the prefill hop; the decode hop's hand-off fields, or None (hop ended as
-        ``error``) when it failed. ``sglang``: the bootstrap fields of an SGLang hand-off,
-        whose decode hop is already on its way."""
+    def start_beside(self, pre: Routed, decode: Routed, req: RouteRequest, endpoint: str,
+                     body: dict[str, Any], fields: dict[str, Any],
+                     on_done: Callable[[bool], None]) -> None:
+        """SGLang: run the prefill hop decided as ``pre`` in the background, with the bootstrap
+        ``fields`` the decode hop (decided as ``decode``) carries too; the decode hop's run
+        takes it from :attr:`concurrent`. ``on_done(ok)`` says how it ended."""
+        beside = sglang_handoff.ConcurrentPrefill(pre.request_id)
+        self.concurrent[decode.request_id] = beside
+
+        async def prefill() -> bool:
+            done: dict[str, Any] | None = None
+            try:
+                done = await self.run(pre, req, endpoint, body, sglang=fields)
+            except DecisionNotRecorded:
+                pass  # its decode decision meets the same refusal in its own run
+            finally:
+                self.concurrent.pop(decode.request_id, None)
+                on_done(done is not None)
+            return done is not None
+
+        beside.start(prefill())
+
+    async def run(self, pre: Routed, req: RouteRequest, endpoint: str,
+                  body: dict[str, Any] | None, *, sglang: dict[str, Any] | None = None
+                  ) -> dict[str, Any] | None:
+        """Run the prefill hop decided as ``pre``; the decode hop's hand-off fields, or None
+        (the hop ended as ``error``) when it failed. Raises :class:`DecisionNotRecorded` when
+        JetStream refused ``pre``. ``sglang``: the bootstrap fields of an SGLang hand-off,
+        whose decode hop is already on its way (:meth:`start_beside`)."""
         outcome, cached = Outcome.CANCELLED, -1
-        vllm = self.engine_kind(pre.worker_id) == EngineKind.VLLM
+        handoff = handoff_for(self.engine_kind(pre.worker_id))
         try:
             try:  # the engine is asked while the decision's append is acked
+                request: tuple[str, dict[str, Any]] | str
                 if sglang is not None and body is not None:
-                    answer = await self._call(pre, vllm_handoff.engine_path(endpoint),
-                                              sglang_handoff.prefill_body(body, sglang))
-                elif vllm:
-                    if body is None:  # a caller without the client's body: nothing to send
-                        raise PrefillFailed(PrefillProblem.BAD_REQUEST,
-                                            "no client body for a vLLM prefill request")
-                    answer = await self._call(pre, vllm_handoff.engine_path(endpoint),
-                                              vllm_handoff.prefill_body(body))
+                    request = (vllm_handoff.engine_path(endpoint),
+                               sglang_handoff.prefill_body(body, sglang))
                 else:
-                    answer = await self._call(pre, PREFILL_PATH, {
-                        "model": req.model, "prompt": list(req.token_ids), "max_tokens": 1,
-                        "jetrouter": {"dp_rank": pre.dp_rank}})
+                    request = handoff.prefill_request(endpoint, body, req, pre)
+                if isinstance(request, str):
+                    raise PrefillFailed(PrefillProblem.BAD_REQUEST, request)
+                answer = await self._call(pre, *request)
             finally:
                 try:
                     await self.replica.recorded(pre)
                 except DecisionNotRecorded:
                     outcome = Outcome.NOT_ROUTED  # the request is answered 503
                     raise
-            transfer = sglang if sglang is not None else _handoff(answer, vllm)
+            if sglang is not None:
+                fields: dict[str, Any] | str = sglang
+                blocks = sglang_handoff.prompt_blocks(pre.isl_tokens, pre.event.block_size)
+            else:
+                fields = handoff.decode_fields(answer)
+                if isinstance(fields, str):
+                    raise PrefillFailed(PrefillProblem.BAD_ANSWER, fields)
+                blocks = handoff.blocks(fields)
             if self.on_transfer is not None:
-                self.on_transfer(_blocks(transfer) if sglang is None else
-                                 sglang_handoff.prompt_blocks(pre.isl_tokens,
-                                                              pre.event.block_size))
+                self.on_transfer(blocks)
             usage = answer.get("usage")
             details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
             value = details.get("cached_tokens") if isinstance(details, dict) else None
             cached = value if isinstance(value, int) and value >= 0 else -1
             self.replica.prefill_completed(pre.request_id)
             outcome = Outcome.OK
-            return transfer
+            return fields
         except PrefillFailed as exc:
             outcome = Outcome.ERROR
             log.warning("request %s: prefill on %s failed (%s); serving it aggregated",
@@ -262,29 +192,3 @@ class PrefillRouter:
             raise PrefillFailed(PrefillProblem.BAD_ANSWER,
                                 "the prefill answer is not an object")
         return answer
-
-
-def _handoff(answer: dict[str, Any], vllm: bool) -> dict[str, Any]:
-    """The fields that hand the prompt's KV over in the decode hop's body, from the prefill
-    engine's answer; PrefillFailed (bad_answer) when the answer holds no usable handle."""
-    if vllm:
-        params = vllm_handoff.transfer_params(answer)
-        if isinstance(params, str):
-            raise PrefillFailed(PrefillProblem.BAD_ANSWER, params)
-        return {vllm_handoff.KV_TRANSFER_PARAMS: params}
-    handle = answer.get(TRANSFER_KEY)
-    if not isinstance(handle, dict):
-        raise PrefillFailed(PrefillProblem.BAD_ANSWER, "the prefill answer has no kv_transfer")
-    return {"jetrouter": {TRANSFER_KEY: handle}}
-
-
-def _blocks(transfer: dict[str, Any]) -> int:
-    """The KV blocks a hand-off names (vLLM's remote block ids, or the jetrouter handle's
-    block hashes)."""
-    params = transfer.get(vllm_handoff.KV_TRANSFER_PARAMS)
-    if isinstance(params, dict):
-        return vllm_handoff.transfer_blocks(params)
-    ext = transfer.get("jetrouter")
-    handle = ext.get(TRANSFER_KEY) if isinstance(ext, dict) else None
-    hashes = handle.get("block_hashes") if isinstance(handle, dict) else None
-    return len(hashes) if isinstance(hashes, list) else 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -25,6 +25,7 @@ from fastapi.responses import Response
 
 from api import tracing
 from api.errors import error_response, sse_error, sse_internal_error, upstream_error_body
+from api.forward.context import PREDICTED_HEADER, RunContext, replica_headers
 from api.forward.continuation import Continuation, Hop, HopPlan, with_transfer
 from api.forward.engine import (
     DONE_EVENT,
@@ -34,49 +35,14 @@ from api.forward.engine import (
     upstream_event_batches,
 )
 from api.forward.sglang_handoff import ConcurrentPrefill
-from api.metrics import RouterMetrics
 from api.openai_schema import ParsedRequest
-from api.tokenizer import Tokenizer
-from api.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from api.upstream import UpstreamError, UpstreamResponse
 from eventlog.events import Outcome
-from eventlog.names import hop_request_id
 from leanhttp.hotpath import LastChunk
 from replicas.core.load import output_blocks
-from replicas.runtime.replica import (
-    DecisionNotRecorded,
-    Replica,
-    Routed,
-    RouteRequest,
-    RoutingError,
-)
+from replicas.runtime.replica import DecisionNotRecorded, Routed, RouteRequest, RoutingError
 
 log = logging.getLogger("jetrouter.forward")
-
-PREDICTED_HEADER = "x-jetrouter-predicted-cached-tokens"
-
-
-def replica_headers(replica_id: str, worker_id: str | None = None,
-                    request_id: str | None = None) -> dict[str, str]:
-    h = {"x-jetrouter-replica": replica_id}
-    if worker_id:
-        h["x-jetrouter-worker"] = worker_id
-    if request_id:  # the id to look the decision up with: GET /admin/requests/{id}
-        h["x-jetrouter-request-id"] = request_id
-    return h
-
-
-@dataclass(frozen=True, slots=True)
-class RunContext:
-    """What every run of one app shares (built once by :class:`api.forward.Forwarder`)."""
-
-    replica: Replica
-    metrics: RouterMetrics
-    pool: UpstreamPool
-    tokenizer: Tokenizer
-    migration_limit: int
-    chat_default_max_tokens: int
-    report_failure: Callable[[str, str], None]
-
 
 @dataclass(slots=True)
 class Exchange:
@@ -108,11 +74,13 @@ class Run:
     """One client request through all its hops."""
 
     def __init__(self, ctx: RunContext, endpoint: str, parsed: ParsedRequest, raw: bytes,
-                 routed: Routed, transfer: dict[str, Any] | None = None,
+                 request: RouteRequest, routed: Routed,
+                 transfer: dict[str, Any] | None = None,
                  beside: ConcurrentPrefill | None = None) -> None:
         self.ctx = ctx
         self.endpoint = endpoint
         self.parsed = parsed
+        self.request = request  # as the first hop was routed
         self.base = routed
         self.cont = Continuation(parsed, raw, ctx.tokenizer.encode,
                                  chat_default_max_tokens=ctx.chat_default_max_tokens)
@@ -121,8 +89,8 @@ class Run:
             plan = replace(plan, body=with_transfer(plan.body, transfer))
         self.plan: HopPlan = plan
         self.hop: Hop = self._start_hop(routed, plan)
-        self.handoff = transfer is not None  # the first hop pulls its prompt's KV blocks
         self.beside = beside  # an SGLang prefill request the first hop's engine waits on
+        self.handoff = transfer is not None  # the first hop pulls its prompt's KV blocks
         self.ex = Exchange()
         self.resp: UpstreamResponse | None = None
         self.failed: set[str] = set()
@@ -221,17 +189,11 @@ class Run:
             return False
         plan = self.cont.plan()
         try:
-            routed = await self.ctx.replica.route(RouteRequest(
-                request_id=hop_request_id(self.base.request_id, self.migrations + 1),
-                model=self.parsed.model, token_ids=plan.token_ids,
-                expected_osl=plan.expected_osl,
-                osl_hint=plan.expected_osl if self.parsed.osl_hint else 0,
-                priority=self.base.event.priority,
-                overlap_weight=self.parsed.overlap_weight,
-                latency_sensitivity=self.parsed.latency_sensitivity,
-                exclude=frozenset(self.failed),
-                session=self.base.session,  # a session moves with its turn: re-pinned
-                tenant=self.base.event.tenant))  # still in flight for its tenant
+            routed = await self.ctx.hops.next_hop(
+                self.request, self.migrations + 1, exclude=frozenset(self.failed),
+                session=self.base.session, tenant=self.base.event.tenant,
+                token_ids=plan.token_ids, expected_osl=plan.expected_osl,
+                osl_hint=plan.expected_osl if self.parsed.osl_hint else 0)
         except Exception as exc:  # RoutingError, or the decision could not be appended
             if not isinstance(exc, RoutingError):
                 log.exception("request %s: re-routing failed", self.base.request_id)

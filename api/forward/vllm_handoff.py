@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from replicas.runtime.replica import Routed, RouteRequest
+
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 
 # Fields of the client's body that do not fit a one-token, non-streamed prefill request.
@@ -72,3 +74,23 @@ def transfer_blocks(params: dict[str, Any]) -> int:
     if not isinstance(blocks, list):
         return 0
     return sum(len(b) if isinstance(b, list) else 1 for b in blocks)
+
+
+class VllmHandoff:
+    """:class:`api.forward.handoff.Handoff` for vLLM (the functions above)."""
+
+    def prefill_request(self, endpoint: str, body: dict[str, Any] | None, req: RouteRequest,
+                        pre: Routed) -> tuple[str, dict[str, Any]] | str:
+        if body is None:  # a route without the client's body: nothing to send
+            return "no client body for a vLLM prefill request"
+        return engine_path(endpoint), prefill_body(body)
+
+    def decode_fields(self, answer: dict[str, Any]) -> dict[str, Any] | str:
+        params = transfer_params(answer)
+        if isinstance(params, str):
+            return params
+        return {KV_TRANSFER_PARAMS: params}
+
+    def blocks(self, fields: dict[str, Any]) -> int:
+        params = fields.get(KV_TRANSFER_PARAMS)
+        return transfer_blocks(params) if isinstance(params, dict) else 0

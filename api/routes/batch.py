@@ -20,9 +20,9 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from api.forward.conductor import Conductor
 from api.forward.engine import DONE_EVENT, SseSplitter, sse_data
 from api.openai_schema import ParsedRequest, parse_request
-from api.routes.gateway import Gateway
 from leanhttp.hotpath import LeanStreamingResponse
 
 _decode = msgspec.json.Decoder()
@@ -56,17 +56,17 @@ def _reindex(choices: Any, prompt_index: int, n: int) -> list[dict[str, Any]]:
     return out
 
 
-async def serve_batch(gateway: Gateway, parsed: ParsedRequest, request: Request,
+async def serve_batch(conductor: Conductor, parsed: ParsedRequest, request: Request,
                       received: float, started: float) -> Response:
     assert parsed.batch is not None
     subs: list[tuple[ParsedRequest, bytes]] = []
     for prompt in parsed.batch:
         raw = msgspec.json.encode({**parsed.body, "prompt": prompt})
-        subs.append((parse_request("completions", raw, gateway.tokenizer,
-                                   max_prompt_tokens=gateway.cfg.max_prompt_tokens,
+        subs.append((parse_request("completions", raw, conductor.tokenizer,
+                                   max_prompt_tokens=conductor.cfg.max_prompt_tokens,
                                    priority_header=request.headers.get("x-priority")), raw))
     outcomes = await asyncio.gather(*(
-        gateway.serve_parsed("completions", sub, raw, request, received, started)
+        conductor.serve("completions", sub, raw, request, received, started)
         for sub, raw in subs), return_exceptions=True)
     answers = [a for a in outcomes if isinstance(a, Response)]
     failed = next((a for a in outcomes if not isinstance(a, Response)), None)
@@ -80,7 +80,7 @@ async def serve_batch(gateway: Gateway, parsed: ParsedRequest, request: Request,
         return refused
     workers = ",".join(a.headers.get("x-jetrouter-worker", "") for a in answers)
     request_ids = ",".join(a.headers.get("x-jetrouter-request-id", "") for a in answers)
-    headers = {**gateway.headers(), "x-jetrouter-worker": workers,
+    headers = {**conductor.headers(), "x-jetrouter-worker": workers,
                "x-jetrouter-request-id": request_ids}
     if parsed.stream:
         return BatchStream(answers, parsed.n, parsed.include_usage, headers)

@@ -16,11 +16,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from api.errors import ApiError
+from api.forward.conductor import PRIORITY_LEVEL, Conductor, model_of
 from api.openai_schema import MAX_TOKEN_ID
-from api.routes.gateway import PRIORITY_LEVEL, Gateway, model_of
 from api.tokenizer import encode_prompt
 from replicas.core.shedding import PriorityTier
-from replicas.runtime.replica import DecisionNotRecorded, RouteRequest
+from replicas.runtime.replica import RouteRequest
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs in one embeddings request
 PATH = "/v1/embeddings"
@@ -34,7 +34,7 @@ def _ids(value: list[Any], param: str) -> list[int]:
     return value
 
 
-def input_ids(gateway: Gateway, body: dict[str, Any]) -> list[list[int]]:
+def input_ids(conductor: Conductor, body: dict[str, Any]) -> list[list[int]]:
     """Each input's token ids, as the engine tokenizes it (special tokens added to text)."""
     value = body.get("input")
     if value is None:
@@ -54,46 +54,34 @@ def input_ids(gateway: Gateway, body: dict[str, Any]) -> list[list[int]]:
         if isinstance(item, str):
             if not item:
                 raise ApiError(400, f"Invalid 'input[{i}]': empty string.", param="input")
-            out.append(encode_prompt(gateway.tokenizer, item, body))
+            out.append(encode_prompt(conductor.tokenizer, item, body))
         elif isinstance(item, list):
             out.append(_ids(item, f"input[{i}]"))
         else:
             raise ApiError(400, f"Invalid 'input[{i}]': expected a string or token ids.",
                            param="input")
-        if len(out[-1]) > gateway.cfg.max_prompt_tokens:
+        if len(out[-1]) > conductor.cfg.max_prompt_tokens:
             raise ApiError(413, f"This model's maximum input length is "
-                           f"{gateway.cfg.max_prompt_tokens} tokens; input {i} has "
+                           f"{conductor.cfg.max_prompt_tokens} tokens; input {i} has "
                            f"{len(out[-1])}.", param="input", code="prompt_too_long")
     return out
 
 
-def embeddings_routes(gateway: Gateway) -> APIRouter:
+def embeddings_routes(conductor: Conductor) -> APIRouter:
     router = APIRouter()
 
     @router.post(PATH)
     async def embeddings(request: Request) -> Response:
-        opened = await gateway.opened(request)
+        opened = await conductor.opened(request)
         if isinstance(opened, Response):
             return opened
         raw, body = opened
         model = model_of(body)
         assert model is not None
-        ids = input_ids(gateway, body)
-        shed = gateway.shed("embeddings", model, PriorityTier.STANDARD)
-        if shed is not None:
-            return shed
-        req = RouteRequest(request_id=gateway.new_request_id(), model=model,
+        ids = input_ids(conductor, body)
+        req = RouteRequest(request_id=conductor.new_request_id(), model=model,
                            token_ids=[t for one in ids for t in one], expected_osl=1,
                            priority=PRIORITY_LEVEL[PriorityTier.STANDARD], overlap_weight=0.0)
-        decided = await gateway.route("embeddings", req)
-        if isinstance(decided, Response):
-            return decided
-        routed, _ = decided
-        gateway.observe(routed)
-        try:
-            return await gateway.passthrough("embeddings", req, routed, PATH, raw,
-                                             stream=False).respond()
-        except DecisionNotRecorded as exc:
-            return gateway.not_recorded("embeddings", exc, req.request_id)
+        return await conductor.relay("embeddings", req, PATH, raw, stream=False)
 
     return router

@@ -23,15 +23,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from api.errors import ApiError
-from api.forward.passthrough import Passthrough
+from api.forward.conductor import PRIORITY_LEVEL, Conductor, model_of
 from api.handoff_fields import refuse_handoff_fields
 from api.openai_schema import MAX_TOKEN_COUNT, decode_json
-from api.routes.gateway import PRIORITY_LEVEL, Gateway, model_of
-from api.routes.tokenize import forward_to_engine
 from api.tokenizer import encode_chat
 from leanhttp.hotpath import read_body
 from replicas.core.shedding import PriorityTier
-from replicas.runtime.replica import DecisionNotRecorded, RouteRequest
+from replicas.runtime.replica import RouteRequest
 from tokenization.chat_forms import FormError, anthropic_messages
 from tokenization.model_tokenizer import ChatTemplateFailed
 
@@ -84,16 +82,16 @@ def _body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def prompt_ids(gateway: Gateway, body: dict[str, Any]) -> list[int]:
+def prompt_ids(conductor: Conductor, body: dict[str, Any]) -> list[int]:
     try:
-        ids = encode_chat(gateway.tokenizer, anthropic_messages(body), body)
+        ids = encode_chat(conductor.tokenizer, anthropic_messages(body), body)
     except FormError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
     except ChatTemplateFailed as exc:
         raise ApiError(400, f"messages: {exc}", param="messages") from None
-    if len(ids) > gateway.cfg.max_prompt_tokens:
+    if len(ids) > conductor.cfg.max_prompt_tokens:
         raise ApiError(413, f"prompt is too long: {len(ids)} tokens > "
-                       f"{gateway.cfg.max_prompt_tokens} maximum", param="messages")
+                       f"{conductor.cfg.max_prompt_tokens} maximum", param="messages")
     return ids
 
 
@@ -105,11 +103,11 @@ def _max_tokens(body: dict[str, Any]) -> int:
     return value
 
 
-def messages_routes(gateway: Gateway) -> APIRouter:
+def messages_routes(conductor: Conductor) -> APIRouter:
     router = APIRouter()
 
     async def create(raw: bytes, request: Request) -> Response:
-        refused = await gateway.admit(request)
+        refused = await conductor.admit(request)
         if refused is not None:
             return refused
         body = _body(raw)
@@ -119,38 +117,25 @@ def messages_routes(gateway: Gateway) -> APIRouter:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "stream: Input should be a valid boolean", param="stream")
-        ids = prompt_ids(gateway, body)
-        shed = gateway.shed("messages", model, PriorityTier.STANDARD)
-        if shed is not None:
-            return shed
-        req = RouteRequest(request_id=gateway.new_request_id(), model=model, token_ids=ids,
+        ids = prompt_ids(conductor, body)
+        req = RouteRequest(request_id=conductor.new_request_id(), model=model, token_ids=ids,
                            expected_osl=expected_osl,
                            priority=PRIORITY_LEVEL[PriorityTier.STANDARD])
-        decided = await gateway.route("messages", req)
-        if isinstance(decided, Response):
-            return decided
-        routed, _ = decided
-        gateway.observe(routed)
-        forward: Passthrough = gateway.passthrough(
-            "messages", req, routed, PATH, raw, stream=stream,
-            error_shape=anthropic_error_shape)
-        try:
-            return await forward.respond()
-        except DecisionNotRecorded as exc:
-            return gateway.not_recorded("messages", exc, req.request_id)
+        return await conductor.relay("messages", req, PATH, raw, stream=stream,
+                                     error_shape=anthropic_error_shape)
 
     async def count(raw: bytes, request: Request) -> Response:
-        refused = await gateway.admit(request)
+        refused = await conductor.admit(request)
         if refused is not None:
             return refused
         body = _body(raw)
         model = model_of(body)
-        if not gateway.cfg.has_model_path:
-            return await forward_to_engine(gateway, COUNT_PATH, raw, model)
-        if model not in gateway.replica.models():
+        if not conductor.cfg.has_model_path:
+            return await conductor.unrouted(COUNT_PATH, raw, model)
+        if model not in conductor.replica.models():
             raise ApiError(404, f"model: {model}", param="model")
-        return Response(msgspec.json.encode({"input_tokens": len(prompt_ids(gateway, body))}),
-                        media_type="application/json", headers=gateway.headers())
+        return Response(msgspec.json.encode({"input_tokens": len(prompt_ids(conductor, body))}),
+                        media_type="application/json", headers=conductor.headers())
 
     @router.post(PATH)
     async def messages(request: Request) -> Response:

@@ -26,12 +26,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from api.errors import ApiError, error_response
+from api.forward.conductor import PRIORITY_LEVEL, Conductor, model_of
 from api.forward.passthrough import Passthrough
 from api.openai_schema import MAX_TOKEN_COUNT
-from api.routes.gateway import PRIORITY_LEVEL, Gateway, model_of
 from api.tokenizer import encode_chat
 from replicas.core.shedding import PriorityTier
-from replicas.runtime.replica import DecisionNotRecorded, Lookup, RouteRequest
+from replicas.runtime.replica import Lookup, RouteRequest
 from tokenization.chat_forms import FormError, responses_messages
 from tokenization.model_tokenizer import ChatTemplateFailed
 
@@ -62,21 +62,21 @@ def _expected_osl(body: dict[str, Any]) -> int:
     return value
 
 
-def prompt_ids(gateway: Gateway, body: dict[str, Any]) -> list[int]:
+def prompt_ids(conductor: Conductor, body: dict[str, Any]) -> list[int]:
     try:
-        ids = encode_chat(gateway.tokenizer, responses_messages(body), body)
+        ids = encode_chat(conductor.tokenizer, responses_messages(body), body)
     except FormError as exc:
         raise ApiError(400, f"Invalid request: {exc}", param=exc.param) from None
     except ChatTemplateFailed as exc:
         raise ApiError(400, f"Invalid 'input': {exc}", param="input") from None
-    if len(ids) > gateway.cfg.max_prompt_tokens:
+    if len(ids) > conductor.cfg.max_prompt_tokens:
         raise ApiError(413, f"This model's maximum prompt length is "
-                       f"{gateway.cfg.max_prompt_tokens} tokens. However, your prompt has "
+                       f"{conductor.cfg.max_prompt_tokens} tokens. However, your prompt has "
                        f"{len(ids)} tokens.", param="input", code="prompt_too_long")
     return ids
 
 
-async def previous_engine(gateway: Gateway, body: dict[str, Any]
+async def previous_engine(conductor: Conductor, body: dict[str, Any]
                           ) -> tuple[str, int] | Response | None:
     """The engine a follow-up must go to (None: not a follow-up), or the client's error."""
     previous = body.get("previous_response_id")
@@ -85,10 +85,10 @@ async def previous_engine(gateway: Gateway, body: dict[str, Any]
     if not isinstance(previous, str) or not previous:
         raise ApiError(400, "Invalid 'previous_response_id': expected a non-empty string.",
                        param="previous_response_id")
-    worker, found = await gateway.replica.stored_response(previous)
+    worker, found = await conductor.replica.stored_response(previous)
     if found == Lookup.FOUND and worker is not None:
         return worker
-    headers = gateway.headers()
+    headers = conductor.headers()
     if found == Lookup.UNKNOWN:
         return error_response(404, f"Previous response with id '{previous}' not found.",
                               param="previous_response_id",
@@ -111,11 +111,14 @@ class Recorder:
     """Appends ``ResponseStored`` for the response the engine names, once, before the client
     is sent its id."""
 
-    def __init__(self, gateway: Gateway, store: bool) -> None:
-        self.gateway = gateway
+    def __init__(self, conductor: Conductor, store: bool) -> None:
+        self.conductor = conductor
         self.store = store
         self.forward: Passthrough | None = None
         self.recorded: str | None = None
+
+    def watch(self, forward: Passthrough) -> None:
+        self.forward = forward  # its current hop names the engine that stored the response
 
     async def record(self, response_id: object) -> None:
         if not self.store or self.recorded is not None or self.forward is None:
@@ -124,8 +127,8 @@ class Recorder:
             return
         self.recorded = response_id
         try:
-            await self.gateway.replica.store_response(response_id, self.forward.routed,
-                                                      self.gateway.cfg.response_ttl_secs)
+            await self.conductor.replica.store_response(response_id, self.forward.routed,
+                                                      self.conductor.cfg.response_ttl_secs)
         except Exception as exc:  # the answer still goes out; a follow-up will get a 404
             log.warning("response %s: its engine could not be recorded: %s", response_id, exc)
 
@@ -150,12 +153,12 @@ class Recorder:
         return raw
 
 
-def responses_routes(gateway: Gateway) -> APIRouter:
+def responses_routes(conductor: Conductor) -> APIRouter:
     router = APIRouter()
 
     @router.post(PATH)
     async def responses(request: Request) -> Response:
-        opened = await gateway.opened(request)
+        opened = await conductor.opened(request)
         if isinstance(opened, Response):
             return opened
         raw, body = opened
@@ -164,28 +167,16 @@ def responses_routes(gateway: Gateway) -> APIRouter:
         stream = _flag(body, "stream", False)
         store = _flag(body, "store", True)
         expected_osl = _expected_osl(body)
-        ids = prompt_ids(gateway, body)
-        pinned = await previous_engine(gateway, body)
+        ids = prompt_ids(conductor, body)
+        pinned = await previous_engine(conductor, body)
         if isinstance(pinned, Response):
             return pinned
-        shed = gateway.shed("responses", model, PriorityTier.STANDARD)
-        if shed is not None:
-            return shed
-        req = RouteRequest(request_id=gateway.new_request_id(), model=model, token_ids=ids,
+        req = RouteRequest(request_id=conductor.new_request_id(), model=model, token_ids=ids,
                            expected_osl=expected_osl,
                            priority=PRIORITY_LEVEL[PriorityTier.STANDARD], pinned=pinned)
-        decided = await gateway.route("responses", req)
-        if isinstance(decided, Response):
-            return decided
-        routed, _ = decided
-        gateway.observe(routed)
-        recorder = Recorder(gateway, store)
-        forward = gateway.passthrough("responses", req, routed, PATH, raw, stream=stream,
-                                      on_event=recorder.on_event, on_body=recorder.on_body)
-        recorder.forward = forward
-        try:
-            return await forward.respond()
-        except DecisionNotRecorded as exc:
-            return gateway.not_recorded("responses", exc, req.request_id)
+        recorder = Recorder(conductor, store)
+        return await conductor.relay("responses", req, PATH, raw, stream=stream,
+                                     watch=recorder.watch, on_event=recorder.on_event,
+                                     on_body=recorder.on_body)
 
     return router

@@ -9,26 +9,22 @@ guess about a real engine's tokenizer, so the request is forwarded to an engine 
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from api.errors import ApiError, error_response
+from api.errors import ApiError
+from api.forward.conductor import Conductor, model_of
 from api.openai_schema import MAX_TOKEN_ID
-from api.routes.gateway import Gateway, model_of
 from api.tokenizer import encode_chat, encode_prompt
-from api.upstream import UpstreamError
-from replicas.core.candidates import HEALTH_WEIGHT
 from tokenization.model_tokenizer import ChatTemplateFailed
 
-CALL_TIMEOUT = 30.0
 _json_type = "application/json"
 
 
-def tokenize_locally(gateway: Gateway, body: dict[str, Any]) -> dict[str, Any]:
+def tokenize_locally(conductor: Conductor, body: dict[str, Any]) -> dict[str, Any]:
     if "messages" in body:
         messages = body["messages"]
         if not isinstance(messages, list) or not messages or \
@@ -36,7 +32,7 @@ def tokenize_locally(gateway: Gateway, body: dict[str, Any]) -> dict[str, Any]:
             raise ApiError(400, "Invalid 'messages': expected a non-empty array of objects.",
                            param="messages")
         try:
-            ids = encode_chat(gateway.tokenizer, messages, body)
+            ids = encode_chat(conductor.tokenizer, messages, body)
         except ChatTemplateFailed as exc:
             raise ApiError(400, f"Invalid 'messages': {exc}", param="messages") from None
     else:
@@ -44,78 +40,41 @@ def tokenize_locally(gateway: Gateway, body: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(prompt, str):
             raise ApiError(400, "Invalid 'prompt': expected a string (or give 'messages').",
                            param="prompt")
-        ids = encode_prompt(gateway.tokenizer, prompt, body)
-    return {"count": len(ids), "max_model_len": gateway.cfg.max_prompt_tokens,
+        ids = encode_prompt(conductor.tokenizer, prompt, body)
+    return {"count": len(ids), "max_model_len": conductor.cfg.max_prompt_tokens,
             "tokens": ids, "token_strs": None}
 
 
-def detokenize_locally(gateway: Gateway, body: dict[str, Any]) -> dict[str, Any]:
+def detokenize_locally(conductor: Conductor, body: dict[str, Any]) -> dict[str, Any]:
     ids = body.get("tokens")
     if not isinstance(ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID
             for t in ids):
         raise ApiError(400, "Invalid 'tokens': expected an array of token ids.", param="tokens")
-    decode = getattr(gateway.tokenizer, "decode", None)
+    decode = getattr(conductor.tokenizer, "decode", None)
     if decode is None:
         raise ApiError(501, "this router's tokenizer cannot decode")
     return {"prompt": decode(ids)}
 
 
-_turn = itertools.count()
-
-
-def engine_for(gateway: Gateway, model: str | None) -> tuple[str, str]:
-    """(worker id, url) of a usable engine serving ``model`` (any model when None), in turn."""
-    state = gateway.replica.state
-    if model is not None and model not in gateway.replica.models():
-        raise ApiError(404, f"The model `{model}` does not exist.", param="model",
-                       code="model_not_found")
-    usable = sorted(
-        (w.worker_id, w.url) for w in state.workers.values()
-        if (model is None or w.model == model or model in w.loras)
-        and HEALTH_WEIGHT.get(state.health.get(w.worker_id, "healthy"), 0.0) > 0.0)
-    if not usable:
-        raise ApiError(503, f"no engine serves model {model!r} now", type="service_unavailable")
-    return usable[next(_turn) % len(usable)]
-
-
-async def forward_to_engine(gateway: Gateway, path: str, raw: bytes,
-                            model: str | None) -> Response:
-    """A request that needs an engine's tokenizer but no routing decision (nothing is
-    generated, no load is charged): sent to an engine serving ``model``, its answer passed on."""
-    worker_id, url = engine_for(gateway, model)
-    headers = gateway.headers(worker_id)
-    try:
-        resp = await gateway.forwarder.pool.post(
-            url.rstrip("/") + path, raw, {"content-type": _json_type}, idle_timeout=CALL_TIMEOUT)
-        try:
-            data = await resp.aread()
-        finally:
-            resp.close()
-    except (UpstreamError, OSError) as exc:
-        return error_response(502, f"the engine {worker_id} failed: {exc}",
-                              type="upstream_error", headers=headers)
-    return Response(data, status_code=resp.status_code, headers=headers,
-                    media_type=resp.headers.get("content-type", _json_type))
-
-
-def tokenize_routes(gateway: Gateway) -> APIRouter:
+def tokenize_routes(conductor: Conductor) -> APIRouter:
     router = APIRouter()
 
     async def answer(path: str, request: Request) -> Response:
-        opened = await gateway.opened(request)
+        opened = await conductor.opened(request)
         if isinstance(opened, Response):
             return opened
         raw, body = opened
         model = model_of(body, required=False)
-        if not gateway.cfg.has_model_path:
-            return await forward_to_engine(gateway, path, raw, model)
-        if model is not None and model not in gateway.replica.models():
+        if not conductor.cfg.has_model_path:
+            return await conductor.unrouted(path, raw, model)
+        if model is not None and model not in conductor.replica.models():
             raise ApiError(404, f"The model `{model}` does not exist.", param="model",
                            code="model_not_found")
-        doc = tokenize_locally(gateway, body) if path == "/tokenize" \
-            else detokenize_locally(gateway, body)
-        return Response(msgspec.json.encode(doc), media_type=_json_type, headers=gateway.headers())
+        doc = tokenize_locally(conductor, body) if path == "/tokenize" \
+            else detokenize_locally(conductor, body)
+        return Response(msgspec.json.encode(doc), media_type=_json_type,
+                        headers=conductor.headers())
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> Response:

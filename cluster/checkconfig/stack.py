@@ -260,13 +260,14 @@ class StackChecks(ComposeFile):
 def known_metric_names() -> set[str]:
     """Every sample name the replicas and simulated workers export (plus PENDING_METRICS)."""
     from api.metrics import RouterMetrics
+    from api.replica_metrics import families as replica_families
     # Imported by name like api.cli does: the checker reads the worker's metric names only.
     worker_metrics = importlib.import_module("workers.metrics")
     registries = [RouterMetrics().registry, worker_metrics.WorkerMetrics([], "check").registry]
     suffixes = {"counter": ("_total", "_created"), "gauge": ("",),
                 "histogram": ("_bucket", "_sum", "_count", "_created")}
     names = set(PENDING_METRICS)
-    for registry in registries:
-        for family in registry.collect():
-            names.update(family.name + s for s in suffixes.get(family.type, ("",)))
+    # The replica's own figures are exported by a collector read at scrape time.
+    for family in [f for r in registries for f in r.collect()] + replica_families():
+        names.update(family.name + s for s in suffixes.get(family.type, ("",)))
     return names

@@ -1,9 +1,27 @@
-"""What every inference route of a replica shares: admission (readiness, priority shedding), the
-routing call with its refusals as HTTP answers, and the two ways to forward a routed request.
+"""The conductor of every inference request: from a parsed request to the response, top-down.
 
-Chat and completions with ``n == 1`` go through :class:`api.forward.Forwarder` (the engine's
-stream relayed token by token, migrating mid-stream); everything else is forwarded verbatim by
-:class:`api.forward.passthrough.Passthrough`. Built once per app (:func:`api.app.create_app`).
+One :class:`Conductor` per app (:func:`api.app.create_app`); the route modules in
+:mod:`api.routes` parse their own bodies and hand the request here. For chat and completions
+:meth:`Conductor.serve` reads in order:
+
+1. readiness (:meth:`Conductor.admit`, called by the route before it parses): a replica still
+   catching up holds the request up to ``--ready-wait``, then answers 503; with tenants
+   configured, who the client is;
+2. priority shedding (:meth:`Conductor.shed`, api/shed.py);
+3. the session (``x-dynamo-session-id`` or ``nvext.session_control``) and an isolated tenant's
+   ``cache_salt``;
+4. the first hop (:meth:`Conductor.first_hop`): tenant admission, then
+   :meth:`api.forward.hops.HopRouter.first_hop` (aggregated, or a prefill hop then the decode
+   decision), its refusals as HTTP answers;
+5. a newly pinned session opened on its engine (:mod:`api.forward.sessions`);
+6. forwarding: one choice through :meth:`api.forward.forwarder.Forwarder.forward` (relayed token
+   by token, migrating mid-stream), ``n > 1`` verbatim (:mod:`api.forward.passthrough`);
+7. after the answer: a closing session closed, ``nvext`` fields (:mod:`api.forward.nvext`),
+   the tenant's rate-limit headers.
+
+The other routes (embeddings, Responses, Messages) go through :meth:`Conductor.relay`: shed,
+first hop, forwarded verbatim; what an engine's tokenizer answers without a decision through
+:meth:`Conductor.unrouted`.
 """
 
 from __future__ import annotations
@@ -12,6 +30,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,14 +39,16 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from api.errors import ApiError, error_response, overloaded_response
-from api.forward import Forwarder, replica_headers
+from api.forward.context import replica_headers
 from api.forward.continuation import with_transfer
+from api.forward.forwarder import Forwarder
+from api.forward.nvext import NvextFields, add_to_response
 from api.forward.passthrough import Passthrough
+from api.forward.sessions import EngineSessions
+from api.forward.unrouted import forward_unrouted
 from api.handoff_fields import refuse_handoff_fields
 from api.metrics import Rejection, RouterMetrics
-from api.nvext_response import NvextFields, add_to_response
 from api.openai_schema import MAX_SESSION_ID, MAX_TOKEN_COUNT, ParsedRequest, decode_json
-from api.session_control import EngineSessions
 from api.shed import Shedder
 from api.tenancy import Identity, current_tenant, rate_limit_headers, rate_limited
 from api.tokenizer import Tokenizer
@@ -49,8 +70,8 @@ PRIORITY_LEVEL = {PriorityTier.PREMIUM: 2, PriorityTier.STANDARD: 1, PriorityTie
 
 
 @dataclass(frozen=True, slots=True)
-class GatewayConfig:
-    """The part of :class:`api.app.AppConfig` the routes read."""
+class ConductorConfig:
+    """The part of :class:`api.app.AppConfig` the inference routes read."""
 
     max_prompt_tokens: int
     ready_wait: float
@@ -59,8 +80,8 @@ class GatewayConfig:
     has_model_path: bool  # the router tokenizes exactly as the engines (--model-path)
 
 
-class Gateway:
-    def __init__(self, replica: Replica, cfg: GatewayConfig, metrics: RouterMetrics,
+class Conductor:
+    def __init__(self, replica: Replica, cfg: ConductorConfig, metrics: RouterMetrics,
                  forwarder: Forwarder, tokenizer: Tokenizer,
                  engine_sessions: EngineSessions, identity: Identity | None = None) -> None:
         self.replica = replica
@@ -69,7 +90,7 @@ class Gateway:
         self.forwarder = forwarder
         self.tokenizer = tokenizer
         self.engine_sessions = engine_sessions
-        self.shedder = Shedder(replica, metrics)
+        self.shedder = Shedder(replica)
         self.identity = identity  # None: no tenants (api/tenancy.py)
 
     def headers(self, worker_id: str | None = None,
@@ -79,7 +100,7 @@ class Gateway:
     def new_request_id(self) -> str:
         return f"{self.replica.replica_id}-{uuid.uuid4().hex[:20]}"
 
-    # --- admission ----------------------------------------------------------------------------
+    # --- the door: readiness, and the JSON body of the routes that read one ------------------
 
     async def admit(self, request: Request | None = None) -> Response | None:
         """None when this replica takes requests, else the 503 the client gets. With tenants
@@ -106,6 +127,114 @@ class Gateway:
             return refused
         return raw, request_object(raw)
 
+    # --- one request, top-down -------------------------------------------------------------
+
+    async def serve(self, endpoint: str, parsed: ParsedRequest, raw: bytes,
+                    request: Request, received: float, started: float) -> Response:
+        """One validated chat or completions request: shed, route, forward."""
+        request_id = self.new_request_id()
+        shed = self.shed(endpoint, parsed.model, parsed.priority)
+        if shed is not None:
+            return shed
+        salt = self.cache_salt()
+        if salt:
+            # An isolated tenant's prompt is cached under its own salt; a cache_salt the
+            # client sent is replaced, so no client can name another tenant's.
+            parsed.body["cache_salt"] = salt
+            raw = msgspec.json.encode(parsed.body)
+        route_req = RouteRequest(
+            request_id=request_id, model=parsed.model, token_ids=parsed.prompt_ids,
+            # n choices of one prompt: one prefill, n times the output.
+            expected_osl=min(parsed.expected_osl * parsed.n, MAX_TOKEN_COUNT),
+            osl_hint=parsed.osl_hint, priority=PRIORITY_LEVEL[parsed.priority],
+            overlap_weight=parsed.overlap_weight,
+            latency_sensitivity=parsed.latency_sensitivity,
+            session=self.session_of(parsed, request), cache_salt=salt)
+        routing_started = time.perf_counter()
+        decided = await self.first_hop(endpoint, route_req, disaggregated=True,
+                                       body=parsed.body)
+        if isinstance(decided, Response):
+            return decided
+        routed, transfer = decided
+        self.observe(routed)
+        routing_s = time.perf_counter() - routing_started
+        session = route_req.session
+        if routed.sticky is not None:
+            self.metrics.session_routes.labels(how=routed.sticky).inc()
+        closing = session is not None and session.action == "close"
+        if session is not None and not closing and routed.sticky in ("open", "repin"):
+            await self.engine_sessions.open(routed.worker_url, session.session_id)
+        try:
+            if parsed.n > 1:  # several choices interleave in one stream: relayed verbatim
+                resp = await self._choices(endpoint, parsed, raw, route_req, routed, transfer)
+            else:
+                # Starts the engine request at once; answers once the decision is recorded.
+                resp = await self.forwarder.forward(endpoint, parsed, raw, route_req, routed,
+                                                    transfer)
+        except DecisionNotRecorded as exc:
+            return self.not_recorded(endpoint, exc, request_id)
+        self.metrics.observe_overhead(routed.timings)
+        if closing and routed.sticky == "pinned" and session is not None:
+            self.engine_sessions.close_after(resp, routed.worker_url, session.session_id)
+        if parsed.extra_fields:
+            resp = await add_to_response(resp, NvextFields(
+                parsed.extra_fields, routed, self.replica.replica_id,
+                self.replica.config.state.block_size, received, started, routing_s))
+        if (limits := rate_limit_headers.get()) is not None:
+            resp.headers.update(limits)
+        return resp
+
+    async def relay(self, endpoint: str, req: RouteRequest, path: str, raw: bytes, *,
+                    stream: bool, tier: str = PriorityTier.STANDARD,
+                    watch: Callable[[Passthrough], None] | None = None,
+                    **hooks: Any) -> Response:
+        """A request forwarded verbatim to ``path`` on its engine: shed, first hop, answer.
+        ``watch`` sees the :class:`Passthrough` before it runs; ``hooks`` go to it."""
+        shed = self.shed(endpoint, req.model, tier)
+        if shed is not None:
+            return shed
+        decided = await self.first_hop(endpoint, req)
+        if isinstance(decided, Response):
+            return decided
+        routed, _ = decided
+        self.observe(routed)
+        forward = self.forwarder.passthrough(endpoint, req, routed, path, raw, stream=stream,
+                                             **hooks)
+        if watch is not None:
+            watch(forward)
+        try:
+            return await forward.respond()
+        except DecisionNotRecorded as exc:
+            return self.not_recorded(endpoint, exc, req.request_id)
+
+    async def unrouted(self, path: str, raw: bytes, model: str | None) -> Response:
+        """A request an engine's tokenizer answers, without a routing decision
+        (:mod:`api.forward.unrouted`)."""
+        return await forward_unrouted(self.replica, self.forwarder.pool, path, raw, model,
+                                      self.headers())
+
+    # --- the steps -------------------------------------------------------------------------
+
+    async def _choices(self, endpoint: str, parsed: ParsedRequest, raw: bytes,
+                       route_req: RouteRequest, routed: Routed,
+                       transfer: dict[str, Any] | None) -> Response:
+        """``n > 1``: the engine's stream relayed as it sends it (:mod:`.passthrough`)."""
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        body, on_event = raw, None
+        if parsed.stream and not parsed.include_usage:
+            # Usage is asked for all the same (the engine's output and cached token counts go
+            # into the decision's RequestFinished) and not passed on.
+            options = parsed.body.get("stream_options")
+            options = {**options} if isinstance(options, dict) else {}
+            body = msgspec.json.encode({**parsed.body, "stream_options": {
+                **options, "include_usage": True}})
+            on_event = _without_usage_chunk
+        if transfer is not None:
+            body = with_transfer(body, transfer)
+        return await self.forwarder.passthrough(endpoint, route_req, routed, path, body,
+                                                stream=parsed.stream,
+                                                on_event=on_event).respond()
+
     def shed(self, endpoint: str, model: str, priority: str) -> Response | None:
         retry = self.shedder.check(model, priority)
         if retry is None:
@@ -115,14 +244,6 @@ class Gateway:
         resp = overloaded_response(retry_after=retry)
         resp.headers.update(self.headers())
         return resp
-
-    def not_recorded(self, endpoint: str, exc: DecisionNotRecorded, request_id: str) -> Response:
-        self.metrics.rejections.labels(reason=Rejection.DECISION_NOT_RECORDED).inc()
-        self.metrics.count_request(endpoint, "rejected")
-        return error_response(
-            503, f"{exc}; this request was not served, retry it (on another replica if "
-            "one is available)", type="service_unavailable",
-            headers={**self.headers(None, request_id), "retry-after": "1"})
 
     def session_of(self, parsed: ParsedRequest, request: Request) -> SessionRequest | None:
         if parsed.session_control is not None:
@@ -138,11 +259,9 @@ class Gateway:
                            f"{MAX_SESSION_ID} characters.", param=SESSION_HEADER)
         return SessionRequest(header, "bind", self.cfg.session_ttl_secs)
 
-    # --- routing ------------------------------------------------------------------------------
-
-    async def route(self, endpoint: str, req: RouteRequest, *, disaggregated: bool = False,
-                    body: dict[str, Any] | None = None
-                    ) -> tuple[Routed, dict[str, Any] | None] | Response:
+    async def first_hop(self, endpoint: str, req: RouteRequest, *, disaggregated: bool = False,
+                        body: dict[str, Any] | None = None
+                        ) -> tuple[Routed, dict[str, Any] | None] | Response:
         """The decision (and a disaggregated request's KV hand-off fields), or the answer the
         client gets when there is none. ``disaggregated``: the route can run a prefill hop
         first (chat and completions, whose client ``body`` a vLLM prefill engine is sent);
@@ -163,11 +282,8 @@ class Gateway:
         routed = False
         try:
             waited = time.perf_counter()
-            if disaggregated and self.replica.is_disaggregated(req.model):
-                decided = await self.forwarder.prefill.route(req, endpoint=endpoint,
-                                                              body=body)
-            else:
-                decided = await self.replica.route(req), None
+            decided = await self.forwarder.hops.first_hop(req, endpoint=endpoint, body=body,
+                                                          disaggregated=disaggregated)
             routed = True
             if req.tenant:  # the router queue's wait (routing itself is microseconds)
                 self.metrics.tenant_queue_wait.labels(tenant=self.tenant_label(req.tenant)
@@ -191,16 +307,6 @@ class Gateway:
             if req.tenant and not routed:
                 self.replica.tenant_not_routed(req.request_id)
 
-    def cache_salt(self) -> str:
-        """The cache_salt of this request's tenant when it is isolated, else ""."""
-        tenant = current_tenant.get()
-        limits = self.replica.state.tenants.limits.get(tenant) if tenant else None
-        return limits.cache_salt if limits is not None and limits.isolated else ""
-
-    def tenant_label(self, tenant: str) -> str:
-        """The metric label: configured tenants by name, every other one as "other"."""
-        return tenant if tenant in self.replica.state.tenants.limits else "other"
-
     def admit_tenant(self, endpoint: str, tenant: str, req: RouteRequest) -> Response | None:
         """None when ``tenant`` may start ``req`` (it then counts as this replica's pending
         admission); else the 429 the client gets. The rate-limit headers for the answer are
@@ -219,85 +325,28 @@ class Gateway:
         self.metrics.count_request(endpoint, "rejected")
         return rate_limited(verdict, tenant, self.headers(None, req.request_id))
 
+    def cache_salt(self) -> str:
+        """The cache_salt of this request's tenant when it is isolated, else ""."""
+        tenant = current_tenant.get()
+        limits = self.replica.state.tenants.limits.get(tenant) if tenant else None
+        return limits.cache_salt if limits is not None and limits.isolated else ""
+
+    def tenant_label(self, tenant: str) -> str:
+        """The metric label: configured tenants by name, every other one as "other"."""
+        return tenant if tenant in self.replica.state.tenants.limits else "other"
+
     def observe(self, routed: Routed) -> None:
         self.metrics.input_tokens.observe(routed.isl_tokens)
         if routed.total_blocks:
             self.metrics.kv_hit_rate.observe(routed.overlap_blocks / routed.total_blocks)
 
-    def passthrough(self, endpoint: str, req: RouteRequest, routed: Routed, path: str,
-                    body: bytes, *, stream: bool, **hooks: Any) -> Passthrough:
-        return Passthrough(self.forwarder.context, endpoint, req, routed, path, body,
-                           stream=stream, **hooks)
-
-    # --- chat and completions -------------------------------------------------------------------
-
-    async def serve_parsed(self, endpoint: str, parsed: ParsedRequest, raw: bytes,
-                           request: Request, received: float, started: float) -> Response:
-        """One validated chat or completions request: shed, route, forward."""
-        request_id = self.new_request_id()
-        shed = self.shed(endpoint, parsed.model, parsed.priority)
-        if shed is not None:
-            return shed
-        salt = self.cache_salt()
-        if salt:
-            # An isolated tenant's prompt is cached under its own salt; a cache_salt the
-            # client sent is replaced, so no client can name another tenant's.
-            parsed.body["cache_salt"] = salt
-            raw = msgspec.json.encode(parsed.body)
-        route_req = RouteRequest(
-            request_id=request_id, model=parsed.model, token_ids=parsed.prompt_ids,
-            # n choices of one prompt: one prefill, n times the output.
-            expected_osl=min(parsed.expected_osl * parsed.n, MAX_TOKEN_COUNT),
-            osl_hint=parsed.osl_hint, priority=PRIORITY_LEVEL[parsed.priority],
-            overlap_weight=parsed.overlap_weight,
-            latency_sensitivity=parsed.latency_sensitivity,
-            session=self.session_of(parsed, request), cache_salt=salt)
-        routing_started = time.perf_counter()
-        decided = await self.route(endpoint, route_req, disaggregated=True, body=parsed.body)
-        if isinstance(decided, Response):
-            return decided
-        routed, transfer = decided
-        self.observe(routed)
-        routing_s = time.perf_counter() - routing_started
-        session = route_req.session
-        if routed.sticky is not None:
-            self.metrics.session_routes.labels(how=routed.sticky).inc()
-        closing = session is not None and session.action == "close"
-        if session is not None and not closing and routed.sticky in ("open", "repin"):
-            await self.engine_sessions.open(routed.worker_url, session.session_id)
-        try:
-            if parsed.n > 1:
-                # Several choices interleave in one stream: relayed as the engine sends them.
-                path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-                body, on_event = raw, None
-                if parsed.stream and not parsed.include_usage:
-                    # Usage is asked for all the same (the engine's output and cached token
-                    # counts go into the decision's RequestFinished) and not passed on.
-                    options = parsed.body.get("stream_options")
-                    options = {**options} if isinstance(options, dict) else {}
-                    body = msgspec.json.encode({**parsed.body, "stream_options": {
-                        **options, "include_usage": True}})
-                    on_event = _without_usage_chunk
-                if transfer is not None:
-                    body = with_transfer(body, transfer)
-                resp = await self.passthrough(endpoint, route_req, routed, path, body,
-                                              stream=parsed.stream,
-                                              on_event=on_event).respond()
-            else:
-                # Starts the engine request at once; answers once the decision is recorded.
-                resp = await self.forwarder.forward(endpoint, parsed, raw, routed, transfer)
-        except DecisionNotRecorded as exc:
-            return self.not_recorded(endpoint, exc, request_id)
-        self.metrics.observe_overhead(routed.timings)
-        if closing and routed.sticky == "pinned" and session is not None:
-            self.engine_sessions.close_after(resp, routed.worker_url, session.session_id)
-        if parsed.extra_fields:
-            resp = await add_to_response(resp, NvextFields(
-                parsed.extra_fields, routed, self.replica.replica_id,
-                self.replica.config.state.block_size, received, started, routing_s))
-        if (limits := rate_limit_headers.get()) is not None:
-            resp.headers.update(limits)
-        return resp
+    def not_recorded(self, endpoint: str, exc: DecisionNotRecorded, request_id: str) -> Response:
+        self.metrics.rejections.labels(reason=Rejection.DECISION_NOT_RECORDED).inc()
+        self.metrics.count_request(endpoint, "rejected")
+        return error_response(
+            503, f"{exc}; this request was not served, retry it (on another replica if "
+            "one is available)", type="service_unavailable",
+            headers={**self.headers(None, request_id), "retry-after": "1"})
 
 
 async def _without_usage_chunk(raw: bytes, payload: bytes | None) -> bytes:
