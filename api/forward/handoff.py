@@ -11,7 +11,10 @@ that has the three methods of :class:`Handoff`, and one entry in :data:`HANDOFFS
 module in the import-linter layer of the hand-offs, pyproject.toml). Nothing else on the request
 path changes: routing, the prefill hop's lifecycle, the fallback to aggregated serving and the
 metrics are the same for every kind. A kind with no entry speaks the simulated engine's
-protocol (:mod:`api.forward.jetrouter_handoff`).
+protocol (:mod:`api.forward.jetrouter_handoff`). SGLang's hand-off does not fit this shape (its
+prefill and decode requests must run at the same time, sharing fields drawn once), so
+:class:`api.forward.hops.HopRouter` runs it beside the decode hop
+(:meth:`api.forward.prefill.PrefillHop.start_beside`, :mod:`api.forward.sglang_handoff`).
 """
 
 from __future__ import annotations
