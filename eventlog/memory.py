@@ -3,7 +3,7 @@ relies on (exactly-once appends by message id, per-stream sequences, replay then
 and :class:`StartPurged`, bounds, headers, the last message per subject), without a server.
 
 It is what lets a test build a `Replica` or the HTTP app in milliseconds; the contract suite in
-tests/integration/eventlog/ holds it to the same behaviour as a real nats-server. What it does
+tests/contracts/ holds it to the same behaviour as a real nats-server. What it does
 not model: clustering, leader elections, reconnects and their retries (one process cannot lose
 its log), and per-subject purges.
 """

@@ -9,7 +9,7 @@ Why zlib level 1: on a 1M-block state (26.8 MB of msgpack in state format 1; 17.
 64-bit hashes mostly, in the columnar format 2) it compresses to 68 % (91 %) in ~0.5 s (~0.3 s) and
 inflates in ~0.09 s; zlib 6 gains 1 % for more time, lzma preset 0 gains 4 % but takes 2.2 s to
 compress and 0.9 s to inflate — restore speed matters more than bytes (figures:
-``tests/integration/bench_snapshot_store.py``). Compression and hashing run in a worker thread
+``benchmarks/bench_snapshot_store.py``). Compression and hashing run in a worker thread
 (both release the GIL), so the event loop — and the leader lease renewing on it — keeps running;
 ``put`` also accepts a function (``RouterState.encoder()``), so encoding runs there too.
 

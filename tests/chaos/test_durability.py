@@ -168,7 +168,7 @@ async def test_corrupt_newest_blob_falls_back_to_previous_and_ends_equal(
 
 async def corrupt(nc: nats.NATS, names: Names, snapshot_id: str) -> None:
     """Overwrite a blob's bytes, keeping its name and metadata (test-only)."""
-    from tests.integration.test_snapshot_store import corrupt_blob
+    from tests.integration.snapshots.test_snapshot_store import corrupt_blob
 
     await corrupt_blob(nc.jetstream(), names, snapshot_id)
 

@@ -8,7 +8,7 @@ One cluster for the module (2 replicas, 4 simulated engines, real processes), ca
 one leader whose canaries have pinned every engine's answer, and leaves no fault behind.
 
 The fourth required scenario — a hung engine (no tokens) is left after ``--stream-idle-timeout``
-and the request migrates — is ``tests/integration/test_migration.py::
+and the request migrates — is ``tests/integration/api/test_migration.py::
 test_engine_hanging_mid_stream_is_left_after_the_idle_timeout`` (and the migration-limit test
 next to it); it is not repeated here.
 """

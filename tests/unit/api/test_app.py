@@ -1,6 +1,7 @@
 """`create_app` served in-process on the in-memory event log: the router app through
 httpx.ASGITransport, a simulated engine (workers.server) on a real loopback socket. No NATS, no
-subprocess: what takes a cluster start in tests/integration/test_serving.py takes milliseconds."""
+subprocess: what takes a cluster start in tests/integration/api/test_serving.py takes
+milliseconds."""
 
 from __future__ import annotations
 

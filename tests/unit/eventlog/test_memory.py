@@ -1,5 +1,5 @@
 """What only the in-memory log has to say: subject wildcards and the duplicate window's age (the
-shared behaviour is the contract in tests/integration/eventlog/test_log_contract.py)."""
+shared behaviour is the contract in tests/contracts/test_log_contract.py)."""
 
 from __future__ import annotations
 

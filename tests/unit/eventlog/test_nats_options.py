@@ -1,6 +1,6 @@
 """NATS connection options (eventlog/connect.py), server permissions (natsops/natsconf.py) and
 subject binding (eventlog/binding.py) — the parts that need no server. The real server is in
-tests/integration/test_nats_security.py."""
+tests/integration/eventlog/test_nats_security.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`Replica` built directly on the in-memory event log: no server, no subprocess, milliseconds.
 
 What a replica does with the log (replay, route, record, converge with a peer) is the same on
-JetStream; the contract suite (tests/integration/eventlog/) holds the two logs to that."""
+JetStream; the contract suite (tests/contracts/) holds the two logs to that."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`jetrouter admin` output and error parsing, without a cluster (see test_admin_cli.py)."""
+"""`jetrouter admin` output and error parsing, without a cluster (the cluster itself:
+tests/integration/cluster/test_admin_cli.py)."""
 
 from __future__ import annotations
 

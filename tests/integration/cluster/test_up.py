@@ -20,7 +20,7 @@ import natsops.server
 from api import cli
 from launch.local_cluster import LocalCluster
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 needs_serve = pytest.mark.skipif(not (REPO / "api" / "serve.py").exists(),
                                  reason="api/serve.py (the `serve` verb) is not written yet")
 

@@ -28,7 +28,7 @@ from natsops.server import free_ports
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(90)]
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ENV_VARS = ("JETROUTER_URL", "JETROUTER_TOKEN", "JETROUTER_ADMIN_TOKEN", "JETROUTER_CLUSTER_FILE",
             "JETROUTER_JSON", "JETROUTER_TIMEOUT", "JETROUTER_YES", "JETROUTER_REASON")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench import durability
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 async def test_small_run_restores_and_restarts_with_equal_digests(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from replicas.core.health import HealthStatus
 from replicas.runtime.canary import progress_of
-from tests.integration.test_canary import running, until
+from tests.integration.replicas.test_canary import running, until
 from tests.standin_engine import Received, Reply, standin_engine
 
 pytestmark = pytest.mark.timeout(60)

@@ -16,7 +16,7 @@ from api.standby import READY_LINE, activation_line
 from launch.local_cluster import LocalCluster
 from tests.waiting import until
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _start_standby() -> subprocess.Popen[bytes]:

@@ -22,7 +22,7 @@ from eventlog.names import ROUTER, Names
 from eventlog.reader import StreamReader
 from eventlog.streams import stream_bounds
 from launch.local_cluster import LocalCluster
-from tests.integration.test_append_refused import BODY, converged, states
+from tests.integration.replicas.test_append_refused import BODY, converged, states
 from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(240)

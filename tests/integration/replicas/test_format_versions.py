@@ -27,7 +27,7 @@ from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 NS = "fmt"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

@@ -2,7 +2,7 @@
 
 Not a test (prints figures, asserts nothing about speed). Run:
 
-    .venv/bin/python tests/integration/bench_projections.py [--decisions 20000]
+    .venv/bin/python -m benchmarks.bench_projections [--decisions 20000]
 
 Each decision is three router-stream messages (``RequestRouted`` with ``--candidates`` cost rows,
 ``PrefillCompleted``, ``RequestFinished``), interleaved as concurrent requests would be. Part 1

@@ -36,7 +36,7 @@ from tests.waiting import until
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180),
               pytest.mark.skipif(shutil.which("openssl") is None,
                                  reason="the certificates are made with the openssl CLI")]
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MODEL = "jetrouter-sim"
 NAMES = Names("jr")
 
@@ -195,7 +195,7 @@ def _fields(options: NatsOptions) -> dict:
 async def test_bridge_as_an_engine_identity_registers_and_resumes(tmp_path: Path) -> None:
     """`jetrouter bridge` with an engine identity: it registers, appends, and a restarted bridge
     resumes from the last message on its subject, all within the engine permissions."""
-    from tests.integration.test_bridge import BridgeProc, prefixes
+    from tests.integration.workers.test_bridge import BridgeProc, prefixes
     from tests.kvengine import EngineSim
     from workers.bridge.resume import H_SEQ
 

@@ -2,7 +2,7 @@
 
 Not a test (prints figures, asserts nothing about speed). Run:
 
-    .venv/bin/python tests/integration/bench_snapshot_store.py [--blocks 1000000] [--workers 64]
+    .venv/bin/python -m benchmarks.bench_snapshot_store [--blocks 1000000] [--workers 64]
 
 Builds a ``RouterState`` holding ``--blocks`` stored blocks over ``--workers`` workers (chains of
 32 blocks, half of them starting with one of 50 shared 8-block system prompts; engine block ids

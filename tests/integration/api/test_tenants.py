@@ -72,6 +72,12 @@ async def set_limits(h: httpx.AsyncClient, c: LocalCluster, name: str, **limits:
                     lambda d: d["configured"] and all(d[k] == v for k, v in limits.items()))
 
 
+async def leaders(h: httpx.AsyncClient, c: LocalCluster) -> list[str]:
+    """The replicas (URLs) that say they hold the leader lease."""
+    return [url for url in c.router_urls
+            if (await h.get(f"{url}/admin/state", headers=admin(c))).json()["leader"]]
+
+
 def client(c: LocalCluster, i: int, key: str, retries: int = 0) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=c.router_urls[i] + "/v1", api_key=key,
                               max_retries=retries)
@@ -239,6 +245,12 @@ async def test_limits_are_restored_from_a_snapshot(cluster: LocalCluster) -> Non
         state = (await h.get(f"{cluster.router_urls[0]}/admin/state",
                              headers=admin(cluster))).json()
         at_or_after = state["positions"]["control"]
+        # The replica asked forwards the snapshot to the lease holder, and only a holder answers:
+        # right after the previous test's kill the lease may still be expiring or changing hands,
+        # and a request sent then goes unanswered for its whole 30 s (a 503).
+        await until(lambda: leaders(h, cluster), lambda urls: len(urls) == 1,
+                    what="one replica holding the leader lease",
+                    tolerate=(httpx.HTTPError, KeyError, ValueError))
         # Two snapshots: the second purges the streams up to the first one's positions, so the
         # limit event is gone from the control stream and only a snapshot still holds it.
         for _ in range(2):

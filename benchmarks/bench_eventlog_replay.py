@@ -2,7 +2,7 @@
 
 Not a test (prints figures, asserts nothing about speed). Run:
 
-    .venv/bin/python tests/integration/bench_eventlog_replay.py [--messages 20000] [--blocks 64]
+    .venv/bin/python -m benchmarks.bench_eventlog_replay [--messages 20000] [--blocks 64]
 
 It fills ``JR_KV`` with ``--messages`` messages, each one batch holding ``--events`` BlocksStored
 events of ``--blocks`` blocks in total, then times a reader replaying all of them from seq 1

@@ -24,7 +24,7 @@ from tests.waiting import until
 pytestmark = pytest.mark.timeout(240)
 NS = "bk"
 MODEL = "jetrouter-sim"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # Replicas of the restored cluster must append nothing of their own before the digests are
 # compared: no canaries, and engines (gone with the first cluster) are not retired meanwhile.
 QUIET = ["--canary-interval", "0", "--worker-timeout", "600"]

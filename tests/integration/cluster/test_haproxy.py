@@ -36,7 +36,7 @@ from workers.generation import expected_tokens
 HAPROXY = shutil.which("haproxy")
 pytestmark = [pytest.mark.skipif(HAPROXY is None, reason="no haproxy binary"),
               pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(240)]
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MODEL = "jetrouter-sim"
 
 

@@ -1,8 +1,8 @@
 """Throughput of `jetrouter bridge`: engine KV batches per second into JR_KV.
 
-Not a test (prints figures, asserts nothing about speed). Run from the repo root:
+Not a test (prints figures, asserts nothing about speed). Run from the repository root:
 
-    .venv/bin/python tests/integration/bench_bridge.py [--batches 3000] [--blocks 4]
+    .venv/bin/python -m benchmarks.bench_bridge [--batches 3000] [--blocks 4]
 
 An in-process engine stand-in (tests/kvengine.py: real ZMQ PUB + replay sockets, vLLM 0.32 frame
 layout, block size 16) publishes ``--batches`` BlockStored batches of ``--blocks`` blocks each

@@ -33,7 +33,11 @@ NAMESPACE = "surface"
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
     data = tmp_path_factory.mktemp("surface")
+    # An engine is retired only once its load reports stopped AND its /health fails for
+    # --worker-timeout: 5 s rather than the default 10 s, so the test that SIGKILLs an engine
+    # waits half as long for its retirement; live engines still answer /health and stay.
     async with LocalCluster(replicas=2, workers=2, data_dir=Path(data), namespace=NAMESPACE,
+                            router_args=["--worker-timeout", "5"],
                             worker_args=["--num-gpu-blocks", "2048"]) as c:
         async with httpx.AsyncClient() as h:
             for url in c.router_urls:  # every replica has applied both registrations
