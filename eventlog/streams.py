@@ -99,18 +99,35 @@ def _wanted_config(names: Names, kind: str, replicas: int, duplicate_window: flo
 async def _create(
     js: JetStreamContext, config: StreamConfig, *, step_down: bool, placement_wait: float
 ) -> StreamInfo:
-    """Create with ``config.num_replicas``, as :func:`create_placed` places it."""
+    """Create with ``config.num_replicas``, as :func:`create_placed` places it.
+
+    A create nobody answers is asked again (the meta leader may not be elected yet), but the
+    stream is also looked up in between: a process whose NATS identity may not create streams
+    (an engine of `jetrouter up --secure`, which may only look its stream up) gets no answer at
+    all — the server drops a request on a subject it may not publish to — and would otherwise
+    wait out :data:`API_ANSWER_WAIT` after a replica created the stream."""
+    name = config.name
+    assert name is not None
+
+    async def exists_now() -> StreamInfo | None:
+        try:
+            return await js.stream_info(name)
+        except (NotFoundError, NatsTimeoutError):
+            return None
+
     return await create_placed(
         js, lambda replicas: js.add_stream(config.evolve(num_replicas=replicas)),
         config.num_replicas or 1, what=f"stream {config.name}", step_down=step_down,
-        placement_wait=placement_wait)
+        placement_wait=placement_wait, exists=exists_now)
 
 
 async def answered(call: Callable[[], Awaitable[T]], *, what: str,
-                   wait: float = API_ANSWER_WAIT) -> T:
+                   wait: float = API_ANSWER_WAIT,
+                   meanwhile: Callable[[], Awaitable[T | None]] | None = None) -> T:
     """``call()``, an idempotent JetStream API request, asked again while the cluster does not
     answer it, for up to ``wait`` seconds. No pause in between: each unanswered attempt has
-    already waited out the request's own timeout."""
+    already waited out the request's own timeout. ``meanwhile()``, after each unanswered
+    attempt, may find the request's result another way (not None: it is returned)."""
     start = time.monotonic()
     deadline = start + wait
     said = 0.0  # when the last warning was logged: one every _SAY_EVERY seconds, not per attempt
@@ -118,6 +135,10 @@ async def answered(call: Callable[[], Awaitable[T]], *, what: str,
         try:
             return await call()
         except NatsTimeoutError:
+            if meanwhile is not None:
+                found = await meanwhile()
+                if found is not None:
+                    return found
             now = time.monotonic()
             if now >= deadline:
                 raise
@@ -135,19 +156,22 @@ async def lookup_stream(js: JetStreamContext, name: str) -> StreamInfo:
 async def create_placed(
     js: JetStreamContext, create: Callable[[int], Awaitable[T]], wanted: int, *, what: str,
     step_down: bool, placement_wait: float = 5.0,
+    exists: Callable[[], Awaitable[T | None]] | None = None,
 ) -> T:
     """``create(replicas)`` with ``wanted`` replicas (a stream, or a key-value bucket's). A
     cluster that cannot place that many yet (peers still joining) is given ``placement_wait``
     seconds; after that, and only when the count was our guess (``step_down``), one replica
     fewer is tried, down to 1, and the count placed caps :func:`cluster_size_hint` for ``js``'s
-    connection from then on."""
+    connection from then on. ``exists()``: what was to be created, if it exists by now (looked
+    up whenever a create goes unanswered)."""
     replicas = wanted
     deadline = time.monotonic() + placement_wait
     delay = 0.05
     while True:
         try:
             # Creating an identical stream again is a no-op, so an unanswered create is repeated.
-            created = await answered(lambda n=replicas: create(n), what=f"creation of {what}")
+            created = await answered(lambda n=replicas: create(n), what=f"creation of {what}",
+                                     meanwhile=exists)
         except APIError as exc:
             if exc.err_code not in _PLACEMENT_ERRORS or replicas == 1:
                 raise
