@@ -70,11 +70,18 @@ PREFILL_PATH = "/v1/prefill"
 
 class DisaggOutcome(StrEnum):
     """How a request of a model with prefill engines was served: the ``outcome`` label of
-    ``jetrouter_disaggregated_requests_total``."""
+    ``jetrouter_disaggregated_requests_total``. Each request counts once as
+    ``disaggregated`` (the prefill engine handed its KV over), ``no_prefill_engine`` or
+    ``prefill_failed``; a hand-off the decode engine then could not use counts once more, as
+    ``pull_failed`` (:class:`api.forward.run.Run`), so requests served disaggregated are
+    ``disaggregated`` minus ``pull_failed``."""
 
     DISAGGREGATED = "disaggregated"
     NO_PREFILL_ENGINE = "no_prefill_engine"  # none registered, healthy and free: aggregated
     PREFILL_FAILED = "prefill_failed"        # the prefill hop failed: aggregated
+    # The decode engine could not pull the blocks (the prefill engine died or restarted, its
+    # lease ran out): the prompt was computed without the hand-off after all.
+    PULL_FAILED = "pull_failed"
 
 
 class PrefillProblem(StrEnum):

@@ -52,6 +52,9 @@ from replicas.runtime.replica import (
 log = logging.getLogger("jetrouter.forward")
 
 PREDICTED_HEADER = "x-jetrouter-predicted-cached-tokens"
+# The outcome of jetrouter_disaggregated_requests_total for a hand-off the decode engine could
+# not use (api.forward.prefill.DisaggOutcome.PULL_FAILED; run and prefill import each other not).
+PULL_FAILED = "pull_failed"
 
 
 def replica_headers(replica_id: str, worker_id: str | None = None,
@@ -201,7 +204,9 @@ class Run:
         # computes the prompt.
         pull_failed = (self.handoff and failed is self.cont.hops[0] and failed.tokens == 0
                        and failure.engine_answered)
-        if not pull_failed:
+        if pull_failed:  # served aggregated after all (DisaggOutcome.PULL_FAILED)
+            self.ctx.metrics.disaggregated.labels(outcome=PULL_FAILED).inc()
+        else:
             self.failed.add(failed.worker_id)
         limit = self.ctx.migration_limit
         log.warning("request %s: engine %s failed (%s); %s", self.base.request_id,

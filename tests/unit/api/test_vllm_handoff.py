@@ -175,6 +175,9 @@ async def test_a_decode_engine_that_cannot_pull_the_blocks_computes_the_prompt_i
     assert resp.headers["x-jetrouter-migrations"] == "1"
     assert ["kv_transfer_params" in r.body for r in dec.received] == [True, False]
     assert counter(metrics, "jetrouter_migrations_total", "reason") == {"stream_error": 1.0}
+    # Handed off, and then served without the hand-off: counted as both, so "disaggregated"
+    # minus "pull_failed" is what was really served disaggregated.
+    assert counter(metrics, DISAGG, "outcome") == {"disaggregated": 1.0, "pull_failed": 1.0}
 
 
 async def test_an_unreachable_prefill_engine_falls_back_to_aggregated() -> None:
