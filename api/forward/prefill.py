@@ -4,8 +4,9 @@ The prefill hop is the one hop whose lifecycle on the router stream is not in
 :mod:`api.forward.run`: it streams nothing to the client, so it is routed, run and ended here,
 before the request's run starts on the decode engine.
 
-For a model with prefill engines (``Replica.is_disaggregated``) a request gets two routing
-decisions, both ``RequestRouted`` events on the router stream (replicas/core/disagg.py):
+For a model with prefill engines, or with decode engines whose prefill engines all retired
+(``Replica.is_disaggregated``), a request gets two routing decisions, both ``RequestRouted``
+events on the router stream (replicas/core/disagg.py):
 
 1. the **prefill decision**, under ``<request_id>~prefill``: the chosen engine computes the
    prompt and answers with a transfer handle; that hop then ends like any other
