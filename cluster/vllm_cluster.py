@@ -340,15 +340,26 @@ class VllmCluster:
             await asyncio.sleep(0.2)  # polling a condition with a deadline
 
     async def reset_prefix_caches(self, model: str,
-                                  engines: Sequence[VllmEngine] | None = None) -> None:
+                                  engines: Sequence[VllmEngine] | None = None,
+                                  timeout: float = 120.0) -> None:
         """Empty every engine's prefix cache (vLLM dev-mode endpoint). vLLM queues
         ``AllBlocksCleared`` for it but publishes KV events only after an engine step, so a
         prompt shorter than one block (it caches nothing) follows to flush the event out; the
-        bridges then carry it to the routers."""
+        bridges then carry it to the routers. vLLM refuses the reset (``success: false``)
+        while a request holds blocks (a router's canary, say), so it is asked again until it
+        succeeds."""
         async with httpx.AsyncClient(timeout=60.0) as client:
             for engine in engines or self.engines:
-                resp = await client.post(engine.url + "/reset_prefix_cache")
-                resp.raise_for_status()
+                deadline = time.monotonic() + timeout
+                while True:
+                    resp = await client.post(engine.url + "/reset_prefix_cache")
+                    resp.raise_for_status()
+                    if resp.json().get("success", True) is not False:
+                        break
+                    if time.monotonic() > deadline:
+                        raise EngineStartError(f"engine {engine.name} did not empty its prefix "
+                                               f"cache in {timeout:.0f} s (blocks still held)")
+                    await asyncio.sleep(0.2)  # until the request holding blocks ends
                 resp = await client.post(engine.url + "/v1/completions", json={
                     "model": model, "prompt": [5, 6, 7], "max_tokens": 1})
                 resp.raise_for_status()
