@@ -32,6 +32,7 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.vllm_cluster import ENGINE_READY_TIMEOUT
 from workers.vllm import env as vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400),
@@ -43,6 +44,8 @@ DISAGG = "jetrouter_disaggregated_requests_total"
 MIGRATIONS = "jetrouter_migrations_total"
 # No client request of these tests may take longer (a hang fails the test, it does not stall it).
 REQUEST_TIMEOUT = 600.0
+# How long the proxy may hold a prefill answer: its action may restart the prefill engine.
+HOLD_TIMEOUT = ENGINE_READY_TIMEOUT + 120.0
 # The proxy's whitespace keeps the router's read of a held prefill answer alive (JSON allows
 # leading whitespace), so the router's idle timeout does not cut a hold that restarts an engine.
 HEARTBEAT_S = 2.0
@@ -307,14 +310,22 @@ async def served_despite_prefill_fault(pd3: Any, proxy: PrefillProxy, action: Pr
     body = {"model": MODEL, "prompt": token_ids(seed, 300), "max_tokens": OUTPUT,
             "temperature": 0}
     proxy.arm(action)
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT) as client:
+    # No client-side read timeout: the deadlines below say what may take how long.
+    async with httpx.AsyncClient(timeout=None) as client:
         decode_urls = {pd3.worker_id(e): e.url for e in pd3.engines[1:]}
         before = await router_counts(client, router)
         engines_before = {w: await engine_counts(client, u) for w, u in decode_urls.items()}
         started = time.monotonic()
-        resp = await asyncio.wait_for(client.post(router + "/v1/completions", json=body),
-                                      REQUEST_TIMEOUT)
-        took = time.monotonic() - started
+        request = asyncio.ensure_future(client.post(router + "/v1/completions", json=body))
+        # The action may restart an engine (minutes on a busy host); what must not hang is
+        # the request once the router has the prefill answer.
+        acted = asyncio.ensure_future(proxy.acted.wait())
+        await asyncio.wait([request, acted], timeout=HOLD_TIMEOUT,
+                           return_when=asyncio.FIRST_COMPLETED)
+        acted.cancel()
+        released = time.monotonic()
+        resp = await asyncio.wait_for(request, REQUEST_TIMEOUT)
+        took = time.monotonic() - released
         counts = grew(await router_counts(client, router), before)
         engines = {w: {k: v - engines_before[w].get(k, 0.0)
                        for k, v in (await engine_counts(client, u)).items()
@@ -323,7 +334,8 @@ async def served_despite_prefill_fault(pd3: Any, proxy: PrefillProxy, action: Pr
         worker = resp.headers.get("x-jetrouter-worker", "")
         want = await own_answer(client, decode_urls.get(worker, pd3.engines[1].url), body)
     params = proxy.answers[-1].get("kv_transfer_params") if proxy.answers else None
-    print(f"\n{what}: HTTP {resp.status_code} in {took:.1f} s from {worker}, migrations "
+    print(f"\n{what}: HTTP {resp.status_code} {took:.1f} s after the router had the prefill "
+          f"answer ({released - started:.1f} s before that), from {worker}, migrations "
           f"{resp.headers.get('x-jetrouter-migrations', 0)}; router {counts}; decode engines "
           f"{engines}; the answer's kv_transfer_params named engine "
           f"{(params or {}).get('remote_engine_id')} blocks "
@@ -375,6 +387,7 @@ async def test_decode_engine_killed_mid_stream(pd3: Any) -> None:
     ends complete, continued by the other decode engine from the tokens so far, and its text
     equals what that engine answers on its own. The killed engine stays dead."""
     router = pd3.router_urls[0]
+    await wait_roles(pd3, {"vllm-e0": "prefill", "vllm-e1": "decode", "vllm-e2": "decode"})
     body = {"model": MODEL, "prompt": token_ids(11000, 200), "max_tokens": 1200,
             "temperature": 0, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT) as client:
