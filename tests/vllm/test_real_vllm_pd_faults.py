@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.vllm_cluster import ENGINE_READY_TIMEOUT
 from workers.vllm import env as vllm_env
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400),
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600),
               pytest.mark.asyncio(loop_scope="module")]
 
 MODEL = "tiny"
@@ -44,8 +44,11 @@ DISAGG = "jetrouter_disaggregated_requests_total"
 MIGRATIONS = "jetrouter_migrations_total"
 # No client request of these tests may take longer (a hang fails the test, it does not stall it).
 REQUEST_TIMEOUT = 600.0
+# One engine restarting while two others run took 5 to over 15 minutes on a busy 2-core host
+# (torch.compile again each time): twice the cluster's start-up allowance.
+RESTART_TIMEOUT = 2 * ENGINE_READY_TIMEOUT
 # How long the proxy may hold a prefill answer: its action may restart the prefill engine.
-HOLD_TIMEOUT = ENGINE_READY_TIMEOUT + 120.0
+HOLD_TIMEOUT = RESTART_TIMEOUT + 120.0
 # The proxy's whitespace keeps the router's read of a held prefill answer alive (JSON allows
 # leading whitespace), so the router's idle timeout does not cut a hold that restarts an engine.
 HEARTBEAT_S = 2.0
@@ -299,7 +302,7 @@ async def own_answer(client: httpx.AsyncClient, engine_url: str, body: dict[str,
 async def restart(cluster: Any, engine: Any) -> None:
     engine.kill()
     await asyncio.to_thread(engine.wait_exit, 60.0)
-    await cluster.start_engines([engine])
+    await cluster.start_engines([engine], timeout=RESTART_TIMEOUT)
 
 
 async def served_despite_prefill_fault(pd3: Any, proxy: PrefillProxy, action: PrefillAction,
@@ -364,7 +367,7 @@ async def test_prefill_engine_killed_before_the_decode_pull(pd3: Any,
 
     await served_despite_prefill_fault(pd3, proxy, kill, 12000,
                                        "prefill engine killed before the pull")
-    await pd3.start_engines([prefill])
+    await pd3.start_engines([prefill], timeout=RESTART_TIMEOUT)
     await wait_roles(pd3, {"vllm-e0": "prefill", "vllm-e1": "decode", "vllm-e2": "decode"})
 
 
