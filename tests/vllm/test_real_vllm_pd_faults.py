@@ -100,6 +100,11 @@ class PrefillProxy:
         self.action = action
         self.acted.clear()
 
+    def disarm(self) -> None:
+        """No action for the next prefill request (one armed for a request that never came
+        through here, served without a prefill engine, must not hit a later test's)."""
+        self.action = None
+
     async def _connection(self, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -326,6 +331,7 @@ async def served_despite_prefill_fault(pd3: Any, proxy: PrefillProxy, action: Pr
         await asyncio.wait([request, acted], timeout=HOLD_TIMEOUT,
                            return_when=asyncio.FIRST_COMPLETED)
         acted.cancel()
+        proxy.disarm()
         released = time.monotonic()
         resp = await asyncio.wait_for(request, REQUEST_TIMEOUT)
         took = time.monotonic() - released
