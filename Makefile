@@ -71,6 +71,9 @@ $(PREVIOUS_DIR)/.venv/bin/python:
 test-upgrade: install $(PREVIOUS_DIR)/.venv/bin/python
 	JETROUTER_PREVIOUS_PYTHON=$(PREVIOUS_DIR)/.venv/bin/python $(BIN)/python -m pytest -q -s -p no:cacheprovider -m upgrade tests/upgrade
 
-# Aggregated vs disaggregated on the same two engines (1 prefill + 1 decode, NIXL).
+# Aggregated vs disaggregated on the same engines: 2 prefill + 2 decode (NIXL), two replicas;
+# ~8 min on a busy 2-core host. Smaller host: make demo-vllm-disagg
+# DEMO_VLLM_DISAGG_ARGS="--prefill-engines 1 --decode-engines 1".
+DEMO_VLLM_DISAGG_ARGS ?=
 demo-vllm-disagg: install vllm-env
-	JETROUTER_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/python -m bench.demo_vllm_disagg
+	JETROUTER_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/python -m bench.demo_vllm_disagg $(DEMO_VLLM_DISAGG_ARGS)

@@ -105,7 +105,9 @@ class RouterMetrics:
         self.disaggregated = Counter(
             f"{p}_disaggregated_requests",
             "Requests of models with prefill engines, by outcome: disaggregated, or why they "
-            "were served aggregated (no_prefill_engine, prefill_failed)", ["outcome"],
+            "were served aggregated (no_prefill_engine, prefill_failed); pull_failed counts "
+            "the disaggregated ones whose decode engine could not pull the KV and computed "
+            "the prompt", ["outcome"],
             registry=reg)
         # The KV hand-off of disaggregated requests (api/forward/prefill.py): what moved, and
         # how long the decode engine took from the prefill answer to its first token (the

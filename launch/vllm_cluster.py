@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -124,10 +124,13 @@ class VllmCluster:
         progress: TextIO | None = sys.stderr,
         roles: Sequence[str] = (),
         nixl: bool = False,
+        engine_bridge_args: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         """``roles``: each engine's disaggregated-serving role in order (bridge ``--role``;
         default "both"); ``nixl``: start every engine with NixlConnector, for the KV hand-off
-        between a prefill and a decode engine."""
+        between a prefill and a decode engine; ``engine_bridge_args``: more bridge arguments
+        for the engine of that name ("e0", ...), after ``bridge_args`` (e.g. an
+        ``--advertise-url`` that puts a proxy between the routers and one engine)."""
         self.python = python
         self.model_dir = model_dir
         self.data_dir = data_dir.resolve()
@@ -136,6 +139,7 @@ class VllmCluster:
         self.replica_count = replicas
         self.router_args = list(router_args)
         self.bridge_args = list(bridge_args)
+        self.engine_bridge_args = {k: list(v) for k, v in (engine_bridge_args or {}).items()}
         self.progress = progress
         logs = self.data_dir / "logs"
         self.engines = [
@@ -247,7 +251,7 @@ class VllmCluster:
                 "--kv-replay", engine.kv_replay, "--worker-id", self.worker_id(engine),
                 "--nats-url", self.nats_url, "--namespace", self.namespace,
                 "--block-size", str(self.block_size), "--role", self.roles[engine.name],
-                *self.bridge_args]
+                *self.bridge_args, *self.engine_bridge_args.get(engine.name, ())]
 
     def start_bridge(self, engine: VllmEngine) -> BridgeProcess:
         name = f"bridge-{engine.name}"
@@ -336,15 +340,26 @@ class VllmCluster:
             await asyncio.sleep(0.2)  # polling a condition with a deadline
 
     async def reset_prefix_caches(self, model: str,
-                                  engines: Sequence[VllmEngine] | None = None) -> None:
+                                  engines: Sequence[VllmEngine] | None = None,
+                                  timeout: float = 120.0) -> None:
         """Empty every engine's prefix cache (vLLM dev-mode endpoint). vLLM queues
         ``AllBlocksCleared`` for it but publishes KV events only after an engine step, so a
         prompt shorter than one block (it caches nothing) follows to flush the event out; the
-        bridges then carry it to the routers."""
+        bridges then carry it to the routers. vLLM refuses the reset (``success: false``)
+        while a request holds blocks (a router's canary, say), so it is asked again until it
+        succeeds."""
         async with httpx.AsyncClient(timeout=60.0) as client:
             for engine in engines or self.engines:
-                resp = await client.post(engine.url + "/reset_prefix_cache")
-                resp.raise_for_status()
+                deadline = time.monotonic() + timeout
+                while True:
+                    resp = await client.post(engine.url + "/reset_prefix_cache")
+                    resp.raise_for_status()
+                    if resp.json().get("success", True) is not False:
+                        break
+                    if time.monotonic() > deadline:
+                        raise EngineStartError(f"engine {engine.name} did not empty its prefix "
+                                               f"cache in {timeout:.0f} s (blocks still held)")
+                    await asyncio.sleep(0.2)  # until the request holding blocks ends
                 resp = await client.post(engine.url + "/v1/completions", json={
                     "model": model, "prompt": [5, 6, 7], "max_tokens": 1})
                 resp.raise_for_status()

@@ -7,6 +7,10 @@ the request's run starts on the decode engine. Its decision, and the decode deci
 are made by :class:`api.forward.hops.HopRouter` (replicas/core/disagg.py): the prefill decision
 under ``<request_id>~prefill``, the decode decision under the request's own id.
 
+A model counts as disaggregated while it has prefill engines, or decode engines whose prefill
+engines all retired (``Replica.is_disaggregated``): its requests then find no prefill engine and
+fall back to aggregated serving, counted ``no_prefill_engine``.
+
 What the prefill engine is asked and how its answer reaches the decode engine is the engine
 kind's hand-off (``WorkerRegistered.engine_kind``; :mod:`api.forward.handoff`): vLLM's
 ``kv_transfer_params`` (:mod:`api.forward.vllm_handoff`), or the simulated engine's
@@ -47,11 +51,18 @@ log = logging.getLogger("jetrouter.disagg")
 
 class DisaggOutcome(StrEnum):
     """How a request of a model with prefill engines was served: the ``outcome`` label of
-    ``jetrouter_disaggregated_requests_total``."""
+    ``jetrouter_disaggregated_requests_total``. Each request counts once as
+    ``disaggregated`` (the prefill engine handed its KV over), ``no_prefill_engine`` or
+    ``prefill_failed``; a hand-off the decode engine then could not use counts once more, as
+    ``pull_failed`` (:class:`api.forward.run.Run`), so requests served disaggregated are
+    ``disaggregated`` minus ``pull_failed``."""
 
     DISAGGREGATED = "disaggregated"
     NO_PREFILL_ENGINE = "no_prefill_engine"  # none registered, healthy and free: aggregated
     PREFILL_FAILED = "prefill_failed"        # the prefill hop failed: aggregated
+    # The decode engine could not pull the blocks (the prefill engine died or restarted, its
+    # lease ran out): the prompt was computed without the hand-off after all.
+    PULL_FAILED = "pull_failed"
 
 
 class PrefillProblem(StrEnum):

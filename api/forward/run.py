@@ -44,6 +44,11 @@ from replicas.runtime.replica import DecisionNotRecorded, Routed, RouteRequest, 
 
 log = logging.getLogger("jetrouter.forward")
 
+# The outcome of jetrouter_disaggregated_requests_total for a hand-off the decode engine could
+# not use (api.forward.prefill.DisaggOutcome.PULL_FAILED; run does not import prefill).
+PULL_FAILED = "pull_failed"
+
+
 @dataclass(slots=True)
 class Exchange:
     """Client-visible timing of one request across all its hops."""
@@ -174,6 +179,10 @@ class Run:
         # computes the prompt.
         pull_failed = (self.handoff and failed is self.cont.hops[0] and failed.tokens == 0
                        and failure.engine_answered)
+        if pull_failed and self.beside is None:  # served aggregated after all
+            # (An SGLang hand-off that failed was counted prefill_failed when its prefill
+            # request ended: PrefillHop.start_beside.)
+            self.ctx.metrics.disaggregated.labels(outcome=PULL_FAILED).inc()
         if not pull_failed:
             self.failed.add(failed.worker_id)
         limit = self.ctx.migration_limit

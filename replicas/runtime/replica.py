@@ -460,8 +460,12 @@ class Replica:
         return self.dispatcher.thresholds_for(model)
 
     def is_disaggregated(self, model: str) -> bool:
-        """The model has prefill engines: its requests get a prefill and a decode decision."""
-        return is_disaggregated(self.state, model)
+        """The model has prefill engines, or decode engines whose prefill pool is empty (every
+        prefill engine retired): its requests get a prefill decision first, which then finds
+        no engine and serves them aggregated, counted as such (api/forward/prefill.py)."""
+        return is_disaggregated(self.state, model) or any(
+            w.role == ev.Role.DECODE for w in self.state.workers.values()
+            if w.model == model or model in w.loras)
 
     def pending_decisions(self) -> int:
         """Decisions in the optimistic overlay: routed here, not yet applied from the stream."""

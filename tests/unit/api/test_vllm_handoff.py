@@ -175,6 +175,9 @@ async def test_a_decode_engine_that_cannot_pull_the_blocks_computes_the_prompt_i
     assert resp.headers["x-jetrouter-migrations"] == "1"
     assert ["kv_transfer_params" in r.body for r in dec.received] == [True, False]
     assert counter(metrics, "jetrouter_migrations_total", "reason") == {"stream_error": 1.0}
+    # Handed off, and then served without the hand-off: counted as both, so "disaggregated"
+    # minus "pull_failed" is what was really served disaggregated.
+    assert counter(metrics, DISAGG, "outcome") == {"disaggregated": 1.0, "pull_failed": 1.0}
 
 
 async def test_an_unreachable_prefill_engine_falls_back_to_aggregated() -> None:
@@ -193,6 +196,22 @@ async def test_an_unreachable_prefill_engine_falls_back_to_aggregated() -> None:
     assert streamed_text(sse_payloads(resp.text)) == streamed_text(aggregated["events"])
     assert "kv_transfer_params" not in dec.received[0].body
     assert counter(metrics, DISAGG, "outcome") == {"prefill_failed": 1.0}
+
+
+async def test_an_empty_prefill_pool_means_aggregated_serving_counted_as_such() -> None:
+    """Every prefill engine retired, the decode engines still there: the request is served
+    aggregated by a decode engine (no hand-off fields) and counted as a fallback."""
+    aggregated = recorded("completions_aggregated")
+    body = client_body(recorded("completions_decode"))
+    async with standin_engine(lambda got: replay(aggregated)) as dec, \
+            router_on_a_socket([worker("d0", dec.url, Role.DECODE)]) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            resp = await client.post(aggregated["path"], json=body)
+            metrics = (await client.get("/metrics")).text
+    assert resp.status_code == 200, resp.text
+    assert streamed_text(sse_payloads(resp.text)) == streamed_text(aggregated["events"])
+    assert ["kv_transfer_params" in r.body for r in dec.received] == [False]
+    assert counter(metrics, DISAGG, "outcome") == {"no_prefill_engine": 1.0}
 
 
 async def test_a_decode_engine_dying_mid_stream_migrates_to_another_decode_engine() -> None:

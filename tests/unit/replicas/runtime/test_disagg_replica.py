@@ -59,6 +59,8 @@ def test_without_kv_reuse_the_decode_decision_counts_no_overlap() -> None:
 def test_no_prefill_engine_left_is_a_routing_error() -> None:
     r = replica()
     r.state.apply(KV, 2, [ev.WorkerRetired("p0", "gone", 3.0), ev.WorkerRetired("p1", "gone", 3.0)])
-    assert not r.is_disaggregated("m")
+    # Still served disaggregated (its decode engines are there): the prefill decision finds no
+    # engine, and the request falls back to aggregated serving, counted as such.
+    assert r.is_disaggregated("m")
     with pytest.raises(AllWorkersBusy):
         route(r, "prefill")
