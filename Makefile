@@ -13,8 +13,9 @@ $(BIN)/jetrouter: pyproject.toml
 
 install: $(BIN)/jetrouter
 
+TEST_JOBS ?= 3
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadfile tests
 
 demo: install
 	$(BIN)/jetrouter demo

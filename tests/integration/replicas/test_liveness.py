@@ -176,9 +176,12 @@ async def test_heartbeats_lost_replica_declared_once_and_comeback_starts_clean(
 
         await b.crash()
         t0 = time.monotonic()
+        # The lost-timer runs from the last heartbeat each leader heard, which on a busy machine
+        # can be well before crash() returned: bound the declaration from below by that.
+        heard = min(x.live.peers_status["B"].changed_at for x in nodes)
         assert await until(lambda: lost(check), timeout=TIMEOUT + SLACK) == ["B"]
-        elapsed = time.monotonic() - t0
-        assert TIMEOUT * 0.9 <= elapsed <= TIMEOUT + SLACK
+        assert time.monotonic() - heard >= TIMEOUT
+        assert time.monotonic() - t0 <= TIMEOUT + SLACK
         # Every replica frees exactly B's requests ...
         await until(lambda: all(set(x.state.load._requests) == {"req-a"} for x in nodes))
         # ... and, with B's load gone, neither leader declares it again.
