@@ -1,5 +1,6 @@
 """The policy for a connect that timed out (api/forward/connect_retry.py): alive or not, the
-backoff, the window, the count bound; and ConnectRetries applying it on a fake clock."""
+backoff, the window, the count bound; ConnectRetries applying it on a fake clock; and the
+Forwarder keeping a live engine's connect timeout from the circuit breakers."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from api.forward.connect_retry import (
     ConnectTries,
     Retry,
 )
+from api.forward.forwarder import Forwarder
+from api.metrics import RouterMetrics
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -119,3 +122,16 @@ async def test_without_a_liveness_view_no_engine_is_alive() -> None:
     retries = ConnectRetries(POLICY, None)
     assert not retries.alive("w1")
     assert await retries.again(None, "w1", "r") is None
+
+
+def test_a_live_engine_s_connect_timeout_is_not_reported_to_the_breakers() -> None:
+    seen: list[tuple[str, str]] = []
+    fw = Forwarder(None, RouterMetrics(),  # type: ignore[arg-type]
+                   on_worker_failure=lambda w, r: seen.append((w, r)),
+                   heard_ago={"busy": 0.5, "silent": 30.0}.get, alive_within=10.0)
+    fw.report_failure("busy", "connect_timeout")      # alive: its canary judges it
+    fw.report_failure("silent", "connect_timeout")    # not heard from for 30 s
+    fw.report_failure("never", "connect_timeout")     # never heard from
+    fw.report_failure("busy", "connect_error")        # refused: gone, whatever it published
+    assert seen == [("silent", "connect_timeout"), ("never", "connect_timeout"),
+                    ("busy", "connect_error")]
