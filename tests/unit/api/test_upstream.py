@@ -302,7 +302,7 @@ async def test_a_connect_to_a_listening_engine_times_out_when_this_loop_runs_lat
     p = UpstreamPool(connect_timeout=0.1, idle_timeout=5.0)
     try:
         asyncio.get_running_loop().call_soon(_hold_the_loop, 0.3)
-        with pytest.raises(ConnectTimedOut):
+        with pytest.raises(ConnectTimedOut, match="event loop reached the timeout"):
             await p.post(url(engine, "/len"), b"a")
         assert engine.requests == []
         resp = await p.post(url(engine, "/len"), b"b")  # the loop on time again: connected
