@@ -216,7 +216,8 @@ class Run:
                 why = f"no other engine can take the request: {exc}"
         if routed is None:
             # An SGLang decode hop's prefill request runs beside it: no second connect there.
-            if timed_out and self.beside is None and await self._connect_again(failed):
+            beside = self.beside is not None and failed is self.cont.hops[0]
+            if timed_out and not beside and await self._connect_again(failed):
                 return True
             if timed_out:
                 self.ctx.connects.record(TimeoutAction.FAILED)
