@@ -51,6 +51,7 @@ class AppConfig:
     model_path: str | None = None  # a model folder; wins over `tokenizer`
     reset_on_start: bool = False
     stream_idle_timeout: float = option("stream-idle-timeout").default
+    engine_connect_timeout: float = option("engine-connect-timeout").default
     migration_limit: int = option("migration-limit").default
     max_body_bytes: int = option("max-body-bytes").default
     # Dynamo leaves POST /busy_threshold open; True requires the admin bearer token for it.
@@ -88,7 +89,10 @@ def create_app(replica: Replica, config: AppConfig | None = None,
     forwarder = Forwarder(replica, metrics, tokenizer=tokenizer,
                           stream_idle_timeout=cfg.stream_idle_timeout,
                           migration_limit=cfg.migration_limit,
-                          on_worker_failure=functools.partial(_report_passive, replica))
+                          connect_timeout=cfg.engine_connect_timeout,
+                          on_worker_failure=functools.partial(_report_passive, replica),
+                          heard_ago=functools.partial(_gauge_age, replica),
+                          alive_within=replica.config.worker_timeout)
     engine_sessions = EngineSessions(forwarder.pool)
     conductor = Conductor(replica, ConductorConfig(
         max_prompt_tokens=cfg.max_prompt_tokens, ready_wait=cfg.ready_wait,
@@ -138,6 +142,13 @@ def _hook_metrics(replica: Replica, metrics: RouterMetrics) -> None:
 
 def _report_passive(replica: Replica, worker_id: str, reason: str) -> object:
     return report_passive(replica.nc, replica.names, worker_id, reason)
+
+
+def _gauge_age(replica: Replica, worker_id: str) -> float | None:
+    """Seconds since the replica last heard the engine's load gauge; None without liveness
+    (no JetStream) or before the first one."""
+    liveness = replica.liveness
+    return liveness.gauge_age(worker_id) if liveness is not None else None
 
 
 def _lifespan(replica: Replica, forwarder: Forwarder, tracing: Tracing | None,

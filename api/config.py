@@ -194,6 +194,10 @@ WORKER_FAULTS = Group(
     "worker faults",
     Option("stream-idle-timeout", float, 30.0,
            "seconds without a token before a request migrates to another engine", above=0),
+    Option("engine-connect-timeout", float, 5.0,
+           "seconds one TCP connect to an engine may take; one that times out to an engine "
+           "still publishing its load is tried again within --stream-idle-timeout when no "
+           "other engine can take the request", above=0),
     Option("migration-limit", int, 3,
            "times one request may move to another engine after a failure", at_least=0),
     Option("canary-interval", float, 30.0,

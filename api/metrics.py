@@ -123,6 +123,11 @@ class RouterMetrics:
         self.migrations = Counter(f"{p}_migrations",
                                   "Requests replayed on another worker after a failure, by reason",
                                   ["reason"], registry=reg)
+        self.connect_timeouts = Counter(
+            f"{p}_engine_connect_timeouts",
+            "Connects to an engine that timed out, by what followed: retried (the same engine, "
+            "alive, again after a backoff), migrated (another engine took the request), failed",
+            ["action"], registry=reg)
         self.divergence = Counter(f"{p}_replica_divergence",
                                   "Peers found at equal positions with a different digest",
                                   registry=reg)

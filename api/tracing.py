@@ -237,7 +237,7 @@ def start_hop(request_id: str, url: str, headers: dict[str, str]) -> None:
         "jetrouter.request_id": request_id, "jetrouter.hop": hop, "jetrouter.worker_id": worker,
         "jetrouter.phase": phase, "url.full": url})
     old = tracing.hops.pop(request_id, None)
-    if old is not None:  # the same hop sent twice cannot happen; never leave a span open
+    if old is not None:  # the hop sent again after its connect timed out: one span per try
         old.end()
     tracing.hops[request_id] = span
     propagate.inject(headers, context=trace.set_span_in_context(span))

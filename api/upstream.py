@@ -9,10 +9,21 @@ bytes as HTTP/1.1 (heads, chunked or length-framed bodies) is :mod:`api.http1_pa
 does no I/O; this module owns the sockets, the pool and the waiting.
 
 Failure is reported as one of three exceptions, which :func:`api.forward.engine.classify` maps
-to the migration reasons: :class:`ConnectFailed` (connect_error), :class:`StreamBroken`
-(stream_error) and :class:`IdleTimeout` (idle_timeout). A pooled connection that the engine
-closed while it sat idle is only found out when it is used; if it fails before the first response
-byte, the request was never processed, so it is sent once more on a fresh connection.
+to the migration reasons: :class:`ConnectFailed` (connect_error; its subclass
+:class:`ConnectTimedOut` is connect_timeout), :class:`StreamBroken` (stream_error) and
+:class:`IdleTimeout` (idle_timeout). A pooled connection that the engine closed while it sat idle
+is only found out when it is used; if it fails before the first response byte, the request was
+never processed, so it is sent once more on a fresh connection.
+
+What the connect timeout covers: the TCP handshake only (the host's name lookup first, which for
+an IP address is no lookup at all). There is no TLS, and no wait for a pool slot (busy
+connections are not limited). The kernel completes a handshake without the engine's process
+running, so a connect to a live engine times out only when (a) its listening socket's accept
+queue is full (the engine's loop is too busy to accept, and the kernel then drops SYNs,
+which the client resends after 1 s, 3 s, 7 s ...), or (b) this process's own event loop ran
+late: the handshake completed, but the loop got to it only after the timeout fired, which then
+wins (a starved router on an overloaded host; the error then says how late the loop was). Neither
+says the engine is gone; a refused connection (nothing listening) does.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ DEFAULT_MAX_IDLE_PER_HOST = 256
 # ours past 4 s keeps the race with that close (and the retry it costs) rare.
 DEFAULT_MAX_IDLE_AGE = 4.0
 _SMALL_BODY = 64 * 1024             # bodies up to this go out in the same write as the head
+LATE_LOOP = 0.1                     # a connect timeout that ran this late says the loop was late
 
 
 class UpstreamError(JetrouterError):
@@ -40,6 +52,11 @@ class UpstreamError(JetrouterError):
 
 class ConnectFailed(UpstreamError):
     """No connection: refused, unreachable, or not established within the connect timeout."""
+
+
+class ConnectTimedOut(ConnectFailed):
+    """The TCP handshake did not complete within the connect timeout (see the module docstring:
+    a busy engine or a late event loop, unlike a refusal)."""
 
 
 class StreamBroken(UpstreamError):
@@ -385,13 +402,20 @@ class UpstreamPool:
     async def _connect(self, t: Target, loop: asyncio.AbstractEventLoop,
                        timeout: float) -> _Connection:
         key = (t.host, t.port)
+        deadline = asyncio.timeout(timeout)
         try:
-            async with asyncio.timeout(timeout):
+            async with deadline:
                 _, proto = await loop.create_connection(lambda: _Connection(loop, key),
                                                         t.host, t.port)
         except TimeoutError:
-            raise ConnectFailed(f"connecting to {t.host}:{t.port} timed out after "
-                                f"{timeout:g} s") from None
+            # How late the timeout itself ran tells the two causes apart, at no cost to a
+            # connect that succeeds: a busy engine's full queue leaves it on time.
+            when = deadline.when()
+            late = loop.time() - when if when is not None else 0.0
+            raise ConnectTimedOut(
+                f"connecting to {t.host}:{t.port} timed out after {timeout:g} s" + (
+                    f" (this process's event loop reached the timeout {late:.1f} s late)"
+                    if late >= LATE_LOOP else "")) from None
         except OSError as exc:
             raise ConnectFailed(f"cannot connect to {t.host}:{t.port}: {exc}") from None
         self.opened += 1

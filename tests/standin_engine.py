@@ -4,7 +4,9 @@ stream (chunked, as uvicorn sends it).
 
 Used where the test is about what the router *sends* (which fields reach an engine) and about
 how it reads real engine answers replayed from recordings (tests/data/vllm_pd/): the answers are
-the recorded bodies, the transport is a real socket with real framing.
+the recorded bodies, the transport is a real socket with real framing. Started with
+``accepting=False`` it is an engine too busy to take connections (its accept queue full,
+tests/full_accept_queue.py) until :meth:`StandinEngine.accept`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from tests.full_accept_queue import FullAcceptQueue
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,12 @@ class StandinEngine:
     answer: Answer
     received: list[Received] = field(default_factory=list)
     url: str = ""
+    queue: FullAcceptQueue | None = None  # while it takes no connection
+
+    async def accept(self) -> None:
+        """An engine started with ``accepting=False`` catches up: it accepts from now on."""
+        assert self.queue is not None, "the engine accepts already"
+        await self.queue.accepting(self._serve)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -106,8 +116,17 @@ class StandinEngine:
 
 
 @contextlib.asynccontextmanager
-async def standin_engine(answer: Answer) -> AsyncIterator[StandinEngine]:
+async def standin_engine(answer: Answer, *, accepting: bool = True
+                         ) -> AsyncIterator[StandinEngine]:
     engine = StandinEngine(answer)
+    if not accepting:
+        engine.queue = FullAcceptQueue()
+        engine.url = engine.queue.url
+        try:
+            yield engine
+        finally:
+            await engine.queue.close()
+        return
     server = await asyncio.start_server(engine._serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     engine.url = f"http://127.0.0.1:{port}"

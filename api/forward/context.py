@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from api.forward.connect_retry import ConnectRetries
 from api.forward.hops import HopRouter
 from api.metrics import RouterMetrics
 from api.tokenizer import Tokenizer
@@ -27,7 +28,8 @@ def replica_headers(replica_id: str, worker_id: str | None = None,
 
 @dataclass(frozen=True, slots=True)
 class RunContext:
-    """The replica, the metrics, the engine connections, and the one place hops are routed."""
+    """The replica, the metrics, the engine connections, the one place hops are routed, and
+    what to do when a connect to an engine times out."""
 
     replica: Replica
     metrics: RouterMetrics
@@ -37,3 +39,4 @@ class RunContext:
     migration_limit: int
     chat_default_max_tokens: int
     report_failure: Callable[[str, str], None]
+    connects: ConnectRetries

@@ -4,7 +4,9 @@ and turn every way it can break into a :class:`HopFailed` with a :class:`HopFail
 Failures worth moving the request to another engine (design.md §9) are transport errors
 (connection refused or reset, the engine dying mid-stream), a 5xx, and silence longer than the
 idle timeout (no byte from the engine for that long; see :mod:`api.upstream`). A 4xx is the
-engine judging the request itself, so it is handed back, not retried.
+engine judging the request itself, so it is handed back, not retried. A connect that timed out
+is told apart from a refused one (``connect_timeout``): the engine may only be busy, and the hop
+runners may try it again (:mod:`api.forward.connect_retry`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import msgspec
 from api import tracing
 from api.upstream import (
     ConnectFailed,
+    ConnectTimedOut,
     IdleTimeout,
     UpstreamError,
     UpstreamPool,
@@ -30,6 +33,7 @@ class HopFailure(StrEnum):
     passive health report."""
 
     CONNECT_ERROR = "connect_error"
+    CONNECT_TIMEOUT = "connect_timeout"  # no refusal: the engine may be alive and busy
     STREAM_ERROR = "stream_error"
     IDLE_TIMEOUT = "idle_timeout"
     UPSTREAM_5XX = "upstream_5xx"
@@ -52,6 +56,8 @@ class HopFailed(JetrouterError):
 def classify(exc: BaseException) -> HopFailure:
     """The migration reason for a failure of the upstream client (:mod:`api.upstream`); any
     other transport error (an ``OSError`` that slipped through) counts as a broken stream."""
+    if isinstance(exc, ConnectTimedOut):
+        return HopFailure.CONNECT_TIMEOUT
     if isinstance(exc, ConnectFailed):
         return HopFailure.CONNECT_ERROR
     if isinstance(exc, IdleTimeout):
@@ -85,8 +91,10 @@ class SseSplitter:
 
 
 async def open_upstream(pool: UpstreamPool, url: str, body: bytes, request_id: str,
-                        idle_timeout: float | None = None) -> UpstreamResponse:
-    """POST one hop and return the streaming response once its head is in.
+                        idle_timeout: float | None = None,
+                        connect_timeout: float | None = None) -> UpstreamResponse:
+    """POST one hop and return the streaming response once its head is in (``None`` timeouts:
+    the pool's own).
 
     Raises :class:`HopFailed` for transport errors and 5xx (the response is closed); any other
     status is returned for the caller to pass on (it must be read and closed)."""
@@ -94,7 +102,8 @@ async def open_upstream(pool: UpstreamPool, url: str, body: bytes, request_id: s
                "x-request-id": request_id}
     tracing.start_hop(request_id, url, headers)  # adds the hop's traceparent when tracing
     try:
-        resp = await pool.post(url, body, headers, idle_timeout=idle_timeout)
+        resp = await pool.post(url, body, headers, idle_timeout=idle_timeout,
+                               connect_timeout=connect_timeout)
     except (UpstreamError, OSError) as exc:
         tracing.hop_answered(request_id, failure=classify(exc))
         raise HopFailed(classify(exc), f"{type(exc).__name__}: {exc}") from None

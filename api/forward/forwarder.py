@@ -15,7 +15,9 @@ from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from api.config import option
+from api.forward.connect_retry import ConnectRetries, ConnectRetryPolicy, HeardAgo
 from api.forward.context import PREDICTED_HEADER, RunContext, replica_headers
+from api.forward.engine import HopFailure
 from api.forward.hops import HopRouter
 from api.forward.passthrough import Passthrough
 from api.forward.prefill import PrefillHop
@@ -39,7 +41,10 @@ class Forwarder:
     ``stream_idle_timeout`` / ``migration_limit`` default to `serve`'s options of those names
     (their ``JETROUTER_*`` variables, else their defaults; api/config.py).
     ``on_worker_failure(worker_id, reason)`` is called for every failed hop (the passive signal
-    of the circuit breakers); if it returns an awaitable, that runs as a background task.
+    of the circuit breakers); if it returns an awaitable, that runs as a background task. A
+    connect that timed out to an engine still alive is not such a signal: ``heard_ago(worker_id)``
+    (seconds since the replica last heard the engine's load gauge) within ``alive_within`` says
+    alive, and such a hop is retried or moved (:mod:`api.forward.connect_retry`).
 
     The Forwarder owns its connections to the engines (``self.pool``, an
     :class:`api.upstream.UpstreamPool`); :meth:`aclose` closes the idle ones. ``self.hops``
@@ -54,7 +59,9 @@ class Forwarder:
                  migration_limit: int | None = None,
                  connect_timeout: float = 5.0,
                  chat_default_max_tokens: int = 256,
-                 on_worker_failure: WorkerFailureHook | None = None) -> None:
+                 on_worker_failure: WorkerFailureHook | None = None,
+                 heard_ago: HeardAgo | None = None,
+                 alive_within: float = 10.0) -> None:
         self.replica = replica
         self.metrics = metrics
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
@@ -73,13 +80,18 @@ class Forwarder:
         self._reports: set[asyncio.Future[object]] = set()
         # The pool's idle timeout fires when the engine sends nothing for that long.
         self.pool = UpstreamPool(connect_timeout=connect_timeout, idle_timeout=idle)
+        # A hop's connects to a live engine may go on as long as it may wait for a byte.
+        self.connects = ConnectRetries(
+            ConnectRetryPolicy(connect_timeout=connect_timeout, window=idle,
+                               alive_within=alive_within),
+            heard_ago, record=lambda action: metrics.connect_timeouts.labels(action=action).inc())
         prefill = PrefillHop(replica, self.pool, on_worker_failure=self.report_failure,
                              on_transfer=metrics.kv_transfer_blocks.observe)
         self.hops = HopRouter(
             replica, prefill,
             on_disaggregated=lambda outcome: metrics.disaggregated.labels(outcome=outcome).inc())
         self.context = RunContext(replica, metrics, self.pool, self.tokenizer, self.hops, limit,
-                                  chat_default_max_tokens, self.report_failure)
+                                  chat_default_max_tokens, self.report_failure, self.connects)
 
     async def aclose(self) -> None:
         """Close the idle upstream connections (call once at shutdown)."""
@@ -90,6 +102,8 @@ class Forwarder:
         background, so a health report never holds up the request."""
         if self.on_worker_failure is None:
             return
+        if reason == HopFailure.CONNECT_TIMEOUT and self.connects.alive(worker_id):
+            return  # busy, not dead: its canary judges it (api/forward/connect_retry.py)
         try:
             result = self.on_worker_failure(worker_id, reason)
             if inspect.isawaitable(result):

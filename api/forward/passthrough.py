@@ -5,7 +5,9 @@ chat and completions (several choices interleave in one stream), embeddings, the
 and Anthropic's Messages. The hop's lifecycle on the router stream is the same as a
 :class:`api.forward.run.Run` hop's (the decision is recorded before the client sees a byte,
 ``PrefillCompleted`` at the first streamed event, exactly one ``RequestFinished``), and an engine
-that fails *before answering* (refused connection, 5xx) is replaced by another one, as there.
+that fails *before answering* (refused connection, 5xx) is replaced by another one, as there,
+and a connect that timed out to a live engine is made again when no other engine takes the
+request (:mod:`api.forward.connect_retry`), a pinned request's included.
 
 What it does not do is continue a stream on another engine once the client has seen part of it:
 the continuation re-prompts one completion (:mod:`api.forward.continuation`), which is not what
@@ -30,8 +32,9 @@ from starlette.types import Receive, Scope, Send
 
 from api import tracing
 from api.errors import encoded_error_body, upstream_error_body
+from api.forward.connect_retry import ConnectTries, TimeoutAction
 from api.forward.context import PREDICTED_HEADER, RunContext, replica_headers
-from api.forward.engine import HopFailed, open_upstream, upstream_event_batches
+from api.forward.engine import HopFailed, HopFailure, open_upstream, upstream_event_batches
 from api.upstream import UpstreamError, UpstreamResponse
 from eventlog.events import Outcome
 from leanhttp.hotpath import LeanStreamingResponse
@@ -114,6 +117,7 @@ class Passthrough:
         self.error_shape = error_shape
         self.failed: set[str] = set()
         self.migrations = 0
+        self.connect_tries: ConnectTries | None = None  # the current hop's, once retried
         self.output_tokens = 0
         self.cached_tokens = -1
         self.events_seen = 0
@@ -145,29 +149,53 @@ class Passthrough:
     async def _reroute(self, failure: HopFailed) -> bool:
         with tracing.migration(self.request.request_id, self.migrations + 1,
                                self.routed.worker_id, failure.reason) as span:
-            moved = await self._move(failure)
-            span.moved(moved)
-            return moved
+            before = self.routed
+            again = await self._move(failure)
+            span.moved(again and self.routed is not before)
+            return again
 
     async def _move(self, failure: HopFailed) -> bool:
+        """True: open ``self.routed`` — another engine's hop, or the same hop again when its
+        connect timed out to an engine still alive and no other engine takes the request."""
         failed = self.routed
         self.failed.add(failed.worker_id)
         self.ctx.report_failure(failed.worker_id, failure.reason)
-        if not self.movable or self.migrations >= self.ctx.migration_limit:
+        timed_out = failure.reason == HopFailure.CONNECT_TIMEOUT
+        routed: Routed | None = None
+        if self.movable and self.migrations < self.ctx.migration_limit:
+            try:
+                routed = await self.ctx.hops.next_hop(
+                    self.request, self.migrations + 1, exclude=frozenset(self.failed),
+                    session=self.request.session, tenant=failed.event.tenant)
+            except RoutingError:
+                pass
+            except Exception:  # the decision could not be appended
+                log.exception("request %s: re-routing failed", self.request.request_id)
+        if routed is None:
+            if timed_out and await self._connect_again(failed):
+                return True
+            if timed_out:
+                self.ctx.connects.record(TimeoutAction.FAILED)
             return False
-        try:
-            routed = await self.ctx.hops.next_hop(
-                self.request, self.migrations + 1, exclude=frozenset(self.failed),
-                session=self.request.session, tenant=failed.event.tenant)
-        except RoutingError:
-            return False
-        except Exception:  # the decision could not be appended
-            log.exception("request %s: re-routing failed", self.request.request_id)
-            return False
+        if timed_out:
+            self.ctx.connects.record(TimeoutAction.MIGRATED)
+        self.connect_tries = None
         self.ctx.replica.finished(failed.request_id, Outcome.MIGRATED, 0, -1)
         self.ctx.metrics.migrations.labels(reason=failure.reason).inc()
         self.migrations += 1
         self.routed = routed
+        return True
+
+    async def _connect_again(self, hop: Routed) -> bool:
+        """The same hop again after a backoff, if its engine is alive and time is left."""
+        connects = self.ctx.connects
+        if not connects.alive(hop.worker_id):
+            return False
+        tries = await connects.again(self.connect_tries, hop.worker_id, hop.request_id)
+        if tries is None:
+            return False
+        self.connect_tries = tries
+        connects.record(TimeoutAction.RETRIED)
         return True
 
     def headers(self) -> dict[str, str]:
@@ -193,9 +221,11 @@ class Passthrough:
                 self._end(Outcome.NOT_ROUTED)
                 await self.ctx.replica.recorded(hop)  # raises DecisionNotRecorded
             url = hop.worker_url.rstrip("/") + self.path
+            tries = self.connect_tries
             try:
                 resp = await open_upstream(self.ctx.pool, url, self.body, hop.request_id,
-                                           idle_timeout=None if self.stream else UNARY_TIMEOUT)
+                                           idle_timeout=None if self.stream else UNARY_TIMEOUT,
+                                           connect_timeout=tries.timeout if tries else None)
             except HopFailed as failure:
                 log.warning("request %s: engine %s failed (%s)", self.request.request_id,
                             hop.worker_id, failure)

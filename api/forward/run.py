@@ -8,7 +8,8 @@ its way to JetStream; :meth:`Run._open` waits for the decision only once the eng
 nothing reaches the client before the decision is recorded (or served through an election), and
 a refused decision cancels the engine request (``not_routed``). When an engine fails a hop,
 :meth:`Run._next_hop` is the whole migration policy: the limit, the engines excluded, the hop id,
-and how the failed hop ends.
+and how the failed hop ends — or, when the connect to a live engine timed out and no other
+engine can take the request, the same hop connecting again (:mod:`api.forward.connect_retry`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fastapi.responses import Response
 
 from api import tracing
 from api.errors import error_response, sse_error, sse_internal_error, upstream_error_body
+from api.forward.connect_retry import ConnectTries, TimeoutAction
 from api.forward.context import PREDICTED_HEADER, RunContext, replica_headers
 from api.forward.continuation import Continuation, Hop, HopPlan, with_transfer
 from api.forward.engine import (
@@ -93,6 +95,7 @@ class Run:
         if transfer is not None:  # only the first hop: a migration prefills on its engine
             plan = replace(plan, body=with_transfer(plan.body, transfer))
         self.plan: HopPlan = plan
+        self.connect_tries: ConnectTries | None = None  # the current hop's connects, if retried
         self.hop: Hop = self._start_hop(routed, plan)
         self.beside = beside  # an SGLang prefill request the first hop's engine waits on
         self.handoff = transfer is not None  # the first hop pulls its prompt's KV blocks
@@ -110,6 +113,7 @@ class Run:
     def _start_hop(self, routed: Routed, plan: HopPlan) -> Hop:
         """The hop's decision is on its way to the stream (``Replica.route`` submitted it)."""
         self.plan = plan
+        self.connect_tries = None
         return self.cont.start_hop(routed, plan)
 
     def _first_token(self) -> None:
@@ -164,14 +168,17 @@ class Run:
     async def _next_hop(self, failure: HopFailed) -> bool:
         with tracing.migration(self.base.request_id, self.migrations + 1, self.hop.worker_id,
                                failure.reason) as span:
-            moved = await self._migrate(failure)
-            span.moved(moved)
-            return moved
+            before = self.hop
+            again = await self._migrate(failure)
+            span.moved(again and self.hop is not before)
+            return again
 
     async def _migrate(self, failure: HopFailed) -> bool:
         """After ``failure``: route the next hop, excluding every engine that failed this request,
         under ``<request_id>~<n>``, at most ``migration_limit`` times. The failed hop ends
-        ``migrated`` when the next one is routed, else ``error`` (and ``give_up`` says why)."""
+        ``migrated`` when the next one is routed, else ``error`` (and ``give_up`` says why).
+        True: open ``self.hop`` — the next one, or the same one again when its connect timed out
+        to an engine still alive and no other engine takes the request."""
         failed = self.hop
         # A decode engine that could not pull the prompt's blocks (the prefill engine restarted,
         # its lease on them ran out) fails the request itself before any token. It is alive, so
@@ -191,29 +198,51 @@ class Run:
                     else "migration limit reached")
         if not pull_failed:
             self.ctx.report_failure(failed.worker_id, failure.reason)
-        if self.migrations >= limit:
-            self.give_up = (f"the inference engine failed ({failure.reason}) and the migration "
-                            f"limit ({limit}) is reached")
-            self._end_hop(failed, Outcome.ERROR)
-            return False
+        timed_out = failure.reason == HopFailure.CONNECT_TIMEOUT
         plan = self.cont.plan()
-        try:
-            routed = await self.ctx.hops.next_hop(
-                self.request, self.migrations + 1, exclude=frozenset(self.failed),
-                session=self.base.session, tenant=self.base.event.tenant,
-                token_ids=plan.token_ids, expected_osl=plan.expected_osl,
-                osl_hint=plan.expected_osl if self.parsed.osl_hint else 0)
-        except Exception as exc:  # RoutingError, or the decision could not be appended
-            if not isinstance(exc, RoutingError):
-                log.exception("request %s: re-routing failed", self.base.request_id)
-            self.give_up = (f"the inference engine failed ({failure.reason}) and no other "
-                            f"engine can take the request: {exc}")
+        routed: Routed | None = None
+        if self.migrations >= limit:
+            why = f"the migration limit ({limit}) is reached"
+        else:
+            try:
+                routed = await self.ctx.hops.next_hop(
+                    self.request, self.migrations + 1, exclude=frozenset(self.failed),
+                    session=self.base.session, tenant=self.base.event.tenant,
+                    token_ids=plan.token_ids, expected_osl=plan.expected_osl,
+                    osl_hint=plan.expected_osl if self.parsed.osl_hint else 0)
+            except Exception as exc:  # RoutingError, or the decision could not be appended
+                if not isinstance(exc, RoutingError):
+                    log.exception("request %s: re-routing failed", self.base.request_id)
+                why = f"no other engine can take the request: {exc}"
+        if routed is None:
+            # An SGLang decode hop's prefill request runs beside it: no second connect there.
+            beside = self.beside is not None and failed is self.cont.hops[0]
+            if timed_out and not beside and await self._connect_again(failed):
+                return True
+            if timed_out:
+                self.ctx.connects.record(TimeoutAction.FAILED)
+            self.give_up = f"the inference engine failed ({failure.reason}) and {why}"
             self._end_hop(failed, Outcome.ERROR)
             return False
+        if timed_out:
+            self.ctx.connects.record(TimeoutAction.MIGRATED)
         self._end_hop(failed, Outcome.MIGRATED)
         self.migrations += 1
         self.ctx.metrics.migrations.labels(reason=failure.reason).inc()
         self.hop = self._start_hop(routed, plan)
+        return True
+
+    async def _connect_again(self, hop: Hop) -> bool:
+        """The connect to ``hop``'s engine timed out and nothing else takes the request: if the
+        engine is alive and the hop has time left, wait the backoff and keep the hop (True)."""
+        connects = self.ctx.connects
+        if not connects.alive(hop.worker_id):
+            return False
+        tries = await connects.again(self.connect_tries, hop.worker_id, hop.request_id)
+        if tries is None:
+            return False
+        self.connect_tries = tries
+        connects.record(TimeoutAction.RETRIED)
         return True
 
     # --- hops -----------------------------------------------------------------------------------
@@ -231,7 +260,9 @@ class Run:
                 await self.ctx.replica.recorded(hop.routed)  # raises DecisionNotRecorded
             url = hop.routed.worker_url.rstrip("/") + self.plan.path
             try:
-                opening = open_upstream(self.ctx.pool, url, self.plan.body, hop.request_id)
+                tries = self.connect_tries
+                opening = open_upstream(self.ctx.pool, url, self.plan.body, hop.request_id,
+                                        connect_timeout=tries.timeout if tries else None)
                 beside = self.beside if hop is self.cont.hops[0] else None
                 resp = await (beside.opened(opening) if beside is not None else opening)
             except HopFailed as failure:

@@ -452,6 +452,13 @@ class Liveness:
         worker_id = msg.subject.rsplit(".", 1)[-1]
         self._gauges[worker_id] = self._clock()
 
+    def gauge_age(self, worker_id: str) -> float | None:
+        """Seconds since this replica last received the worker's load gauge (None: none yet).
+        Every replica listens, leader or not; the request path asks it whether an engine whose
+        connect timed out is still alive (api/forward/connect_retry.py)."""
+        seen = self._gauges.get(worker_id)
+        return None if seen is None else self._clock() - seen
+
     async def _worker_loop(self) -> None:
         interval = min(self.heartbeat_interval, self.worker_timeout / 3)
         while True:

@@ -1,11 +1,13 @@
 """The upstream HTTP/1.1 client (api/upstream.py) against a real asyncio HTTP server on a free
 port: bodies by content-length and chunked, keep-alive reuse, connection: close, a server that
-closes mid-body, one that stalls, a refused connection, and a stale pooled connection."""
+closes mid-body, one that stalls, a refused connection, a connect that times out (an engine that
+accepts nothing, or this process's loop starved), and a stale pooled connection."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -20,11 +22,13 @@ from api.forward.engine import (
 )
 from api.upstream import (
     ConnectFailed,
+    ConnectTimedOut,
     IdleTimeout,
     StreamBroken,
     UpstreamPool,
     parse_url,
 )
+from tests.full_accept_queue import FullAcceptQueue
 
 pytestmark = [pytest.mark.timeout(30)]
 
@@ -255,6 +259,56 @@ async def test_refused_connection_is_a_connect_error(pool: UpstreamPool) -> None
     with pytest.raises(HopFailed) as info:
         await open_upstream(pool, f"http://127.0.0.1:{port}/v1/completions", b"{}", "r5")
     assert info.value.reason == HopFailure.CONNECT_ERROR
+
+
+async def test_refused_connection_is_not_a_connect_timeout(pool: UpstreamPool) -> None:
+    with pytest.raises(ConnectFailed) as info:
+        await pool.post(f"http://127.0.0.1:{free_port()}/v1/completions", b"{}")
+    assert not isinstance(info.value, ConnectTimedOut)
+
+
+async def test_an_engine_that_accepts_nothing_times_the_connect_out_until_it_accepts() -> None:
+    busy = FullAcceptQueue()
+    p = UpstreamPool(connect_timeout=0.3, idle_timeout=5.0)
+    try:
+        with pytest.raises(ConnectTimedOut, match=r"timed out after 0\.3 s"):
+            await p.post(busy.url + "/len", b"a")
+        with pytest.raises(HopFailed) as info:
+            await open_upstream(p, busy.url + "/len", b"a", "r6")
+        assert info.value.reason == HopFailure.CONNECT_TIMEOUT
+        assert classify(ConnectTimedOut("x")) == HopFailure.CONNECT_TIMEOUT
+        # The engine catches up (accepts its queue): the next connect goes straight through.
+        engine = Engine()
+        await busy.accepting(engine.handle)
+        resp = await p.post(busy.url + "/len", b"b", connect_timeout=0.3)
+        assert await resp.aread() == b"echo:b"
+        assert [r[2] for r in engine.requests] == [b"b"]
+    finally:
+        await p.aclose()
+        await busy.close()
+
+
+def _hold_the_loop(seconds: float) -> None:
+    """The router's own loop busy (tokenizing, a long GC pause) for ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+async def test_a_connect_to_a_listening_engine_times_out_when_this_loop_runs_late(
+        engine: Engine) -> None:
+    # The kernel completes the handshake at once, but the loop reaches it only after the
+    # timeout's deadline, and the timeout wins: a live engine, a timed-out connect.
+    p = UpstreamPool(connect_timeout=0.1, idle_timeout=5.0)
+    try:
+        asyncio.get_running_loop().call_soon(_hold_the_loop, 0.3)
+        with pytest.raises(ConnectTimedOut, match="event loop reached the timeout"):
+            await p.post(url(engine, "/len"), b"a")
+        assert engine.requests == []
+        resp = await p.post(url(engine, "/len"), b"b")  # the loop on time again: connected
+        assert await resp.aread() == b"echo:b"
+    finally:
+        await p.aclose()
 
 
 async def test_stale_pooled_connection_is_retried_once_on_a_fresh_one(
