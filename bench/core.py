@@ -9,8 +9,12 @@ Figures, each printed (never asserted):
   (both after a full garbage collection), divided by the (block, worker) pairs the index holds.
   ``index_array_bytes_per_held_block`` is the part the compact index's arrays account for.
 * ``decision_p50_us`` / ``decision_p99_us`` - one routing decision on that index, timed per call
-  with ``perf_counter_ns``: hash a ``--prompt-tokens`` prompt, ``find_matches``, build one
-  ``Candidate`` per worker, ``Selector.select`` with ``jetrouter serve``'s routing defaults.
+  with ``perf_counter_ns``: hash a ``--prompt-tokens`` prompt, ``find_matches``, build the
+  candidates, select with ``jetrouter serve``'s routing defaults. ``--decision-path fast`` (the
+  default): the compiled hashing (``eventlog/_fasthash.c``) and candidate columns
+  (``candidate_columns.select_columns``); ``pure``: the Python hashing, one ``Candidate`` object
+  per worker and ``Selector.select``; ``both``: the two interleaved sample by sample, the pure
+  figures under ``pure_path`` and fast/pure ratios under ``path_ratios``.
   Each query is a new turn of a conversation one worker has cached most of (``--hit-fraction``);
   every other worker holds the shared system prompt the conversation starts with, so several
   workers match at different depths.
@@ -41,8 +45,9 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -50,6 +55,7 @@ import xxhash
 
 from bench.replication import add_arguments as add_replication_arguments
 from bench.replication import bench_replication
+from eventlog import compiled
 from eventlog.hashing import prompt_hashes, tokens_hashes
 from replicas.core import index_reference
 from replicas.core.index import PrefixIndex, WorkerKey
@@ -79,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", choices=["compact", "reference", "both"], default="reference",
                    help="which prefix index form to measure (default: the router's default, "
                         "reference; both: side by side, one sitting)")
+    p.add_argument("--decision-path", choices=["fast", "pure", "both"], default="fast",
+                   help="fast: compiled hashing and candidate columns (the default); pure: the "
+                        "Python hashing and one Candidate object per worker; both: side by side, "
+                        "one sitting (the pure figures under pure_path)")
     add_replication_arguments(p)
 
 
@@ -162,12 +172,13 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def bench_decisions(indexes: dict[str, AnyIndex], work: Workload, args: argparse.Namespace
-                    ) -> dict[str, dict[str, Any]]:
-    """Decision figures per index form; with several forms the samples alternate between them
-    (which goes first alternates too), so load on a shared machine falls on all alike."""
+def bench_decisions(indexes: dict[str, AnyIndex], work: Workload, args: argparse.Namespace,
+                    paths: Sequence[str] = ("fast",)) -> dict[str, dict[str, Any]]:
+    """Decision figures per index form, and per decision path within each form (``pure`` figures
+    under the form's ``pure_path`` key). With several forms or paths the samples alternate between
+    them (which goes first alternates too), so load on a shared machine falls on all alike."""
     from api.config import routing_config, serve_defaults
-    from replicas.core.selection import Candidate, Selector
+    from replicas.core.selection import Selector
 
     rng = random.Random(args.seed + 1)
     keys = sorted({w for w, _, _ in work.batches})
@@ -177,54 +188,121 @@ def bench_decisions(indexes: dict[str, AnyIndex], work: Workload, args: argparse
     routing = replace(routing_config(serve_defaults(environ={})), block_size=args.block_size)
     selector = Selector(routing)
     bs = args.block_size
-    forms = list(indexes)
-    rngs = {f: random.Random(args.seed + 2) for f in forms}  # equal tie breaks for every form
-    stages = {f: {"hashing": [], "matching": [], "candidates": [], "selection": []}
-              for f in forms}
-    totals: dict[str, list[int]] = {f: [] for f in forms}
-    core: dict[str, list[int]] = {f: [] for f in forms}  # the decision without Candidate objects
-    right = dict.fromkeys(forms, 0)
-    clock = time.perf_counter_ns
-    for i in range(args.samples + 50):  # the first 50 warm caches and are not recorded
-        q = i % len(work.prompts)
-        tokens = work.prompts[q]
-        for form in (forms if i % 2 else forms[::-1]):
-            index = indexes[form]
-            t0 = clock()
-            seq = prompt_hashes(tokens, bs)
-            t1 = clock()
-            scores = index.find_matches(seq)
-            t2 = clock()
-            n = len(seq)
-            overlap, sizes = scores.scores, scores.tree_sizes
-            cands = [
-                Candidate(k, overlap.get(k, 0), sizes.get(k, 0), load[k][0], load[k][1],
-                          n, 100_000, 8192)
-                for k in keys
-            ]
-            t3 = clock()
-            decision = selector.select(cands, len(tokens), rngs[form])
-            t4 = clock()
-            if i >= 50:
-                right[form] += getattr(decision, "worker", None) == work.owners[q]
-                for name, dt in zip(stages[form], (t1 - t0, t2 - t1, t3 - t2, t4 - t3),
-                                    strict=True):
-                    stages[form][name].append(dt)
-                totals[form].append(t4 - t0)
-                core[form].append(t4 - t0 - (t3 - t2))
+    variants = [(form, path) for form in indexes for path in paths]
+    rngs = {v: random.Random(args.seed + 2) for v in variants}  # equal tie breaks for every one
+    stages = {v: {"hashing": [], "matching": [], "candidates": [], "selection": []}
+              for v in variants}
+    totals: dict[tuple[str, str], list[int]] = {v: [] for v in variants}
+    core: dict[tuple[str, str], list[int]] = {v: [] for v in variants}  # less the candidates
+    right = dict.fromkeys(variants, 0)
+    steps = {"fast": _fast_decision(keys, load), "pure": _pure_decision(keys, load)}
+    compiled_was = compiled.active() is not None
+    try:
+        for i in range(args.samples + 50):  # the first 50 warm caches and are not recorded
+            q = i % len(work.prompts)
+            tokens = work.prompts[q]
+            for variant in (variants if i % 2 else variants[::-1]):
+                form, path = variant
+                compiled.use_compiled(path == "fast")
+                times, decision = steps[path](indexes[form], tokens, bs, selector, rngs[variant])
+                if i >= 50:
+                    right[variant] += getattr(decision, "worker", None) == work.owners[q]
+                    for name, dt in zip(stages[variant], times, strict=True):
+                        stages[variant][name].append(dt)
+                    totals[variant].append(sum(times))
+                    core[variant].append(sum(times) - times[2])
+    finally:
+        compiled.use_compiled(compiled_was)
     us = 1e-3
-    return {form: {
-        "decision_p50_us": round(statistics.median(totals[form]) * us, 1),
-        "decision_p99_us": round(percentile(totals[form], 0.99) * us, 1),
-        "decision_excluding_candidates_p50_us": round(statistics.median(core[form]) * us, 1),
-        "decision_stage_p50_us": {k: round(statistics.median(v) * us, 1)
-                                  for k, v in stages[form].items()},
-        "decision_with_selection": True,
-        "decision_routing_weights": [routing.kv_overlap_score_weight,
-                                     routing.prefill_queue_weight],
-        "decision_picked_cached_worker": round(right[form] / max(len(totals[form]), 1), 3),
-        "query_blocks": len(prompt_hashes(work.prompts[0], bs)),
-    } for form in forms}
+
+    def figures(v: tuple[str, str]) -> dict[str, Any]:
+        return {
+            "decision_p50_us": round(statistics.median(totals[v]) * us, 1),
+            "decision_p99_us": round(percentile(totals[v], 0.99) * us, 1),
+            "decision_excluding_candidates_p50_us": round(statistics.median(core[v]) * us, 1),
+            "decision_stage_p50_us": {k: round(statistics.median(x) * us, 1)
+                                      for k, x in stages[v].items()},
+            "decision_with_selection": True,
+            "decision_path": v[1],
+            "decision_routing_weights": [routing.kv_overlap_score_weight,
+                                         routing.prefill_queue_weight],
+            "decision_picked_cached_worker": round(right[v] / max(len(totals[v]), 1), 3),
+            "query_blocks": len(prompt_hashes(work.prompts[0], bs)),
+        }
+
+    out: dict[str, dict[str, Any]] = {}
+    for form in indexes:
+        out[form] = figures((form, paths[0]))
+        if len(paths) > 1:
+            out[form]["pure_path"] = pure = figures((form, paths[1]))
+            out[form]["path_ratios"] = ratios(out[form], pure)
+    return out
+
+
+Step = Callable[[AnyIndex, list[int], int, Any, random.Random],
+                tuple[tuple[int, int, int, int], Any]]
+
+
+def _pure_decision(keys: list[WorkerKey], load: dict[WorkerKey, tuple[int, int]]) -> Step:
+    """The decision as the Python code makes it: one ``Candidate`` object per worker."""
+    from replicas.core.selection import Candidate
+
+    clock = time.perf_counter_ns
+
+    def step(index: AnyIndex, tokens: list[int], bs: int, selector: Any, rng: random.Random
+             ) -> tuple[tuple[int, int, int, int], Any]:
+        t0 = clock()
+        seq = prompt_hashes(tokens, bs)
+        t1 = clock()
+        scores = index.find_matches(seq)
+        t2 = clock()
+        n = len(seq)
+        overlap, sizes = scores.scores, scores.tree_sizes
+        cands = [
+            Candidate(k, overlap.get(k, 0), sizes.get(k, 0), load[k][0], load[k][1],
+                      n, 100_000, 8192)
+            for k in keys
+        ]
+        t3 = clock()
+        decision = selector.select(cands, len(tokens), rng)
+        t4 = clock()
+        return (t1 - t0, t2 - t1, t3 - t2, t4 - t3), decision
+
+    return step
+
+
+def _fast_decision(keys: list[WorkerKey], load: dict[WorkerKey, tuple[int, int]]) -> Step:
+    """The same decision over candidate columns (``replicas/core/candidate_columns.py``); the load
+    columns stand for the load state as the objects' ``load`` dict does, built once."""
+    from replicas.core.candidate_columns import CandidateColumns, select_columns
+
+    clock = time.perf_counter_ns
+    count = len(keys)
+    prefill = np.array([load[k][0] for k in keys], dtype=np.float64)
+    decode = np.array([load[k][1] for k in keys], dtype=np.float64)
+    kv_total = np.full(count, 100_000, dtype=np.int64)
+    batched = np.full(count, 8192, dtype=np.int64)
+    weights = np.ones(count, dtype=np.float64)
+
+    def step(index: AnyIndex, tokens: list[int], bs: int, selector: Any, rng: random.Random
+             ) -> tuple[tuple[int, int, int, int], Any]:
+        t0 = clock()
+        seq = prompt_hashes(tokens, bs)
+        t1 = clock()
+        scores = index.find_matches(seq)
+        t2 = clock()
+        columns = CandidateColumns(
+            keys,
+            np.fromiter(map(scores.scores.get, keys, repeat(0)), np.int64, count),
+            np.fromiter(map(scores.tree_sizes.get, keys, repeat(0)), np.int64, count),
+            prefill, decode, np.full(count, len(seq), dtype=np.int64), kv_total, batched,
+            weights)
+        t3 = clock()
+        decision = select_columns(selector, columns, len(tokens), rng)
+        t4 = clock()
+        return (t1 - t0, t2 - t1, t3 - t2, t4 - t3), decision
+
+    return step
 
 
 async def bench_replay(work: Workload, batches: int, forms: Sequence[str] = ("compact",)
@@ -339,7 +417,8 @@ def run(args: argparse.Namespace) -> int:
             "index_nodes": index.node_count,
             **memory,
         }
-    for form, figures in bench_decisions(indexes, work, args).items():
+    paths = ["fast", "pure"] if args.decision_path == "both" else [args.decision_path]
+    for form, figures in bench_decisions(indexes, work, args, paths).items():
         per_form[form].update(figures)
     indexes.clear()
     gc.collect()
@@ -367,6 +446,9 @@ def run(args: argparse.Namespace) -> int:
         "replication_inflight": args.replication_inflight,
         "replication_group": args.replication_group,
         "index": args.index,
+        "decision_path": args.decision_path,
+        "compiled_hashing": compiled.available(),
+        "compiled_hashing_calls_xxhash_c": compiled.DIRECT_XXH3,
     }
     result["machine"] = machine_facts()
     if not args.json:
@@ -401,6 +483,13 @@ def print_table(result: dict[str, Any]) -> None:
          result.get("replication_single_event_us_per_request")),
         ("replay (block events/s)", result.get("replay_block_events_per_s")),
     ]
+    pure = result.get("pure_path")
+    if pure is not None:
+        rows += [
+            ("pure path: decision p50 (us)", pure["decision_p50_us"]),
+            ("pure path: decision p99 (us)", pure["decision_p99_us"]),
+            *((f"  pure path: {k} p50 (us)", v) for k, v in pure["decision_stage_p50_us"].items()),
+        ]
     reference = result.get("reference")
     if reference is not None:
         rows += [
