@@ -47,7 +47,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -195,22 +194,28 @@ def bench_decisions(indexes: dict[str, AnyIndex], work: Workload, args: argparse
     totals: dict[tuple[str, str], list[int]] = {v: [] for v in variants}
     core: dict[tuple[str, str], list[int]] = {v: [] for v in variants}  # less the candidates
     right = dict.fromkeys(variants, 0)
+    differ = dict.fromkeys(indexes, 0)
     steps = {"fast": _fast_decision(keys, load), "pure": _pure_decision(keys, load)}
     compiled_was = compiled.active() is not None
     try:
         for i in range(args.samples + 50):  # the first 50 warm caches and are not recorded
             q = i % len(work.prompts)
             tokens = work.prompts[q]
+            picked: dict[tuple[str, str], Any] = {}
             for variant in (variants if i % 2 else variants[::-1]):
                 form, path = variant
                 compiled.use_compiled(path == "fast")
                 times, decision = steps[path](indexes[form], tokens, bs, selector, rngs[variant])
+                picked[variant] = (getattr(decision, "worker", None),
+                                   getattr(decision, "overlap_blocks", None))
                 if i >= 50:
                     right[variant] += getattr(decision, "worker", None) == work.owners[q]
                     for name, dt in zip(stages[variant], times, strict=True):
                         stages[variant][name].append(dt)
                     totals[variant].append(sum(times))
                     core[variant].append(sum(times) - times[2])
+            for form in indexes:  # the paths must decide alike: count any sample where not
+                differ[form] += len({picked[(form, path)] for path in paths}) > 1
     finally:
         compiled.use_compiled(compiled_was)
     us = 1e-3
@@ -236,6 +241,7 @@ def bench_decisions(indexes: dict[str, AnyIndex], work: Workload, args: argparse
         if len(paths) > 1:
             out[form]["pure_path"] = pure = figures((form, paths[1]))
             out[form]["path_ratios"] = ratios(out[form], pure)
+            out[form]["paths_differed_samples"] = differ[form]
     return out
 
 
@@ -272,31 +278,39 @@ def _pure_decision(keys: list[WorkerKey], load: dict[WorkerKey, tuple[int, int]]
 
 
 def _fast_decision(keys: list[WorkerKey], load: dict[WorkerKey, tuple[int, int]]) -> Step:
-    """The same decision over candidate columns (``replicas/core/candidate_columns.py``); the load
-    columns stand for the load state as the objects' ``load`` dict does, built once."""
+    """The same decision over columns: ``match_columns`` (no dict per worker) and candidate
+    columns (``replicas/core/candidate_columns.py``). The load columns stand for the load state
+    as the objects' ``load`` dict does; they follow the index's rows, rebuilt when those change
+    (never here: the index is not written while decisions are timed)."""
     from replicas.core.candidate_columns import CandidateColumns, select_columns
 
     clock = time.perf_counter_ns
-    count = len(keys)
-    prefill = np.array([load[k][0] for k in keys], dtype=np.float64)
-    decode = np.array([load[k][1] for k in keys], dtype=np.float64)
-    kv_total = np.full(count, 100_000, dtype=np.int64)
-    batched = np.full(count, 8192, dtype=np.int64)
-    weights = np.ones(count, dtype=np.float64)
+    aligned: dict[int, tuple[list[WorkerKey], tuple[np.ndarray, ...]]] = {}
+
+    def load_columns(index: AnyIndex, workers: list[WorkerKey]) -> tuple[np.ndarray, ...]:
+        cached = aligned.get(id(index))
+        if cached is None or cached[0] is not workers:
+            if sorted(workers) != keys:  # every worker holds blocks in this workload
+                raise RuntimeError("the index's rows are not the workload's workers")
+            count = len(workers)
+            cached = aligned[id(index)] = (workers, (
+                np.array([load[k][0] for k in workers], dtype=np.float64),
+                np.array([load[k][1] for k in workers], dtype=np.float64),
+                np.full(count, 100_000, dtype=np.int64), np.full(count, 8192, dtype=np.int64),
+                np.ones(count, dtype=np.float64)))
+        return cached[1]
 
     def step(index: AnyIndex, tokens: list[int], bs: int, selector: Any, rng: random.Random
              ) -> tuple[tuple[int, int, int, int], Any]:
         t0 = clock()
         seq = prompt_hashes(tokens, bs)
         t1 = clock()
-        scores = index.find_matches(seq)
+        match = index.match_columns(seq)
         t2 = clock()
+        prefill, decode, kv_total, batched, weights = load_columns(index, match.workers)
         columns = CandidateColumns(
-            keys,
-            np.fromiter(map(scores.scores.get, keys, repeat(0)), np.int64, count),
-            np.fromiter(map(scores.tree_sizes.get, keys, repeat(0)), np.int64, count),
-            prefill, decode, np.full(count, len(seq), dtype=np.int64), kv_total, batched,
-            weights)
+            match.workers, match.overlap_blocks, match.tree_sizes, prefill, decode,
+            np.full(len(match.workers), len(seq), dtype=np.int64), kv_total, batched, weights)
         t3 = clock()
         decision = select_columns(selector, columns, len(tokens), rng)
         t4 = clock()
@@ -489,6 +503,7 @@ def print_table(result: dict[str, Any]) -> None:
             ("pure path: decision p50 (us)", pure["decision_p50_us"]),
             ("pure path: decision p99 (us)", pure["decision_p99_us"]),
             *((f"  pure path: {k} p50 (us)", v) for k, v in pure["decision_stage_p50_us"].items()),
+            ("samples where the paths decided differently", result.get("paths_differed_samples")),
         ]
     reference = result.get("reference")
     if reference is not None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from itertools import chain
+from itertools import chain, repeat
 
 import numpy as np
 
@@ -39,6 +39,7 @@ from replicas.core.index_approx import ApproximateMode
 from replicas.core.index_codec import PLAIN_VERSION_V3, expiry_columns, read_plain
 from replicas.core.index_common import (
     U64,
+    MatchColumns,
     OverlapScores,
     WorkerKey,
     membership_mix,
@@ -108,6 +109,7 @@ class PrefixIndex(ApproximateMode):
         self._weights: list[int] = []  # slot -> digest weight of its worker key
         self._total = 0
         self._sizes_cache: dict[WorkerKey, int] | None = None
+        self._columns_cache: tuple[list[WorkerKey], np.ndarray] | None = None
         self._expiry: dict[tuple[int, int], tuple[float, int]] = {}
         self._heap: list[tuple[float, int, str, int, int]] = []
 
@@ -359,13 +361,28 @@ class PrefixIndex(ApproximateMode):
                                       lengths, strict=True))
         return OverlapScores(scores, dict(self._tree_sizes()))
 
+    def match_columns(self, seq_hashes: Sequence[int]) -> MatchColumns:
+        """``find_matches`` as columns (``MatchColumns``)."""
+        scores = self.find_matches(seq_hashes).scores
+        workers, sizes = self._live_columns()
+        return MatchColumns(workers, np.fromiter(map(scores.get, workers, repeat(0)), np.int64,
+                                                 len(workers)), sizes)
+
     def _tree_sizes(self) -> dict[WorkerKey, int]:
         sizes = self._sizes_cache
         if sizes is None:
             blocks = self._blocks
             sizes = {w: blocks[s].size for w, s in self._slots.items() if blocks[s].size}
             self._sizes_cache = sizes
+            self._columns_cache = None
         return sizes
+
+    def _live_columns(self) -> tuple[list[WorkerKey], np.ndarray]:
+        """The keys holding any block and their tree sizes; rebuilt whenever the sizes are."""
+        sizes = self._tree_sizes()
+        if self._columns_cache is None:
+            self._columns_cache = (list(sizes), np.fromiter(sizes.values(), np.int64, len(sizes)))
+        return self._columns_cache
 
     def tree_size(self, worker: WorkerKey) -> int:
         slot = self._slots.get(worker)

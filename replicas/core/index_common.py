@@ -28,6 +28,32 @@ class OverlapScores:
     tree_sizes: dict[WorkerKey, int]  # blocks held per worker key (every key that holds any)
 
 
+@dataclass(frozen=True, slots=True)
+class MatchColumns:
+    """``find_matches`` as columns, for candidate columns (candidate_columns.py): one row per
+    worker key holding any block (``tree_sizes``' keys), in the index's slot order. A key with no
+    row has overlap and tree size 0, exactly as a key missing from ``OverlapScores``' dicts.
+
+    ``workers`` is the same list object from one query to the next while the rows stay the same,
+    so a caller can keep columns aligned with it until it changes."""
+
+    workers: list[WorkerKey]
+    overlap_blocks: np.ndarray  # int64, matched prefix blocks per row
+    tree_sizes: np.ndarray  # int64, blocks held per row
+
+    @classmethod
+    def from_scores(cls, scores: OverlapScores) -> MatchColumns:
+        workers = list(scores.tree_sizes)
+        return cls(workers,
+                   np.fromiter((scores.scores.get(k, 0) for k in workers), np.int64, len(workers)),
+                   np.fromiter(scores.tree_sizes.values(), np.int64, len(workers)))
+
+    def to_scores(self) -> OverlapScores:
+        overlap = self.overlap_blocks.tolist()
+        return OverlapScores({k: n for k, n in zip(self.workers, overlap, strict=True) if n},
+                             dict(zip(self.workers, self.tree_sizes.tolist(), strict=True)))
+
+
 def worker_weight(worker: WorkerKey) -> int:
     """Odd 64-bit weight of a worker key in the digest (odd, so it never cancels a change)."""
     return xxhash.xxh3_64_intdigest(f"{worker[0]}\x1f{worker[1]}".encode(), 0x4A52) | 1

@@ -11,8 +11,8 @@ Pure and deterministic: no clock, no randomness. Layout, for the two hot paths (
 * Per slot, ``block_hash -> entry`` (the block's sequence hash and its parent's, packed in one
   int) maps the engine's opaque ids back to nodes, for removals and for the parent of a later store.
 * Gap bookkeeping (per slot, child counts per node and held nodes lacking their parent) lets
-  ``find_matches`` *bisect* along the query for slots without gaps; slots with gaps fall back to
-  ANDing the masks along the query, in C, until empty.
+  ``find_matches`` *bisect* along the query (``index_reference_match.py``) for slots without gaps;
+  slots with gaps fall back to ANDing the masks along the query, in C, until empty.
 
 Membership is *flat* and the counters are the compact form's (both described in ``index.py``).
 """
@@ -20,10 +20,9 @@ Membership is *flat* and the counters are the compact form's (both described in 
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from itertools import accumulate, compress, repeat, takewhile
-from operator import and_, neg
+from itertools import repeat
+from operator import neg
 
 import numpy as np
 
@@ -40,11 +39,13 @@ from replicas.core.index_codec import (
 )
 from replicas.core.index_common import (
     DIGEST_SALT,
+    MatchColumns,
     OverlapScores,
     WorkerKey,
     membership_mix,
     worker_weight,
 )
+from replicas.core.index_reference_match import match_groups, record, slot_indices
 from replicas.core.index_reference_restore import restore_slot
 
 Entry = int  # a held block: seq | (parent seq + 1) << 64 (a root's parent is _ROOT, so: seq)
@@ -52,7 +53,6 @@ Entry = int  # a held block: seq | (parent seq + 1) << 64 (a root's parent is _R
 _P = CHAIN_MULTIPLIER
 _ROOT = -1  # parent of a root block in the gap bookkeeping (sequence hashes are >= 0)
 _SHARED_INTS = 256  # CPython keeps one object for each int from -5 to this
-_BITS = bytes.maketrans(b"01", b"\x00\x01")  # '0'/'1' digits -> falsy/truthy bytes
 
 
 class PrefixIndex:
@@ -86,6 +86,7 @@ class PrefixIndex:
         self._gaps: list[int] = []  # slot -> held nodes whose parent it does not hold
         self._gappy = 0  # bitmask of slots with gaps
         self._sizes_cache: dict[WorkerKey, int] | None = None
+        self._columns_cache: tuple[np.ndarray, list[WorkerKey], np.ndarray] | None = None
         # approximate mode: (slot, seq) -> (expiry, depth); heap of (expiry, -depth, id, rank, seq)
         self._expiry: dict[tuple[int, int], tuple[float, int]] = {}
         self._heap: list[tuple[float, int, str, int, int]] = []
@@ -362,44 +363,18 @@ class PrefixIndex:
     def find_matches(self, seq_hashes: Sequence[int]) -> OverlapScores:
         """Matched prefix length (in blocks) of ``seq_hashes`` per worker key, plus tree sizes."""
         scores: dict[WorkerKey, int] = {}
-        get = self._nodes.get
-        first = get(seq_hashes[0], 0) if seq_hashes else 0
-        if first:
-            keys = self._keys
-            end = len(seq_hashes)
-            gappy = first & self._gappy
-            held = first ^ gappy
-            start = 0
-            # Clean slots hold every ancestor of what they hold, so "slot holds block i" only
-            # turns false once along the query: bisect for each point where the set shrinks.
-            while held:
-                stop = bisect_left(
-                    range(end), True, start + 1, end,
-                    key=lambda i: get(seq_hashes[i], 0) & held != held,
-                )
-                left = get(seq_hashes[stop], 0) & held if stop < end else 0
-                self._record(scores, keys, held ^ left, stop)
-                held, start = left, stop
-            if gappy:
-                # slots with gaps: running intersection along the query, in C, until empty
-                running = list(takewhile(bool, accumulate(
-                    map(get, seq_hashes, repeat(0)), and_, initial=gappy)))
-                end = len(running) - 1
-                held, start = gappy, 0
-                while held:
-                    stop = bisect_left(running, True, start + 1, end + 1, key=held.__ne__) - 1
-                    left = running[stop + 1] if stop < end else 0
-                    self._record(scores, keys, held ^ left, stop)
-                    held, start = left, stop + 1
+        keys = self._keys
+        for slots, matched in match_groups(self._nodes.get, self._gappy, seq_hashes):
+            record(scores, keys, slots, matched)
         return OverlapScores(scores, dict(self._tree_sizes()))
 
-    @staticmethod
-    def _record(scores: dict[WorkerKey, int], keys: list[WorkerKey | None], slots: int,
-                matched: int) -> None:
-        """Give every slot whose bit is set in ``slots`` a score of ``matched`` blocks."""
-        # decode the bits in C: binary digits, least significant first, as 0/1 bytes
-        flags = bin(slots)[:1:-1].encode().translate(_BITS)
-        scores.update(zip(compress(keys, flags), repeat(matched)))  # type: ignore[arg-type]
+    def match_columns(self, seq_hashes: Sequence[int]) -> MatchColumns:
+        """``find_matches`` as columns (``MatchColumns``): no dict of worker keys is built."""
+        live, workers, sizes = self._live_columns()
+        lengths = np.zeros(len(self._keys), dtype=np.int64)
+        for slots, matched in match_groups(self._nodes.get, self._gappy, seq_hashes):
+            lengths[slot_indices(slots)] = matched
+        return MatchColumns(workers, lengths[live], sizes)
 
     def _tree_sizes(self) -> dict[WorkerKey, int]:
         sizes = self._sizes_cache
@@ -407,7 +382,21 @@ class PrefixIndex:
             blocks = self._blocks
             sizes = {w: len(blocks[s]) for w, s in self._slots.items() if blocks[s]}
             self._sizes_cache = sizes
+            self._columns_cache = None
         return sizes
+
+    def _live_columns(self) -> tuple[np.ndarray, list[WorkerKey], np.ndarray]:
+        """The slots holding any block (in slot order), their keys and tree sizes; rebuilt
+        whenever the tree sizes are."""
+        sizes = self._tree_sizes()
+        cached = self._columns_cache
+        if cached is None:
+            live = sorted(self._slots[w] for w in sizes)
+            workers = [self._keys[s] for s in live]
+            cached = self._columns_cache = (
+                np.array(live, dtype=np.int64), workers,  # type: ignore[misc]
+                np.array([sizes[w] for w in workers], dtype=np.int64))  # type: ignore[index]
+        return cached
 
     def tree_size(self, worker: WorkerKey) -> int:
         slot = self._slots.get(worker)

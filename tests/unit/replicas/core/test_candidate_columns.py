@@ -98,3 +98,23 @@ def test_request_thresholds_override_the_configured_ones() -> None:
 def test_rows_round_trip() -> None:
     cands = [Candidate(("a", 1), 3, 4, 5.5, 6.0, 7, 8, 9, 0.5)]
     assert CandidateColumns.from_candidates(cands).to_candidates() == tuple(cands)
+
+
+def test_match_columns_rows_stay_one_list_until_the_rows_change() -> None:
+    from eventlog.hashing import sequence_hashes
+    from replicas.core import index_reference
+    from replicas.core.index import PrefixIndex
+
+    query = sequence_hashes([1, 2, 3])
+    for index in (index_reference.PrefixIndex(), PrefixIndex()):
+        index.store(("a", 0), None, [(10, 1), (11, 2)])
+        index.store(("b", 0), None, [(20, 1)])
+        first, again = index.match_columns(query), index.match_columns(query)
+        assert first.workers is again.workers
+        assert first.to_scores() == index.find_matches(query)
+        index.store(("c", 0), None, [(30, 1), (31, 2), (32, 3)])
+        changed = index.match_columns(query)
+        assert changed.workers is not first.workers
+        assert changed.to_scores() == index.find_matches(query)
+        assert dict(zip(changed.workers, changed.overlap_blocks.tolist(), strict=True)) == {
+            ("a", 0): 2, ("b", 0): 1, ("c", 0): 3}

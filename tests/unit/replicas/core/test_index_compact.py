@@ -65,7 +65,9 @@ QUERIES = [sequence_hashes(list(q)) for q in
 
 def answers(index: Index, keys: list[WorkerKey], queries: list[list[int]]) -> tuple[object, ...]:
     return (index.digest, index.total_blocks, index.node_count, sorted(index.counters.items()),
-            [index.find_matches(q) for q in queries], [index.tree_size(k) for k in keys])
+            [index.find_matches(q) for q in queries], [index.tree_size(k) for k in keys],
+            # the columns answer too: the same scores once turned back into dicts
+            [index.match_columns(q).to_scores() for q in queries])
 
 
 def through_msgpack(index: Index) -> object:
