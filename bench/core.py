@@ -18,6 +18,8 @@ Figures, each printed (never asserted):
   Each query is a new turn of a conversation one worker has cached most of (``--hit-fraction``);
   every other worker holds the shared system prompt the conversation starts with, so several
   workers match at different depths.
+* ``router_state`` (``--router-state``) - the decision as the replica's dispatcher makes it, on a
+  ``RouterState`` built from the same workload (``bench/core_state.py``), both paths.
 * ``replication_us_per_request`` / ``replication_router_events_per_s`` - what applying another
   replica's routed requests costs (`bench.replication`).
 * ``replay_block_events_per_s`` - a real ``nats-server``: ``--replay-batches`` BlocksStored
@@ -88,6 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fast: compiled hashing and candidate columns (the default); pure: the "
                         "Python hashing and one Candidate object per worker; both: side by side, "
                         "one sitting (the pure figures under pure_path)")
+    p.add_argument("--router-state", action="store_true",
+                   help="also time decisions as the replica makes them, on a RouterState built "
+                        "from the same workload, fast and pure paths side by side "
+                        "(bench/core_state.py; the figures under router_state)")
+    p.add_argument("--router-inflight", type=int, default=0,
+                   help="with --router-state: requests in flight on every worker")
     add_replication_arguments(p)
 
 
@@ -436,6 +444,15 @@ def run(args: argparse.Namespace) -> int:
         per_form[form].update(figures)
     indexes.clear()
     gc.collect()
+    router_state = None
+    if args.router_state:
+        from api.config import routing_config, serve_defaults
+        from bench.core_state import bench_state_decisions
+        from replicas.core.selection import Selector
+
+        routing = replace(routing_config(serve_defaults(environ={})), block_size=args.block_size)
+        router_state = bench_state_decisions(work, args, Selector(routing))
+        gc.collect()
     if args.replay_batches > 0:
         for form, figures in asyncio.run(bench_replay(work, args.replay_batches, forms)).items():
             per_form[form].update(figures)
@@ -443,6 +460,8 @@ def run(args: argparse.Namespace) -> int:
         for form in forms:
             per_form[form]["replay_block_events_per_s"] = None
     result: dict[str, Any] = {"index_form": forms[0], **per_form[forms[0]]}
+    if router_state is not None:
+        result["router_state"] = router_state
     if len(forms) > 1:
         result["reference"] = per_form["reference"]
         result["ratios"] = ratios(per_form["compact"], per_form["reference"])
@@ -460,6 +479,8 @@ def run(args: argparse.Namespace) -> int:
         "replication_inflight": args.replication_inflight,
         "replication_group": args.replication_group,
         "index": args.index,
+        "router_state": args.router_state,
+        "router_inflight": args.router_inflight,
         "decision_path": args.decision_path,
         "compiled_hashing": compiled.available(),
         "compiled_hashing_calls_xxhash_c": compiled.DIRECT_XXH3,
@@ -505,6 +526,15 @@ def print_table(result: dict[str, Any]) -> None:
             *((f"  pure path: {k} p50 (us)", v) for k, v in pure["decision_stage_p50_us"].items()),
             ("samples where the paths decided differently", result.get("paths_differed_samples")),
         ]
+    state = result.get("router_state")
+    if state is not None:
+        for path in ("fast", "pure"):
+            rows += [(f"router state, {path}: decision p50 (us)", state[path]["decision_p50_us"]),
+                     (f"router state, {path}: decision p99 (us)", state[path]["decision_p99_us"]),
+                     *((f"  router state, {path}: {k} p50 (us)", v)
+                       for k, v in state[path]["decision_stage_p50_us"].items())]
+        rows.append(("router state: samples where the paths differed",
+                     state["paths_differed_samples"]))
     reference = result.get("reference")
     if reference is not None:
         rows += [

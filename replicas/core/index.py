@@ -109,7 +109,8 @@ class PrefixIndex(ApproximateMode):
         self._weights: list[int] = []  # slot -> digest weight of its worker key
         self._total = 0
         self._sizes_cache: dict[WorkerKey, int] | None = None
-        self._columns_cache: tuple[list[WorkerKey], np.ndarray] | None = None
+        self._columns_cache: tuple[list[WorkerKey], np.ndarray, dict[WorkerKey, int]] | None \
+            = None
         self._expiry: dict[tuple[int, int], tuple[float, int]] = {}
         self._heap: list[tuple[float, int, str, int, int]] = []
 
@@ -364,9 +365,9 @@ class PrefixIndex(ApproximateMode):
     def match_columns(self, seq_hashes: Sequence[int]) -> MatchColumns:
         """``find_matches`` as columns (``MatchColumns``)."""
         scores = self.find_matches(seq_hashes).scores
-        workers, sizes = self._live_columns()
+        workers, sizes, rows = self._live_columns()
         return MatchColumns(workers, np.fromiter(map(scores.get, workers, repeat(0)), np.int64,
-                                                 len(workers)), sizes)
+                                                 len(workers)), sizes, rows)
 
     def _tree_sizes(self) -> dict[WorkerKey, int]:
         sizes = self._sizes_cache
@@ -377,11 +378,12 @@ class PrefixIndex(ApproximateMode):
             self._columns_cache = None
         return sizes
 
-    def _live_columns(self) -> tuple[list[WorkerKey], np.ndarray]:
-        """The keys holding any block and their tree sizes; rebuilt whenever the sizes are."""
+    def _live_columns(self) -> tuple[list[WorkerKey], np.ndarray, dict[WorkerKey, int]]:
+        """The keys holding any block, their tree sizes and rows; rebuilt when the sizes are."""
         sizes = self._tree_sizes()
         if self._columns_cache is None:
-            self._columns_cache = (list(sizes), np.fromiter(sizes.values(), np.int64, len(sizes)))
+            self._columns_cache = (list(sizes), np.fromiter(sizes.values(), np.int64, len(sizes)),
+                                   {w: i for i, w in enumerate(sizes)})
         return self._columns_cache
 
     def tree_size(self, worker: WorkerKey) -> int:

@@ -48,6 +48,8 @@ from replicas.core.index_common import (
 from replicas.core.index_reference_match import match_groups, record, slot_indices
 from replicas.core.index_reference_restore import restore_slot
 
+# slots holding blocks, their keys, tree sizes, key -> row (PrefixIndex._live_columns)
+_Rows = tuple[np.ndarray, list[WorkerKey], np.ndarray, dict[WorkerKey, int]]
 Entry = int  # a held block: seq | (parent seq + 1) << 64 (a root's parent is _ROOT, so: seq)
 
 _P = CHAIN_MULTIPLIER
@@ -86,7 +88,7 @@ class PrefixIndex:
         self._gaps: list[int] = []  # slot -> held nodes whose parent it does not hold
         self._gappy = 0  # bitmask of slots with gaps
         self._sizes_cache: dict[WorkerKey, int] | None = None
-        self._columns_cache: tuple[np.ndarray, list[WorkerKey], np.ndarray] | None = None
+        self._columns_cache: _Rows | None = None
         # approximate mode: (slot, seq) -> (expiry, depth); heap of (expiry, -depth, id, rank, seq)
         self._expiry: dict[tuple[int, int], tuple[float, int]] = {}
         self._heap: list[tuple[float, int, str, int, int]] = []
@@ -370,11 +372,11 @@ class PrefixIndex:
 
     def match_columns(self, seq_hashes: Sequence[int]) -> MatchColumns:
         """``find_matches`` as columns (``MatchColumns``): no dict of worker keys is built."""
-        live, workers, sizes = self._live_columns()
+        live, workers, sizes, rows = self._live_columns()
         lengths = np.zeros(len(self._keys), dtype=np.int64)
         for slots, matched in match_groups(self._nodes.get, self._gappy, seq_hashes):
             lengths[slot_indices(slots)] = matched
-        return MatchColumns(workers, lengths[live], sizes)
+        return MatchColumns(workers, lengths[live], sizes, rows)
 
     def _tree_sizes(self) -> dict[WorkerKey, int]:
         sizes = self._sizes_cache
@@ -385,9 +387,9 @@ class PrefixIndex:
             self._columns_cache = None
         return sizes
 
-    def _live_columns(self) -> tuple[np.ndarray, list[WorkerKey], np.ndarray]:
-        """The slots holding any block (in slot order), their keys and tree sizes; rebuilt
-        whenever the tree sizes are."""
+    def _live_columns(self) -> _Rows:
+        """The slots holding any block (in slot order), their keys, tree sizes and each key's
+        row; rebuilt whenever the tree sizes are."""
         sizes = self._tree_sizes()
         cached = self._columns_cache
         if cached is None:
@@ -395,7 +397,8 @@ class PrefixIndex:
             workers = [self._keys[s] for s in live]
             cached = self._columns_cache = (
                 np.array(live, dtype=np.int64), workers,  # type: ignore[misc]
-                np.array([sizes[w] for w in workers], dtype=np.int64))  # type: ignore[index]
+                np.array([sizes[w] for w in workers], dtype=np.int64),  # type: ignore[index]
+                {w: i for i, w in enumerate(workers)})  # type: ignore[misc]
         return cached
 
     def tree_size(self, worker: WorkerKey) -> int:
