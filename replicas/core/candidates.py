@@ -149,6 +149,7 @@ class CandidateRows:
     max_num_batched_tokens: np.ndarray
     weight: np.ndarray
     roster_version: int
+    row_of: dict[tuple[str, int], int]  # worker key -> its row
 
 
 def candidate_rows(state: RouterState, model: str, exclude: frozenset[str] = frozenset(),
@@ -177,7 +178,8 @@ def candidate_rows(state: RouterState, model: str, exclude: frozenset[str] = fro
                np.array(weights, dtype=np.float64))
     for column in columns:
         column.flags.writeable = False  # shared by every decision until the roster moves
-    return CandidateRows(rows, *columns, state.roster_version)
+    return CandidateRows(rows, *columns, state.roster_version,
+                         {key: i for i, key in enumerate(rows)})
 
 
 class CandidateRowCache:
@@ -228,17 +230,24 @@ def build_candidate_columns(state: RouterState, model: str, seq_hashes: Sequence
     prefill = np.zeros(count, dtype=np.float64)
     decode = np.zeros(count, dtype=np.float64)
     new = np.full(count, n, dtype=np.int64)
+    # Only the ranks with requests in flight, or decisions pending here, read their load; the
+    # overlay's part is added after the state's, as build_candidates sums them.
+    row_of = rows.row_of
     load = state.load
-    loaded = load.loaded_workers() | overlay.pending_workers()
-    if loaded:
-        now = state.now
-        for i, key in enumerate(keys):
-            if key in loaded:
-                active_prefix = load.active_prefix_len(key, seq_hashes) \
-                    if n and not own_blocks else 0
-                prefill[i] = load.active_prefill_tokens(key, now) + overlay.prefill_tokens(key)
-                decode[i] = load.active_decode_blocks(key) + overlay.decode_blocks(key)
-                new[i] = n - active_prefix
+    now = state.now
+    prefix = n and not own_blocks
+    for key in load.loaded_workers():
+        i = row_of.get(key)
+        if i is not None:
+            prefill[i] = load.active_prefill_tokens(key, now)
+            decode[i] = load.active_decode_blocks(key)
+            if prefix:
+                new[i] = n - load.active_prefix_len(key, seq_hashes)
+    for key in overlay.pending_workers():
+        i = row_of.get(key)
+        if i is not None:
+            prefill[i] += overlay.prefill_tokens(key)
+            decode[i] += overlay.decode_blocks(key)
     if phase == disagg.PREFILL:
         decode[:] = 0
         new[:] = 0
