@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from itertools import repeat
-from operator import neg
 
 import numpy as np
 
@@ -46,10 +44,11 @@ from replicas.core.index_common import (
     worker_weight,
 )
 from replicas.core.index_reference_match import match_groups, record, slot_indices
-from replicas.core.index_reference_restore import restore_slot
+from replicas.core.index_reference_restore import restore_expiry, restore_slot
 
-# slots holding blocks, their keys, tree sizes, key -> row (PrefixIndex._live_columns)
-_Rows = tuple[np.ndarray, list[WorkerKey], np.ndarray, dict[WorkerKey, int]]
+# slots holding blocks, their keys, tree sizes, key -> row, and the epochs they were read at
+# (PrefixIndex._live_columns)
+_Rows = tuple[np.ndarray, list[WorkerKey], np.ndarray, dict[WorkerKey, int], int, int]
 Entry = int  # a held block: seq | (parent seq + 1) << 64 (a root's parent is _ROOT, so: seq)
 
 _P = CHAIN_MULTIPLIER
@@ -89,6 +88,8 @@ class PrefixIndex:
         self._gappy = 0  # bitmask of slots with gaps
         self._sizes_cache: dict[WorkerKey, int] | None = None
         self._columns_cache: _Rows | None = None
+        # bumped whenever a slot's block count may change / a slot changes hands
+        self._sizes_epoch = self._slots_epoch = 0
         # approximate mode: (slot, seq) -> (expiry, depth); heap of (expiry, -depth, id, rank, seq)
         self._expiry: dict[tuple[int, int], tuple[float, int]] = {}
         self._heap: list[tuple[float, int, str, int, int]] = []
@@ -118,6 +119,7 @@ class PrefixIndex:
             self._gaps.append(0)
             self._weights.append(worker_weight(worker))
         self._slots[worker] = slot
+        self._slots_epoch += 1
         return slot
 
     def _release(self, slot: int, block_hash: int, entry: Entry) -> None:
@@ -174,6 +176,7 @@ class PrefixIndex:
         self._kids[slot] = {}
         self._set_gaps(slot, 0)
         heapq.heappush(self._free, slot)
+        self._slots_epoch += 1
 
     # --- KV events ---------------------------------------------------------------------------
 
@@ -194,7 +197,7 @@ class PrefixIndex:
                 self._count("stored", "parent_block_not_found")
                 return "parent_block_not_found"
             parent = known & MASK64
-        self._sizes_cache = None
+        self._sizes_changed()
         bmap = self._blocks[slot]
         before = len(bmap)
         moved = 0
@@ -270,7 +273,7 @@ class PrefixIndex:
         if slot is None:
             unknown = len(block_hashes)
         else:
-            self._sizes_cache = None
+            self._sizes_changed()
             unknown = self._remove_from_slot(slot, block_hashes)
         self._count("removed", "ok")
         if unknown:
@@ -349,7 +352,7 @@ class PrefixIndex:
         """Apply AllBlocksCleared for one dp rank of a worker."""
         slot = self._slots.get(worker)
         if slot is not None:
-            self._sizes_cache = None
+            self._sizes_changed()
             self._clear_slot(slot)
         self._count("cleared", "ok")
 
@@ -357,7 +360,7 @@ class PrefixIndex:
         """Forget every dp rank of a worker (retired or lost)."""
         for worker, slot in sorted(self._slots.items()):
             if worker[0] == worker_id:
-                self._sizes_cache = None
+                self._sizes_changed()
                 self._clear_slot(slot)
 
     # --- queries -----------------------------------------------------------------------------
@@ -372,11 +375,15 @@ class PrefixIndex:
 
     def match_columns(self, seq_hashes: Sequence[int]) -> MatchColumns:
         """``find_matches`` as columns (``MatchColumns``): no dict of worker keys is built."""
-        live, workers, sizes, rows = self._live_columns()
+        live, workers, sizes, rows, _, _ = self._live_columns()
         lengths = np.zeros(len(self._keys), dtype=np.int64)
         for slots, matched in match_groups(self._nodes.get, self._gappy, seq_hashes):
             lengths[slot_indices(slots)] = matched
         return MatchColumns(workers, lengths[live], sizes, rows)
+
+    def _sizes_changed(self) -> None:
+        self._sizes_cache = None
+        self._sizes_epoch += 1
 
     def _tree_sizes(self) -> dict[WorkerKey, int]:
         sizes = self._sizes_cache
@@ -384,22 +391,26 @@ class PrefixIndex:
             blocks = self._blocks
             sizes = {w: len(blocks[s]) for w, s in self._slots.items() if blocks[s]}
             self._sizes_cache = sizes
-            self._columns_cache = None
         return sizes
 
     def _live_columns(self) -> _Rows:
         """The slots holding any block (in slot order), their keys, tree sizes and each key's
-        row; rebuilt whenever the tree sizes are."""
-        sizes = self._tree_sizes()
+        row. After a change the sizes are re-read per slot (one C pass); the keys and rows are
+        kept, the same list, while the same slots of the same workers hold blocks."""
         cached = self._columns_cache
-        if cached is None:
-            live = sorted(self._slots[w] for w in sizes)
-            workers = [self._keys[s] for s in live]
-            cached = self._columns_cache = (
-                np.array(live, dtype=np.int64), workers,  # type: ignore[misc]
-                np.array([sizes[w] for w in workers], dtype=np.int64),  # type: ignore[index]
-                {w: i for i, w in enumerate(workers)})  # type: ignore[misc]
-        return cached
+        if cached is not None and cached[4] == self._sizes_epoch:
+            return cached
+        sizes = np.fromiter(map(len, self._blocks), np.int64, len(self._blocks))
+        live = np.flatnonzero(sizes)
+        if cached is not None and cached[5] == self._slots_epoch \
+                and np.array_equal(cached[0], live):
+            workers, rows = cached[1], cached[3]
+        else:
+            workers = [self._keys[s] for s in live.tolist()]  # type: ignore[misc]
+            rows = {w: i for i, w in enumerate(workers)}
+        self._columns_cache = (live, workers, sizes[live], rows, self._sizes_epoch,
+                               self._slots_epoch)
+        return self._columns_cache
 
     def tree_size(self, worker: WorkerKey) -> int:
         slot = self._slots.get(worker)
@@ -431,7 +442,7 @@ class PrefixIndex:
         self.expire(now)
         if not seq_hashes:
             return
-        self._sizes_cache = None
+        self._sizes_changed()
         slot = self._slot_for(worker)
         bmap = self._blocks[slot]
         nodes = self._nodes
@@ -494,7 +505,7 @@ class PrefixIndex:
             self._drop_entry(*entry)
             dropped += 1
         if dropped:
-            self._sizes_cache = None
+            self._sizes_changed()
             self._count("expired", "ok", dropped)
         return dropped
 
@@ -577,16 +588,8 @@ class PrefixIndex:
             held.append((slot, restore_slot(index, slot, block_hashes, seqs, parents, roots)))
         index._nodes = node_masks(held)
         for row in obj["expiry"]:
-            index._restore_expiry((str(row[0]), int(row[1])),
-                                  *(expiry_v1(row[2]) if legacy else expiry_v2(*row[2:])))
+            restore_expiry(index, (str(row[0]), int(row[1])),
+                           *(expiry_v1(row[2]) if legacy else expiry_v2(*row[2:])))
         heapq.heapify(index._heap)
         index.counters = {(t, s): int(n) for t, s, n in obj["counters"]}
         return index
-
-    def _restore_expiry(self, worker: WorkerKey, seqs: list[int], expires: list[float],
-                        depths: list[int]) -> None:
-        slot = self._slots[worker]
-        self._expiry.update(zip(zip(repeat(slot), seqs), zip(expires, depths, strict=True),
-                                strict=False))  # repeat() is endless
-        self._heap.extend(zip(expires, map(neg, depths), repeat(worker[0]), repeat(worker[1]),
-                              seqs, strict=False))

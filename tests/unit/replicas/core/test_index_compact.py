@@ -184,3 +184,34 @@ def test_hand_picked_sequences_agree() -> None:
     ]
     for ops in cases:
         check_agree(ops, KEYS, [[1, 2, 3, 4, 5, 1, 2, 3]])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_match_columns_follow_every_event(data: st.DataObject) -> None:
+    """Queried after each event (its cached rows and sizes must follow every change, including a
+    slot given to another worker), ``match_columns`` gives ``find_matches``' answer."""
+    keys = workers(data.draw(st.integers(min_value=1, max_value=8)))
+    ops = data.draw(st.lists(op_strategy(keys), max_size=25))
+    # queried after some events only: a slot freed and given to another worker in between
+    ask = data.draw(st.lists(st.booleans(), min_size=len(ops), max_size=len(ops)))
+    for form in (index_reference.PrefixIndex, PrefixIndex):
+        index = form()
+        for op, query in zip(ops, ask, strict=True):
+            apply(index, op)
+            for q in QUERIES[:4] if query else ():
+                assert index.match_columns(q).to_scores() == index.find_matches(q)
+
+
+def test_match_columns_after_a_slot_changes_hands_between_queries() -> None:
+    q = QUERIES[2]
+    for form in (index_reference.PrefixIndex, PrefixIndex):
+        index = form()
+        index.store(("a", 0), None, [(1, 1), (2, 2)])
+        index.store(("b", 0), None, [(3, 1)])
+        assert index.match_columns(q).to_scores() == index.find_matches(q)
+        index.remove_worker("a")  # frees a's slot ...
+        index.store(("c", 0), None, [(4, 1), (5, 2), (6, 3)])  # ... and c takes it
+        columns = index.match_columns(q)
+        assert columns.to_scores() == index.find_matches(q)
+        assert sorted(columns.workers) == [("b", 0), ("c", 0)]
