@@ -60,8 +60,10 @@ def decisions(objects: bool, monkeypatch: pytest.MonkeyPatch) -> list[tuple[obje
         for tokens in (PROMPT, PROMPT[: 5 * BS], PROMPT[:3]):
             req = RouteRequest(f"x{n}-{len(tokens)}", "m", tokens, exclude=exclude)
             result, _, _ = d.decide(req, only=only)
+            rows = result.costs.rows()  # what the RequestRouted carries: types too (msgpack)
             out.append((type(result).__name__, getattr(result, "worker", None),
-                        getattr(result, "overlap_blocks", None), result.costs.rows()))
+                        getattr(result, "overlap_blocks", None), rows,
+                        [tuple(type(v).__name__ for v in row) for row in rows]))
     assert bool(calls) is not objects  # each run took the path it was meant to
     return out
 
