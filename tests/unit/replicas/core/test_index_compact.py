@@ -215,3 +215,19 @@ def test_match_columns_after_a_slot_changes_hands_between_queries() -> None:
         columns = index.match_columns(q)
         assert columns.to_scores() == index.find_matches(q)
         assert sorted(columns.workers) == [("b", 0), ("c", 0)]
+
+
+def test_match_columns_follow_approximate_mode_expiry() -> None:
+    q = QUERIES[2]
+    for form in (index_reference.PrefixIndex, PrefixIndex):
+        index = form(approximate=True, ttl_secs=10.0)
+        index.store_routed(("a", 0), q, now=1.0)
+        assert index.match_columns(q).to_scores() == index.find_matches(q)
+        index.store_routed(("b", 0), q[:2], now=5.0)
+        assert dict(zip(index.match_columns(q).workers,
+                        index.match_columns(q).overlap_blocks.tolist(), strict=True)) == {
+            ("a", 0): 3, ("b", 0): 2}
+        index.expire(12.0)  # a's entries expire; b's stay
+        columns = index.match_columns(q)
+        assert columns.to_scores() == index.find_matches(q)
+        assert columns.workers == [("b", 0)]
