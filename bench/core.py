@@ -90,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fast: compiled hashing and candidate columns (the default); pure: the "
                         "Python hashing and one Candidate object per worker; both: side by side, "
                         "one sitting (the pure figures under pure_path)")
+    p.add_argument("--serve-gc", action="store_true",
+                   help="time decisions under the replica's garbage-collector settings "
+                        "(api/serve.py tune_gc: start-up objects frozen, young threshold 10,000)")
     p.add_argument("--router-state", action="store_true",
                    help="also time decisions as the replica makes them, on a RouterState built "
                         "from the same workload, fast and pure paths side by side "
@@ -205,6 +208,13 @@ def bench_decisions(indexes: dict[str, AnyIndex], work: Workload, args: argparse
     differ = dict.fromkeys(indexes, 0)
     steps = {"fast": _fast_decision(keys, load), "pure": _pure_decision(keys, load)}
     compiled_was = compiled.active() is not None
+    gc_was = gc.get_threshold()
+    if args.serve_gc:
+        # The replica's garbage-collector settings (api/serve.py): what exists now is frozen,
+        # young collections every 10,000 net allocations.
+        from api.serve import tune_gc
+
+        tune_gc()
     try:
         for i in range(args.samples + 50):  # the first 50 warm caches and are not recorded
             q = i % len(work.prompts)
@@ -226,6 +236,9 @@ def bench_decisions(indexes: dict[str, AnyIndex], work: Workload, args: argparse
                 differ[form] += len({picked[(form, path)] for path in paths}) > 1
     finally:
         compiled.use_compiled(compiled_was)
+        if args.serve_gc:
+            gc.unfreeze()
+            gc.set_threshold(*gc_was)
     us = 1e-3
 
     def figures(v: tuple[str, str]) -> dict[str, Any]:
@@ -480,6 +493,7 @@ def run(args: argparse.Namespace) -> int:
         "replication_group": args.replication_group,
         "index": args.index,
         "router_state": args.router_state,
+        "serve_gc": args.serve_gc,
         "router_inflight": args.router_inflight,
         "decision_path": args.decision_path,
         "compiled_hashing": compiled.available(),
