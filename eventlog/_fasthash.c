@@ -168,6 +168,8 @@ hash_blocks(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "block_size must be positive");
         return NULL;
     }
+    if (block_size > PY_SSIZE_T_MAX / 4)
+        Py_RETURN_NONE; /* its byte length would not fit: the Python code handles it */
     uint64_t seed_value = PyLong_AsUnsignedLongLong(seed);
     if (seed_value == (uint64_t)-1 && PyErr_Occurred())
         return NULL;

@@ -90,6 +90,9 @@ def test_inputs_it_declines_take_the_python_code() -> None:
     assert prompt_hashes(memoryview(raw), 16) == expected
     assert prompt_hashes([np.uint32(t) for t in tokens], 16) == expected
     assert prompt_hashes([True] * 16, 16) == prompt_hashes_python([1] * 16, 16)
+    # a block too large for its byte length to fit in C's sizes: no block, as in Python
+    assert prompt_hashes(tokens, 2**62) == prompt_hashes_python(tokens, 2**62) == []
+    assert prompt_hashes(raw, 2**62) == []
 
 
 def test_environment_variable_forces_the_python_code() -> None:
