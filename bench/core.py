@@ -9,11 +9,17 @@ Figures, each printed (never asserted):
   (both after a full garbage collection), divided by the (block, worker) pairs the index holds.
   ``index_array_bytes_per_held_block`` is the part the compact index's arrays account for.
 * ``decision_p50_us`` / ``decision_p99_us`` - one routing decision on that index, timed per call
-  with ``perf_counter_ns``: hash a ``--prompt-tokens`` prompt, ``find_matches``, build one
-  ``Candidate`` per worker, ``Selector.select`` with ``jetrouter serve``'s routing defaults.
+  with ``perf_counter_ns``: hash a ``--prompt-tokens`` prompt, ``find_matches``, build the
+  candidates, select with ``jetrouter serve``'s routing defaults. ``--decision-path fast`` (the
+  default): the compiled hashing (``eventlog/_fasthash.c``) and candidate columns
+  (``candidate_columns.select_columns``); ``pure``: the Python hashing, one ``Candidate`` object
+  per worker and ``Selector.select``; ``both``: the two interleaved sample by sample, the pure
+  figures under ``pure_path`` and fast/pure ratios under ``path_ratios``.
   Each query is a new turn of a conversation one worker has cached most of (``--hit-fraction``);
   every other worker holds the shared system prompt the conversation starts with, so several
   workers match at different depths.
+* ``router_state`` (``--router-state``) - the decision as the replica's dispatcher makes it, on a
+  ``RouterState`` built from the same workload (``bench/core_state.py``), both paths.
 * ``replication_us_per_request`` / ``replication_router_events_per_s`` - what applying another
   replica's routed requests costs (`bench.replication`).
 * ``replay_block_events_per_s`` - a real ``nats-server``: ``--replay-batches`` BlocksStored
@@ -41,7 +47,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,6 +56,7 @@ import xxhash
 
 from bench.replication import add_arguments as add_replication_arguments
 from bench.replication import bench_replication
+from eventlog import compiled
 from eventlog.hashing import prompt_hashes, tokens_hashes
 from replicas.core import index_reference
 from replicas.core.index import PrefixIndex, WorkerKey
@@ -79,6 +86,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", choices=["compact", "reference", "both"], default="reference",
                    help="which prefix index form to measure (default: the router's default, "
                         "reference; both: side by side, one sitting)")
+    p.add_argument("--decision-path", choices=["fast", "pure", "both"], default="fast",
+                   help="fast: compiled hashing and candidate columns (the default); pure: the "
+                        "Python hashing and one Candidate object per worker; both: side by side, "
+                        "one sitting (the pure figures under pure_path)")
+    p.add_argument("--serve-gc", action="store_true",
+                   help="time decisions under the replica's garbage-collector settings "
+                        "(api/serve.py tune_gc: start-up objects frozen, young threshold 10,000)")
+    p.add_argument("--router-state", action="store_true",
+                   help="also time decisions as the replica makes them, on a RouterState built "
+                        "from the same workload, fast and pure paths side by side "
+                        "(bench/core_state.py; the figures under router_state)")
+    p.add_argument("--router-inflight", type=int, default=0,
+                   help="with --router-state: requests in flight on every worker")
     add_replication_arguments(p)
 
 
@@ -162,12 +182,13 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def bench_decisions(indexes: dict[str, AnyIndex], work: Workload, args: argparse.Namespace
-                    ) -> dict[str, dict[str, Any]]:
-    """Decision figures per index form; with several forms the samples alternate between them
-    (which goes first alternates too), so load on a shared machine falls on all alike."""
+def bench_decisions(indexes: dict[str, AnyIndex], work: Workload, args: argparse.Namespace,
+                    paths: Sequence[str] = ("fast",)) -> dict[str, dict[str, Any]]:
+    """Decision figures per index form, and per decision path within each form (``pure`` figures
+    under the form's ``pure_path`` key). With several forms or paths the samples alternate between
+    them (which goes first alternates too), so load on a shared machine falls on all alike."""
     from api.config import routing_config, serve_defaults
-    from replicas.core.selection import Candidate, Selector
+    from replicas.core.selection import Selector
 
     rng = random.Random(args.seed + 1)
     keys = sorted({w for w, _, _ in work.batches})
@@ -177,54 +198,146 @@ def bench_decisions(indexes: dict[str, AnyIndex], work: Workload, args: argparse
     routing = replace(routing_config(serve_defaults(environ={})), block_size=args.block_size)
     selector = Selector(routing)
     bs = args.block_size
-    forms = list(indexes)
-    rngs = {f: random.Random(args.seed + 2) for f in forms}  # equal tie breaks for every form
-    stages = {f: {"hashing": [], "matching": [], "candidates": [], "selection": []}
-              for f in forms}
-    totals: dict[str, list[int]] = {f: [] for f in forms}
-    core: dict[str, list[int]] = {f: [] for f in forms}  # the decision without Candidate objects
-    right = dict.fromkeys(forms, 0)
-    clock = time.perf_counter_ns
-    for i in range(args.samples + 50):  # the first 50 warm caches and are not recorded
-        q = i % len(work.prompts)
-        tokens = work.prompts[q]
-        for form in (forms if i % 2 else forms[::-1]):
-            index = indexes[form]
-            t0 = clock()
-            seq = prompt_hashes(tokens, bs)
-            t1 = clock()
-            scores = index.find_matches(seq)
-            t2 = clock()
-            n = len(seq)
-            overlap, sizes = scores.scores, scores.tree_sizes
-            cands = [
-                Candidate(k, overlap.get(k, 0), sizes.get(k, 0), load[k][0], load[k][1],
-                          n, 100_000, 8192)
-                for k in keys
-            ]
-            t3 = clock()
-            decision = selector.select(cands, len(tokens), rngs[form])
-            t4 = clock()
-            if i >= 50:
-                right[form] += getattr(decision, "worker", None) == work.owners[q]
-                for name, dt in zip(stages[form], (t1 - t0, t2 - t1, t3 - t2, t4 - t3),
-                                    strict=True):
-                    stages[form][name].append(dt)
-                totals[form].append(t4 - t0)
-                core[form].append(t4 - t0 - (t3 - t2))
+    variants = [(form, path) for form in indexes for path in paths]
+    rngs = {v: random.Random(args.seed + 2) for v in variants}  # equal tie breaks for every one
+    stages = {v: {"hashing": [], "matching": [], "candidates": [], "selection": []}
+              for v in variants}
+    totals: dict[tuple[str, str], list[int]] = {v: [] for v in variants}
+    core: dict[tuple[str, str], list[int]] = {v: [] for v in variants}  # less the candidates
+    right = dict.fromkeys(variants, 0)
+    differ = dict.fromkeys(indexes, 0)
+    steps = {"fast": _fast_decision(keys, load), "pure": _pure_decision(keys, load)}
+    compiled_was = compiled.active() is not None
+    gc_was = gc.get_threshold()
+    if args.serve_gc:
+        # The replica's garbage-collector settings (api/serve.py): what exists now is frozen,
+        # young collections every 10,000 net allocations.
+        from api.serve import tune_gc
+
+        tune_gc()
+    try:
+        for i in range(args.samples + 50):  # the first 50 warm caches and are not recorded
+            q = i % len(work.prompts)
+            tokens = work.prompts[q]
+            picked: dict[tuple[str, str], Any] = {}
+            for variant in (variants if i % 2 else variants[::-1]):
+                form, path = variant
+                compiled.use_compiled(path == "fast")
+                times, decision = steps[path](indexes[form], tokens, bs, selector, rngs[variant])
+                picked[variant] = (getattr(decision, "worker", None),
+                                   getattr(decision, "overlap_blocks", None))
+                if i >= 50:
+                    right[variant] += getattr(decision, "worker", None) == work.owners[q]
+                    for name, dt in zip(stages[variant], times, strict=True):
+                        stages[variant][name].append(dt)
+                    totals[variant].append(sum(times))
+                    core[variant].append(sum(times) - times[2])
+            for form in indexes:  # the paths must decide alike: count any sample where not
+                differ[form] += len({picked[(form, path)] for path in paths}) > 1
+    finally:
+        compiled.use_compiled(compiled_was)
+        if args.serve_gc:
+            gc.unfreeze()
+            gc.set_threshold(*gc_was)
     us = 1e-3
-    return {form: {
-        "decision_p50_us": round(statistics.median(totals[form]) * us, 1),
-        "decision_p99_us": round(percentile(totals[form], 0.99) * us, 1),
-        "decision_excluding_candidates_p50_us": round(statistics.median(core[form]) * us, 1),
-        "decision_stage_p50_us": {k: round(statistics.median(v) * us, 1)
-                                  for k, v in stages[form].items()},
-        "decision_with_selection": True,
-        "decision_routing_weights": [routing.kv_overlap_score_weight,
-                                     routing.prefill_queue_weight],
-        "decision_picked_cached_worker": round(right[form] / max(len(totals[form]), 1), 3),
-        "query_blocks": len(prompt_hashes(work.prompts[0], bs)),
-    } for form in forms}
+
+    def figures(v: tuple[str, str]) -> dict[str, Any]:
+        return {
+            "decision_p50_us": round(statistics.median(totals[v]) * us, 1),
+            "decision_p99_us": round(percentile(totals[v], 0.99) * us, 1),
+            "decision_excluding_candidates_p50_us": round(statistics.median(core[v]) * us, 1),
+            "decision_stage_p50_us": {k: round(statistics.median(x) * us, 1)
+                                      for k, x in stages[v].items()},
+            "decision_with_selection": True,
+            "decision_path": v[1],
+            "decision_routing_weights": [routing.kv_overlap_score_weight,
+                                         routing.prefill_queue_weight],
+            "decision_picked_cached_worker": round(right[v] / max(len(totals[v]), 1), 3),
+            "query_blocks": len(prompt_hashes(work.prompts[0], bs)),
+        }
+
+    out: dict[str, dict[str, Any]] = {}
+    for form in indexes:
+        out[form] = figures((form, paths[0]))
+        if len(paths) > 1:
+            out[form]["pure_path"] = pure = figures((form, paths[1]))
+            out[form]["path_ratios"] = ratios(out[form], pure)
+            out[form]["paths_differed_samples"] = differ[form]
+    return out
+
+
+Step = Callable[[AnyIndex, list[int], int, Any, random.Random],
+                tuple[tuple[int, int, int, int], Any]]
+
+
+def _pure_decision(keys: list[WorkerKey], load: dict[WorkerKey, tuple[int, int]]) -> Step:
+    """The decision as the Python code makes it: one ``Candidate`` object per worker."""
+    from replicas.core.selection import Candidate
+
+    clock = time.perf_counter_ns
+
+    def step(index: AnyIndex, tokens: list[int], bs: int, selector: Any, rng: random.Random
+             ) -> tuple[tuple[int, int, int, int], Any]:
+        t0 = clock()
+        seq = prompt_hashes(tokens, bs)
+        t1 = clock()
+        scores = index.find_matches(seq)
+        t2 = clock()
+        n = len(seq)
+        overlap, sizes = scores.scores, scores.tree_sizes
+        cands = [
+            Candidate(k, overlap.get(k, 0), sizes.get(k, 0), load[k][0], load[k][1],
+                      n, 100_000, 8192)
+            for k in keys
+        ]
+        t3 = clock()
+        decision = selector.select(cands, len(tokens), rng)
+        t4 = clock()
+        return (t1 - t0, t2 - t1, t3 - t2, t4 - t3), decision
+
+    return step
+
+
+def _fast_decision(keys: list[WorkerKey], load: dict[WorkerKey, tuple[int, int]]) -> Step:
+    """The same decision over columns: ``match_columns`` (no dict per worker) and candidate
+    columns (``replicas/core/candidate_columns.py``). The load columns stand for the load state
+    as the objects' ``load`` dict does; they follow the index's rows, rebuilt when those change
+    (never here: the index is not written while decisions are timed)."""
+    from replicas.core.candidate_columns import CandidateColumns, select_columns
+
+    clock = time.perf_counter_ns
+    aligned: dict[int, tuple[list[WorkerKey], tuple[np.ndarray, ...]]] = {}
+
+    def load_columns(index: AnyIndex, workers: list[WorkerKey]) -> tuple[np.ndarray, ...]:
+        cached = aligned.get(id(index))
+        if cached is None or cached[0] is not workers:
+            if sorted(workers) != keys:  # every worker holds blocks in this workload
+                raise RuntimeError("the index's rows are not the workload's workers")
+            count = len(workers)
+            cached = aligned[id(index)] = (workers, (
+                np.array([load[k][0] for k in workers], dtype=np.float64),
+                np.array([load[k][1] for k in workers], dtype=np.float64),
+                np.full(count, 100_000, dtype=np.int64), np.full(count, 8192, dtype=np.int64),
+                np.ones(count, dtype=np.float64)))
+        return cached[1]
+
+    def step(index: AnyIndex, tokens: list[int], bs: int, selector: Any, rng: random.Random
+             ) -> tuple[tuple[int, int, int, int], Any]:
+        t0 = clock()
+        seq = prompt_hashes(tokens, bs)
+        t1 = clock()
+        match = index.match_columns(seq)
+        t2 = clock()
+        prefill, decode, kv_total, batched, weights = load_columns(index, match.workers)
+        columns = CandidateColumns(
+            match.workers, match.overlap_blocks, match.tree_sizes, prefill, decode,
+            np.full(len(match.workers), len(seq), dtype=np.int64), kv_total, batched, weights)
+        t3 = clock()
+        decision = select_columns(selector, columns, len(tokens), rng)
+        t4 = clock()
+        return (t1 - t0, t2 - t1, t3 - t2, t4 - t3), decision
+
+    return step
 
 
 async def bench_replay(work: Workload, batches: int, forms: Sequence[str] = ("compact",)
@@ -339,10 +452,20 @@ def run(args: argparse.Namespace) -> int:
             "index_nodes": index.node_count,
             **memory,
         }
-    for form, figures in bench_decisions(indexes, work, args).items():
+    paths = ["fast", "pure"] if args.decision_path == "both" else [args.decision_path]
+    for form, figures in bench_decisions(indexes, work, args, paths).items():
         per_form[form].update(figures)
     indexes.clear()
     gc.collect()
+    router_state = None
+    if args.router_state:
+        from api.config import routing_config, serve_defaults
+        from bench.core_state import bench_state_decisions
+        from replicas.core.selection import Selector
+
+        routing = replace(routing_config(serve_defaults(environ={})), block_size=args.block_size)
+        router_state = bench_state_decisions(work, args, Selector(routing))
+        gc.collect()
     if args.replay_batches > 0:
         for form, figures in asyncio.run(bench_replay(work, args.replay_batches, forms)).items():
             per_form[form].update(figures)
@@ -350,6 +473,8 @@ def run(args: argparse.Namespace) -> int:
         for form in forms:
             per_form[form]["replay_block_events_per_s"] = None
     result: dict[str, Any] = {"index_form": forms[0], **per_form[forms[0]]}
+    if router_state is not None:
+        result["router_state"] = router_state
     if len(forms) > 1:
         result["reference"] = per_form["reference"]
         result["ratios"] = ratios(per_form["compact"], per_form["reference"])
@@ -367,6 +492,12 @@ def run(args: argparse.Namespace) -> int:
         "replication_inflight": args.replication_inflight,
         "replication_group": args.replication_group,
         "index": args.index,
+        "router_state": args.router_state,
+        "serve_gc": args.serve_gc,
+        "router_inflight": args.router_inflight,
+        "decision_path": args.decision_path,
+        "compiled_hashing": compiled.available(),
+        "compiled_hashing_calls_xxhash_c": compiled.DIRECT_XXH3,
     }
     result["machine"] = machine_facts()
     if not args.json:
@@ -401,6 +532,23 @@ def print_table(result: dict[str, Any]) -> None:
          result.get("replication_single_event_us_per_request")),
         ("replay (block events/s)", result.get("replay_block_events_per_s")),
     ]
+    pure = result.get("pure_path")
+    if pure is not None:
+        rows += [
+            ("pure path: decision p50 (us)", pure["decision_p50_us"]),
+            ("pure path: decision p99 (us)", pure["decision_p99_us"]),
+            *((f"  pure path: {k} p50 (us)", v) for k, v in pure["decision_stage_p50_us"].items()),
+            ("samples where the paths decided differently", result.get("paths_differed_samples")),
+        ]
+    state = result.get("router_state")
+    if state is not None:
+        for path in ("fast", "pure"):
+            rows += [(f"router state, {path}: decision p50 (us)", state[path]["decision_p50_us"]),
+                     (f"router state, {path}: decision p99 (us)", state[path]["decision_p99_us"]),
+                     *((f"  router state, {path}: {k} p50 (us)", v)
+                       for k, v in state[path]["decision_stage_p50_us"].items())]
+        rows.append(("router state: samples where the paths differed",
+                     state["paths_differed_samples"]))
     reference = result.get("reference")
     if reference is not None:
         rows += [

@@ -23,6 +23,9 @@ that translate engine KV events) must compute ``tokens_hash`` exactly as the rou
   under an adapter is xored with ``adapter_salt(name)`` (xxh3 of the adapter name); the base model
   has no salt (salt 0), so base-model hashes are unchanged. Bridges salt by the event's adapter,
   the router salts a request's blocks when the requested model is an adapter.
+* **Compiled path**: ``tokens_hashes`` and ``prompt_hashes`` run ``eventlog/_fasthash.c`` when it
+  is built and not turned off (``eventlog/compiled.py``): the same hashes in one call per prompt.
+  ``tokens_hashes_python`` and ``prompt_hashes_python`` are the reference it is tested against.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import xxhash
+
+from eventlog import compiled
 
 SEED = 1337
 """xxh3 seed for ``tokens_hash`` (Dynamo's convention)."""
@@ -85,11 +90,30 @@ def _token_bytes(tokens: Sequence[int] | bytes | bytearray | memoryview) -> byte
         raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
 
 
+def _compiled_input(tokens: Sequence[int] | bytes | bytearray | memoryview
+                    ) -> Sequence[int] | bytes | bytearray | memoryview:
+    """What the compiled code takes as is (a list, a tuple, bytes); a numpy array becomes bytes
+    (checked as the Python code checks it). Anything else it declines, and Python runs."""
+    return _token_bytes(tokens) if isinstance(tokens, np.ndarray) else tokens
+
+
 def tokens_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
     """``tokens_hash`` of every full block of ``tokens`` (a trailing partial block is skipped).
 
     ``tokens`` may also be little-endian u32 bytes, or a numpy integer array.
     """
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    fast = compiled.active()
+    if fast is not None:
+        out = fast.hash_blocks(_compiled_input(tokens), block_size, SEED, 0, 0, False)
+        if out is not None:
+            return out  # type: ignore[no-any-return]
+    return tokens_hashes_python(tokens, block_size)
+
+
+def tokens_hashes_python(tokens: Sequence[int], block_size: int) -> list[int]:
+    """``tokens_hashes`` in Python: the reference the compiled code is tested against."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     raw = _token_bytes(tokens)
@@ -205,8 +229,27 @@ def prompt_hashes(tokens: Sequence[int], block_size: int, adapter: str | None = 
         raise ValueError("block_size must be positive")
     salt = adapter_salt(adapter)
     first = cache_salt_salt(cache_salt)
+    fast = compiled.active()
+    if fast is not None:
+        out = fast.hash_blocks(_compiled_input(tokens), block_size, SEED, salt, first, True)
+        if out is not None:
+            return out  # type: ignore[no-any-return]
+    return _prompt_hashes_python(tokens, block_size, salt, first)
+
+
+def prompt_hashes_python(tokens: Sequence[int], block_size: int, adapter: str | None = None,
+                         cache_salt: str = "") -> list[int]:
+    """``prompt_hashes`` in Python: the reference the compiled code is tested against."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    return _prompt_hashes_python(tokens, block_size, adapter_salt(adapter),
+                                 cache_salt_salt(cache_salt))
+
+
+def _prompt_hashes_python(tokens: Sequence[int], block_size: int, salt: int, first: int
+                          ) -> list[int]:
     if len(tokens) < _NUMPY_MIN_BLOCKS * block_size or not _LITTLE:
-        local_list = salted(tokens_hashes(tokens, block_size), salt)
+        local_list = salted(tokens_hashes_python(tokens, block_size), salt)
         if first and local_list:
             local_list = [local_list[0] ^ first, *local_list[1:]]
         return sequence_hashes(local_list)

@@ -13,9 +13,13 @@ engines whose role takes the decision's phase are candidates, each seen as that 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from eventlog.hashing import prompt_hashes
 from replicas.core import disagg
+from replicas.core.candidate_columns import CandidateColumns
 from replicas.core.overlay import Overlay
 from replicas.core.routing_errors import NoWorkers, UnknownModel
 from replicas.core.selection import Candidate
@@ -131,3 +135,130 @@ def _candidates(state: RouterState, model: str, seq_hashes: Sequence[int],
                 weight=weight,
             ))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateRows:
+    """The rows a decision weighs, before any load: which (worker, dp rank) rows (the same, in
+    the same order, as ``build_candidates``), each one's KV capacity, batch size and health
+    weight (read-only arrays). They change only with the roster: ``roster_version`` is the
+    state's when they were built, so a caller may keep them until it moves."""
+
+    workers: list[tuple[str, int]]
+    kv_total_blocks: np.ndarray
+    max_num_batched_tokens: np.ndarray
+    weight: np.ndarray
+    roster_version: int
+    row_of: dict[tuple[str, int], int]  # worker key -> its row
+
+
+def candidate_rows(state: RouterState, model: str, exclude: frozenset[str] = frozenset(),
+                   phase: disagg.Phase = disagg.AGGREGATED) -> CandidateRows:
+    """The rows ``build_candidates`` would build for ``model``, ``exclude`` and ``phase``."""
+    split = phase != disagg.AGGREGATED or is_disaggregated(state, model)
+    health = state.health
+    rows: list[tuple[str, int]] = []
+    kv_total: list[int] = []
+    batched: list[int] = []
+    weights: list[float] = []
+    for w in state.workers.values():
+        if (w.model != model and model not in w.loras) or w.worker_id in exclude:
+            continue
+        if split and not disagg.serves(w.role, phase):
+            continue
+        weight = HEALTH_WEIGHT.get(health.get(w.worker_id, "healthy"), 0.0)
+        if weight <= 0.0:
+            continue
+        ranks = w.dp_size
+        rows.extend([(w.worker_id, rank) for rank in range(ranks)])
+        kv_total.extend([w.kv_total_blocks] * ranks)
+        batched.extend([w.max_num_batched_tokens] * ranks)
+        weights.extend([weight] * ranks)
+    columns = (np.array(kv_total, dtype=np.int64), np.array(batched, dtype=np.int64),
+               np.array(weights, dtype=np.float64))
+    for column in columns:
+        column.flags.writeable = False  # shared by every decision until the roster moves
+    return CandidateRows(rows, *columns, state.roster_version,
+                         {key: i for i, key in enumerate(rows)})
+
+
+class CandidateRowCache:
+    """``candidate_rows`` per (model, exclusion, phase), kept while the state object and its
+    ``roster_version`` stay the same (a restored state is another object: nothing carries over).
+    At most ``limit`` entries: exclusion sets vary by request, so past it the cache starts over."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self._limit = limit
+        self._state: RouterState | None = None
+        self._version = -1
+        self._rows: dict[tuple[str, frozenset[str], str], CandidateRows] = {}
+
+    def get(self, state: RouterState, model: str, exclude: frozenset[str] = frozenset(),
+            phase: disagg.Phase = disagg.AGGREGATED) -> CandidateRows:
+        if state is not self._state or state.roster_version != self._version:
+            self._rows.clear()
+            self._state, self._version = state, state.roster_version
+        key = (model, exclude, str(phase))
+        rows = self._rows.get(key)
+        if rows is None:
+            if len(self._rows) >= self._limit:
+                self._rows.clear()
+            rows = self._rows[key] = candidate_rows(state, model, exclude, phase)
+        return rows
+
+
+def build_candidate_columns(state: RouterState, model: str, seq_hashes: Sequence[int], *,
+                            exclude: frozenset[str] = frozenset(),
+                            overlay: Overlay = _NO_OVERLAY,
+                            phase: disagg.Phase = disagg.AGGREGATED,
+                            assume_kv_reuse: bool = True, track_active_blocks: bool = True,
+                            track_prefill_tokens: bool = True,
+                            rows: CandidateRows | None = None) -> CandidateColumns:
+    """``build_candidates`` as columns: the same rows in the same order with the same values
+    (``CandidateColumns.from_candidates(build_candidates(...))``, property-tested), without an
+    object per row. Only the rows with requests in flight, here or in the overlay, read the load
+    state one by one; the others are the idle defaults, set for all at once. ``rows``: this
+    model's, exclusion's and phase's ``candidate_rows``, kept by the caller while the state's
+    ``roster_version`` stays the same (None: built here)."""
+    if rows is None or rows.roster_version != state.roster_version:
+        rows = candidate_rows(state, model, exclude, phase)
+    keys = rows.workers
+    own_blocks = not assume_kv_reuse and phase == disagg.AGGREGATED
+    count = len(keys)
+    n = len(seq_hashes)
+    overlap, tree = state.index.match_columns(seq_hashes).for_keys(keys)
+    prefill = np.zeros(count, dtype=np.float64)
+    decode = np.zeros(count, dtype=np.float64)
+    new = np.full(count, n, dtype=np.int64)
+    # Only the ranks with requests in flight, or decisions pending here, read their load; the
+    # overlay's part is added after the state's, as build_candidates sums them.
+    row_of = rows.row_of
+    load = state.load
+    now = state.now
+    prefix = n and not own_blocks
+    for key in load.loaded_workers():
+        i = row_of.get(key)
+        if i is not None:
+            prefill[i] = load.active_prefill_tokens(key, now)
+            decode[i] = load.active_decode_blocks(key)
+            if prefix:
+                new[i] = n - load.active_prefix_len(key, seq_hashes)
+    for key in overlay.pending_workers():
+        i = row_of.get(key)
+        if i is not None:
+            prefill[i] += overlay.prefill_tokens(key)
+            decode[i] += overlay.decode_blocks(key)
+    if phase == disagg.PREFILL:
+        decode[:] = 0
+        new[:] = 0
+    elif phase == disagg.DECODE and not assume_kv_reuse:
+        overlap[:] = 0
+        tree[:] = 0
+        new[:] = n
+    if not track_active_blocks:
+        decode[:] = 0
+        new[:] = 0
+    if not track_prefill_tokens:
+        prefill[:] = 0
+    return CandidateColumns(keys, overlap, tree, prefill, decode, new, rows.kv_total_blocks,
+                            rows.max_num_batched_tokens, rows.weight)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from itertools import chain
+from itertools import chain, repeat
 
 import numpy as np
 
@@ -39,6 +39,7 @@ from replicas.core.index_approx import ApproximateMode
 from replicas.core.index_codec import PLAIN_VERSION_V3, expiry_columns, read_plain
 from replicas.core.index_common import (
     U64,
+    MatchColumns,
     OverlapScores,
     WorkerKey,
     membership_mix,
@@ -80,6 +81,11 @@ def _chain(parent: int, tokens: np.ndarray) -> np.ndarray:
     return acc
 
 
+# slots holding blocks, their keys, tree sizes, key -> row, and the epochs they were read at
+# (PrefixIndex._live_columns)
+_Rows = tuple[np.ndarray, list[WorkerKey], np.ndarray, dict[WorkerKey, int], int, int]
+
+
 class PrefixIndex(ApproximateMode):
     # Events of at most this many blocks apply block by block in plain Python (~3 us a block);
     # longer ones as arrays (a fixed ~100 us of numpy calls, then well under 1 us a block).
@@ -108,6 +114,9 @@ class PrefixIndex(ApproximateMode):
         self._weights: list[int] = []  # slot -> digest weight of its worker key
         self._total = 0
         self._sizes_cache: dict[WorkerKey, int] | None = None
+        self._columns_cache: _Rows | None = None
+        # bumped whenever a slot's block count may change / a slot changes hands
+        self._sizes_epoch = self._slots_epoch = 0
         self._expiry: dict[tuple[int, int], tuple[float, int]] = {}
         self._heap: list[tuple[float, int, str, int, int]] = []
 
@@ -135,6 +144,7 @@ class PrefixIndex(ApproximateMode):
             self._weights.append(worker_weight(worker))
             self._holders.widen(slot)
         self._slots[worker] = slot
+        self._slots_epoch += 1
         return slot
 
     def _free_slot(self, slot: int) -> None:
@@ -146,6 +156,7 @@ class PrefixIndex(ApproximateMode):
         self._dups[slot] = {}
         self._sums[slot] = 0
         heapq.heappush(self._free, slot)
+        self._slots_epoch += 1
 
     # --- membership primitives ---------------------------------------------------------------
 
@@ -247,7 +258,7 @@ class PrefixIndex(ApproximateMode):
                 self._count("stored", "parent_block_not_found")
                 return "parent_block_not_found"
             parent = self._blocks[slot].mv[cell]
-        self._sizes_cache = None
+        self._sizes_changed()
         n = len(blocks)
         if n <= self.small_event:
             mult, mask64 = CHAIN_MULTIPLIER, MASK64
@@ -284,7 +295,7 @@ class PrefixIndex(ApproximateMode):
         if slot is None:
             unknown = len(block_hashes)
         else:
-            self._sizes_cache = None
+            self._sizes_changed()
             unknown = self._remove_from_slot(slot, list(block_hashes))
         self._count("removed", "ok")
         if unknown:
@@ -326,7 +337,7 @@ class PrefixIndex(ApproximateMode):
         """Apply AllBlocksCleared for one dp rank of a worker."""
         slot = self._slots.get(worker)
         if slot is not None:
-            self._sizes_cache = None
+            self._sizes_changed()
             self._clear_slot(slot)
         self._count("cleared", "ok")
 
@@ -334,7 +345,7 @@ class PrefixIndex(ApproximateMode):
         """Forget every dp rank of a worker (retired or lost)."""
         for worker, slot in sorted(self._slots.items()):
             if worker[0] == worker_id:
-                self._sizes_cache = None
+                self._sizes_changed()
                 self._clear_slot(slot)
 
     # --- queries -----------------------------------------------------------------------------
@@ -359,6 +370,13 @@ class PrefixIndex(ApproximateMode):
                                       lengths, strict=True))
         return OverlapScores(scores, dict(self._tree_sizes()))
 
+    def match_columns(self, seq_hashes: Sequence[int]) -> MatchColumns:
+        """``find_matches`` as columns (``MatchColumns``)."""
+        scores = self.find_matches(seq_hashes).scores
+        _, workers, sizes, rows, _, _ = self._live_columns()
+        return MatchColumns(workers, np.fromiter(map(scores.get, workers, repeat(0)), np.int64,
+                                                 len(workers)), sizes, rows)
+
     def _tree_sizes(self) -> dict[WorkerKey, int]:
         sizes = self._sizes_cache
         if sizes is None:
@@ -366,6 +384,28 @@ class PrefixIndex(ApproximateMode):
             sizes = {w: blocks[s].size for w, s in self._slots.items() if blocks[s].size}
             self._sizes_cache = sizes
         return sizes
+
+    def _sizes_changed(self) -> None:
+        self._sizes_cache = None
+        self._sizes_epoch += 1
+
+    def _live_columns(self) -> _Rows:
+        """The keys holding any block (in slot order), their tree sizes and rows; the keys and
+        rows kept, the same list, while the same slots of the same workers hold blocks."""
+        cached = self._columns_cache
+        if cached is not None and cached[4] == self._sizes_epoch:
+            return cached
+        sizes = np.fromiter((t.size for t in self._blocks), np.int64, len(self._blocks))
+        live = np.flatnonzero(sizes)
+        if cached is not None and cached[5] == self._slots_epoch \
+                and np.array_equal(cached[0], live):
+            workers, rows = cached[1], cached[3]
+        else:
+            workers = [self._keys[s] for s in live.tolist()]  # type: ignore[misc]
+            rows = {w: i for i, w in enumerate(workers)}
+        self._columns_cache = (live, workers, sizes[live], rows, self._sizes_epoch,
+                               self._slots_epoch)
+        return self._columns_cache
 
     def tree_size(self, worker: WorkerKey) -> int:
         slot = self._slots.get(worker)

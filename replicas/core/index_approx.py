@@ -37,12 +37,14 @@ class ApproximateMode:
     _keys: list[WorkerKey | None]
     _blocks: list[U64Table]
     _total: int
-    _sizes_cache: dict[WorkerKey, int] | None
     # (slot, seq) -> (expiry, depth); heap of (expiry, -depth, worker id, dp rank, seq)
     _expiry: dict[tuple[int, int], tuple[float, int]]
     _heap: list[tuple[float, int, str, int, int]]
 
     def _slot_for(self, worker: WorkerKey) -> int:
+        raise NotImplementedError
+
+    def _sizes_changed(self) -> None:
         raise NotImplementedError
 
     def _add(self, slot: int, block_hashes: np.ndarray, seqs: np.ndarray) -> None:
@@ -59,7 +61,7 @@ class ApproximateMode:
         self.expire(now)
         if not seq_hashes:
             return
-        self._sizes_cache = None
+        self._sizes_changed()
         slot = self._slot_for(worker)
         seqs = np.array(list(dict.fromkeys(seq_hashes)), dtype=U64)
         new = self._blocks[slot].find(seqs) < 0
@@ -104,7 +106,7 @@ class ApproximateMode:
             self._drop_entry(*entry)
             dropped += 1
         if dropped:
-            self._sizes_cache = None
+            self._sizes_changed()
             self._count("expired", "ok", dropped)
         return dropped
 

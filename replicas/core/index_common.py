@@ -8,7 +8,9 @@ once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 import xxhash
@@ -26,6 +28,47 @@ _SALT, _TWO, _ONE = np.uint64(DIGEST_SALT), np.uint64(2), np.uint64(1)
 class OverlapScores:
     scores: dict[WorkerKey, int]  # matched prefix blocks per worker key (only keys with > 0)
     tree_sizes: dict[WorkerKey, int]  # blocks held per worker key (every key that holds any)
+
+
+@dataclass(frozen=True, slots=True)
+class MatchColumns:
+    """``find_matches`` as columns, for candidate columns (candidate_columns.py): one row per
+    worker key holding any block (``tree_sizes``' keys), in the index's slot order. A key with no
+    row has overlap and tree size 0, exactly as a key missing from ``OverlapScores``' dicts.
+
+    ``workers`` is the same list object from one query to the next while the rows stay the same,
+    so a caller can keep columns aligned with it until it changes."""
+
+    workers: list[WorkerKey]
+    overlap_blocks: np.ndarray  # int64, matched prefix blocks per row
+    tree_sizes: np.ndarray  # int64, blocks held per row
+    rows: dict[WorkerKey, int]  # worker key -> its row (built with ``workers``)
+
+    @classmethod
+    def from_scores(cls, scores: OverlapScores) -> MatchColumns:
+        workers = list(scores.tree_sizes)
+        return cls(workers,
+                   np.fromiter((scores.scores.get(k, 0) for k in workers), np.int64, len(workers)),
+                   np.fromiter(scores.tree_sizes.values(), np.int64, len(workers)),
+                   {k: i for i, k in enumerate(workers)})
+
+    def for_keys(self, keys: Sequence[WorkerKey]) -> tuple[np.ndarray, np.ndarray]:
+        """(overlap, tree size) of each of ``keys``, in their order (0 for a key with no row)."""
+        if not self.workers:
+            return np.zeros(len(keys), dtype=np.int64), np.zeros(len(keys), dtype=np.int64)
+        where = np.fromiter(map(self.rows.get, keys, repeat(-1)), np.int64, len(keys))
+        missing = where < 0
+        overlap = self.overlap_blocks[where]
+        tree = self.tree_sizes[where]
+        if missing.any():
+            overlap[missing] = 0
+            tree[missing] = 0
+        return overlap, tree
+
+    def to_scores(self) -> OverlapScores:
+        overlap = self.overlap_blocks.tolist()
+        return OverlapScores({k: n for k, n in zip(self.workers, overlap, strict=True) if n},
+                             dict(zip(self.workers, self.tree_sizes.tolist(), strict=True)))
 
 
 def worker_weight(worker: WorkerKey) -> int:

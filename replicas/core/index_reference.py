@@ -11,8 +11,8 @@ Pure and deterministic: no clock, no randomness. Layout, for the two hot paths (
 * Per slot, ``block_hash -> entry`` (the block's sequence hash and its parent's, packed in one
   int) maps the engine's opaque ids back to nodes, for removals and for the parent of a later store.
 * Gap bookkeeping (per slot, child counts per node and held nodes lacking their parent) lets
-  ``find_matches`` *bisect* along the query for slots without gaps; slots with gaps fall back to
-  ANDing the masks along the query, in C, until empty.
+  ``find_matches`` *bisect* along the query (``index_reference_match.py``) for slots without gaps;
+  slots with gaps fall back to ANDing the masks along the query, in C, until empty.
 
 Membership is *flat* and the counters are the compact form's (both described in ``index.py``).
 """
@@ -20,10 +20,7 @@ Membership is *flat* and the counters are the compact form's (both described in 
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from itertools import accumulate, compress, repeat, takewhile
-from operator import and_, neg
 
 import numpy as np
 
@@ -40,19 +37,23 @@ from replicas.core.index_codec import (
 )
 from replicas.core.index_common import (
     DIGEST_SALT,
+    MatchColumns,
     OverlapScores,
     WorkerKey,
     membership_mix,
     worker_weight,
 )
-from replicas.core.index_reference_restore import restore_slot
+from replicas.core.index_reference_match import match_groups, record, slot_indices
+from replicas.core.index_reference_restore import restore_expiry, restore_slot
 
+# slots holding blocks, their keys, tree sizes, key -> row, and the epochs they were read at
+# (PrefixIndex._live_columns)
+_Rows = tuple[np.ndarray, list[WorkerKey], np.ndarray, dict[WorkerKey, int], int, int]
 Entry = int  # a held block: seq | (parent seq + 1) << 64 (a root's parent is _ROOT, so: seq)
 
 _P = CHAIN_MULTIPLIER
 _ROOT = -1  # parent of a root block in the gap bookkeeping (sequence hashes are >= 0)
 _SHARED_INTS = 256  # CPython keeps one object for each int from -5 to this
-_BITS = bytes.maketrans(b"01", b"\x00\x01")  # '0'/'1' digits -> falsy/truthy bytes
 
 
 class PrefixIndex:
@@ -86,6 +87,9 @@ class PrefixIndex:
         self._gaps: list[int] = []  # slot -> held nodes whose parent it does not hold
         self._gappy = 0  # bitmask of slots with gaps
         self._sizes_cache: dict[WorkerKey, int] | None = None
+        self._columns_cache: _Rows | None = None
+        # bumped whenever a slot's block count may change / a slot changes hands
+        self._sizes_epoch = self._slots_epoch = 0
         # approximate mode: (slot, seq) -> (expiry, depth); heap of (expiry, -depth, id, rank, seq)
         self._expiry: dict[tuple[int, int], tuple[float, int]] = {}
         self._heap: list[tuple[float, int, str, int, int]] = []
@@ -115,6 +119,7 @@ class PrefixIndex:
             self._gaps.append(0)
             self._weights.append(worker_weight(worker))
         self._slots[worker] = slot
+        self._slots_epoch += 1
         return slot
 
     def _release(self, slot: int, block_hash: int, entry: Entry) -> None:
@@ -171,6 +176,7 @@ class PrefixIndex:
         self._kids[slot] = {}
         self._set_gaps(slot, 0)
         heapq.heappush(self._free, slot)
+        self._slots_epoch += 1
 
     # --- KV events ---------------------------------------------------------------------------
 
@@ -191,7 +197,7 @@ class PrefixIndex:
                 self._count("stored", "parent_block_not_found")
                 return "parent_block_not_found"
             parent = known & MASK64
-        self._sizes_cache = None
+        self._sizes_changed()
         bmap = self._blocks[slot]
         before = len(bmap)
         moved = 0
@@ -267,7 +273,7 @@ class PrefixIndex:
         if slot is None:
             unknown = len(block_hashes)
         else:
-            self._sizes_cache = None
+            self._sizes_changed()
             unknown = self._remove_from_slot(slot, block_hashes)
         self._count("removed", "ok")
         if unknown:
@@ -346,7 +352,7 @@ class PrefixIndex:
         """Apply AllBlocksCleared for one dp rank of a worker."""
         slot = self._slots.get(worker)
         if slot is not None:
-            self._sizes_cache = None
+            self._sizes_changed()
             self._clear_slot(slot)
         self._count("cleared", "ok")
 
@@ -354,7 +360,7 @@ class PrefixIndex:
         """Forget every dp rank of a worker (retired or lost)."""
         for worker, slot in sorted(self._slots.items()):
             if worker[0] == worker_id:
-                self._sizes_cache = None
+                self._sizes_changed()
                 self._clear_slot(slot)
 
     # --- queries -----------------------------------------------------------------------------
@@ -362,44 +368,22 @@ class PrefixIndex:
     def find_matches(self, seq_hashes: Sequence[int]) -> OverlapScores:
         """Matched prefix length (in blocks) of ``seq_hashes`` per worker key, plus tree sizes."""
         scores: dict[WorkerKey, int] = {}
-        get = self._nodes.get
-        first = get(seq_hashes[0], 0) if seq_hashes else 0
-        if first:
-            keys = self._keys
-            end = len(seq_hashes)
-            gappy = first & self._gappy
-            held = first ^ gappy
-            start = 0
-            # Clean slots hold every ancestor of what they hold, so "slot holds block i" only
-            # turns false once along the query: bisect for each point where the set shrinks.
-            while held:
-                stop = bisect_left(
-                    range(end), True, start + 1, end,
-                    key=lambda i: get(seq_hashes[i], 0) & held != held,
-                )
-                left = get(seq_hashes[stop], 0) & held if stop < end else 0
-                self._record(scores, keys, held ^ left, stop)
-                held, start = left, stop
-            if gappy:
-                # slots with gaps: running intersection along the query, in C, until empty
-                running = list(takewhile(bool, accumulate(
-                    map(get, seq_hashes, repeat(0)), and_, initial=gappy)))
-                end = len(running) - 1
-                held, start = gappy, 0
-                while held:
-                    stop = bisect_left(running, True, start + 1, end + 1, key=held.__ne__) - 1
-                    left = running[stop + 1] if stop < end else 0
-                    self._record(scores, keys, held ^ left, stop)
-                    held, start = left, stop + 1
+        keys = self._keys
+        for slots, matched in match_groups(self._nodes.get, self._gappy, seq_hashes):
+            record(scores, keys, slots, matched)
         return OverlapScores(scores, dict(self._tree_sizes()))
 
-    @staticmethod
-    def _record(scores: dict[WorkerKey, int], keys: list[WorkerKey | None], slots: int,
-                matched: int) -> None:
-        """Give every slot whose bit is set in ``slots`` a score of ``matched`` blocks."""
-        # decode the bits in C: binary digits, least significant first, as 0/1 bytes
-        flags = bin(slots)[:1:-1].encode().translate(_BITS)
-        scores.update(zip(compress(keys, flags), repeat(matched)))  # type: ignore[arg-type]
+    def match_columns(self, seq_hashes: Sequence[int]) -> MatchColumns:
+        """``find_matches`` as columns (``MatchColumns``): no dict of worker keys is built."""
+        live, workers, sizes, rows, _, _ = self._live_columns()
+        lengths = np.zeros(len(self._keys), dtype=np.int64)
+        for slots, matched in match_groups(self._nodes.get, self._gappy, seq_hashes):
+            lengths[slot_indices(slots)] = matched
+        return MatchColumns(workers, lengths[live], sizes, rows)
+
+    def _sizes_changed(self) -> None:
+        self._sizes_cache = None
+        self._sizes_epoch += 1
 
     def _tree_sizes(self) -> dict[WorkerKey, int]:
         sizes = self._sizes_cache
@@ -408,6 +392,25 @@ class PrefixIndex:
             sizes = {w: len(blocks[s]) for w, s in self._slots.items() if blocks[s]}
             self._sizes_cache = sizes
         return sizes
+
+    def _live_columns(self) -> _Rows:
+        """The slots holding any block (in slot order), their keys, tree sizes and each key's
+        row. After a change the sizes are re-read per slot (one C pass); the keys and rows are
+        kept, the same list, while the same slots of the same workers hold blocks."""
+        cached = self._columns_cache
+        if cached is not None and cached[4] == self._sizes_epoch:
+            return cached
+        sizes = np.fromiter(map(len, self._blocks), np.int64, len(self._blocks))
+        live = np.flatnonzero(sizes)
+        if cached is not None and cached[5] == self._slots_epoch \
+                and np.array_equal(cached[0], live):
+            workers, rows = cached[1], cached[3]
+        else:
+            workers = [self._keys[s] for s in live.tolist()]  # type: ignore[misc]
+            rows = {w: i for i, w in enumerate(workers)}
+        self._columns_cache = (live, workers, sizes[live], rows, self._sizes_epoch,
+                               self._slots_epoch)
+        return self._columns_cache
 
     def tree_size(self, worker: WorkerKey) -> int:
         slot = self._slots.get(worker)
@@ -439,7 +442,7 @@ class PrefixIndex:
         self.expire(now)
         if not seq_hashes:
             return
-        self._sizes_cache = None
+        self._sizes_changed()
         slot = self._slot_for(worker)
         bmap = self._blocks[slot]
         nodes = self._nodes
@@ -502,7 +505,7 @@ class PrefixIndex:
             self._drop_entry(*entry)
             dropped += 1
         if dropped:
-            self._sizes_cache = None
+            self._sizes_changed()
             self._count("expired", "ok", dropped)
         return dropped
 
@@ -585,16 +588,8 @@ class PrefixIndex:
             held.append((slot, restore_slot(index, slot, block_hashes, seqs, parents, roots)))
         index._nodes = node_masks(held)
         for row in obj["expiry"]:
-            index._restore_expiry((str(row[0]), int(row[1])),
-                                  *(expiry_v1(row[2]) if legacy else expiry_v2(*row[2:])))
+            restore_expiry(index, (str(row[0]), int(row[1])),
+                           *(expiry_v1(row[2]) if legacy else expiry_v2(*row[2:])))
         heapq.heapify(index._heap)
         index.counters = {(t, s): int(n) for t, s, n in obj["counters"]}
         return index
-
-    def _restore_expiry(self, worker: WorkerKey, seqs: list[int], expires: list[float],
-                        depths: list[int]) -> None:
-        slot = self._slots[worker]
-        self._expiry.update(zip(zip(repeat(slot), seqs), zip(expires, depths, strict=True),
-                                strict=False))  # repeat() is endless
-        self._heap.extend(zip(expires, map(neg, depths), repeat(worker[0]), repeat(worker[1]),
-                              seqs, strict=False))

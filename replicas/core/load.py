@@ -24,7 +24,7 @@ two replicas that applied the same events agree on it whatever order the request
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, KeysView, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -334,6 +334,11 @@ class ActiveLoad:
             else:
                 hi = mid
         return lo
+
+    def loaded_workers(self) -> KeysView[WorkerKey]:
+        """The worker ranks with requests in flight (a live view: every other rank's load is 0
+        and it holds no active block)."""
+        return self._workers.keys()
 
     def workers(self) -> set[WorkerKey]:
         """Workers with at least one active request."""

@@ -9,7 +9,7 @@ blocks on one worker rank — and gives it back when the decision is applied fro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import KeysView, Sequence
 from dataclasses import dataclass
 
 from replicas.core import disagg
@@ -90,6 +90,11 @@ class Overlay:
         self._prefill.clear()
         self._decode.clear()
         self._count.clear()
+
+    def pending_workers(self) -> KeysView[WorkerKey]:
+        """The worker ranks with decisions pending here (a live view; every other rank's
+        pending prefill tokens and decode blocks are 0)."""
+        return self._count.keys()
 
     def prefill_tokens(self, worker: WorkerKey) -> int:
         return self._prefill.get(worker, 0)

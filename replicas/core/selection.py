@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, overload
@@ -169,11 +169,14 @@ class CostTable(Sequence[CostTerms]):
     plain tuple; ``as_tuple()`` gives one for encoders that want a real tuple.
     """
 
-    __slots__ = ("_bs", "_busy", "_candidates", "_isl", "_qw", "_terms", "_weight")
+    __slots__ = ("_bs", "_busy", "_candidates", "_count", "_isl", "_make", "_qw", "_terms",
+                 "_weight")
 
     def __init__(self, candidates: tuple[Candidate, ...], isl_tokens: int, weight: float,
                  block_size: int, busy: frozenset[str], queue_weight: float | None = None) -> None:
-        self._candidates = candidates
+        self._candidates: tuple[Candidate, ...] | None = candidates
+        self._make: Callable[[], tuple[Candidate, ...]] | None = None
+        self._count = len(candidates)
         self._isl = isl_tokens
         self._weight = weight
         self._bs = block_size
@@ -181,12 +184,28 @@ class CostTable(Sequence[CostTerms]):
         self._qw = queue_weight
         self._terms: tuple[CostTerms, ...] | None = None
 
+    @classmethod
+    def lazy(cls, make: Callable[[], tuple[Candidate, ...]], count: int, isl_tokens: int,
+             weight: float, block_size: int, busy: frozenset[str],
+             queue_weight: float | None = None) -> CostTable:
+        """A table whose ``count`` candidates ``make`` builds when first read (a decision over
+        candidate columns builds no objects unless someone reads its costs)."""
+        table = cls((), isl_tokens, weight, block_size, busy, queue_weight)
+        table._candidates, table._make, table._count = None, make, count
+        return table
+
+    def _rows(self) -> tuple[Candidate, ...]:
+        if self._candidates is None:
+            assert self._make is not None
+            self._candidates, self._make = self._make(), None
+        return self._candidates
+
     def rows(self) -> list[tuple[str, int, int, float, float, float, bool]]:
         """Plain `(worker_id, dp_rank, overlap, prefill_blocks, decode_blocks, cost, busy)`
         rows: what a `RequestRouted` carries for the decision ledger (cheap to encode)."""
         isl, w, bs, busy, qw = self._isl, self._weight, self._bs, self._busy, self._qw
         out = []
-        for c in self._candidates:
+        for c in self._rows():
             prefill, decode, cost = _terms(c, isl, w, bs, qw)
             out.append((c.worker[0], c.worker[1], c.overlap_blocks, prefill, float(decode), cost,
                         c.worker[0] in busy))
@@ -197,7 +216,7 @@ class CostTable(Sequence[CostTerms]):
             isl, w, bs, busy = self._isl, self._weight, self._bs, self._busy
             self._terms = tuple(
                 cost_terms(c, isl, w, bs, c.worker[0] in busy, self._qw)
-                for c in self._candidates
+                for c in self._rows()
             )
         return self._terms
 
@@ -209,7 +228,7 @@ class CostTable(Sequence[CostTerms]):
         return self.as_tuple()[i]
 
     def __len__(self) -> int:
-        return len(self._candidates)
+        return self._count
 
     def __iter__(self) -> Iterator[CostTerms]:
         return iter(self.as_tuple())
@@ -435,4 +454,10 @@ class Selector:
 def _random_of(indices: list[int], cands: Sequence[Candidate], rng: random.Random) -> int:
     """Uniform pick; sorted by worker first so the draw does not depend on candidate order."""
     order = sorted(indices, key=lambda i: cands[i].worker)
+    return order[rng.randrange(len(order))]
+
+
+def random_of(indices: list[int], workers: Sequence[WorkerKey], rng: random.Random) -> int:
+    """``_random_of`` for rows whose worker keys are ``workers`` (the same draw)."""
+    order = sorted(indices, key=workers.__getitem__)
     return order[rng.randrange(len(order))]

@@ -135,6 +135,9 @@ class RouterState:
         self.thresholds: dict[str, BusyThresholds] = {}
         self.snapshot_threshold: int | None = None
         self.health: dict[str, str] = {}
+        # Bumped whenever workers or their health change (registered, retired, health changed):
+        # whoever keeps a view of the roster (the candidate rows) knows when to rebuild it.
+        self.roster_version = 0
         self.last_event_id: dict[str, int] = {}
         self.out_of_sync: set[str] = set()
         self.last_snapshot: ev.SnapshotTaken | None = None
@@ -202,6 +205,7 @@ class RouterState:
     # KV stream
 
     def _worker_registered(self, e: ev.WorkerRegistered) -> str:
+        self.roster_version += 1
         restarted = e.worker_id in self.workers
         self.lost_workers.pop(e.worker_id, None)
         info = WorkerInfo(e.worker_id, e.url, e.model, e.block_size, e.kv_total_blocks,
@@ -225,6 +229,7 @@ class RouterState:
         return "restarted" if restarted else "ok"
 
     def _worker_retired(self, e: ev.WorkerRetired) -> str:
+        self.roster_version += 1
         info = self.workers.pop(e.worker_id, None)
         known = info is not None or self.refused_workers.pop(e.worker_id, None) is not None
         if info is not None and e.reason != "shutdown":
@@ -426,6 +431,7 @@ class RouterState:
         return self.tenants.revoke_key(e)
 
     def _worker_health_changed(self, e: ev.WorkerHealthChanged) -> str:
+        self.roster_version += 1
         self.health[e.worker_id] = e.status
         return "ok"
 

@@ -24,8 +24,11 @@ from eventlog import events as ev
 from eventlog.appender import AppendFailed
 from eventlog.names import ROUTER
 from replicas.core import disagg
+from replicas.core.candidate_columns import COLUMNS_FROM_ROWS, select_columns
 from replicas.core.candidates import (
     HEALTH_WEIGHT,
+    CandidateRowCache,
+    build_candidate_columns,
     build_candidates,
     check_routable,
     request_hashes,
@@ -118,6 +121,7 @@ class Dispatcher:
         self.rng = rng
         self.selector = Selector(config.routing)
         self.overlay = Overlay()
+        self.candidate_rows = CandidateRowCache()  # who may be picked, until the roster moves
         self.sticky = StickyOverlay()  # pins routed here and not yet applied from the stream
         # Tenant admissions made here and not yet applied from the stream.
         self.tenant_pending = TenantPending()
@@ -202,19 +206,38 @@ class Dispatcher:
         seq_hashes = request_hashes(state, req.model, req.token_ids,
                                     self.config.state.block_size, req.cache_salt)
         t1 = time.perf_counter()
-        cands = self.candidates(req.model, seq_hashes, req.exclude, req.phase)
-        if only is not None:
-            cands = [c for c in cands if c.worker == only]
-        t2 = time.perf_counter()
         weight = disagg.DECODE_TRANSFER_WEIGHT if req.phase == disagg.DECODE \
             else req.overlap_weight
-        result = self.selector.select(cands, len(req.token_ids), self.rng,
-                                      overlap_weight=weight,
-                                      thresholds=self.thresholds_for(req.model))
-        if only is not None and isinstance(result, Overloaded) and cands:
+        thresholds = self.thresholds_for(req.model)
+        rows = self.candidate_rows.get(state, req.model, req.exclude, req.phase)
+        pinned_overlap: int | None = None
+        if len(rows.workers) >= COLUMNS_FROM_ROWS:
+            # Columns, not a Candidate object per row: the same decision (candidate_columns.py)
+            # for a fraction of the cost at fleet size.
+            routing = self.config.routing
+            columns = build_candidate_columns(
+                state, req.model, seq_hashes, exclude=req.exclude, overlay=self.overlay,
+                phase=req.phase, assume_kv_reuse=self.config.assume_kv_reuse,
+                track_active_blocks=routing.track_active_blocks,
+                track_prefill_tokens=routing.track_prefill_tokens, rows=rows)
+            if only is not None:
+                columns = columns.take([i for i, k in enumerate(columns.workers) if k == only])
+                pinned_overlap = int(columns.overlap_blocks[0]) if len(columns) else None
+            t2 = time.perf_counter()
+            result = select_columns(self.selector, columns, len(req.token_ids), self.rng,
+                                    overlap_weight=weight, thresholds=thresholds)
+        else:
+            cands = self.candidates(req.model, seq_hashes, req.exclude, req.phase)
+            if only is not None:
+                cands = [c for c in cands if c.worker == only]
+                pinned_overlap = cands[0].overlap_blocks if cands else None
+            t2 = time.perf_counter()
+            result = self.selector.select(cands, len(req.token_ids), self.rng,
+                                          overlap_weight=weight, thresholds=thresholds)
+        if only is not None and isinstance(result, Overloaded) and pinned_overlap is not None:
             # A session stays on its engine even when that engine is over a busy threshold:
             # its cache holds the conversation, and the pin bypasses scoring (as in Dynamo).
-            result = Decision(only, cands[0].overlap_blocks, result.costs)
+            result = Decision(only, pinned_overlap, result.costs)
         t3 = time.perf_counter()
         return result, seq_hashes, {"hashing": t1 - t0, "matching": t2 - t1,
                                     "selection": t3 - t2, "total": t3 - t0}

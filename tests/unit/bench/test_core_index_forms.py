@@ -22,3 +22,18 @@ def test_both_forms_report_memory_and_ratios(capsys: pytest.CaptureFixture[str])
         assert figures["decision_picked_cached_worker"] >= 0
     assert result["ratios"]["index_blocks"] == 1.0
     assert "index_array_bytes_per_held_block" in result
+
+
+def test_both_decision_paths_in_one_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert core.main(["--json", "--index", "both", "--decision-path", "both", "--workers", "4",
+                      "--blocks", "3000", "--prompt-tokens", "512", "--samples", "20",
+                      "--replay-batches", "0", "--replication-requests", "0"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for figures in (result, result["reference"]):
+        assert figures["decision_path"] == "fast"
+        assert figures["pure_path"]["decision_path"] == "pure"
+        # the same workload and tie breaks: both paths pick the cached worker alike
+        assert figures["decision_picked_cached_worker"] == \
+            figures["pure_path"]["decision_picked_cached_worker"]
+        assert "decision_p50_us" in figures["path_ratios"]
+        assert figures["paths_differed_samples"] == 0

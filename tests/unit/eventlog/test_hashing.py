@@ -1,9 +1,12 @@
-"""Block hashing: tokens_hash equals xxh3 directly, partial blocks are skipped, the chain chains."""
+"""Block hashing: tokens_hash equals xxh3 directly, partial blocks are skipped, the chain chains.
+
+Every test runs twice: with the compiled hashing (when it is built) and with the Python code."""
 
 from __future__ import annotations
 
 import random
 import struct
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from eventlog import compiled
 from eventlog.hashing import (
     MASK64,
     SEED,
@@ -21,6 +25,17 @@ from eventlog.hashing import (
 )
 
 u64 = st.integers(min_value=0, max_value=MASK64)
+
+
+@pytest.fixture(autouse=True, scope="module", params=["compiled", "python"])
+def hashing_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Module-scoped, so hypothesis tests take it too (they refuse function-scoped fixtures)."""
+    was = compiled.active() is not None
+    if request.param == "compiled" and not compiled.available():
+        pytest.skip("the compiled hashing is not built here")
+    compiled.use_compiled(request.param == "compiled")
+    yield request.param
+    compiled.use_compiled(was)
 
 
 def reference_tokens_hashes(tokens: list[int], block_size: int) -> list[int]:

@@ -65,7 +65,9 @@ QUERIES = [sequence_hashes(list(q)) for q in
 
 def answers(index: Index, keys: list[WorkerKey], queries: list[list[int]]) -> tuple[object, ...]:
     return (index.digest, index.total_blocks, index.node_count, sorted(index.counters.items()),
-            [index.find_matches(q) for q in queries], [index.tree_size(k) for k in keys])
+            [index.find_matches(q) for q in queries], [index.tree_size(k) for k in keys],
+            # the columns answer too: the same scores once turned back into dicts
+            [index.match_columns(q).to_scores() for q in queries])
 
 
 def through_msgpack(index: Index) -> object:
@@ -182,3 +184,50 @@ def test_hand_picked_sequences_agree() -> None:
     ]
     for ops in cases:
         check_agree(ops, KEYS, [[1, 2, 3, 4, 5, 1, 2, 3]])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_match_columns_follow_every_event(data: st.DataObject) -> None:
+    """Queried after each event (its cached rows and sizes must follow every change, including a
+    slot given to another worker), ``match_columns`` gives ``find_matches``' answer."""
+    keys = workers(data.draw(st.integers(min_value=1, max_value=8)))
+    ops = data.draw(st.lists(op_strategy(keys), max_size=25))
+    # queried after some events only: a slot freed and given to another worker in between
+    ask = data.draw(st.lists(st.booleans(), min_size=len(ops), max_size=len(ops)))
+    for form in (index_reference.PrefixIndex, PrefixIndex):
+        index = form()
+        for op, query in zip(ops, ask, strict=True):
+            apply(index, op)
+            for q in QUERIES[:4] if query else ():
+                assert index.match_columns(q).to_scores() == index.find_matches(q)
+
+
+def test_match_columns_after_a_slot_changes_hands_between_queries() -> None:
+    q = QUERIES[2]
+    for form in (index_reference.PrefixIndex, PrefixIndex):
+        index = form()
+        index.store(("a", 0), None, [(1, 1), (2, 2)])
+        index.store(("b", 0), None, [(3, 1)])
+        assert index.match_columns(q).to_scores() == index.find_matches(q)
+        index.remove_worker("a")  # frees a's slot ...
+        index.store(("c", 0), None, [(4, 1), (5, 2), (6, 3)])  # ... and c takes it
+        columns = index.match_columns(q)
+        assert columns.to_scores() == index.find_matches(q)
+        assert sorted(columns.workers) == [("b", 0), ("c", 0)]
+
+
+def test_match_columns_follow_approximate_mode_expiry() -> None:
+    q = QUERIES[2]
+    for form in (index_reference.PrefixIndex, PrefixIndex):
+        index = form(approximate=True, ttl_secs=10.0)
+        index.store_routed(("a", 0), q, now=1.0)
+        assert index.match_columns(q).to_scores() == index.find_matches(q)
+        index.store_routed(("b", 0), q[:2], now=5.0)
+        assert dict(zip(index.match_columns(q).workers,
+                        index.match_columns(q).overlap_blocks.tolist(), strict=True)) == {
+            ("a", 0): 3, ("b", 0): 2}
+        index.expire(12.0)  # a's entries expire; b's stay
+        columns = index.match_columns(q)
+        assert columns.to_scores() == index.find_matches(q)
+        assert columns.workers == [("b", 0)]
