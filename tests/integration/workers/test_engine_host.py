@@ -1,7 +1,7 @@
 """Several simulated engines in one process (`jetrouter worker --engines N`, started by
 `LocalCluster(engines_per_process=N)`): to a replica they are N workers, each registered with its
-own URL, each served a request routed to it, each one's KV events in the index; SIGTERM drains
-them all and the process exits 0.
+own URL, each served a request routed to it, each one's KV events in the index; a killed host
+comes back with all its engines; SIGTERM drains them all and the process exits 0.
 
 Real nats-server, a real replica and real sockets; three engines keep it to seconds.
 """
@@ -62,4 +62,10 @@ async def test_three_engines_in_one_process_are_three_workers_to_the_router(
                     what="every hosted engine served a routed request")
         await until(workers, lambda ws: all(ws[w]["cached_blocks"] >= 4 for w in ENGINES),
                     timeout=30, what="every engine's KV events in the index")
+
+        # the process dies: all three go with it, and come back together on the same ports
+        cluster.kill(host.name)
+        await until(lambda: host.restarts, lambda n: n == 1, timeout=30, what="host restarted")
+        await cluster.wait_ready([host.name])
+        assert cluster.worker_urls == list(host.engines.values())
     assert host.last_returncode == 0  # SIGTERM drained all three engines
