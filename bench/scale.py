@@ -2,16 +2,20 @@
 
 For each replica count in ``--replicas`` (default 1, 2, 4, … up to what ``os.cpu_count()`` can hold)
 a fresh `launch.local_cluster.LocalCluster` starts with ``--nats-cluster`` nats-servers (default 3)
-and ``--workers`` fast simulated engines (``--worker-speedup-ratio``). A load generator of
-``--load-processes`` OS processes (each an asyncio loop of keep-alive HTTP/1.1 connections, no HTTP
-library in the way) sends closed-loop ``/v1/completions`` requests — token-id prompts, a few shared
-prefixes plus a unique suffix, ``--max-tokens`` output tokens — spread over the replicas.
+and ``--workers`` (alias ``--engines``) fast simulated engines (``--worker-speedup-ratio``); past
+one engine per CPU core they share processes (``--engines-per-process``, `jetrouter worker
+--engines`), so a 256-engine fleet is a few processes, each engine still a worker of its own. A
+load generator of ``--load-processes`` OS processes (each an asyncio loop of keep-alive HTTP/1.1
+connections, no HTTP library in the way) sends closed-loop ``/v1/completions`` requests — token-id
+prompts, ``--prefixes`` shared prefixes plus a unique suffix, ``--max-tokens`` output tokens —
+spread over the replicas.
 
 Measured over ``--duration`` seconds after ``--warmup``:
 
 * aggregate routed req/s (requests answered 200 inside the window, summed over processes);
 * per replica, CPU cores used by the replica process and, apart, by its children (the projector),
-  from ``/proc/<pid>/stat``;
+  from ``/proc/<pid>/stat``, and its CPU per request routed through it (routing, forwarding and
+  applying every replica's events); all replicas' CPU together per request;
 * per replica, the replication share: seconds it spent decoding and applying *other* replicas'
   router-stream messages (its ``/admin/state`` ``replication`` counter) over its own CPU seconds;
 * router-stream messages per request (each one is delivered to and applied by every replica);
@@ -49,6 +53,12 @@ MODEL = "jetrouter-sim"
 VOCAB = 30_000
 
 
+def engines_per_process(engines: int, asked: int, cpus: int) -> int:
+    """``asked`` when given, else as many per process as keep the engine processes to one per
+    core (a few hundred fast simulated engines cost a few processes, not hundreds)."""
+    return asked if asked > 0 else max(1, -(-engines // max(cpus, 1)))
+
+
 def default_replica_counts(cpus: int) -> list[int]:
     """1, 2, 4, … while each replica can still have about one core (at least 1, 2, 4)."""
     top = max(4, cpus // 2)
@@ -63,8 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cpus = os.cpu_count() or 2
     p.add_argument("--replicas", default=",".join(map(str, default_replica_counts(cpus))),
                    help="comma-separated replica counts to run (default scales with CPUs)")
-    p.add_argument("--workers", type=int, default=max(2, cpus // 2),
+    p.add_argument("--workers", "--engines", type=int, default=max(2, cpus // 2),
                    help="simulated engines per cluster")
+    p.add_argument("--engines-per-process", type=int, default=0,
+                   help="simulated engines sharing one OS process (`jetrouter worker --engines`); "
+                        "0: one process per CPU core at most, ceil(engines / CPUs) each")
     p.add_argument("--worker-speedup-ratio", type=float, default=1000.0,
                    help="simulated engine speed (high: the router is what is measured)")
     p.add_argument("--nats-cluster", type=int, default=3, help="nats-servers in the cluster")
@@ -108,10 +121,12 @@ def _bodies(plan: LoadPlan) -> tuple[list[list[int]], random.Random]:
 async def _drive(plan: LoadPlan) -> dict[str, Any]:
     prefixes, rng = _bodies(plan)
     suffix_len = plan.prompt_tokens - len(prefixes[0])
-    counts = {"ok": 0, "errors": 0, "ok_total": 0}
+    counts: dict[str, Any] = {"ok": 0, "errors": 0, "ok_total": 0,
+                              "by_url": dict.fromkeys(plan.urls, 0)}  # ok in the window
 
     async def connection(i: int) -> None:
-        conn = RawConnection(*split_url(plan.urls[i % len(plan.urls)]))
+        url = plan.urls[i % len(plan.urls)]
+        conn = RawConnection(*split_url(url))
         try:
             while time.time() < plan.end_at:
                 prompt = rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(suffix_len)]
@@ -128,6 +143,7 @@ async def _drive(plan: LoadPlan) -> dict[str, Any]:
                 if status == 200:
                     counts["ok_total"] += 1
                     counts["ok"] += inside
+                    counts["by_url"][url] += inside
                 else:
                     counts["errors"] += 1
         finally:
@@ -204,7 +220,9 @@ async def run_one(replicas: int, args: argparse.Namespace, root: Path) -> dict[s
     from launch.local_cluster import LocalCluster
 
     data = root / f"r{replicas}"
+    per_process = engines_per_process(args.workers, args.engines_per_process, os.cpu_count() or 1)
     cluster = LocalCluster(replicas=replicas, workers=args.workers, data_dir=data,
+                           engines_per_process=per_process,
                            namespace=f"scale{replicas}", nats_cluster=args.nats_cluster,
                            router_args=args.router_args.split(),
                            worker_args=["--speedup-ratio", str(args.worker_speedup_ratio)],
@@ -212,11 +230,12 @@ async def run_one(replicas: int, args: argparse.Namespace, root: Path) -> dict[s
     async with cluster, httpx.AsyncClient(timeout=10.0) as client:
         urls, token = cluster.router_urls, cluster.admin_token
         await _until(lambda: _admin_states(client, urls, token),
-                     lambda ss: all(s["workers"] == args.workers for s in ss), 60.0)
+                     lambda ss: all(s["workers"] == args.workers for s in ss), 120.0)
         pids = {c.name: c.pid for c in cluster.children.values()
                 if c.kind == "replica" and c.pid is not None}
+        names = {c.url: c.name for c in cluster.children.values() if c.kind == "replica"}
         others = {"engines": [c.pid for c in cluster.children.values()
-                              if c.kind == "worker" and c.pid is not None],
+                              if c.kind in ("worker", "engines") and c.pid is not None],
                   "nats": _nats_pids(cluster)}
         procs = max(args.load_processes, 1)
         conns = max(args.concurrency * replicas // procs, 1)
@@ -260,6 +279,11 @@ async def run_one(replicas: int, args: argparse.Namespace, root: Path) -> dict[s
         # figures must not hide: its requests failed over and its CPU counters restarted.
         exits = {c.name: c.exits for c in cluster.children.values()
                  if c.kind == "replica" and c.exits}
+        # how far the traffic spread: engines the index says hold blocks (they served requests)
+        listed = (await client.get(urls[0] + "/admin/workers",
+                                   headers={"authorization": f"Bearer {token}"})).json()
+        holding = sum(w["cached_blocks"] > 0 for w in listed["workers"])
+    routed = {n: sum(r["by_url"].get(u, 0) for r in results) for u, n in names.items()}
     per_replica = []
     for name in sorted(pids):
         own = cpu1[name][0] - cpu0[name][0]
@@ -269,17 +293,28 @@ async def run_one(replicas: int, args: argparse.Namespace, root: Path) -> dict[s
         per_replica.append({
             "replica": name,
             "cpu_cores": round(own / window, 2),
+            "requests": routed.get(name, 0),  # answered 200 through it inside the window
+            # its own CPU (routing, forwarding, applying every replica's events) per request
+            "cpu_ms_per_request": (round(own / routed[name] * 1e3, 3)
+                                   if routed.get(name) else None),
             "children_cpu_cores": round((cpu1[name][1] - cpu0[name][1]) / window, 2),
             "replication_share": round(spent / own, 3) if own > 0 else None,
             # CPU per peer router event applied (decode + apply), from the replica's counter
             "replication_us_per_event": round(spent / events * 1e6, 1) if events else None,
         })
     ok = sum(r["ok"] for r in results)
+    router_cpu = sum(cpu1[n][0] - cpu0[n][0] for n in pids)
     digests = {s["replica_id"]: s["digests"]["state"] for s in final or []}
     return {
         "replicas": replicas,
         "req_per_s": round(ok / args.duration, 1),
         "router_messages_per_request": round(messages / ok, 2) if ok else None,
+        # every replica's CPU together per routed request: what adding replicas costs in all
+        "router_cpu_ms_per_request": round(router_cpu / ok * 1e3, 3) if ok else None,
+        "engines": args.workers,
+        "engine_processes": len(others["engines"]),
+        "engines_holding_blocks": holding,
+        "engines_per_process": per_process,
         "errors": sum(r["errors"] for r in results),
         "per_replica": per_replica,
         "load_processes": procs,
@@ -316,8 +351,9 @@ async def run_scale(args: argparse.Namespace, log: Any = None) -> dict[str, Any]
     return {
         "runs": runs,
         "config": {k: getattr(args, k) for k in (
-            "workers", "worker_speedup_ratio", "nats_cluster", "load_processes", "concurrency",
-            "duration", "warmup", "prompt_tokens", "prefixes", "max_tokens", "router_args")},
+            "workers", "engines_per_process", "worker_speedup_ratio", "nats_cluster",
+            "load_processes", "concurrency", "duration", "warmup", "prompt_tokens", "prefixes",
+            "max_tokens", "router_args")},
         "machine": {"cpu_count": os.cpu_count(), "loadavg_1m": os.getloadavg()[0]},
     }
 
@@ -341,6 +377,15 @@ def format_report(result: dict[str, Any]) -> str:
                  for r in result["runs"] if r["replicas"] > 1]
     lines.append("replication CPU per peer router event (us), per replica: "
                  + ("; ".join(per_event) or "-"))
+    per_request = [f"{r['replicas']}: " + " ".join(str(p["cpu_ms_per_request"])
+                                                    for p in r["per_replica"])
+                   + f" (all replicas together {r['router_cpu_ms_per_request']})"
+                   for r in result["runs"]]
+    lines.append("replica CPU per request routed through it (ms), per replica: "
+                 + "; ".join(per_request))
+    lines.append("simulated engines: " + "; ".join(
+        f"{r['replicas']}: {r['engines']} in {r['engine_processes']} process(es), "
+        f"{r['engines_holding_blocks']} holding blocks" for r in result["runs"]))
     for r in result["runs"]:
         if r.get("replica_exits"):
             where = f" (logs: {r['logs']})" if "logs" in r else " (--data-dir keeps the logs)"

@@ -13,7 +13,7 @@ import os
 import signal
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +22,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 @dataclass
 class Child:
-    """One supervised child process (a replica or a worker); `proc` changes on every restart."""
+    """One supervised child process (a replica, a worker, or a host of several simulated
+    engines); `proc` changes on every restart."""
 
     name: str
-    kind: str  # "replica" | "worker"
+    kind: str  # "replica" | "worker" | "engines" (several workers in one process)
     argv: list[str]
-    url: str
+    url: str  # an engine host's: its first engine's
     probe_path: str  # "/ready" for replicas, "/health" for workers
     log_path: Path
+    engines: dict[str, str] = field(default_factory=dict)  # a host's worker ids -> their URLs
     proc: asyncio.subprocess.Process | None = None
     started_at: float = 0.0
     exits: int = 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import os
@@ -89,14 +90,22 @@ class LocalCluster:
         decode_workers: int = 0,
         standby: bool = False,
         stable_after: float = STABLE_AFTER,
+        engines_per_process: int = 1,
     ) -> None:
         # router_module: what `python -m` runs as `<module> serve ...` for each replica (a test
         # passes one that adds debug routes; the product never ships them).
         # workers=0: engines come from elsewhere (real engines behind `jetrouter bridge`).
         # prefill_workers / decode_workers: disaggregated serving, engines p0.. and d0.. with
         # those roles, besides the `workers` ones (w0.., role both).
+        # engines_per_process > 1: up to that many engines of one role share a process
+        # (`jetrouter worker --engines N`, a child named like w0-w15); each is still a worker of
+        # its own to the routers. For fleets of hundreds of simulated engines (bench scale).
         if replicas < 1 or min(workers, prefill_workers, decode_workers) < 0:
             raise ValueError("a cluster needs at least one replica and no negative workers")
+        if engines_per_process < 1 or (secure and engines_per_process > 1):
+            raise ValueError("engines_per_process must be at least 1, and 1 with secure=True "
+                             "(each engine connects to NATS as its own identity)")
+        self.engines_per_process = engines_per_process
         # One model folder for both sides: the router hashes exactly the ids the engines cache.
         model_args = ["--model-path", str(Path(model_path).resolve())] if model_path else []
         router_args = [*model_args, *router_args]
@@ -149,7 +158,9 @@ class LocalCluster:
 
     @property
     def worker_urls(self) -> list[str]:
-        return [c.url for c in self.children.values() if c.kind == "worker"]
+        """Every engine's URL, those sharing a process included."""
+        return [u for c in self.children.values() if c.kind in ("worker", "engines")
+                for u in (c.engines.values() or [c.url])]
 
     @property
     def processes(self) -> dict[str, int]:
@@ -278,14 +289,28 @@ class LocalCluster:
 
     # -- internals ---------------------------------------------------------------------------
 
+    def _engine_groups(self) -> list[tuple[Role, int, int]]:
+        """(role, first number, engines) of each worker child: up to `engines_per_process`
+        engines of one role, numbered per role, in the order of `self.roles`."""
+        groups = []
+        for role in dict.fromkeys(self.roles):
+            total = self.roles.count(role)
+            for first in range(0, total, self.engines_per_process):
+                groups.append((role, first, min(self.engines_per_process, total - first)))
+        return groups
+
     def _plan_children(self) -> None:
+        groups = self._engine_groups()
         if self.base_port is None:
-            ports = nats_server.free_ports(self.replicas + self.workers)
-            replica_ports, worker_ports = ports[: self.replicas], ports[self.replicas:]
+            replica_ports = nats_server.free_ports(self.replicas)
+            # a child of n engines serves on n consecutive ports (`worker --engines n --port P`)
+            worker_ports = [nats_server.free_port_run(n) for _, _, n in groups]
         else:
             replica_ports = [self.base_port + REPLICA_PORT_OFFSET + i for i in range(self.replicas)]
-            worker_ports = [self.base_port + WORKER_PORT_OFFSET + i for i in range(self.workers)]
-            busy = [p for p in replica_ports + worker_ports if port_in_use(p)]
+            every = [self.base_port + WORKER_PORT_OFFSET + i for i in range(self.workers)]
+            starts = list(itertools.accumulate((n for _, _, n in groups), initial=0))[:-1]
+            worker_ports = [every[i] for i in starts]
+            busy = [p for p in replica_ports + every if port_in_use(p)]
             if busy:
                 raise ClusterStartError(
                     f"port(s) {', '.join(map(str, busy))} already in use; choose another "
@@ -295,12 +320,15 @@ class LocalCluster:
             name = f"r{i}"
             self.children[name] = Child(name, "replica", [], f"http://127.0.0.1:{port}",
                                         "/ready", logs / f"{name}.log")
-        counts: dict[str, int] = {}
-        for role, port in zip(self.roles, worker_ports, strict=True):
-            n = counts[role] = counts.get(role, -1) + 1
-            name = f"{_ROLE_PREFIX[role]}{n}"
-            self.children[name] = Child(name, "worker", [], f"http://127.0.0.1:{port}",
-                                        "/health", logs / f"{name}.log")
+        for (role, first, n), port in zip(groups, worker_ports, strict=True):
+            prefix = _ROLE_PREFIX[role]
+            name = f"{prefix}{first}" if n == 1 else f"{prefix}{first}-{prefix}{first + n - 1}"
+            child = self.children[name] = Child(
+                name, "worker" if n == 1 else "engines", [], f"http://127.0.0.1:{port}",
+                "/health", logs / f"{name}.log")
+            if n > 1:
+                child.engines = {f"{prefix}{first + i}": f"http://127.0.0.1:{port + i}"
+                                 for i in range(n)}
             if role != Role.BOTH:
                 self._roles[name] = role
 
@@ -329,8 +357,13 @@ class LocalCluster:
                           f"--admin-token={self.admin_token}", *self.router_args]
         else:
             role = self._roles.get(child.name)
+            first = next(iter(child.engines), "")
+            prefix = first.rstrip("0123456789")
+            ids = (["--worker-id", prefix, "--engines", str(len(child.engines)),
+                    "--engine-offset", first[len(prefix):]] if child.engines
+                   else ["--worker-id", child.name])
             child.argv = [sys.executable, "-m", "api.cli", "worker", *common,
-                          "--worker-id", child.name, "--nats-url", self.nats_url,
+                          *ids, "--nats-url", self.nats_url,
                           "--namespace", self.namespace, *self.worker_args,
                           *(["--role", role] if role else [])]
 
@@ -460,23 +493,27 @@ class LocalCluster:
         """A child on a port `up` picked (no --base-port) whose port another process took while
         it was down comes back on a fresh port: restarting it on the taken one would fail every
         time. cluster.json and the child's own announcement carry the new URL."""
-        port = int(child.url.rsplit(":", 1)[1])
-        if self.base_port is not None or not port_in_use(port):
+        ports = [int(u.rsplit(":", 1)[1]) for u in (child.engines.values() or [child.url])]
+        if self.base_port is not None or not any(map(port_in_use, ports)):
             return
-        fresh = nats_server.free_port()
-        log.warning("%s: port %d is taken by another process; restarting it on port %d",
-                    child.name, port, fresh)
+        fresh = nats_server.free_port_run(len(ports))
+        log.warning("%s: port(s) %s taken by another process; restarting it on port %d",
+                    child.name, ports, fresh)
         child.url = f"http://127.0.0.1:{fresh}"
+        child.engines = {w: f"http://127.0.0.1:{fresh + i}" for i, w in enumerate(child.engines)}
         self._finish_argv(child)
 
     async def _probe(self, client: httpx.AsyncClient, child: Child) -> bool:
         if not child.running:
             return False
-        try:
-            resp = await client.get(child.url + child.probe_path)
-        except httpx.HTTPError:
-            return False
-        return resp.status_code == 200
+        for url in child.engines.values() or [child.url]:  # an engine host: every engine
+            try:
+                resp = await client.get(url + child.probe_path)
+            except httpx.HTTPError:
+                return False
+            if resp.status_code != 200:
+                return False
+        return True
 
     def _signal(self, child: Child, sig: int) -> None:
         proc = child.proc
@@ -501,6 +538,10 @@ class LocalCluster:
         def entry(c: Child) -> dict[str, Any]:
             return {"id": c.name, "url": c.url, "pid": c.pid if c.running else None}
 
+        def engines(c: Child) -> list[dict[str, Any]]:
+            return [{"id": w, "url": u, "pid": c.pid if c.running else None, "process": c.name}
+                    for w, u in c.engines.items()] if c.engines else [entry(c)]
+
         kids = self.children.values()
         secured = {"nats_secure": self.secure_setup.describe()} if self.secure_setup else {}
         return {
@@ -510,7 +551,7 @@ class LocalCluster:
             "admin_token": self.admin_token,
             "state": "stopped" if self._closed else "running",
             "replicas": [entry(c) for c in kids if c.kind == "replica"],
-            "workers": [entry(c) for c in kids if c.kind == "worker"],
+            "workers": [e for c in kids if c.kind in ("worker", "engines") for e in engines(c)],
         }
 
     def _write_private(self, path: Path, text: str) -> None:

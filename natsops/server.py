@@ -112,6 +112,22 @@ def free_ports(count: int) -> list[int]:
     return [free_port() for _ in range(count)]
 
 
+def free_port_run(count: int, host: str = LOOPBACK) -> int:
+    """The first of `count` consecutive ports that were all free a moment ago (for a process
+    that serves on PORT, PORT+1, ...), drawn like `free_port`'s and never handed out before."""
+    if count == 1:
+        return free_port(host)
+    span = _listen_range() or (_LISTEN_FLOOR, 32_767)
+    draw = random.SystemRandom()
+    for _ in range(_PICK_ATTEMPTS):
+        first = draw.randint(span[0], span[1] - count + 1)
+        run = range(first, first + count)
+        if _HANDED_OUT.isdisjoint(run) and all(_bindable(host, p) for p in run):
+            _HANDED_OUT.update(run)
+            return first
+    raise OSError(f"no {count} consecutive free TCP ports found on {host}")
+
+
 def _http_json(url: str, timeout: float = 0.5) -> tuple[int, Any]:
     """GET ``url``; (status, parsed JSON or None). Connection errors give status 0."""
     try:

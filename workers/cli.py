@@ -1,4 +1,5 @@
-"""`jetrouter worker`: run one simulated inference engine (its options: workers/config.py)."""
+"""`jetrouter worker`: run one simulated inference engine, or ``--engines N`` of them in this
+process (workers/engine_host.py); its options: workers/config.py."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from eventlog.names import check_token
 from settings.flags import CliError, add_options
 from tokenization.model_tokenizer import load_codec
 from workers.config import LINEAR_CONSTANTS, WORKER
+from workers.engine_host import hosted_settings, serve_engines
 from workers.perf_model import LINEAR
 from workers.scheduler import EngineConfig
 from workers.server import WorkerSettings, serve
@@ -42,7 +44,8 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         transfer_ms_per_block=args.transfer_ms_per_block,
     )
     return WorkerSettings(
-        worker_id=args.worker_id or f"w-{uuid.uuid4().hex[:8]}",
+        # several engines: the id is their prefix, so the random one ends in "-" (w-1a2b3c4d-0)
+        worker_id=args.worker_id or f"w-{uuid.uuid4().hex[:8]}{'-' if args.engines > 1 else ''}",
         model=args.model,
         host=args.host,
         port=args.port,
@@ -75,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
             # engine serving requests whose cache events never reach the routers.
             check_connect_sync(settings.nats.with_servers(settings.nats_url),
                                name=f"jetrouter-worker-{settings.worker_id}")
+        hosted = (hosted_settings(settings, args.engines, args.engine_offset)
+                  if args.engines > 1 else None)
     except (ValueError, NatsConnectFatal) as exc:
         raise CliError(str(exc)) from None
+    if hosted is not None:
+        return serve_engines(hosted)
     return serve(settings)

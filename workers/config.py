@@ -38,6 +38,11 @@ PROCESS = Group(
     Option("shutdown-timeout", float, 30.0,
            "seconds in-flight requests get to finish after SIGTERM"),
     Option("log-level", default="warning", choices=("debug", "info", "warning", "error")),
+    Option("engines", int, 1,
+           "simulated engines in this one process, each a worker of its own: ids "
+           "<worker-id><i>, ports PORT+0.. (workers/engine_host.py)", at_least=1),
+    Option("engine-offset", int, 0,
+           "with --engines: number the engines' worker ids from this", at_least=0),
 )
 
 ENGINE_MODEL = Group(

@@ -377,7 +377,7 @@ async def _complete(runtime: WorkerRuntime, request: Request, handle: RequestHan
     return JSONResponse(body, headers=headers)
 
 
-class _WorkerServer(uvicorn.Server):
+class WorkerServer(uvicorn.Server):
     """uvicorn with the worker's start-up announcement and graceful SIGTERM."""
 
     def __init__(self, config: uvicorn.Config, runtime: WorkerRuntime) -> None:
@@ -409,12 +409,18 @@ class _WorkerServer(uvicorn.Server):
         self._captured_signals.clear()
 
 
-def serve(settings: WorkerSettings) -> int:
+def build_server(settings: WorkerSettings, kind: type[WorkerServer] = WorkerServer
+                 ) -> WorkerServer:
+    """One engine's runtime, app and uvicorn server, not yet started."""
     runtime = WorkerRuntime(settings)
     config = uvicorn.Config(
         FrontDoor(create_app(runtime)), host=settings.host, port=settings.port, log_level="warning",
         timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout)), access_log=False)
-    server = _WorkerServer(config, runtime)
+    return kind(config, runtime)
+
+
+def serve(settings: WorkerSettings) -> int:
+    server = build_server(settings)
     server.run()
     if server.started:
         return 0

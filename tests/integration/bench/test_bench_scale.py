@@ -1,5 +1,5 @@
-"""`jetrouter bench scale` at its smallest size: one replica, one engine, a second of load. Checks
-the report's shape (never its timings)."""
+"""`jetrouter bench scale` at its smallest size: one replica, two engines sharing one process, a
+second of load. Checks the report's shape (never its timings)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ pytestmark = pytest.mark.timeout(180)
 def test_bench_scale_smallest_size_reports_every_figure(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "api.cli", "bench", "scale", "--json", "--replicas", "1",
-         "--workers", "1", "--nats-cluster", "1", "--load-processes", "1", "--concurrency", "2",
+         "--engines", "2", "--engines-per-process", "2", "--nats-cluster", "1",
+         "--load-processes", "1", "--concurrency", "2",
          "--duration", "1", "--warmup", "0.5", "--data-dir", str(tmp_path / "kept")],
         capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -25,10 +26,15 @@ def test_bench_scale_smallest_size_reports_every_figure(tmp_path: Path) -> None:
     assert run["replicas"] == 1 and run["digests_equal"] is True
     assert run["req_per_s"] > 0 and run["errors"] == 0 and run["router_messages_per_request"] > 0
     assert len(run["load_cpu_cores"]) == run["load_processes"] == 1
+    assert (run["engines"], run["engine_processes"], run["engines_per_process"]) == (2, 1, 2)
+    assert 1 <= run["engines_holding_blocks"] <= 2
     (replica,) = run["per_replica"]
     assert set(replica) == {"replica", "cpu_cores", "children_cpu_cores", "replication_share",
-                            "replication_us_per_event"}
-    assert replica["cpu_cores"] > 0
+                            "replication_us_per_event", "requests", "cpu_ms_per_request"}
+    assert replica["cpu_cores"] > 0 and replica["cpu_ms_per_request"] > 0
+    assert replica["requests"] == run["req_per_s"] > 0  # the only replica: all, in 1 s
+    assert run["router_cpu_ms_per_request"] == pytest.approx(replica["cpu_ms_per_request"],
+                                                             rel=0.01)
     assert replica["replication_share"] == 0.0  # no peers: nothing to replicate
     assert result["config"]["nats_cluster"] == 1 and result["machine"]["cpu_count"] >= 1
     assert run["replica_exits"] == {}  # no replica died and was restarted
