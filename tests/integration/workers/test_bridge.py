@@ -165,7 +165,8 @@ async def assert_index_matches_engine(nc: NATS, engine: EngineSim, worker_id: st
                 what="bridge caught up with the engine")
     state = await state_from_stream(nc, engine.block_size)
     truth = engine.truth_state(worker_id)
-    assert state.index.total_blocks == truth.index.total_blocks
+    assert state.index.total_blocks == truth.index.total_blocks, (
+        f"state counters: {dict(state.stats.counts)}")
     assert state.digests()["index"] == truth.digests()["index"]
     assert ("kv", "EventIdGap", "gap") not in state.stats.counts
     assert not any(status == "duplicate_event_id" for (_, _, status) in state.stats.counts)
@@ -370,7 +371,10 @@ async def test_bridge_sigkill_under_load_loses_nothing_and_applies_nothing_twice
     await until(appended_seq, lambda s: s > at + 20, timeout=60, what="last run appending")
     stop.set()
     await producer
-    await assert_index_matches_engine(nc, engine)
+    try:
+        await assert_index_matches_engine(nc, engine)
+    except AssertionError as exc:  # seen once in ~10 runs at load 10: keep what explains it
+        raise AssertionError(f"{exc}\n--- bridge logs ---\n{bridge.log()[-6000:]}") from None
     msgs = await kv_messages(nc, NAMES.kv_subject("e1"))
     events = all_events(msgs)
     assert sum(isinstance(e, WorkerRegistered) for e in events) == 1
