@@ -34,7 +34,9 @@ import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, overload
+from typing import Any, Protocol, overload
+
+import numpy as np
 
 from replicas.core.load import WorkerKey
 
@@ -161,6 +163,33 @@ def cost_terms(c: Candidate, isl_tokens: int, weight: float, block_size: int,
     return CostTerms(c.worker, c.overlap_blocks, prefill, decode, cost, busy)
 
 
+CostRow = tuple[str, int, int, float, float, float, bool]
+"""``eventlog.events.CandidateRow``: (worker_id, dp_rank, overlap_blocks, prefill_blocks,
+decode_blocks, cost, busy)."""
+
+
+class CandidateSource(Protocol):
+    """Candidates held as columns (``candidate_columns.CandidateColumns``): one row is built
+    only when asked for."""
+
+    workers: list[WorkerKey]
+
+    def row(self, i: int) -> Candidate: ...
+
+
+def cheapest_first(cost: np.ndarray, limit: int) -> list[int]:
+    """Indices of the ``limit`` smallest of ``cost``, smallest first; equal costs in index order,
+    NaN after every number. Only the rows at or under the ``limit``-th cost are sorted."""
+    n = len(cost)
+    if limit < n and not np.isnan(cost).any():
+        kth = np.partition(cost, limit - 1)[limit - 1]
+        under = np.flatnonzero(cost <= kth)  # ties at the boundary included, in index order
+        order = under[np.argsort(cost[under], kind="stable")]
+    else:
+        order = np.argsort(cost, kind="stable")  # stable: ties in index order, NaN last
+    return order[:limit].tolist()
+
+
 class CostTable(Sequence[CostTerms]):
     """Immutable, lazily built ``tuple[CostTerms, ...]`` (one per candidate, in input order).
 
@@ -169,8 +198,8 @@ class CostTable(Sequence[CostTerms]):
     plain tuple; ``as_tuple()`` gives one for encoders that want a real tuple.
     """
 
-    __slots__ = ("_bs", "_busy", "_candidates", "_count", "_isl", "_make", "_qw", "_terms",
-                 "_weight")
+    __slots__ = ("_bs", "_busy", "_candidates", "_columns", "_cost", "_count", "_isl", "_make",
+                 "_qw", "_terms", "_weight")
 
     def __init__(self, candidates: tuple[Candidate, ...], isl_tokens: int, weight: float,
                  block_size: int, busy: frozenset[str], queue_weight: float | None = None) -> None:
@@ -183,15 +212,21 @@ class CostTable(Sequence[CostTerms]):
         self._busy = busy
         self._qw = queue_weight
         self._terms: tuple[CostTerms, ...] | None = None
+        self._columns: CandidateSource | None = None
+        self._cost: np.ndarray | None = None
 
     @classmethod
     def lazy(cls, make: Callable[[], tuple[Candidate, ...]], count: int, isl_tokens: int,
              weight: float, block_size: int, busy: frozenset[str],
-             queue_weight: float | None = None) -> CostTable:
+             queue_weight: float | None = None, *, columns: CandidateSource | None = None,
+             cost: np.ndarray | None = None) -> CostTable:
         """A table whose ``count`` candidates ``make`` builds when first read (a decision over
-        candidate columns builds no objects unless someone reads its costs)."""
+        candidate columns builds no objects unless someone reads its costs). ``columns`` and
+        ``cost`` (each row's cost, as the formula gives it): :meth:`rows` with a limit builds
+        only the rows it keeps."""
         table = cls((), isl_tokens, weight, block_size, busy, queue_weight)
         table._candidates, table._make, table._count = None, make, count
+        table._columns, table._cost = columns, cost
         return table
 
     def _rows(self) -> tuple[Candidate, ...]:
@@ -200,16 +235,34 @@ class CostTable(Sequence[CostTerms]):
             self._candidates, self._make = self._make(), None
         return self._candidates
 
-    def rows(self) -> list[tuple[str, int, int, float, float, float, bool]]:
+    def rows(self, limit: int = 0, chosen: WorkerKey | None = None) -> list[CostRow]:
         """Plain `(worker_id, dp_rank, overlap, prefill_blocks, decode_blocks, cost, busy)`
-        rows: what a `RequestRouted` carries for the decision ledger (cheap to encode)."""
-        isl, w, bs, busy, qw = self._isl, self._weight, self._bs, self._busy, self._qw
-        out = []
-        for c in self._rows():
-            prefill, decode, cost = _terms(c, isl, w, bs, qw)
-            out.append((c.worker[0], c.worker[1], c.overlap_blocks, prefill, float(decode), cost,
-                        c.worker[0] in busy))
-        return out
+        rows: what a `RequestRouted` carries for the decision ledger (cheap to encode).
+
+        ``limit`` 0: every candidate, in candidate order. Else at most ``limit`` rows, cheapest
+        first (equal costs in candidate order): the ``chosen`` candidate's row always (the
+        routing mode or a session's pin may have chosen one that is not among the cheapest)
+        and the cheapest others'. Over columns, only the kept rows are built."""
+        if limit <= 0:
+            return [self._row(c) for c in self._rows()]
+        if self._columns is not None and self._cost is not None:
+            workers, row, cost = self._columns.workers, self._columns.row, self._cost
+        else:
+            cands = self._rows()
+            workers, row = [c.worker for c in cands], cands.__getitem__
+            isl, w, bs, qw = self._isl, self._weight, self._bs, self._qw
+            cost = np.array([_terms(c, isl, w, bs, qw)[2] for c in cands], dtype=np.float64)
+        kept = cheapest_first(cost, limit)
+        if chosen is not None and chosen in workers and all(workers[i] != chosen for i in kept):
+            # The chosen row takes the place of the dearest kept one, at its own cost's rank.
+            keep = sorted([*kept[:-1], workers.index(chosen)])
+            kept = [keep[j] for j in cheapest_first(cost[keep], len(keep))]
+        return [self._row(row(i)) for i in kept]
+
+    def _row(self, c: Candidate) -> CostRow:
+        prefill, decode, cost = _terms(c, self._isl, self._weight, self._bs, self._qw)
+        return (c.worker[0], c.worker[1], c.overlap_blocks, prefill, float(decode), cost,
+                c.worker[0] in self._busy)
 
     def as_tuple(self) -> tuple[CostTerms, ...]:
         if self._terms is None:
