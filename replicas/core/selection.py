@@ -190,6 +190,12 @@ def cheapest_first(cost: np.ndarray, limit: int) -> list[int]:
     return order[:limit].tolist()
 
 
+def _cost_order(cost: float, index: int) -> tuple[bool, float, int]:
+    """Sort key of ``cheapest_first``'s order: cost, then index; NaN after every number."""
+    nan = cost != cost
+    return (nan, 0.0 if nan else cost, index)
+
+
 class CostTable(Sequence[CostTerms]):
     """Immutable, lazily built ``tuple[CostTerms, ...]`` (one per candidate, in input order).
 
@@ -245,18 +251,28 @@ class CostTable(Sequence[CostTerms]):
         and the cheapest others'. Over columns, only the kept rows are built."""
         if limit <= 0:
             return [self._row(c) for c in self._rows()]
-        if self._columns is not None and self._cost is not None:
-            workers, row, cost = self._columns.workers, self._columns.row, self._cost
-        else:
-            cands = self._rows()
-            workers, row = [c.worker for c in cands], cands.__getitem__
-            isl, w, bs, qw = self._isl, self._weight, self._bs, self._qw
-            cost = np.array([_terms(c, isl, w, bs, qw)[2] for c in cands], dtype=np.float64)
+        if self._columns is None or self._cost is None:
+            # Objects (a small fleet): every row is built anyway; sorting them is the cheap part.
+            rows = [self._row(c) for c in self._rows()]
+            costs = [r[5] for r in rows]
+            # sorted() is stable: equal costs stay in candidate order. NaN compares false with
+            # everything, so costs holding one (their sum is NaN) need the explicit key.
+            total = sum(costs)
+            key: Callable[[int], Any] = costs.__getitem__ if total == total else \
+                (lambda i: _cost_order(costs[i], i))
+            order = sorted(range(len(rows)), key=key)
+            kept = order[:limit]
+            at = next((i for i in order if rows[i][:2] == chosen), None)
+            if at is not None and at not in kept:  # it replaces the dearest kept row
+                kept = sorted([*kept[:-1], at], key=key)
+            return [rows[i] for i in kept]
+        workers, cost = self._columns.workers, self._cost
         kept = cheapest_first(cost, limit)
         if chosen is not None and chosen in workers and all(workers[i] != chosen for i in kept):
             # The chosen row takes the place of the dearest kept one, at its own cost's rank.
             keep = sorted([*kept[:-1], workers.index(chosen)])
             kept = [keep[j] for j in cheapest_first(cost[keep], len(keep))]
+        row = self._columns.row
         return [self._row(row(i)) for i in kept]
 
     def _row(self, c: Candidate) -> CostRow:

@@ -153,3 +153,12 @@ def test_bounded_rows_agree_with_the_reference_over_objects_and_columns(
     assert by_columns.costs.rows(limit, chosen) == want
     assert len(want) == min(limit, len(cands))
     assert any((r[0], r[1]) == chosen for r in want)
+
+
+def test_a_nan_cost_sorts_last_over_objects_too() -> None:
+    cands = [cand("a", decode=2.0), cand("b", decode=math.nan), cand("c", decode=1.0),
+             cand("d", decode=1.0)]
+    d = Selector(RoutingConfig.dynamo()).select(cands, ISL, random.Random(0))
+    assert isinstance(d, Decision)
+    assert [r[0] for r in d.costs.rows(4, d.worker)] == ["c", "d", "a", "b"]
+    assert [r[0] for r in d.costs.rows(2, ("b", 0))] == ["c", "b"]
