@@ -179,9 +179,9 @@ DURABILITY = Group(
            "seconds of routing decisions kept in the ledger (event time; 0 keeps everything)",
            at_least=0),
     Option("decision-candidates", candidate_count, 8,
-           "cost rows each routing decision records for the ledger, traces and `explain`: the "
-           "chosen engine's and the cheapest others' (0 or all: every candidate's, which makes "
-           "each decision cost more with every engine)", metavar="K"),
+           "cost rows each routing decision records for the ledger, traces and `jetrouter "
+           "admin request`: the chosen engine's and the cheapest others' (0 or all: every "
+           "candidate's, which makes each decision cost more with every engine)", metavar="K"),
     Option("decision-append-timeout", float, 15.0,
            "seconds a request waits for JetStream to acknowledge its routing decision (retries "
            "included) before it is refused with 503 (with a grace: the longest spell of "

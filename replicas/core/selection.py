@@ -252,7 +252,8 @@ class CostTable(Sequence[CostTerms]):
         if limit <= 0:
             return [self._row(c) for c in self._rows()]
         if self._columns is None or self._cost is None:
-            # Objects (a small fleet): every row is built anyway; sorting them is the cheap part.
+            # Objects (a small fleet, or a decision the columns handed to the objects): every
+            # candidate is an object already, and sorting their rows is the cheap part.
             rows = [self._row(c) for c in self._rows()]
             costs = [r[5] for r in rows]
             # sorted() is stable: equal costs stay in candidate order. NaN compares false with
