@@ -25,6 +25,17 @@ from settings.flags import Group, Option, defaults, find
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
+
+def candidate_count(text: str) -> int:
+    """``--decision-candidates``: a count of rows, 0 or ``all`` for every candidate's."""
+    if text.strip().lower() == "all":
+        return 0
+    count = int(text)
+    if count < 0:
+        raise ValueError(f"expected a count >= 0 or 'all', got {text!r}")
+    return count
+
+
 SERVER = Group(
     "server",
     # --http-host / --http-port: Dynamo's frontend names (python -m dynamo.frontend ...).
@@ -167,6 +178,10 @@ DURABILITY = Group(
     Option("ledger-retention", float, 7 * 86400.0,
            "seconds of routing decisions kept in the ledger (event time; 0 keeps everything)",
            at_least=0),
+    Option("decision-candidates", candidate_count, 8,
+           "cost rows each routing decision records for the ledger, traces and `jetrouter "
+           "admin request`: the chosen engine's and the cheapest others' (0 or all: every "
+           "candidate's, which makes each decision cost more with every engine)", metavar="K"),
     Option("decision-append-timeout", float, 15.0,
            "seconds a request waits for JetStream to acknowledge its routing decision (retries "
            "included) before it is refused with 503 (with a grace: the longest spell of "

@@ -72,6 +72,7 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
         canary_recovery_timeout=args.canary_recovery_timeout,
         decision_append_timeout=args.decision_append_timeout,
         decision_record_grace=args.decision_record_grace,
+        decision_candidates=args.decision_candidates,
         stream_max_bytes=args.stream_max_bytes,
         assume_kv_reuse=args.router_assume_kv_reuse,
         nats=options_from_args(args, check=False),  # files are checked by run()

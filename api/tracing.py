@@ -199,13 +199,15 @@ class Tracing:
 
 
 def decision_attributes(routed: Routed) -> dict[str, Any]:
-    """The chosen engine and every candidate's cost terms, as the decision ledger has them
-    (``RequestRouted.candidates``), one array attribute per term in candidate order."""
+    """The chosen engine and the recorded candidates' cost terms, as the decision ledger has
+    them (``RequestRouted.candidates``: the chosen one's and the cheapest others', cheapest
+    first), one array attribute per term in that order, and how many candidates were weighed."""
     rows = routed.event.candidates
     attributes: dict[str, Any] = {
         "jetrouter.worker_id": routed.worker_id, "jetrouter.dp_rank": routed.dp_rank,
         "jetrouter.overlap_blocks": routed.overlap_blocks,
         "jetrouter.total_blocks": routed.total_blocks, "jetrouter.isl_tokens": routed.isl_tokens,
+        "jetrouter.candidates.considered": len(routed.decision.costs),
         "jetrouter.candidates.worker_id": [r[0] for r in rows],
         "jetrouter.candidates.dp_rank": [r[1] for r in rows],
         "jetrouter.candidates.overlap_blocks": [r[2] for r in rows],

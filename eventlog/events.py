@@ -43,7 +43,10 @@ BlockPair = tuple[Hash, Hash]
 
 CandidateRow = tuple[str, int, int, float, float, float, bool]
 """(worker_id, dp_rank, overlap_blocks, prefill_blocks, decode_blocks, cost, busy): one
-candidate's cost terms in a routing decision, kept for the decision ledger."""
+candidate's cost terms in a routing decision, kept for the decision ledger. A decision carries
+the chosen candidate's row and the cheapest others', cheapest first (``--decision-candidates``);
+with 0, and in messages of releases before it, every candidate's in candidate order. Readers
+take any number of rows in any order, and no replica's state reads them."""
 
 
 class Outcome(StrEnum):

@@ -143,7 +143,8 @@ def select_columns(selector: Selector, columns: CandidateColumns, isl_tokens: in
             if excluded:
                 eligible = np.fromiter((k[0] not in excluded for k in columns.workers),
                                        dtype=bool, count=n)
-    costs = CostTable.lazy(columns.to_candidates, n, isl_tokens, w, bs, excluded, qw)
+    costs = CostTable.lazy(columns.to_candidates, n, isl_tokens, w, bs, excluded, qw,
+                           columns=columns, cost=cost)
     if eligible is not None:
         if not eligible.any():
             return Overloaded("all workers busy", costs)

@@ -34,7 +34,9 @@ import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, overload
+from typing import Any, Protocol, overload
+
+import numpy as np
 
 from replicas.core.load import WorkerKey
 
@@ -161,6 +163,39 @@ def cost_terms(c: Candidate, isl_tokens: int, weight: float, block_size: int,
     return CostTerms(c.worker, c.overlap_blocks, prefill, decode, cost, busy)
 
 
+CostRow = tuple[str, int, int, float, float, float, bool]
+"""``eventlog.events.CandidateRow``: (worker_id, dp_rank, overlap_blocks, prefill_blocks,
+decode_blocks, cost, busy)."""
+
+
+class CandidateSource(Protocol):
+    """Candidates held as columns (``candidate_columns.CandidateColumns``): one row is built
+    only when asked for."""
+
+    workers: list[WorkerKey]
+
+    def row(self, i: int) -> Candidate: ...
+
+
+def cheapest_first(cost: np.ndarray, limit: int) -> list[int]:
+    """Indices of the ``limit`` smallest of ``cost``, smallest first; equal costs in index order,
+    NaN after every number. Only the rows at or under the ``limit``-th cost are sorted."""
+    n = len(cost)
+    if limit < n and not np.isnan(cost).any():
+        kth = np.partition(cost, limit - 1)[limit - 1]
+        under = np.flatnonzero(cost <= kth)  # ties at the boundary included, in index order
+        order = under[np.argsort(cost[under], kind="stable")]
+    else:
+        order = np.argsort(cost, kind="stable")  # stable: ties in index order, NaN last
+    return order[:limit].tolist()
+
+
+def _cost_order(cost: float, index: int) -> tuple[bool, float, int]:
+    """Sort key of ``cheapest_first``'s order: cost, then index; NaN after every number."""
+    nan = cost != cost
+    return (nan, 0.0 if nan else cost, index)
+
+
 class CostTable(Sequence[CostTerms]):
     """Immutable, lazily built ``tuple[CostTerms, ...]`` (one per candidate, in input order).
 
@@ -169,8 +204,8 @@ class CostTable(Sequence[CostTerms]):
     plain tuple; ``as_tuple()`` gives one for encoders that want a real tuple.
     """
 
-    __slots__ = ("_bs", "_busy", "_candidates", "_count", "_isl", "_make", "_qw", "_terms",
-                 "_weight")
+    __slots__ = ("_bs", "_busy", "_candidates", "_columns", "_cost", "_count", "_isl", "_make",
+                 "_qw", "_terms", "_weight")
 
     def __init__(self, candidates: tuple[Candidate, ...], isl_tokens: int, weight: float,
                  block_size: int, busy: frozenset[str], queue_weight: float | None = None) -> None:
@@ -183,15 +218,21 @@ class CostTable(Sequence[CostTerms]):
         self._busy = busy
         self._qw = queue_weight
         self._terms: tuple[CostTerms, ...] | None = None
+        self._columns: CandidateSource | None = None
+        self._cost: np.ndarray | None = None
 
     @classmethod
     def lazy(cls, make: Callable[[], tuple[Candidate, ...]], count: int, isl_tokens: int,
              weight: float, block_size: int, busy: frozenset[str],
-             queue_weight: float | None = None) -> CostTable:
+             queue_weight: float | None = None, *, columns: CandidateSource | None = None,
+             cost: np.ndarray | None = None) -> CostTable:
         """A table whose ``count`` candidates ``make`` builds when first read (a decision over
-        candidate columns builds no objects unless someone reads its costs)."""
+        candidate columns builds no objects unless someone reads its costs). ``columns`` and
+        ``cost`` (each row's cost, as the formula gives it): :meth:`rows` with a limit builds
+        only the rows it keeps."""
         table = cls((), isl_tokens, weight, block_size, busy, queue_weight)
         table._candidates, table._make, table._count = None, make, count
+        table._columns, table._cost = columns, cost
         return table
 
     def _rows(self) -> tuple[Candidate, ...]:
@@ -200,16 +241,45 @@ class CostTable(Sequence[CostTerms]):
             self._candidates, self._make = self._make(), None
         return self._candidates
 
-    def rows(self) -> list[tuple[str, int, int, float, float, float, bool]]:
+    def rows(self, limit: int = 0, chosen: WorkerKey | None = None) -> list[CostRow]:
         """Plain `(worker_id, dp_rank, overlap, prefill_blocks, decode_blocks, cost, busy)`
-        rows: what a `RequestRouted` carries for the decision ledger (cheap to encode)."""
-        isl, w, bs, busy, qw = self._isl, self._weight, self._bs, self._busy, self._qw
-        out = []
-        for c in self._rows():
-            prefill, decode, cost = _terms(c, isl, w, bs, qw)
-            out.append((c.worker[0], c.worker[1], c.overlap_blocks, prefill, float(decode), cost,
-                        c.worker[0] in busy))
-        return out
+        rows: what a `RequestRouted` carries for the decision ledger (cheap to encode).
+
+        ``limit`` 0: every candidate, in candidate order. Else at most ``limit`` rows, cheapest
+        first (equal costs in candidate order): the ``chosen`` candidate's row always (the
+        routing mode or a session's pin may have chosen one that is not among the cheapest)
+        and the cheapest others'. Over columns, only the kept rows are built."""
+        if limit <= 0:
+            return [self._row(c) for c in self._rows()]
+        if self._columns is None or self._cost is None:
+            # Objects (a small fleet, or a decision the columns handed to the objects): every
+            # candidate is an object already, and sorting their rows is the cheap part.
+            rows = [self._row(c) for c in self._rows()]
+            costs = [r[5] for r in rows]
+            # sorted() is stable: equal costs stay in candidate order. NaN compares false with
+            # everything, so costs holding one (their sum is NaN) need the explicit key.
+            total = sum(costs)
+            key: Callable[[int], Any] = costs.__getitem__ if total == total else \
+                (lambda i: _cost_order(costs[i], i))
+            order = sorted(range(len(rows)), key=key)
+            kept = order[:limit]
+            at = next((i for i in order if rows[i][:2] == chosen), None)
+            if at is not None and at not in kept:  # it replaces the dearest kept row
+                kept = sorted([*kept[:-1], at], key=key)
+            return [rows[i] for i in kept]
+        workers, cost = self._columns.workers, self._cost
+        kept = cheapest_first(cost, limit)
+        if chosen is not None and chosen in workers and all(workers[i] != chosen for i in kept):
+            # The chosen row takes the place of the dearest kept one, at its own cost's rank.
+            keep = sorted([*kept[:-1], workers.index(chosen)])
+            kept = [keep[j] for j in cheapest_first(cost[keep], len(keep))]
+        row = self._columns.row
+        return [self._row(row(i)) for i in kept]
+
+    def _row(self, c: Candidate) -> CostRow:
+        prefill, decode, cost = _terms(c, self._isl, self._weight, self._bs, self._qw)
+        return (c.worker[0], c.worker[1], c.overlap_blocks, prefill, float(decode), cost,
+                c.worker[0] in self._busy)
 
     def as_tuple(self) -> tuple[CostTerms, ...]:
         if self._terms is None:

@@ -49,6 +49,10 @@ class ReplicaConfig:
     # its append retried under the same msg id (a stream leader election); 0: wait for the
     # acknowledgement up to decision_append_timeout, else 503 (replicas/runtime/decision_log.py).
     decision_record_grace: float = 1.0
+    # Cost rows a decision's RequestRouted carries (the chosen engine's and the cheapest
+    # others'; 0: every candidate's). Only the ledger, traces and `admin request` read them, and
+    # with every row a decision costs each replica more with every engine in the fleet.
+    decision_candidates: int = 8
     # Seconds without any NATS connection after which the event log counts as unavailable and
     # the replica routes in degraded mode (replicas/runtime/log_outage.py). Losing one node of
     # a NATS cluster costs a reconnect to another within a second, well under this.

@@ -62,6 +62,9 @@ BAD = [
     (["serve", "--router-queue-threshold", "0"], {}, "must be positive, got 0"),
     (["serve", "--router-prune-target-ratio", "1.5"], {}, "must be >= 0 and <= 1, got 1.5"),
     (["serve", "--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
+    (["serve", "--decision-candidates", "-1"], {}, "expected a count >= 0 or 'all'"),
+    (["serve"], {"JETROUTER_DECISION_CANDIDATES": "some"},
+     "environment variable JETROUTER_DECISION_CANDIDATES='some'"),
     (["serve"], {"JETROUTER_MIGRATION_LIMIT": "many"},
      "environment variable JETROUTER_MIGRATION_LIMIT='many': not a valid int"),
     (["serve"], {"JETROUTER_STREAM_IDLE_TIMEOUT": "-1"},
@@ -140,6 +143,18 @@ def test_variables_set_defaults_and_flags_win(monkeypatch: pytest.MonkeyPatch) -
         "random", False, True)
     args = build_parser(["serve"]).parse_args(["serve", "--router-mode", "kv"])
     assert args.router_mode == "kv"
+
+
+def test_decision_candidates_takes_a_count_or_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    from replicas.runtime.config import ReplicaConfig
+
+    parse = build_parser(["serve"]).parse_args
+    assert parse(["serve"]).decision_candidates == ReplicaConfig("r", "nats://x") \
+        .decision_candidates == 8
+    assert parse(["serve", "--decision-candidates", "all"]).decision_candidates == 0
+    assert parse(["serve", "--decision-candidates", "16"]).decision_candidates == 16
+    monkeypatch.setenv("JETROUTER_DECISION_CANDIDATES", "ALL")
+    assert build_parser(["serve"]).parse_args(["serve"]).decision_candidates == 0
 
 
 def test_the_routing_defaults_are_the_cli_ones_everywhere() -> None:

@@ -158,6 +158,7 @@ async def test_a_request_continues_the_clients_trace_through_decision_and_hop() 
     a = decision.attributes
     assert a["jetrouter.request_id"] == request_id and a["jetrouter.worker_id"] == worker
     assert sorted(a["jetrouter.candidates.worker_id"]) == ["w1", "w2"]
+    assert a["jetrouter.candidates.considered"] == 2
     for term in ("dp_rank", "overlap_blocks", "prefill_blocks", "decode_blocks", "cost", "busy"):
         assert len(a[f"jetrouter.candidates.{term}"]) == 2, term
     assert all(isinstance(c, float) for c in a["jetrouter.candidates.cost"])
