@@ -66,6 +66,9 @@ class EngineSim:
         self.replay_endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=self.buffer_steps)
         self.replay_requests: list[int] = []
+        # Batches the next replay answer leaves out, as a ROUTER socket whose send queue
+        # overflowed while the reader was slow drops them (silently, at ZMQ's high-water mark).
+        self.replay_drops: set[int] = set()
         self.http = await asyncio.start_server(self._serve_http, "127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.http.sockets[0].getsockname()[1]}"
         self._replay_task = asyncio.create_task(self._serve_replay())
@@ -211,8 +214,9 @@ class EngineSim:
             client, _empty, start_raw = frames[0], frames[1], frames[2]
             start = int.from_bytes(start_raw, "big")
             self.replay_requests.append(start)
+            drops, self.replay_drops = self.replay_drops, set()
             for seq, payload in list(self.buffer):
-                if seq >= start:
+                if seq >= start and seq not in drops:
                     head = [self.topic.encode()] if self.layout == "map" else []
                     await self.router.send_multipart(
                         [client, b"", *head, seq.to_bytes(8, "big"), payload])

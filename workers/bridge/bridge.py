@@ -5,7 +5,9 @@ Exactly-once across bridge restarts: see workers/bridge/resume.py.
 Sequence discipline (one task appends, in engine order)
 -------------------------------------------------------
 * live ``seq > last + 1``: a gap -> replay ``last + 1 ..``; what cannot be replayed makes the next
-  appended message start with ``AllBlocksCleared`` for every dp rank seen.
+  appended message start with ``AllBlocksCleared`` for every dp rank seen. A replay answer with
+  a hole after some progress is asked again from the hole (a ZMQ ROUTER drops what overflows
+  its send queue while the reader is slow, so a hole does not mean the engine lost the batches).
 * live ``seq <=`` the highest live seq seen: the engine restarted (its seq went back) -> a new
   ``gen``, ``AllBlocksCleared``, replay of the new run from 0. A changed ``process_start_time``
   seen while polling ``/metrics`` does the same even if the new engine is silent.
@@ -58,6 +60,9 @@ from workers.engine_link import (
 )
 
 log = logging.getLogger(__name__)
+
+# Replay requests for one gap while each answer brings batches the previous ones did not.
+REPLAY_ROUNDS = 50
 
 
 class BridgeConfigInvalid(JetrouterError, ValueError):
@@ -128,6 +133,7 @@ class Bridge:
         self.appended = 0
         self.replayed = 0
         self.unreplayable_gaps = 0
+        self.replay_retries = 0
         self.engine_restarts = 0
         self.bad_payloads = 0
         self.dropped_before_block_size = 0
@@ -368,24 +374,35 @@ class Bridge:
         if upto is not None and upto <= start:
             return
         replay_failed = False
-        try:
-            frames = await replay(self.ctx, self.s.kv_replay, start, self.s.replay_timeout)
-        except ReplayUnavailable as exc:
-            log.warning("replay from seq %d unavailable: %s", start, exc)
-            frames, replay_failed = [], True
         expected = start
         hole = False
-        for frame in frames:
-            if frame.seq < expected:
-                continue
-            if upto is not None and frame.seq >= upto:
+        for _ in range(REPLAY_ROUNDS):
+            try:
+                frames = await replay(self.ctx, self.s.kv_replay, expected, self.s.replay_timeout)
+            except ReplayUnavailable as exc:
+                log.warning("replay from seq %d unavailable: %s", expected, exc)
+                replay_failed = True
                 break
-            if frame.seq != expected:
-                hole = True
+            asked = expected
+            hole = False
+            for frame in frames:
+                if frame.seq < expected:
+                    continue
+                if upto is not None and frame.seq >= upto:
+                    break
+                if frame.seq != expected:
+                    hole = True
+                    break
+                await self._handle(frame)
+                self.replayed += 1
+                expected += 1
+            # A hole in an answer that made progress is most likely the engine's ROUTER socket
+            # dropping what overflowed its send queue while this process read slowly (ZMQ drops
+            # silently at the high-water mark), not batches gone from its buffer: ask again from
+            # the first one missing. An answer that brings nothing new settles it.
+            if not hole or expected == asked:
                 break
-            await self._handle(frame)
-            self.replayed += 1
-            expected += 1
+            self.replay_retries += 1
         # An empty answer to "everything from `start`" is normal (the engine was idle); a failed
         # one after a resume is not knowable, so it counts as lost.
         if hole or (upto is not None and expected < upto) or (
@@ -557,9 +574,10 @@ class Bridge:
         await self.close()
 
     async def close(self) -> None:
-        log.info("bridge %s: %d messages appended, %d batches replayed, %d unreplayable gaps, "
-                 "%d engine restarts, %d bad payloads, skipped %s", self.s.worker_id,
-                 self.appended, self.replayed, self.unreplayable_gaps, self.engine_restarts,
+        log.info("bridge %s: %d messages appended, %d batches replayed (%d replays asked again "
+                 "after a dropped answer), %d unreplayable gaps, %d engine restarts, %d bad "
+                 "payloads, skipped %s", self.s.worker_id, self.appended, self.replayed,
+                 self.replay_retries, self.unreplayable_gaps, self.engine_restarts,
                  self.bad_payloads, self.translator.skipped if self.translator else {})
         with contextlib.suppress(Exception):
             self.live.close()
