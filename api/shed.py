@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from replicas.core.shedding import Degrader, decide, fleet_pressure, model_units, retry_after
+from replicas.core.shedding import Degrader, decide, model_pressure, retry_after
 from replicas.runtime.replica import Replica
 
 
@@ -24,12 +24,11 @@ class Shedder:
 
     def check(self, model: str, tier: str) -> float | None:
         """None to admit the request, else the Retry-After (seconds) of a shed."""
-        state = self.replica.state
-        units = model_units(state, model)
-        if not units:
-            return None  # unknown model or no workers: the routing path answers that
         t = self.replica.thresholds_for(model).active_decode_blocks_threshold
-        pressure = fleet_pressure(units, block_size=self.replica.config.state.block_size,
+        pressure = model_pressure(self.replica.state, model,
+                                  block_size=self.replica.config.state.block_size,
                                   usable_fraction=t or 1.0)
+        if pressure is None:
+            return None  # unknown model or no workers: the routing path answers that
         level = self.degrader.update(pressure, time.time())
         return float(retry_after(level)) if decide(level, tier) else None

@@ -109,6 +109,43 @@ def model_units(state: RouterState, model: str) -> list[UnitLoad]:
     return out
 
 
+def model_pressure(state: RouterState, model: str, *, block_size: int,
+                   usable_fraction: float = 1.0) -> Pressure | None:
+    """``fleet_pressure(model_units(state, model), ...)`` without a ``UnitLoad`` per engine:
+    it runs on every request, and at hundreds of engines building those objects and reading
+    the load of idle ones cost more than the rest of admission. Same sums in the same order
+    (idle engines add exact zeros), so the same ``Pressure``; None when no engine serves
+    ``model``."""
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    loaded = state.load.loaded_workers()
+    health = state.health
+    capacity = demand = weight_sum = 0.0
+    n = 0
+    for w in state.workers.values():
+        if w.model != model and model not in w.loras:
+            continue
+        weight = ROUTING_WEIGHT.get(health.get(w.worker_id, HealthStatus.HEALTHY), 0.0)
+        for rank in range(w.dp_size):
+            n += 1
+            weight_sum += weight
+            capacity += weight * w.kv_total_blocks * usable_fraction
+            key = (w.worker_id, rank)
+            if key in loaded:
+                demand += state.load.active_decode_blocks(key) + math.ceil(
+                    state.load.active_prefill_tokens(key, state.now) / block_size)
+    unhealthy = ROUTING_WEIGHT.get(HealthStatus.UNHEALTHY, 0.0)
+    for w in state.lost_workers.values():
+        if (w.model == model or model in w.loras) and w.worker_id not in state.workers:
+            for _ in range(w.dp_size):
+                n += 1
+                weight_sum += unhealthy
+                capacity += unhealthy * w.kv_total_blocks * usable_fraction
+    if not n:
+        return None
+    return Pressure(capacity, demand, weight_sum / n)
+
+
 def degradation_level(capacity: float, demand: float, healthy_fraction: float) -> int:
     """The guide's level 0..4 from healthy capacity vs demand (see the module docstring)."""
     if healthy_fraction <= 0.0 or capacity <= 0.0:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eventlog import events as ev
 from replicas.core.shedding import (
@@ -13,10 +15,13 @@ from replicas.core.shedding import (
     decide,
     degradation_level,
     fleet_pressure,
+    model_pressure,
     model_units,
     retry_after,
 )
 from replicas.core.state import RouterState
+from tests.unit.replicas.core.test_candidate_columns_state import build as build_state
+from tests.unit.replicas.core.test_candidate_columns_state import worker as state_worker
 
 
 @pytest.mark.parametrize(("capacity", "demand", "level"), [
@@ -139,3 +144,22 @@ def test_an_engine_retired_for_cause_still_counts_as_lost_capacity_until_it_retu
     s.apply(KV, 3, [ev.WorkerRegistered("a", "u", "m", 16, 100, 8192, 3.0)])
     assert sorted(u.status for u in model_units(s, "m")) == ["healthy", "healthy"]
     assert RouterState.decode(s.encode()).digests() == s.digests()
+
+
+@settings(max_examples=60, deadline=None)
+@given(workers=st.lists(state_worker, max_size=6), model=st.sampled_from(["m", "sql", "other"]),
+       retired=st.lists(st.tuples(st.integers(0, 5), st.booleans()), max_size=3),
+       block_size=st.integers(1, 32), usable=st.sampled_from([1.0, 0.8, 0.35]))
+def test_model_pressure_equals_the_pressure_of_model_units(
+        workers: list[dict[str, object]], model: str, retired: list[tuple[int, bool]],
+        block_size: int, usable: float) -> None:
+    state, _, _ = build_state(workers, "reference")
+    for at, (i, for_cause) in enumerate(retired):  # lost capacity, or a graceful leave
+        state.apply("kv", 100 + at, [ev.WorkerRetired(
+            f"w{i}", "heartbeat timeout" if for_cause else "shutdown", 4.0)])
+    units = model_units(state, model)
+    got = model_pressure(state, model, block_size=block_size, usable_fraction=usable)
+    if not units:
+        assert got is None
+    else:
+        assert got == fleet_pressure(units, block_size=block_size, usable_fraction=usable)
