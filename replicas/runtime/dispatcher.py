@@ -31,7 +31,7 @@ from replicas.core.candidates import (
     request_hashes,
     served_models,
 )
-from replicas.core.fair_queue import FairQueue
+from replicas.core.fair_queue import FairQueue, newcomer_lifts
 from replicas.core.index import WorkerKey
 from replicas.core.overlay import Overlay, pending_decision
 from replicas.core.queue import RequestQueue, should_queue
@@ -134,8 +134,7 @@ class Dispatcher:
         # dispatcher re-judges then.
         self.load_changed = asyncio.Event()
         self._queue: RequestQueue[_Queued] | FairQueue[_Queued] = (
-            FairQueue(config.queue_policy, self._tenant_service, self._tenant_in_flight,
-                      self._tenants_active)
+            FairQueue(config.queue_policy, self._tenant_service, self._tenant_lifts)
             if config.tenant_fair_queue
             else RequestQueue(config.queue_policy))
         # Output counts waiting to be appended as OutputProgress, per request: one append in
@@ -438,28 +437,34 @@ class Dispatcher:
             self._queue.push(item, arrival=time.monotonic(), priority_jump=req.latency_sensitivity,
                              uncached_isl_tokens=len(req.token_ids))
 
+    def _tenant_weight(self, tenant: str) -> float:
+        limits = self.port.state.tenants.limits.get(tenant)
+        return limits.weight if limits is not None else 1.0
+
     def _tenant_service(self, tenant: str) -> float:
         """Service ``tenant`` has received, per unit of weight, for the fair queue: its tokens
         in the last minute fleet-wide (the replicated book) plus what this replica admitted
         and the stream has not brought back, less what of that still waits in the queue."""
         book = self.port.state.tenants
-        limits = book.limits.get(tenant)
         tokens = book.usage(tenant, time.time()).tokens + self.tenant_pending.usage(tenant).tokens
         if isinstance(self._queue, FairQueue):
             tokens -= self._queue.queued_tokens(tenant)
-        return tokens / (limits.weight if limits is not None else 1.0)
+        return tokens / self._tenant_weight(tenant)
 
-    def _tenant_in_flight(self, tenant: str) -> int:
-        """``tenant``'s requests released and not ended, fleet-wide as this replica knows."""
-        n = self.port.state.tenants.usage(tenant, time.time()).concurrent
-        n += self.tenant_pending.usage(tenant).concurrent
-        if isinstance(self._queue, FairQueue):
-            n -= self._queue.queued(tenant)
-        return n
-
-    def _tenants_active(self) -> list[str]:
-        """Tenants served in the last minute or with requests in flight, fleet-wide."""
-        return list({*self.port.state.tenants.active(), *self.tenant_pending.tenants()})
+    def _tenant_lifts(self) -> dict[str, float]:
+        """The fair queue's lifts of newcomers (``newcomer_lifts``). A tenant arrives with its
+        first admission in the window, fleet-wide or pending here (a newcomer may be known
+        only here yet); what the others were served before is the replicated book's alone
+        (requests still waiting here are not service, and every replica reads the same)."""
+        book, pending, now = self.port.state.tenants, self.tenant_pending, time.time()
+        firsts: dict[str, float] = {}
+        for tenant in {*book.active(), *pending.tenants()}:
+            seen = [ts for ts in (book.first_admission(tenant, now),
+                                  pending.first_admission(tenant)) if ts is not None]
+            if seen:
+                firsts[tenant] = min(seen)
+        return newcomer_lifts(firsts, lambda tenant, ts: book.tokens_before(tenant, ts, now)
+                              / self._tenant_weight(tenant))
 
     async def _dispatch_queue(self) -> None:
         """Release queued requests in policy order while some worker has capacity. The decision
