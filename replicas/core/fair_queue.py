@@ -114,10 +114,6 @@ class FairQueue(Generic[T]):
         self._taken(item)
         return True
 
-    def queued(self, tenant: str) -> int:
-        """How many of ``tenant``'s requests wait here."""
-        return self._queued.get(tenant, (0, 0))[0]
-
     def queued_tokens(self, tenant: str) -> int:
         """Tokens of ``tenant``'s requests still waiting here (not yet service received)."""
         return self._queued.get(tenant, (0, 0))[1]
