@@ -152,6 +152,11 @@ class ActiveLoad:
         # Learned prefill throughput and the decaying anchor, per worker rank; kept when the
         # rank goes idle (what was learned stays true).
         self._prefill: dict[WorkerKey, WorkerPrefill] = {}
+        # Per worker rank, the replica whose request last left its prefill (first token, or
+        # an end before it): whose opening it made (replicas.core.release_turns). A hint for
+        # turn-taking only: not in the digest nor in snapshots (a replica that restored one
+        # lacks it until the next prefill ends there, and releases at once meanwhile).
+        self._freed_by: dict[WorkerKey, str] = {}
 
     # --- mutations ---------------------------------------------------------------------------
 
@@ -211,6 +216,7 @@ class ActiveLoad:
             return False
         self._set_progress(req, True, req.output_tokens)
         self._workers[req.worker].prefill_tokens -= req.prefill_tokens
+        self._freed_by[req.worker] = req.replica_id
         if ts is not None and req.prefill_tokens > 0:
             self._prefill_of(req.worker).observe(request_id, req.prefill_tokens, req.ts,
                                                  float(ts))
@@ -247,6 +253,7 @@ class ActiveLoad:
             load.output_milli -= output_block_milli(req.output, req.output_tokens)
         if not req.prefill_done:
             load.prefill_tokens -= req.prefill_tokens
+            self._freed_by[req.worker] = req.replica_id
             if req.modeled and req.prefill_tokens > 0:
                 self._prefill_of(req.worker).leave(request_id)
         load.requests.discard(request_id)
@@ -342,6 +349,10 @@ class ActiveLoad:
     def replicas(self) -> set[str]:
         """Replicas that own at least one active request."""
         return {r for r, ids in self._by_replica.items() if ids}
+
+    def freed_by(self, worker: WorkerKey) -> str | None:
+        """The replica whose request last left ``worker``'s prefill (None: none seen)."""
+        return self._freed_by.get(worker)
 
     def owned(self, replica_id: str) -> int:
         """Active requests routed by ``replica_id``."""
