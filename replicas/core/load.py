@@ -157,6 +157,9 @@ class ActiveLoad:
         # turn-taking only: not in the digest nor in snapshots (a replica that restored one
         # lacks it until the next prefill ends there, and releases at once meanwhile).
         self._freed_by: dict[WorkerKey, str] = {}
+        # Per replica, the ts of the newest decision it routed: the replicas that take turns.
+        # The same kind of hint: not in the digest nor in snapshots.
+        self._routed_at: dict[str, float] = {}
 
     # --- mutations ---------------------------------------------------------------------------
 
@@ -196,6 +199,8 @@ class ActiveLoad:
         if owned is None:
             owned = self._by_replica[replica_id] = set()
         owned.add(request_id)
+        if req.ts > self._routed_at.get(replica_id, float("-inf")):
+            self._routed_at[replica_id] = req.ts
         self._digest = (self._digest + _contribution(req)) & _MASK64
         if modeled and req.prefill_tokens > 0:
             self._prefill_of(worker).start(request_id, req.ts)
@@ -275,6 +280,7 @@ class ActiveLoad:
 
     def replica_lost(self, replica_id: str) -> list[str]:
         """Free exactly the requests owned by ``replica_id``; returns their ids, sorted."""
+        self._routed_at.pop(replica_id, None)
         return self._finish_all(self._by_replica.get(replica_id, ()))
 
     def _finish_all(self, request_ids: Iterable[str]) -> list[str]:
@@ -349,6 +355,13 @@ class ActiveLoad:
     def replicas(self) -> set[str]:
         """Replicas that own at least one active request."""
         return {r for r, ids in self._by_replica.items() if ids}
+
+    def routed_since(self, ts: float) -> set[str]:
+        """Replicas that routed a decision at ``ts`` or later (event time), or own one still
+        active; older entries are forgotten."""
+        for replica in [r for r, at in self._routed_at.items() if at < ts]:
+            del self._routed_at[replica]
+        return {*self._routed_at, *self.replicas()}
 
     def freed_by(self, worker: WorkerKey) -> str | None:
         """The replica whose request last left ``worker``'s prefill (None: none seen)."""

@@ -58,6 +58,9 @@ log = logging.getLogger("jetrouter.replica")
 # engine's opening (replicas/core/release_turns.py): longer than a peer's decision takes to be
 # applied here (a few milliseconds on a busy 2-core host), short beside a prefill.
 RELEASE_TURN_GRACE = 0.025
+# Seconds since a replica's newest decision for which it keeps its place in the turns' ring
+# (a replica with a backlog decides at least once a round of turns).
+RELEASE_TURN_RING = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -496,14 +499,15 @@ class Dispatcher:
             while len(self._queue):
                 state = self.port.state
                 cands = [c for m in served_models(state) for c in self.candidates(m, ())]
+                mine = not_mine = frozenset[str]()
+                if self._turns:
+                    # Every pass, so that an opening that closed is forgotten before the next.
+                    mine, wake = self._openings(cands, threshold)
+                    not_mine = frozenset(c.worker[0] for c in cands) - mine
                 if cands and should_queue(cands, threshold):
                     break
-                not_mine: frozenset[str] = frozenset()
-                if self._turns:
-                    mine, wake = self._openings(cands, threshold)
-                    if not mine:
-                        break
-                    not_mine = frozenset(c.worker[0] for c in cands) - mine
+                if self._turns and not mine:
+                    break
                 item = self._queue.pop()
                 if item is None:
                     break
@@ -514,13 +518,15 @@ class Dispatcher:
                     fut.set_result(self._prepare_into(req, not_mine))
                 except RoutingError as exc:
                     fut.set_exception(exc)
+            if not self._queue:
+                self._free_since.clear()  # nothing waits for the openings seen so far
 
     def _openings(self, cands: Sequence[Candidate], threshold: float
                   ) -> tuple[frozenset[str], float | None]:
         """Workers with an opening this replica may fill now (its turn, or its grace for the
         turn-holder ran out), and seconds until the next one it waits for becomes its own."""
         load, me, now = self.port.state.load, self.port.replica_id, time.monotonic()
-        ring = load.replicas()
+        ring = load.routed_since(time.time() - RELEASE_TURN_RING)
         mine: set[str] = set()
         wait: float | None = None
         free: set[WorkerKey] = set()

@@ -25,7 +25,7 @@ from tests.waiting import until
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 MODEL = "jetrouter-sim"
 NAMESPACE = "tenturns"
-PER_REPLICA = 6
+PER_REPLICA = 8
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -68,7 +68,7 @@ async def test_the_engine_gets_one_prompt_per_opening_and_both_queues_are_served
                for url, key in zip(cluster.router_urls, ("key-a", "key-b"), strict=True)]
     # Tenant a's backlog waits on r0, tenant b's on r1; distinct prompts, nothing cached.
     calls = [clients[r].completions.create(
-        model=MODEL, prompt=[*range(1000 + 1000 * r + 200 * n, 1200 + 1000 * r + 200 * n)],
+        model=MODEL, prompt=[*range(1000 + 5000 * r + 200 * n, 1200 + 5000 * r + 200 * n)],
         max_tokens=2) for n in range(PER_REPLICA) for r in (0, 1)]
     answers = await asyncio.wait_for(asyncio.gather(*calls), 120)
     assert all(a.choices[0].text for a in answers)
@@ -82,11 +82,11 @@ async def test_the_engine_gets_one_prompt_per_opening_and_both_queues_are_served
         elif isinstance(e, PrefillCompleted | RequestFinished):
             in_prefill.discard(e.request_id)
     assert len(order) == 2 * PER_REPLICA
-    # Without turns both replicas fill every opening, and about every other decision lands
-    # beside a prompt in prefill. With them the engine gets one at a time: the first two
-    # requests (routed before any queue formed) may meet, and a grace that runs out under a
-    # load spike may let one more pair through.
+    # Without turns both replicas fill the same openings whenever they apply its event at
+    # about the same moment (3-7 of 16 decisions here on a busy host). With them the engine
+    # gets one at a time: the first two requests (routed at once, before any queue formed)
+    # may meet, and a grace that runs out under a load spike may let one more pair through.
     assert doubled <= 2, (doubled, order)
-    # Turns alternate: neither replica's queue waits for the other's to drain.
-    assert "r0" in order[:4] and "r1" in order[:4], order
+    # Turns alternate: neither replica takes three openings in a row while the other waits.
+    assert all(len(set(order[i:i + 3])) == 2 for i in range(len(order) - 2)), order
     print(f"\nreleases by replica: {order}; beside a prompt in prefill: {doubled}")

@@ -24,8 +24,23 @@ def test_who_made_the_opening_is_in_the_ring_even_with_nothing_left_in_flight() 
     assert turn_distance({"r1"}, "r0", "r0") == 1
 
 
-def test_a_replica_outside_the_ring_waits_for_everyone_in_it() -> None:
-    assert turn_distance({"r0", "r1"}, "r0", "r9") == 2
+def test_a_replica_outside_the_ring_is_in_nobodys_count_and_waits_for_nobody() -> None:
+    assert turn_distance({"r0", "r1"}, "r0", "r9") == 0
+    assert turn_distance({"r0", "r1"}, "r0", "r1") == 0  # r9 takes no place from r1
+
+
+def test_the_ring_is_who_routed_lately_or_still_has_a_request_in_flight() -> None:
+    load = ActiveLoad()
+    load.add("a", "r0", W, 10, [], ts=1.0)
+    load.add("b", "r1", W, 10, [], ts=5.0)
+    load.finish("b")
+    assert load.routed_since(0.0) == {"r0", "r1"}
+    assert load.routed_since(3.0) == {"r0", "r1"}  # r0 still has "a" in flight
+    load.finish("a")
+    assert load.routed_since(3.0) == {"r1"}
+    load.add("c", "r2", W, 10, [], ts=6.0)
+    load.replica_lost("r1")
+    assert load.routed_since(3.0) == {"r2"}
 
 
 def test_one_replica_and_unknown_openings_wait_for_nobody() -> None:
