@@ -199,8 +199,7 @@ class ActiveLoad:
         if owned is None:
             owned = self._by_replica[replica_id] = set()
         owned.add(request_id)
-        if req.ts > self._routed_at.get(replica_id, float("-inf")):
-            self._routed_at[replica_id] = req.ts
+        self._routed_at[replica_id] = req.ts  # stream order: near enough to the newest
         self._digest = (self._digest + _contribution(req)) & _MASK64
         if modeled and req.prefill_tokens > 0:
             self._prefill_of(worker).start(request_id, req.ts)
