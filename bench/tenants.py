@@ -73,6 +73,9 @@ class Load:
         self.rr = itertools.count()
         self.rng = random.Random(7)
         self.http = httpx.AsyncClient(timeout=60.0, limits=httpx.Limits(max_connections=512))
+        # Answered requests: (tenant, request id, wall time sent, wall time of the first byte),
+        # for where their time went (the decision ledger's side of it, ``breakdown``).
+        self.traced: list[tuple[str, str, float, float]] = []
 
     async def one(self, tenant: str, *, stream: bool = False) -> tuple[int, float, int]:
         """(status or -1 for a connection error, seconds to first byte of output, tokens)."""
@@ -80,7 +83,7 @@ class Load:
         body = {"model": MODEL, "prompt": _prompt(self.rng, self.args.prompt_tokens),
                 "max_tokens": self.args.max_tokens, "stream": stream}
         headers = {"authorization": f"Bearer key-{tenant}"}
-        t0 = time.perf_counter()
+        sent, t0 = time.time(), time.perf_counter()
         try:
             async with self.http.stream("POST", url + "/v1/completions", json=body,
                                         headers=headers) as r:
@@ -88,6 +91,9 @@ class Load:
                 async for _ in r.aiter_bytes():
                     if ttft < 0:
                         ttft = time.perf_counter() - t0
+                rid = r.headers.get("x-jetrouter-request-id")
+                if r.status_code == 200 and rid:
+                    self.traced.append((tenant, rid, sent, sent + ttft))
                 return r.status_code, ttft, self.args.prompt_tokens + self.args.max_tokens
         except httpx.HTTPError:
             return -1, -1.0, 0
@@ -242,6 +248,54 @@ def jain(xs: Sequence[float]) -> float:
     return round(total * total / (len(xs) * squares), 3) if squares else float("nan")
 
 
+async def _ledger_rows(c: Any, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The decision ledger's row of each request id that has its first token recorded (the
+    projection trails the stream: a row without ``prefill_ts`` is asked for again)."""
+    rows: dict[str, dict[str, Any]] = {}
+    async with httpx.AsyncClient() as h:
+        for _ in range(50):
+            for rid in ids:
+                if rid in rows:
+                    continue
+                r = await h.get(f"{c.router_urls[0]}/admin/requests/{rid}",
+                                headers={"authorization": f"Bearer {c.admin_token}"})
+                if r.status_code == 200 and r.json().get("prefill_ts") is not None:
+                    rows[rid] = r.json()
+            if len(rows) == len(ids):
+                break
+            await asyncio.sleep(0.2)
+    return rows
+
+
+async def breakdown(c: Any, traced: Sequence[tuple[str, str, float, float]], tenant: str
+                    ) -> dict[str, Any]:
+    """Where ``tenant``'s TTFT went, per request, from the ledger: waiting for a decision (the
+    router queue), from the decision to the engine's first token as the router saw it (the
+    engine's own queue and prefill), and from there to the client; and how many prompts the
+    engine had ahead of it or beside it (routed there before it, first token not yet out when
+    it was routed)."""
+    rows = await _ledger_rows(c, [rid for _, rid, _, _ in traced])
+    queue, engine, rest, shared = [], [], [], []
+    for t, rid, sent, first in traced:
+        row = rows.get(rid)
+        if t != tenant or row is None:
+            continue
+        queue.append(row["routed_ts"] - sent)
+        engine.append(row["prefill_ts"] - row["routed_ts"])
+        rest.append(first - row["prefill_ts"])
+        shared.append(sum(1 for o in rows.values() if o["request_id"] != rid
+                          and o["worker_id"] == row["worker_id"]
+                          and o["routed_ts"] < row["prefill_ts"]
+                          and o["prefill_ts"] > row["routed_ts"]))
+    shared.sort()
+    return {"n": len(queue),
+            "router_queue_p50_ms": _pct(queue, 0.5), "router_queue_p99_ms": _pct(queue, 0.99),
+            "engine_p50_ms": _pct(engine, 0.5), "engine_p99_ms": _pct(engine, 0.99),
+            "to_client_p50_ms": _pct(rest, 0.5), "to_client_p99_ms": _pct(rest, 0.99),
+            "prompts_ahead_p50": shared[len(shared) // 2] if shared else None,
+            "prompts_ahead_max": shared[-1] if shared else None}
+
+
 async def part_b_d(args: argparse.Namespace, root: Path, skip: set[str], fair: bool
                    ) -> dict[str, Any]:
     name = "tfair" if fair else "tfcfs"
@@ -258,6 +312,8 @@ async def part_b_d(args: argparse.Namespace, root: Path, skip: set[str], fair: b
         try:
             if "b" not in skip:
                 alone = await load.open_loop("victim", 1 / args.victim_interval, args.duration)
+                out["victim_alone_breakdown"] = await breakdown(c, load.traced, "victim")
+                load.traced.clear()
                 stop = asyncio.Event()
                 flood = asyncio.create_task(load.closed_loop("flood", args.flood_concurrency,
                                                              stop))
@@ -266,6 +322,8 @@ async def part_b_d(args: argparse.Namespace, root: Path, skip: set[str], fair: b
                                                   args.duration)
                 stop.set()
                 flooded = await flood
+                out["victim_with_flood_breakdown"] = await breakdown(c, load.traced, "victim")
+                load.traced.clear()
                 for label, res in (("victim_alone", alone), ("victim_with_flood", with_flood)):
                     t = [x for s, x, _ in res if s == 200]
                     out[label] = {"n": len(t), "ttft_p50_ms": _pct(t, 0.5),
@@ -323,6 +381,14 @@ def format_report(r: dict[str, Any]) -> str:
                 v = x[label]
                 lines.append(f"(b) {mode:4} {label:18} TTFT p50 {v['ttft_p50_ms']:8} ms  "
                              f"p99 {v['ttft_p99_ms']:8} ms  (n={v['n']}, errors {v['errors']})")
+                b = x.get(label + "_breakdown")
+                if b:
+                    lines.append(
+                        f"      of which router queue p50/p99 {b['router_queue_p50_ms']} / "
+                        f"{b['router_queue_p99_ms']} ms, decision to first token "
+                        f"{b['engine_p50_ms']} / {b['engine_p99_ms']} ms, prompts ahead at "
+                        f"the engine median {b['prompts_ahead_p50']}, max "
+                        f"{b['prompts_ahead_max']}")
         if "jain" in x:
             j = x["jain"]
             lines.append(f"(d) {mode:4} Jain's index {j['index']} (tokens t1 {j['tokens_t1']}, "

@@ -10,25 +10,27 @@ next one to leave is chosen in three steps:
    max_tokens, corrected to the actual output when a request ends) as the replicated tenant
    book holds them, plus the tokens this replica released and the stream has not brought back
    yet, divided by the tenant's weight. The book is the same on every replica, so the counters
-   are fleet-wide. As in VTC, a tenant that arrives idle — nothing waiting here and nothing in
-   flight anywhere in the fleet — is *lifted* to the least counter of the active tenants (the
-   caller says which: those waiting here count with their own counters), for as long as it
-   keeps waiting: time it spent without requests is not service it is owed, and a newcomer
-   cannot take every opening from tenants that were served while it was away. The replica
-   counts as active every tenant served in the last minute, the stand-in for VTC's "counter of
-   the last client served" when nobody else is waiting at the instant the newcomer arrives. A
-   tenant with requests in flight keeps its own counter when its queue here runs empty between
-   requests: it is still backlogged fleet-wide, only spread over replicas;
+   are fleet-wide. As in VTC, a newcomer is *lifted* to the least counter of the tenants it
+   finds active (``newcomer_lifts``): the others' service in the part of the window before it
+   arrived is not service it is owed. Without the lift a flood starting next to a steady
+   tenant would take every opening until its own tokens in the window caught up with the
+   steady tenant's (seconds, measured in docs/measurements/tenants.md). The lift is a function
+   of the replicated admissions alone — each tenant's first admission in the window and what
+   the others were admitted before it — so every replica lifts alike, whichever replica the
+   newcomer's first request reached, and it fades by itself as those admissions leave the
+   window. A tenant that is only idle between requests keeps its first admission, so its gaps
+   are not lifted: its counter already holds its recent service;
 3. within that tenant, the replica's queue policy (fcfs, lcfs, wspt).
 
 Requests still waiting are not service received: the counter is passed in by the caller (who
-subtracts what is queued, ``queued_tokens``). Pure: arrival times and counters are passed in.
+subtracts what is queued, ``queued_tokens``), and so are the lifts. Pure: arrival times,
+counters and admissions are passed in.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar
 
 from replicas.core.queue import RequestQueue
@@ -40,19 +42,16 @@ class FairQueue(Generic[T]):
     """Per (tier, tenant) queues; ``pop`` picks the tier, then the least-served tenant."""
 
     def __init__(self, policy: str, service: Callable[[str], float],
-                 in_flight: Callable[[str], int],
-                 active: Callable[[], Iterable[str]] = tuple) -> None:
+                 lifts: Callable[[], Mapping[str, float]] = dict) -> None:
         self.policy = policy
         self._service = service  # tenant -> service received per unit of weight
-        self._in_flight = in_flight  # tenant -> its requests released and not ended, fleet-wide
-        self._active = active  # tenants served recently or with requests in flight
+        self._lifts = lifts  # -> newcomers' lifts (``newcomer_lifts``), per unit of weight
         self._queues: dict[tuple[int, str], RequestQueue[T]] = {}
         # Insertion order of each queue's oldest entry breaks ties between equally served
         # tenants: the one waiting longest goes first.
         self._first: dict[tuple[int, str], int] = {}
         self._where: dict[int, tuple[tuple[int, str], int]] = {}  # id(item) -> (queue, tokens)
         self._queued: dict[str, tuple[int, int]] = {}  # tenant -> (requests, tokens) waiting
-        self._lift: dict[str, float] = {}  # tenant -> what its counter is lifted by while waiting
         self._seq = itertools.count()
         self._len = 0
 
@@ -60,8 +59,6 @@ class FairQueue(Generic[T]):
              uncached_isl_tokens: int = 0, tenant: str = "", tier: int = 0,
              tokens: int = 0) -> None:
         key = (tier, tenant)
-        if tenant not in self._queued:
-            self._lift[tenant] = 0.0 if self._in_flight(tenant) else self._lift_for(tenant)
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = RequestQueue(self.policy)
@@ -79,33 +76,27 @@ class FairQueue(Generic[T]):
         if n > 1:
             self._queued[key[1]] = (n - 1, queued - tokens)
         else:
-            del self._queued[key[1]], self._lift[key[1]]
+            del self._queued[key[1]]
         if not self._queues[key]:
             del self._queues[key], self._first[key]
         self._len -= 1
-
-    def _lift_for(self, tenant: str) -> float:
-        """How far an idle tenant's counter is lifted: up to the least counter of the active
-        tenants (waiting here: their counters; in flight elsewhere: their service)."""
-        counters = {t: self.counter(t) for t in self._queued}
-        for t in self._active():
-            if t != tenant and t not in counters:
-                counters[t] = self._service(t)
-        if not counters:
-            return 0.0
-        return max(0.0, min(counters.values()) - self._service(tenant))
 
     def next_tenant(self) -> tuple[int, str] | None:
         """The (tier, tenant) whose request leaves next, or None when nothing waits."""
         if not self._queues:
             return None
         tier = max(k[0] for k in self._queues)
-        return min((k for k in self._queues if k[0] == tier),
-                   key=lambda k: (self.counter(k[1]), self._first[k]))
+        keys = [k for k in self._queues if k[0] == tier]
+        if len(keys) == 1:
+            return keys[0]  # nothing to compare: the counters are not needed
+        lifts = self._lifts()
+        return min(keys, key=lambda k: (self.counter(k[1], lifts), self._first[k]))
 
-    def counter(self, tenant: str) -> float:
-        """A waiting tenant's virtual token counter: service per weight, lifted."""
-        return self._service(tenant) + self._lift.get(tenant, 0.0)
+    def counter(self, tenant: str, lifts: Mapping[str, float] | None = None) -> float:
+        """A tenant's virtual token counter: service per weight, plus its lift."""
+        if lifts is None:
+            lifts = self._lifts()
+        return self._service(tenant) + lifts.get(tenant, 0.0)
 
     def pop(self) -> T | None:
         key = self.next_tenant()
@@ -123,10 +114,6 @@ class FairQueue(Generic[T]):
         self._taken(item)
         return True
 
-    def queued(self, tenant: str) -> int:
-        """How many of ``tenant``'s requests wait here."""
-        return self._queued.get(tenant, (0, 0))[0]
-
     def queued_tokens(self, tenant: str) -> int:
         """Tokens of ``tenant``'s requests still waiting here (not yet service received)."""
         return self._queued.get(tenant, (0, 0))[1]
@@ -136,3 +123,23 @@ class FairQueue(Generic[T]):
 
     def __bool__(self) -> bool:
         return self._len > 0
+
+
+def newcomer_lifts(firsts: Mapping[str, float],
+                   served_before: Callable[[str, float], float]) -> dict[str, float]:
+    """VTC's lift for a windowed counter: each tenant is lifted to the least counter, at its
+    arrival, of the tenants that arrived before it.
+
+    ``firsts``: each active tenant's first admission in the window (event time);
+    ``served_before(t, ts)``: ``t``'s service per weight admitted in the window before ``ts``.
+    A tenant's counter when ``u`` arrived is what it was served before then plus its own lift,
+    so the lifts are worked out in order of arrival; tenants that arrived at the same instant
+    do not lift each other, and the first to arrive has no lift. As the window slides, the
+    service a lift stands for leaves it, and so does the lift."""
+    order = sorted(firsts.items(), key=lambda kv: (kv[1], kv[0]))
+    lifts: dict[str, float] = {}
+    for k, (tenant, arrived) in enumerate(order):
+        least = min((served_before(other, arrived) + lifts[other]
+                     for other, first in order[:k] if first < arrived), default=0.0)
+        lifts[tenant] = max(least, 0.0)
+    return lifts

@@ -152,6 +152,14 @@ class ActiveLoad:
         # Learned prefill throughput and the decaying anchor, per worker rank; kept when the
         # rank goes idle (what was learned stays true).
         self._prefill: dict[WorkerKey, WorkerPrefill] = {}
+        # Per worker rank, the replica whose request last left its prefill (first token, or
+        # an end before it): whose opening it made (replicas.core.release_turns). A hint for
+        # turn-taking only: not in the digest nor in snapshots (a replica that restored one
+        # lacks it until the next prefill ends there, and releases at once meanwhile).
+        self._freed_by: dict[WorkerKey, str] = {}
+        # Per replica, the ts of the newest decision it routed: the replicas that take turns.
+        # The same kind of hint: not in the digest nor in snapshots.
+        self._routed_at: dict[str, float] = {}
 
     # --- mutations ---------------------------------------------------------------------------
 
@@ -191,6 +199,7 @@ class ActiveLoad:
         if owned is None:
             owned = self._by_replica[replica_id] = set()
         owned.add(request_id)
+        self._routed_at[replica_id] = req.ts  # stream order: near enough to the newest
         self._digest = (self._digest + _contribution(req)) & _MASK64
         if modeled and req.prefill_tokens > 0:
             self._prefill_of(worker).start(request_id, req.ts)
@@ -211,6 +220,7 @@ class ActiveLoad:
             return False
         self._set_progress(req, True, req.output_tokens)
         self._workers[req.worker].prefill_tokens -= req.prefill_tokens
+        self._freed_by[req.worker] = req.replica_id
         if ts is not None and req.prefill_tokens > 0:
             self._prefill_of(req.worker).observe(request_id, req.prefill_tokens, req.ts,
                                                  float(ts))
@@ -247,6 +257,7 @@ class ActiveLoad:
             load.output_milli -= output_block_milli(req.output, req.output_tokens)
         if not req.prefill_done:
             load.prefill_tokens -= req.prefill_tokens
+            self._freed_by[req.worker] = req.replica_id
             if req.modeled and req.prefill_tokens > 0:
                 self._prefill_of(req.worker).leave(request_id)
         load.requests.discard(request_id)
@@ -268,6 +279,7 @@ class ActiveLoad:
 
     def replica_lost(self, replica_id: str) -> list[str]:
         """Free exactly the requests owned by ``replica_id``; returns their ids, sorted."""
+        self._routed_at.pop(replica_id, None)
         return self._finish_all(self._by_replica.get(replica_id, ()))
 
     def _finish_all(self, request_ids: Iterable[str]) -> list[str]:
@@ -347,6 +359,17 @@ class ActiveLoad:
     def replicas(self) -> set[str]:
         """Replicas that own at least one active request."""
         return {r for r, ids in self._by_replica.items() if ids}
+
+    def routed_since(self, ts: float) -> set[str]:
+        """Replicas that routed a decision at ``ts`` or later (event time), or own one still
+        active; older entries are forgotten."""
+        for replica in [r for r, at in self._routed_at.items() if at < ts]:
+            del self._routed_at[replica]
+        return {*self._routed_at, *self.replicas()}
+
+    def freed_by(self, worker: WorkerKey) -> str | None:
+        """The replica whose request last left ``worker``'s prefill (None: none seen)."""
+        return self._freed_by.get(worker)
 
     def owned(self, replica_id: str) -> int:
         """Active requests routed by ``replica_id``."""

@@ -66,6 +66,10 @@ class TenantPending:
     def admissions(self, tenant: str) -> list[tuple[float, int]]:
         return [(p.ts, p.tokens) for p in self._pending.values() if p.tenant == tenant]
 
+    def first_admission(self, tenant: str) -> float | None:
+        """The ts of the tenant's oldest admission pending here; None: none."""
+        return min((ts for ts, _ in self.admissions(tenant)), default=None)
+
 
 @dataclass(frozen=True, slots=True)
 class Verdict:

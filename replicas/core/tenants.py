@@ -216,6 +216,19 @@ class TenantBook:
         cut = bisect.bisect_right(window, (at - WINDOW, "\uffff"))
         return [(ts, self._charges[b].tokens) for ts, b in window[cut:]]
 
+    def first_admission(self, tenant: str, at: float) -> float | None:
+        """The ts of the tenant's oldest admission in the window at ``at``; None: none."""
+        window = self._window.get(tenant, [])
+        cut = bisect.bisect_right(window, (at - WINDOW, "\uffff"))
+        return window[cut][0] if cut < len(window) else None
+
+    def tokens_before(self, tenant: str, ts: float, at: float) -> int:
+        """Tokens of the tenant's admissions in the window at ``at`` older than ``ts``."""
+        window = self._window.get(tenant, [])
+        lo = bisect.bisect_right(window, (at - WINDOW, "\uffff"))
+        hi = bisect.bisect_left(window, (ts, ""))
+        return sum(self._charges[b].tokens for _, b in window[lo:hi])
+
     def active(self) -> list[str]:
         """Tenants with admissions in the window or requests in flight (as applied)."""
         return list({*self._window, *self._concurrent})

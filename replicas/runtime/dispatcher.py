@@ -18,7 +18,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from eventlog import events as ev
 from eventlog.appender import AppendFailed
@@ -34,10 +34,11 @@ from replicas.core.candidates import (
     request_hashes,
     served_models,
 )
-from replicas.core.fair_queue import FairQueue
+from replicas.core.fair_queue import FairQueue, newcomer_lifts
 from replicas.core.index import WorkerKey
 from replicas.core.overlay import Overlay, pending_decision
 from replicas.core.queue import RequestQueue, should_queue
+from replicas.core.release_turns import turn_distance
 from replicas.core.routing_errors import AllWorkersBusy, NoWorkers, RoutingError
 from replicas.core.selection import BusyThresholds, Candidate, Decision, Overloaded, Selector
 from replicas.core.sticky import SessionRequest, StickyOverlay, session_events, sticky_target
@@ -55,6 +56,14 @@ from replicas.runtime.log_outage import LogOutage, LogUnavailable
 from replicas.runtime.port import ReplicaPort
 
 log = logging.getLogger("jetrouter.replica")
+
+# Seconds a replica waits per place it stands behind the replica whose turn it is to fill an
+# engine's opening (replicas/core/release_turns.py): longer than a peer's decision takes to be
+# applied here (a few milliseconds on a busy 2-core host), short beside a prefill.
+RELEASE_TURN_GRACE = 0.025
+# Seconds since a replica's newest decision for which it keeps its place in the turns' ring
+# (a replica with a backlog decides at least once a round of turns).
+RELEASE_TURN_RING = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +147,13 @@ class Dispatcher:
         # dispatcher re-judges then.
         self.load_changed = asyncio.Event()
         self._queue: RequestQueue[_Queued] | FairQueue[_Queued] = (
-            FairQueue(config.queue_policy, self._tenant_service, self._tenant_in_flight,
-                      self._tenants_active)
+            FairQueue(config.queue_policy, self._tenant_service, self._tenant_lifts)
             if config.tenant_fair_queue
             else RequestQueue(config.queue_policy))
+        # With tenants, releases take turns between replicas (replicas/core/release_turns.py):
+        # when this replica first saw each worker rank's current opening (monotonic seconds).
+        self._turns = config.tenant_fair_queue
+        self._free_since: dict[WorkerKey, float] = {}
         # Output counts waiting to be appended as OutputProgress, per request: one append in
         # flight per request at a time, carrying the newest count when it goes.
         self._progress: dict[str, int] = {}
@@ -462,43 +474,63 @@ class Dispatcher:
             self._queue.push(item, arrival=time.monotonic(), priority_jump=req.latency_sensitivity,
                              uncached_isl_tokens=len(req.token_ids))
 
+    def _tenant_weight(self, tenant: str) -> float:
+        limits = self.port.state.tenants.limits.get(tenant)
+        return limits.weight if limits is not None else 1.0
+
     def _tenant_service(self, tenant: str) -> float:
         """Service ``tenant`` has received, per unit of weight, for the fair queue: its tokens
         in the last minute fleet-wide (the replicated book) plus what this replica admitted
         and the stream has not brought back, less what of that still waits in the queue."""
         book = self.port.state.tenants
-        limits = book.limits.get(tenant)
         tokens = book.usage(tenant, time.time()).tokens + self.tenant_pending.usage(tenant).tokens
         if isinstance(self._queue, FairQueue):
             tokens -= self._queue.queued_tokens(tenant)
-        return tokens / (limits.weight if limits is not None else 1.0)
+        return tokens / self._tenant_weight(tenant)
 
-    def _tenant_in_flight(self, tenant: str) -> int:
-        """``tenant``'s requests released and not ended, fleet-wide as this replica knows."""
-        n = self.port.state.tenants.usage(tenant, time.time()).concurrent
-        n += self.tenant_pending.usage(tenant).concurrent
-        if isinstance(self._queue, FairQueue):
-            n -= self._queue.queued(tenant)
-        return n
-
-    def _tenants_active(self) -> list[str]:
-        """Tenants served in the last minute or with requests in flight, fleet-wide."""
-        return list({*self.port.state.tenants.active(), *self.tenant_pending.tenants()})
+    def _tenant_lifts(self) -> dict[str, float]:
+        """The fair queue's lifts of newcomers (``newcomer_lifts``). A tenant arrives with its
+        first admission in the window, fleet-wide or pending here (a newcomer may be known
+        only here yet); what the others were served before is the replicated book's alone
+        (requests still waiting here are not service, and every replica reads the same)."""
+        book, pending, now = self.port.state.tenants, self.tenant_pending, time.time()
+        firsts: dict[str, float] = {}
+        for tenant in {*book.active(), *pending.tenants()}:
+            seen = [ts for ts in (book.first_admission(tenant, now),
+                                  pending.first_admission(tenant)) if ts is not None]
+            if seen:
+                firsts[tenant] = min(seen)
+        return newcomer_lifts(firsts, lambda tenant, ts: book.tokens_before(tenant, ts, now)
+                              / self._tenant_weight(tenant))
 
     async def _dispatch_queue(self) -> None:
         """Release queued requests in policy order while some worker has capacity. The decision
         is made here, synchronously, so each release already counts in the load the next
-        release is judged by."""
+        release is judged by. With tenants, only into openings that are this replica's turn
+        (``_openings``); the loop wakes up when another one's grace runs out."""
         threshold = self.config.queue_threshold
+        wake: float | None = None
         while True:
-            await self.load_changed.wait()
+            if wake is None:
+                await self.load_changed.wait()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.load_changed.wait(), wake)
             self.load_changed.clear()
+            wake = None
             if threshold is None:
                 continue
             while len(self._queue):
                 state = self.port.state
                 cands = [c for m in served_models(state) for c in self.candidates(m, ())]
+                mine = not_mine = frozenset[str]()
+                if self._turns:
+                    # Every pass, so that an opening that closed is forgotten before the next.
+                    mine, wake = self._openings(cands, threshold)
+                    not_mine = frozenset(c.worker[0] for c in cands) - mine
                 if cands and should_queue(cands, threshold):
+                    break
+                if self._turns and not mine:
                     break
                 item = self._queue.pop()
                 if item is None:
@@ -507,9 +539,42 @@ class Dispatcher:
                 if fut.done():
                     continue
                 try:
-                    fut.set_result(self._prepare(req))
+                    fut.set_result(self._prepare_into(req, not_mine))
                 except RoutingError as exc:
                     fut.set_exception(exc)
+            if not self._queue:
+                self._free_since.clear()  # nothing waits for the openings seen so far
+
+    def _openings(self, cands: Sequence[Candidate], threshold: float
+                  ) -> tuple[frozenset[str], float | None]:
+        """Workers with an opening this replica may fill now (its turn, or its grace for the
+        turn-holder ran out), and seconds until the next one it waits for becomes its own."""
+        load, me, now = self.port.state.load, self.port.replica_id, time.monotonic()
+        ring = load.routed_since(time.time() - RELEASE_TURN_RING)
+        mine: set[str] = set()
+        wait: float | None = None
+        free: set[WorkerKey] = set()
+        for c in cands:
+            if c.active_prefill_tokens > threshold * c.max_num_batched_tokens:
+                continue
+            free.add(c.worker)
+            since = self._free_since.setdefault(c.worker, now)
+            due = since + turn_distance(ring, load.freed_by(c.worker), me) * RELEASE_TURN_GRACE
+            if due <= now:
+                mine.add(c.worker[0])
+            else:
+                wait = due - now if wait is None else min(wait, due - now)
+        for worker in [w for w in self._free_since if w not in free]:
+            del self._free_since[worker]  # busy again: its next opening is a new one
+        return frozenset(mine), wait
+
+    def _prepare_into(self, req: RouteRequest, not_mine: frozenset[str]) -> Routed:
+        """``_prepare`` among the workers whose opening is this replica's; a request that must
+        go to one engine (pinned, or its session's) is routed as usual."""
+        if not_mine and req.pinned is None and req.session is None:
+            with contextlib.suppress(RoutingError):
+                return self._prepare(replace(req, exclude=req.exclude | not_mine))
+        return self._prepare(req)
 
     def pending_decisions(self) -> int:
         """Decisions in the optimistic overlay: routed here, not yet applied from the stream."""

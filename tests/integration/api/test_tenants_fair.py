@@ -3,7 +3,8 @@ simulated engine as real processes, a queue threshold so low that a request wait
 prompt is being computed, and the order of decisions read back from the router stream.
 
 A tenant that queued a backlog first does not make a later tenant wait behind all of it: the
-later tenant has received no service, so its request leaves the queue next.
+later tenant is lifted to the backlogged tenant's counter (VTC's newcomer lift), not above it,
+so its request leaves at the latest one release after it arrived.
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ async def test_a_later_tenant_is_not_queued_behind_another_tenants_backlog(
     assert all(a.choices[0].text for a in answers)
     order = [e.tenant for e in await _decisions(cluster) if e.tenant in ("flood", "victim")]
     assert sorted(order) == ["flood"] * 6 + ["victim"]
-    # FCFS would release the victim's request last, after the whole backlog; fair sharing
-    # releases it at the next opening (a release already under way when it arrived aside).
+    # FCFS would release the victim's request last, after the whole backlog. Fair sharing
+    # lifts the newcomer to the flood's counter: at the next opening the tie goes to the queue
+    # that formed first, and the victim leaves at the one after (the request already computing
+    # when it arrived aside).
     assert order.index("victim") <= 2, order
     print(f"\nrelease order: {json.dumps(order)}")
