@@ -15,14 +15,16 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
-import nats
 import openai
 import pytest
 import pytest_asyncio
 
-from eventlog.events import RequestRouted, decode_batch
-from eventlog.names import Names
 from launch.local_cluster import LocalCluster
+from tests.integration.api.tenant_cluster import (
+    decisions,
+    queue_depth,
+    queued_tenant_cluster,
+)
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
@@ -32,44 +34,11 @@ NAMESPACE = "tennew"
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
-    data = Path(tmp_path_factory.mktemp("tenants-newcomer"))
-    keys = data / "keys.yaml"
-    keys.write_text("key-steady: steady\nkey-flood: flood\n")
-    # 1 ms per prompt token and a queue threshold of 1e-4 of the engine's batch: while any
-    # prompt is being computed, every other request waits in its replica's queue.
-    async with LocalCluster(replicas=2, workers=1, data_dir=data, namespace=NAMESPACE,
-                            router_args=["--api-keys-file", str(keys),
-                                         "--router-queue-threshold", "0.0001"],
-                            worker_args=["--perf-model", "linear", "--prefill-ms-per-token", "1"]
-                            ) as c:
-        async with httpx.AsyncClient() as h:
-            for url in c.router_urls:
-                await until(lambda u=url: h.get(
-                    f"{u}/admin/workers", headers={"authorization": f"Bearer {c.admin_token}"}),
-                    lambda r: len(r.json()["workers"]) == 1)
+    # 1 ms per prompt token: the steady tenant's 2000-token warm-up takes about 2 s.
+    async with queued_tenant_cluster(Path(tmp_path_factory.mktemp("tenants-newcomer")), NAMESPACE,
+                                     {"key-steady": "steady", "key-flood": "flood"}, replicas=2,
+                                     prefill_ms_per_token=1) as c:
         yield c
-
-
-async def _queue_depth(h: httpx.AsyncClient, url: str) -> float:
-    for line in (await h.get(f"{url}/metrics")).text.splitlines():
-        if line.startswith("jetrouter_queue_depth "):
-            return float(line.split()[1])
-    return -1.0
-
-
-async def _decisions(c: LocalCluster) -> list[RequestRouted]:
-    nc = await nats.connect(c.nats_url)
-    try:
-        js = nc.jetstream()
-        stream = Names(NAMESPACE).stream("router")
-        info = await js.stream_info(stream)
-        out: list[RequestRouted] = []
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
-            msg = await js.get_msg(stream, seq)
-            out.extend(e for e in decode_batch(msg.data) if isinstance(e, RequestRouted))
-        return out
-    finally:
-        await nc.close()
 
 
 async def test_a_new_flood_does_not_take_every_opening_from_a_steady_tenant(
@@ -93,12 +62,12 @@ async def test_a_new_flood_does_not_take_every_opening_from_a_steady_tenant(
             model=MODEL, prompt=[*range(1000 + 300 * n, 1200 + 300 * n)], max_tokens=2))
             for n in range(6)]
         # One flood request computing its prompt, five waiting in r1's queue.
-        await until(lambda: _queue_depth(h, r1), lambda d: d == 5, what="flood backlog queued")
+        await until(lambda: queue_depth(h, r1), lambda d: d == 5, what="flood backlog queued")
         late = asyncio.create_task(steady1.completions.create(
             model=MODEL, prompt=[*range(20000, 20200)], max_tokens=2))
         answers = await asyncio.wait_for(asyncio.gather(*backlog, late), 120)
     assert all(a.choices[0].text for a in answers)
-    order = [e.tenant for e in await _decisions(cluster)][5:]  # after the warm-up
+    order = [e.tenant for e in await decisions(cluster, NAMESPACE)][5:]  # after the warm-up
     assert sorted(order) == ["flood"] * 6 + ["steady"]
     # Unlifted, the flood's counter (its tokens in the window) would stay under the steady
     # tenant's 10,010 for all six requests, and the steady request would leave last. Lifted to

@@ -11,16 +11,16 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
-import nats
 import openai
 import pytest
 import pytest_asyncio
 
-from eventlog.events import Event, PrefillCompleted, RequestFinished, RequestRouted, decode_batch
-from eventlog.names import Names
+from eventlog.events import PrefillCompleted, RequestFinished, RequestRouted
 from launch.local_cluster import LocalCluster
-from tests.waiting import until
+from tests.integration.api.tenant_cluster import (
+    queued_tenant_cluster,
+    router_events,
+)
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 MODEL = "jetrouter-sim"
@@ -30,36 +30,12 @@ PER_REPLICA = 8
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
-    data = Path(tmp_path_factory.mktemp("tenants-turns"))
-    keys = data / "keys.yaml"
-    keys.write_text("key-a: a\nkey-b: b\n")
     # 1 ms per prompt token: a 200-token prompt keeps the engine's prefill busy for 200 ms,
     # long beside the replication lag the turns' grace has to cover.
-    async with LocalCluster(replicas=2, workers=1, data_dir=data, namespace=NAMESPACE,
-                            router_args=["--api-keys-file", str(keys),
-                                         "--router-queue-threshold", "0.0001"],
-                            worker_args=["--perf-model", "linear", "--prefill-ms-per-token", "1"]
-                            ) as c:
-        async with httpx.AsyncClient() as h:
-            for url in c.router_urls:
-                await until(lambda u=url: h.get(
-                    f"{u}/admin/workers", headers={"authorization": f"Bearer {c.admin_token}"}),
-                    lambda r: len(r.json()["workers"]) == 1)
+    async with queued_tenant_cluster(Path(tmp_path_factory.mktemp("tenants-turns")), NAMESPACE,
+                                     {"key-a": "a", "key-b": "b"}, replicas=2,
+                                     prefill_ms_per_token=1) as c:
         yield c
-
-
-async def _router_events(c: LocalCluster) -> list[Event]:
-    nc = await nats.connect(c.nats_url)
-    try:
-        js = nc.jetstream()
-        stream = Names(NAMESPACE).stream("router")
-        info = await js.stream_info(stream)
-        out: list[Event] = []
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
-            out.extend(decode_batch((await js.get_msg(stream, seq)).data))
-        return out
-    finally:
-        await nc.close()
 
 
 async def test_the_engine_gets_one_prompt_per_opening_and_both_queues_are_served(
@@ -74,7 +50,7 @@ async def test_the_engine_gets_one_prompt_per_opening_and_both_queues_are_served
     assert all(a.choices[0].text for a in answers)
     in_prefill: set[str] = set()
     doubled, order = 0, []
-    for e in await _router_events(cluster):
+    for e in await router_events(cluster, NAMESPACE):
         if isinstance(e, RequestRouted):
             doubled += bool(in_prefill)  # another prompt was still being computed
             in_prefill.add(e.request_id)
