@@ -139,6 +139,17 @@ class ConnectRetries:
         if self._record is not None:
             self._record(action)
 
+    async def again_if_alive(self, tries: ConnectTries | None, worker_id: str,
+                             request_id: str) -> ConnectTries | None:
+        """:meth:`again` for an engine still alive, counted as ``retried``; None when it is not
+        alive or the policy says stop (what a hop runner asks once no other engine takes it)."""
+        if not self.alive(worker_id):
+            return None
+        tries = await self.again(tries, worker_id, request_id)
+        if tries is not None:
+            self.record(TimeoutAction.RETRIED)
+        return tries
+
     async def again(self, tries: ConnectTries | None, worker_id: str,
                     request_id: str) -> ConnectTries | None:
         """After a connect of the hop ``request_id`` to ``worker_id`` timed out and no other

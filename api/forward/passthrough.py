@@ -188,14 +188,11 @@ class Passthrough:
 
     async def _connect_again(self, hop: Routed) -> bool:
         """The same hop again after a backoff, if its engine is alive and time is left."""
-        connects = self.ctx.connects
-        if not connects.alive(hop.worker_id):
-            return False
-        tries = await connects.again(self.connect_tries, hop.worker_id, hop.request_id)
+        tries = await self.ctx.connects.again_if_alive(self.connect_tries, hop.worker_id,
+                                                       hop.request_id)
         if tries is None:
             return False
         self.connect_tries = tries
-        connects.record(TimeoutAction.RETRIED)
         return True
 
     def headers(self) -> dict[str, str]:

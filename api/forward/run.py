@@ -235,14 +235,11 @@ class Run:
     async def _connect_again(self, hop: Hop) -> bool:
         """The connect to ``hop``'s engine timed out and nothing else takes the request: if the
         engine is alive and the hop has time left, wait the backoff and keep the hop (True)."""
-        connects = self.ctx.connects
-        if not connects.alive(hop.worker_id):
-            return False
-        tries = await connects.again(self.connect_tries, hop.worker_id, hop.request_id)
+        tries = await self.ctx.connects.again_if_alive(self.connect_tries, hop.worker_id,
+                                                       hop.request_id)
         if tries is None:
             return False
         self.connect_tries = tries
-        connects.record(TimeoutAction.RETRIED)
         return True
 
     # --- hops -----------------------------------------------------------------------------------

@@ -39,9 +39,11 @@ from replicas.core.index_approx import ApproximateMode
 from replicas.core.index_codec import PLAIN_VERSION_V3, expiry_columns, read_plain
 from replicas.core.index_common import (
     U64,
+    LiveRows,
     MatchColumns,
     OverlapScores,
     WorkerKey,
+    live_rows,
     membership_mix,
     mix_sum,
     worker_weight,
@@ -81,11 +83,6 @@ def _chain(parent: int, tokens: np.ndarray) -> np.ndarray:
     return acc
 
 
-# slots holding blocks, their keys, tree sizes, key -> row, and the epochs they were read at
-# (PrefixIndex._live_columns)
-_Rows = tuple[np.ndarray, list[WorkerKey], np.ndarray, dict[WorkerKey, int], int, int]
-
-
 class PrefixIndex(ApproximateMode):
     # Events of at most this many blocks apply block by block in plain Python (~3 us a block);
     # longer ones as arrays (a fixed ~100 us of numpy calls, then well under 1 us a block).
@@ -114,7 +111,7 @@ class PrefixIndex(ApproximateMode):
         self._weights: list[int] = []  # slot -> digest weight of its worker key
         self._total = 0
         self._sizes_cache: dict[WorkerKey, int] | None = None
-        self._columns_cache: _Rows | None = None
+        self._columns_cache: LiveRows | None = None
         # bumped whenever a slot's block count may change / a slot changes hands
         self._sizes_epoch = self._slots_epoch = 0
         self._expiry: dict[tuple[int, int], tuple[float, int]] = {}
@@ -389,22 +386,15 @@ class PrefixIndex(ApproximateMode):
         self._sizes_cache = None
         self._sizes_epoch += 1
 
-    def _live_columns(self) -> _Rows:
+    def _live_columns(self) -> LiveRows:
         """The keys holding any block (in slot order), their tree sizes and rows; the keys and
         rows kept, the same list, while the same slots of the same workers hold blocks."""
         cached = self._columns_cache
         if cached is not None and cached[4] == self._sizes_epoch:
             return cached
         sizes = np.fromiter((t.size for t in self._blocks), np.int64, len(self._blocks))
-        live = np.flatnonzero(sizes)
-        if cached is not None and cached[5] == self._slots_epoch \
-                and np.array_equal(cached[0], live):
-            workers, rows = cached[1], cached[3]
-        else:
-            workers = [self._keys[s] for s in live.tolist()]  # type: ignore[misc]
-            rows = {w: i for i, w in enumerate(workers)}
-        self._columns_cache = (live, workers, sizes[live], rows, self._sizes_epoch,
-                               self._slots_epoch)
+        self._columns_cache = live_rows(cached, sizes, self._keys, self._sizes_epoch,
+                                        self._slots_epoch)
         return self._columns_cache
 
     def tree_size(self, worker: WorkerKey) -> int:

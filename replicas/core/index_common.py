@@ -96,3 +96,22 @@ def popcount(words: np.ndarray) -> np.ndarray:
 
 
 _BITWISE_COUNT = getattr(np, "bitwise_count", None)
+
+
+LiveRows = tuple[np.ndarray, list[WorkerKey], np.ndarray, dict[WorkerKey, int], int, int]
+"""What ``match_columns`` answers for: the slots holding any block (in slot order), their keys,
+their tree sizes, each key's row, and the size and slot epochs they were read at."""
+
+
+def live_rows(cached: LiveRows | None, sizes: np.ndarray, keys: Sequence[WorkerKey | None],
+              sizes_epoch: int, slots_epoch: int) -> LiveRows:
+    """Both index forms' live rows from ``sizes`` (tree size per slot): the keys and rows are
+    kept, the same list, while the same slots of the same workers hold blocks, so a caller's
+    rows keyed by that list stay valid across events that only change sizes."""
+    live = np.flatnonzero(sizes)
+    if cached is not None and cached[5] == slots_epoch and np.array_equal(cached[0], live):
+        workers, rows = cached[1], cached[3]
+    else:
+        workers = [keys[s] for s in live.tolist()]  # type: ignore[misc]
+        rows = {w: i for i, w in enumerate(workers)}
+    return (live, workers, sizes[live], rows, sizes_epoch, slots_epoch)

@@ -37,18 +37,17 @@ from replicas.core.index_codec import (
 )
 from replicas.core.index_common import (
     DIGEST_SALT,
+    LiveRows,
     MatchColumns,
     OverlapScores,
     WorkerKey,
+    live_rows,
     membership_mix,
     worker_weight,
 )
 from replicas.core.index_reference_match import match_groups, record, slot_indices
 from replicas.core.index_reference_restore import restore_expiry, restore_slot
 
-# slots holding blocks, their keys, tree sizes, key -> row, and the epochs they were read at
-# (PrefixIndex._live_columns)
-_Rows = tuple[np.ndarray, list[WorkerKey], np.ndarray, dict[WorkerKey, int], int, int]
 Entry = int  # a held block: seq | (parent seq + 1) << 64 (a root's parent is _ROOT, so: seq)
 
 _P = CHAIN_MULTIPLIER
@@ -87,7 +86,7 @@ class PrefixIndex:
         self._gaps: list[int] = []  # slot -> held nodes whose parent it does not hold
         self._gappy = 0  # bitmask of slots with gaps
         self._sizes_cache: dict[WorkerKey, int] | None = None
-        self._columns_cache: _Rows | None = None
+        self._columns_cache: LiveRows | None = None
         # bumped whenever a slot's block count may change / a slot changes hands
         self._sizes_epoch = self._slots_epoch = 0
         # approximate mode: (slot, seq) -> (expiry, depth); heap of (expiry, -depth, id, rank, seq)
@@ -393,7 +392,7 @@ class PrefixIndex:
             self._sizes_cache = sizes
         return sizes
 
-    def _live_columns(self) -> _Rows:
+    def _live_columns(self) -> LiveRows:
         """The slots holding any block (in slot order), their keys, tree sizes and each key's
         row. After a change the sizes are re-read per slot (one C pass); the keys and rows are
         kept, the same list, while the same slots of the same workers hold blocks."""
@@ -401,15 +400,8 @@ class PrefixIndex:
         if cached is not None and cached[4] == self._sizes_epoch:
             return cached
         sizes = np.fromiter(map(len, self._blocks), np.int64, len(self._blocks))
-        live = np.flatnonzero(sizes)
-        if cached is not None and cached[5] == self._slots_epoch \
-                and np.array_equal(cached[0], live):
-            workers, rows = cached[1], cached[3]
-        else:
-            workers = [self._keys[s] for s in live.tolist()]  # type: ignore[misc]
-            rows = {w: i for i, w in enumerate(workers)}
-        self._columns_cache = (live, workers, sizes[live], rows, self._sizes_epoch,
-                               self._slots_epoch)
+        self._columns_cache = live_rows(cached, sizes, self._keys, self._sizes_epoch,
+                                        self._slots_epoch)
         return self._columns_cache
 
     def tree_size(self, worker: WorkerKey) -> int:
