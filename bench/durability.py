@@ -52,20 +52,24 @@ from eventlog.names import CONTROL, KV, STREAM_KINDS, Names
 from eventlog.reader import StreamReader
 from eventlog.streams import ensure_streams, stream_bounds
 from natsops.server import NatsServer, free_port
-from replicas.core.state import RouterState
+from replicas.core.state import INDEX_FORMS, RouterState, StateConfig
 from snapshots.store import SnapshotStore
 
 NAMESPACE = "durbench"
 SHARED_PROMPTS = 50
 PROMPT_BLOCKS = 8
 PUBLISH_WINDOW = 256  # publishes in flight at once
-_PARAMS = ("blocks", "workers", "chain_blocks", "chains_per_message", "tail_events", "tail_batch",
+_PARAMS = ("index_form", "blocks", "workers", "chain_blocks", "chains_per_message", "tail_events",
+           "tail_batch",
            "tail_blocks", "repeats", "seed")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print only the JSON object")
     p.add_argument("--blocks", type=int, default=1_000_000, help="blocks held by the state")
+    p.add_argument("--index-form", choices=sorted(INDEX_FORMS), default="reference",
+                   help="the prefix index's form, in-process and in the replica "
+                        "(--router-index-form)")
     p.add_argument("--workers", type=int, default=64, help="workers (dp rank 0 each)")
     p.add_argument("--chain-blocks", type=int, default=32, help="blocks per stored chain")
     p.add_argument("--chains-per-message", type=int, default=4,
@@ -206,7 +210,7 @@ def _hex_digests(state: RouterState) -> dict[str, str]:
 class ReplicaProcess:
     """One `jetrouter serve` child with a fixed id, port and data dir (so it can restart)."""
 
-    def __init__(self, nats_url: str, root: Path, token: str) -> None:
+    def __init__(self, nats_url: str, root: Path, token: str, index_form: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = token
@@ -216,7 +220,8 @@ class ReplicaProcess:
                     "--namespace", NAMESPACE, "--data-dir", str(root / "r0"),
                     f"--admin-token={token}", "--log-level", "warning",
                     "--router-snapshot-threshold", str(10**12), "--canary-interval", "0",
-                    "--worker-timeout", "86400", "--replica-timeout", "86400"]
+                    "--worker-timeout", "86400", "--replica-timeout", "86400",
+                    "--router-index-form", index_form]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> float:
@@ -315,7 +320,8 @@ async def _measure(args: argparse.Namespace, nc: nats.NATS, nats_url: str,
     names = Names(NAMESPACE)
     await ensure_streams(js, names)
     wl = Workload(args.workers, args.seed)
-    state = RouterState()
+    config = StateConfig(index_form=args.index_form)
+    state = RouterState(config)
     ts = time.time()
 
     # 1. build
@@ -371,7 +377,7 @@ async def _measure(args: argparse.Namespace, nc: nats.NATS, nats_url: str,
         loaded, t_load = await _timed(store.load_newest_valid)
         assert loaded is not None
         start = time.perf_counter()
-        copy = RouterState.decode(loaded.data)
+        copy = RouterState.decode(loaded.data, config)
         t_decode = time.perf_counter() - start
         equal = equal and loaded.data == raw and copy.digests() == reference
         for key, value in zip(restore, (t_load, t_decode, t_load + t_decode), strict=True):
@@ -396,7 +402,7 @@ async def _measure(args: argparse.Namespace, nc: nats.NATS, nats_url: str,
 async def _restart(args: argparse.Namespace, js: JetStreamContext, names: Names, nats_url: str,
                    root: Path, wl: Workload, state: RouterState) -> dict[str, Any]:
     token = secrets.token_urlsafe(16)
-    replica = ReplicaProcess(nats_url, root, token)
+    replica = ReplicaProcess(nats_url, root, token, args.index_form)
     out: dict[str, Any] = {}
     async with httpx.AsyncClient() as client:
         try:
@@ -448,7 +454,7 @@ async def _restart(args: argparse.Namespace, js: JetStreamContext, names: Names,
     loaded = await store.load_newest_valid()
     assert loaded is not None
     t_load = time.perf_counter() - start
-    copy = RouterState.decode(loaded.data)
+    copy = RouterState.decode(loaded.data, StateConfig(index_form=args.index_form))
     t_decode = time.perf_counter() - start - t_load
     await _replay_tail(js, names, copy, await _stream_ends(js, names))
     t_replay = time.perf_counter() - start - t_load - t_decode
