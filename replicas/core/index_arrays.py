@@ -14,13 +14,16 @@ on the path to ``/ready``. v4 writes the tables as they are, so restoring is rea
   *owns* the node (its lowest-numbered holder slot, first of its repeated ids); 255 elsewhere.
   The node table is not written at all: its keys are the owners' sequence hashes, put back at
   their cells with one scatter, the value the owner's slot.
-* the bitmaps of nodes several slots hold, with the row (``shared_rows``) that owns each, and
-  each slot's repeated nodes (``dups``): few, so small columns.
+  A row whose slot holds the same node under an earlier row's id says so (254): those rows
+  are the slot's repeated nodes (``_dups``).
+* the bitmaps of nodes several slots hold, with the row (``shared_rows``) that owns each: few,
+  so small columns.
 
 Slot numbers, table sizes and cells are the live index's: the restored index is the same arrays,
 not an equivalent rebuild. Every column has a CRC-32 beside it, checked before anything is
-placed; the snapshot store checks the whole blob's SHA-256 too. Costs: 17 bytes a pair raw plus
-the bitmaps (v3: 16). Older versions (1-3) are still read through ``index_codec.read_plain``.
+placed; the snapshot store checks the whole blob's SHA-256 too. Costs: 17 bytes a pair raw, plus
+the occupancy bits and the shared bitmaps (v3: 16). Older versions (1-3) are still read, through
+``index_codec.read_plain``.
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ from replicas.core.index_common import U64, mix_sum, worker_weight
 from replicas.core.index_table import U64Table
 
 PLAIN_VERSION_V4 = 4
-_NOT_OWNER = 255
-_COLUMNS = ("ids", "seqs", "occ", "codes", "shared_rows", "shared_masks", "dup_slots",
-            "dup_seqs", "dup_counts")
+_NOT_OWNER = 255  # another slot owns the node
+_REPEAT = 254  # this slot holds the node under an earlier row's id too (an entry of ``_dups``)
+_COLUMNS = ("ids", "seqs", "occ", "codes", "shared_rows", "shared_masks")
 
 
 def _lowest_slots(rows: np.ndarray) -> np.ndarray:
@@ -93,9 +96,6 @@ def _encode(blocks: list[tuple[int, object, int, np.ndarray, np.ndarray, np.ndar
     codes: list[np.ndarray] = []
     shared_rows: list[np.ndarray] = []
     shared_of: list[np.ndarray] = []
-    dup_slots: list[int] = []
-    dup_seqs: list[int] = []
-    dup_counts: list[int] = []
     offset = 0
     for slot, _, _, _, seqs, _, dups in blocks:
         cells = nodes.find(seqs)
@@ -105,20 +105,18 @@ def _encode(blocks: list[tuple[int, object, int, np.ndarray, np.ndarray, np.ndar
         shared = v < 0
         owner = v == slot
         owner[shared] = lowest[-2 - v[shared]] == slot
-        if dups:  # a node under several ids of this slot: its first row owns it
-            repeated = np.flatnonzero(owner & np.isin(seqs, np.fromiter(dups, U64, len(dups))))
-            seen: set[int] = set()
-            for row, seq in zip(repeated.tolist(), seqs[repeated].tolist(), strict=True):
-                if seq in seen:
-                    owner[row] = False
-                seen.add(seq)
-            dup_slots += [slot] * len(dups)
-            dup_seqs += list(dups)
-            dup_counts += list(dups.values())
         b1, _ = nodes.homes(seqs)
         bucket = cells >> 3
         code = ((bucket != b1).astype(np.uint8) << np.uint8(3)) | (cells & 7).astype(np.uint8)
         code[~owner] = _NOT_OWNER
+        if dups:  # a node under several ids of this slot: every row after its first repeats it
+            rows_of = np.flatnonzero(np.isin(seqs, np.fromiter(dups, U64, len(dups))))
+            seen: set[int] = set()
+            for row, seq in zip(rows_of.tolist(), seqs[rows_of].tolist(), strict=True):
+                if seq in seen:
+                    owner[row] = False
+                    code[row] = _REPEAT
+                seen.add(seq)
         codes.append(code)
         mine = np.flatnonzero(owner & shared)
         shared_rows.append(mine + offset)
@@ -133,9 +131,6 @@ def _encode(blocks: list[tuple[int, object, int, np.ndarray, np.ndarray, np.ndar
         "shared_rows": np.concatenate(shared_rows or [np.zeros(0, np.int64)]).astype(U64)
         .tobytes(),
         "shared_masks": np.ascontiguousarray(masks, dtype=U64).tobytes(),
-        "dup_slots": np.array(dup_slots, dtype=U64).tobytes(),
-        "dup_seqs": np.array(dup_seqs, dtype=U64).tobytes(),
-        "dup_counts": np.array(dup_counts, dtype=U64).tobytes(),
     }
     return {"slots": [[w[0], w[1], slot, bits, len(ids)]  # type: ignore[index]
                       for slot, w, bits, ids, _, _, _ in blocks],
@@ -191,17 +186,16 @@ def restore(index: Any, obj: dict[str, Any]) -> None:
     index._total = total
     index._free = [s for s in range(slot_count) if index._keys[s] is None]
     heapq.heapify(index._free)
-    dup_slots = np.frombuffer(cols["dup_slots"], dtype=U64).tolist()
-    for slot, seq, count in zip(dup_slots, np.frombuffer(cols["dup_seqs"], dtype=U64).tolist(),
-                                np.frombuffer(cols["dup_counts"], dtype=U64).tolist(),
-                                strict=True):
-        index._dups[slot][seq] = count
+    repeats = np.flatnonzero(codes == _REPEAT)
+    for slot, seq in zip(row_slots[repeats].tolist(), seqs[repeats].tolist(), strict=True):
+        dups = index._dups[slot]
+        dups[seq] = dups.get(seq, 0) + 1
     _restore_nodes(index._holders, obj, seqs, codes, row_slots, cols)
 
 
 def _restore_nodes(holders: Any, obj: dict[str, Any], seqs: np.ndarray, codes: np.ndarray,
                    row_slots: np.ndarray, cols: dict[str, bytes]) -> None:
-    owner = np.flatnonzero(codes != _NOT_OWNER)
+    owner = np.flatnonzero(codes < _REPEAT)
     owned = seqs[owner]
     words = int(obj["words"])
     nodes = U64Table.with_bits(np.int32, int(obj["node_bits"]))
@@ -210,7 +204,7 @@ def _restore_nodes(holders: Any, obj: dict[str, Any], seqs: np.ndarray, codes: n
     shared = np.frombuffer(cols["shared_rows"], dtype=U64).astype(np.int64)
     masks = np.frombuffer(cols["shared_masks"], dtype=U64)
     if len(masks) != len(shared) * words or (len(shared) and (
-            int(shared.max()) >= len(seqs) or codes[shared].max() == _NOT_OWNER)):
+            int(shared.max()) >= len(seqs) or codes[shared].max() >= _REPEAT)):
         raise ValueError("malformed v4 PrefixIndex (shared nodes)")
     nodes.place_cells(cells, owned, vals)
     if len(shared):

@@ -88,9 +88,9 @@ def test_big_tables_restore_in_place() -> None:
         for c in range(20):
             ids = rng.integers(1, 2**63, 40).tolist()
             tokens = rng.integers(1, 2**63, 40).tolist()
-            index.store((f"w{w}", 0), None, [*((i + w, t) for i, t in shared), *zip(
+            index.store((f"w{w}", 0), None, [*((i + w + 1000 * c, t) for i, t in shared), *zip(
                 ids, tokens, strict=True)] if c % 2 else list(zip(ids, tokens, strict=True)))
-    index.remove(("w3", 0), [i + 3 for i, _ in shared[:4]])
+    index.remove(("w3", 0), [i + 3 + 1000 for i, _ in shared[:4]])  # repeats left behind
     index.remove_worker("w5")
     check_same_arrays(index)
 

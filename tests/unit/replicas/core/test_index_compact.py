@@ -155,7 +155,7 @@ def test_approximate_mode_agrees(decisions: list[tuple[WorkerKey, int, int, str]
     assert answers(again, KEYS, chains) == answers(reference, KEYS, chains)
 
 
-def test_snapshot_is_the_arrays_at_about_seventeen_bytes_per_pair() -> None:
+def test_snapshot_is_the_arrays_at_seventeen_bytes_per_pair_and_a_bit_per_cell() -> None:
     """v4: 16 bytes of (id, seq) a pair, a node code byte, and a bit per block-table cell."""
     index = PrefixIndex()
     for w in range(4):
