@@ -59,6 +59,8 @@ NAMESPACE = "durbench"
 SHARED_PROMPTS = 50
 PROMPT_BLOCKS = 8
 PUBLISH_WINDOW = 256  # publishes in flight at once
+_FORMATS = {"reference": "msgpack state v2, index v2 (columns per worker) + zlib-1",
+            "compact": "msgpack state v4, index v4 (the tables' arrays) + zlib-1"}
 _PARAMS = ("index_form", "blocks", "workers", "chain_blocks", "chains_per_message", "tail_events",
            "tail_batch",
            "tail_blocks", "repeats", "seed")
@@ -188,12 +190,14 @@ async def _replay_tail(js: JetStreamContext, names: Names, state: RouterState,
     async def follow(kind: str) -> None:
         if state.positions[kind] >= ends[kind]:
             return
-        reader = StreamReader(js, names.stream(kind), start_seq=state.positions[kind] + 1)
-        try:
-            async for seq, batch in reader:
-                state.apply(kind, seq, batch)
-                if seq >= ends[kind]:
-                    return
+        reader = StreamReader(js, names.stream(kind), start_seq=state.positions[kind] + 1,
+                              time_decode=False)
+        try:  # as the replica's follower does: what a pull brought, without an await each
+            async for first in reader:
+                for seq, batch in [first, *reader.take_received(1 << 30)]:
+                    state.apply(kind, seq, batch)
+                    if seq >= ends[kind]:
+                        return
         finally:
             await reader.close()
 
@@ -388,7 +392,9 @@ async def _measure(args: argparse.Namespace, nc: nats.NATS, nats_url: str,
         "state": built,
         "snapshot": {"raw_bytes": meta.size, "stored_bytes": meta.stored_size,
                      "raw_bytes_per_held_block": round(meta.size / max(built["blocks"], 1), 2),
-                     "format": "msgpack state v2, index v3 (two u64 columns per worker) + zlib-1"},
+                     "stored_bytes_per_held_block": round(
+                         meta.stored_size / max(built["blocks"], 1), 2),
+                     "format": _FORMATS[args.index_form]},
         "take": {k: _best(v) for k, v in take.items()},
         "take_median_total_s": round(statistics.median(take["total_s"]), 4),
         "restore": {**{k: _best(v) for k, v in restore.items()}, "digests_equal": equal},
@@ -472,7 +478,8 @@ def print_table(result: dict[str, Any]) -> None:
         ("state", f"{st['blocks']:,} blocks ({st['nodes']:,} nodes) over {st['workers']} "
                   f"workers; {st['kv_messages']:,} KV messages, built in {st['build_s']} s"),
         ("snapshot size", f"{snap['raw_bytes']:,} B raw, {snap['stored_bytes']:,} B stored "
-                          f"({snap['format']})"),
+                          f"({snap['stored_bytes_per_held_block']} B a held block; "
+                          f"{snap['format']})"),
         ("take (best)", f"{take['total_s']:.3f} s = capture {take['capture_s']:.3f} (on loop) "
                         f"+ encode {take['encode_s']:.3f} + put {take['put_s']:.3f} "
                         f"(compress, sha256, write, prune); "
