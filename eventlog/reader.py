@@ -4,7 +4,10 @@
 client's ``fetch``) so that it alone decides what counts as progress:
 
 * one pull request of ``batch`` messages at a time, with an idle heartbeat, on an inbox that
-  belongs to one consumer *generation*;
+  belongs to one consumer *generation*; while the server says more than ``batch`` messages wait
+  (a replica catching up after a restart), of up to ``catch_up_batch``, and
+  :meth:`StreamReader.take_received` hands over what such a pull brought without an ``await``
+  per message;
 * every delivered message carries its stream and consumer sequences in its reply subject. A
   consumer-sequence gap means a delivery was lost (slow inbox, reconnect): the consumer is
   recreated from ``last_seq + 1``. A stream-sequence gap with no delivery lost means the stream

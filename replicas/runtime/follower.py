@@ -1,6 +1,8 @@
 """The stream follower: replay each stream from the state's position + 1, then follow it live.
 
 It owns the replica's `RouterState`: every event reaches the state through here, in stream order.
+Catching up (after a restart, a tail of 100 k messages), the KV and control streams apply what each
+pull brought in slices of `_APPLY_SLICE` messages, one pass through the event loop a slice.
 A purge under a follower (its start is gone) reloads the newest snapshot; a `StateReset` moved
 the other streams' positions to its cut, so the followers restart from there (a rewind); any other
 failure restarts them from the positions the state has applied — nothing is lost or applied twice.

@@ -92,6 +92,7 @@ def test_big_tables_restore_in_place() -> None:
                 ids, tokens, strict=True)] if c % 2 else list(zip(ids, tokens, strict=True)))
     index.remove(("w3", 0), [i + 3 + 1000 for i, _ in shared[:4]])  # repeats left behind
     index.remove_worker("w5")
+    assert any(index._dups) and index._holders.rows_used and index._free == [5]
     check_same_arrays(index)
 
 
