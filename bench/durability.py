@@ -172,7 +172,7 @@ async def _publish_all(js: JetStreamContext, messages: Sequence[tuple[str, list[
     acked: list[tuple[int, list[ev.Event]]] = []
     for start in range(0, len(messages), PUBLISH_WINDOW):
         chunk = messages[start:start + PUBLISH_WINDOW]
-        acks = await asyncio.gather(*(js.publish(subject, ev.encode_batch(batch))
+        acks = await asyncio.gather(*(js.publish(subject, ev.encode_batch(batch), timeout=60)
                                       for subject, batch in chunk))
         acked.extend((ack.seq, batch) for ack, (_, batch) in zip(acks, chunk, strict=True))
     for seq, batch in sorted(acked, key=lambda x: x[0]):
