@@ -186,11 +186,26 @@ def restore(index: Any, obj: dict[str, Any]) -> None:
     index._total = total
     index._free = [s for s in range(slot_count) if index._keys[s] is None]
     heapq.heapify(index._free)
-    repeats = np.flatnonzero(codes == _REPEAT)
-    for slot, seq in zip(row_slots[repeats].tolist(), seqs[repeats].tolist(), strict=True):
-        dups = index._dups[slot]
-        dups[seq] = dups.get(seq, 0) + 1
+    _restore_dups(index._dups, row_slots, seqs, np.flatnonzero(codes == _REPEAT))
     _restore_nodes(index._holders, obj, seqs, codes, row_slots, cols)
+
+
+def _restore_dups(dups: list[dict[int, int]], row_slots: np.ndarray, seqs: np.ndarray,
+                  repeats: np.ndarray) -> None:
+    """Each slot's ``{seq: ids beyond the first}`` from its repeat rows: counted by one sort
+    (there can be millions of repeat rows, of far fewer distinct nodes)."""
+    if not len(repeats):
+        return
+    slots, nodes = row_slots[repeats], seqs[repeats]
+    order = np.lexsort((nodes, slots))
+    slots, nodes = slots[order], nodes[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = (slots[1:] != slots[:-1]) | (nodes[1:] != nodes[:-1])
+    starts = np.flatnonzero(first)
+    counts = np.diff(np.append(starts, len(order)))
+    for slot, seq, count in zip(slots[starts].tolist(), nodes[starts].tolist(), counts.tolist(),
+                                strict=True):
+        dups[slot][seq] = count
 
 
 def _restore_nodes(holders: Any, obj: dict[str, Any], seqs: np.ndarray, codes: np.ndarray,
@@ -206,7 +221,7 @@ def _restore_nodes(holders: Any, obj: dict[str, Any], seqs: np.ndarray, codes: n
     if len(masks) != len(shared) * words or (len(shared) and (
             int(shared.max()) >= len(seqs) or codes[shared].max() >= _REPEAT)):
         raise ValueError("malformed v4 PrefixIndex (shared nodes)")
-    nodes.place_cells(cells, owned, vals)
+    nodes.place_cells(cells, owned, vals, checked=True)  # _cells_of chose one of the two
     if len(shared):
         nodes.vals.reshape(-1)[_cells_of(nodes, seqs[shared], codes[shared])] = (
             -2 - np.arange(len(shared), dtype=np.int32))
