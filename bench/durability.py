@@ -52,20 +52,26 @@ from eventlog.names import CONTROL, KV, STREAM_KINDS, Names
 from eventlog.reader import StreamReader
 from eventlog.streams import ensure_streams, stream_bounds
 from natsops.server import NatsServer, free_port
-from replicas.core.state import RouterState
+from replicas.core.state import INDEX_FORMS, RouterState, StateConfig
 from snapshots.store import SnapshotStore
 
 NAMESPACE = "durbench"
 SHARED_PROMPTS = 50
 PROMPT_BLOCKS = 8
 PUBLISH_WINDOW = 256  # publishes in flight at once
-_PARAMS = ("blocks", "workers", "chain_blocks", "chains_per_message", "tail_events", "tail_batch",
+_FORMATS = {"reference": "msgpack state v2, index v2 (columns per worker) + zlib-1",
+            "compact": "msgpack state v4, index v4 (the tables' arrays) + zlib-1"}
+_PARAMS = ("index_form", "blocks", "workers", "chain_blocks", "chains_per_message", "tail_events",
+           "tail_batch",
            "tail_blocks", "repeats", "seed")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print only the JSON object")
     p.add_argument("--blocks", type=int, default=1_000_000, help="blocks held by the state")
+    p.add_argument("--index-form", choices=sorted(INDEX_FORMS), default="reference",
+                   help="the prefix index's form, in-process and in the replica "
+                        "(--router-index-form)")
     p.add_argument("--workers", type=int, default=64, help="workers (dp rank 0 each)")
     p.add_argument("--chain-blocks", type=int, default=32, help="blocks per stored chain")
     p.add_argument("--chains-per-message", type=int, default=4,
@@ -166,7 +172,7 @@ async def _publish_all(js: JetStreamContext, messages: Sequence[tuple[str, list[
     acked: list[tuple[int, list[ev.Event]]] = []
     for start in range(0, len(messages), PUBLISH_WINDOW):
         chunk = messages[start:start + PUBLISH_WINDOW]
-        acks = await asyncio.gather(*(js.publish(subject, ev.encode_batch(batch))
+        acks = await asyncio.gather(*(js.publish(subject, ev.encode_batch(batch), timeout=60)
                                       for subject, batch in chunk))
         acked.extend((ack.seq, batch) for ack, (_, batch) in zip(acks, chunk, strict=True))
     for seq, batch in sorted(acked, key=lambda x: x[0]):
@@ -184,12 +190,14 @@ async def _replay_tail(js: JetStreamContext, names: Names, state: RouterState,
     async def follow(kind: str) -> None:
         if state.positions[kind] >= ends[kind]:
             return
-        reader = StreamReader(js, names.stream(kind), start_seq=state.positions[kind] + 1)
-        try:
-            async for seq, batch in reader:
-                state.apply(kind, seq, batch)
-                if seq >= ends[kind]:
-                    return
+        reader = StreamReader(js, names.stream(kind), start_seq=state.positions[kind] + 1,
+                              time_decode=False)
+        try:  # as the replica's follower does: what a pull brought, without an await each
+            async for first in reader:
+                for seq, batch in [first, *reader.take_received(1 << 30)]:
+                    state.apply(kind, seq, batch)
+                    if seq >= ends[kind]:
+                        return
         finally:
             await reader.close()
 
@@ -206,7 +214,7 @@ def _hex_digests(state: RouterState) -> dict[str, str]:
 class ReplicaProcess:
     """One `jetrouter serve` child with a fixed id, port and data dir (so it can restart)."""
 
-    def __init__(self, nats_url: str, root: Path, token: str) -> None:
+    def __init__(self, nats_url: str, root: Path, token: str, index_form: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = token
@@ -216,7 +224,8 @@ class ReplicaProcess:
                     "--namespace", NAMESPACE, "--data-dir", str(root / "r0"),
                     f"--admin-token={token}", "--log-level", "warning",
                     "--router-snapshot-threshold", str(10**12), "--canary-interval", "0",
-                    "--worker-timeout", "86400", "--replica-timeout", "86400"]
+                    "--worker-timeout", "86400", "--replica-timeout", "86400",
+                    "--router-index-form", index_form]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> float:
@@ -315,7 +324,8 @@ async def _measure(args: argparse.Namespace, nc: nats.NATS, nats_url: str,
     names = Names(NAMESPACE)
     await ensure_streams(js, names)
     wl = Workload(args.workers, args.seed)
-    state = RouterState()
+    config = StateConfig(index_form=args.index_form)
+    state = RouterState(config)
     ts = time.time()
 
     # 1. build
@@ -371,7 +381,7 @@ async def _measure(args: argparse.Namespace, nc: nats.NATS, nats_url: str,
         loaded, t_load = await _timed(store.load_newest_valid)
         assert loaded is not None
         start = time.perf_counter()
-        copy = RouterState.decode(loaded.data)
+        copy = RouterState.decode(loaded.data, config)
         t_decode = time.perf_counter() - start
         equal = equal and loaded.data == raw and copy.digests() == reference
         for key, value in zip(restore, (t_load, t_decode, t_load + t_decode), strict=True):
@@ -382,7 +392,9 @@ async def _measure(args: argparse.Namespace, nc: nats.NATS, nats_url: str,
         "state": built,
         "snapshot": {"raw_bytes": meta.size, "stored_bytes": meta.stored_size,
                      "raw_bytes_per_held_block": round(meta.size / max(built["blocks"], 1), 2),
-                     "format": "msgpack state v2, index v3 (two u64 columns per worker) + zlib-1"},
+                     "stored_bytes_per_held_block": round(
+                         meta.stored_size / max(built["blocks"], 1), 2),
+                     "format": _FORMATS[args.index_form]},
         "take": {k: _best(v) for k, v in take.items()},
         "take_median_total_s": round(statistics.median(take["total_s"]), 4),
         "restore": {**{k: _best(v) for k, v in restore.items()}, "digests_equal": equal},
@@ -396,7 +408,7 @@ async def _measure(args: argparse.Namespace, nc: nats.NATS, nats_url: str,
 async def _restart(args: argparse.Namespace, js: JetStreamContext, names: Names, nats_url: str,
                    root: Path, wl: Workload, state: RouterState) -> dict[str, Any]:
     token = secrets.token_urlsafe(16)
-    replica = ReplicaProcess(nats_url, root, token)
+    replica = ReplicaProcess(nats_url, root, token, args.index_form)
     out: dict[str, Any] = {}
     async with httpx.AsyncClient() as client:
         try:
@@ -448,7 +460,7 @@ async def _restart(args: argparse.Namespace, js: JetStreamContext, names: Names,
     loaded = await store.load_newest_valid()
     assert loaded is not None
     t_load = time.perf_counter() - start
-    copy = RouterState.decode(loaded.data)
+    copy = RouterState.decode(loaded.data, StateConfig(index_form=args.index_form))
     t_decode = time.perf_counter() - start - t_load
     await _replay_tail(js, names, copy, await _stream_ends(js, names))
     t_replay = time.perf_counter() - start - t_load - t_decode
@@ -466,7 +478,8 @@ def print_table(result: dict[str, Any]) -> None:
         ("state", f"{st['blocks']:,} blocks ({st['nodes']:,} nodes) over {st['workers']} "
                   f"workers; {st['kv_messages']:,} KV messages, built in {st['build_s']} s"),
         ("snapshot size", f"{snap['raw_bytes']:,} B raw, {snap['stored_bytes']:,} B stored "
-                          f"({snap['format']})"),
+                          f"({snap['stored_bytes_per_held_block']} B a held block; "
+                          f"{snap['format']})"),
         ("take (best)", f"{take['total_s']:.3f} s = capture {take['capture_s']:.3f} (on loop) "
                         f"+ encode {take['encode_s']:.3f} + put {take['put_s']:.3f} "
                         f"(compress, sha256, write, prune); "

@@ -35,8 +35,9 @@ class JetStreamLog:
                          extra_headers: dict[str, str] | None = None) -> int:
         return await self.appender.append_raw(subject, payload, msg_id, extra_headers)
 
-    def reader(self, stream: str, *, start_seq: int = 1) -> StreamReader:
-        return StreamReader(self.js, stream, start_seq=start_seq)
+    def reader(self, stream: str, *, start_seq: int = 1, time_decode: bool = True
+               ) -> StreamReader:
+        return StreamReader(self.js, stream, start_seq=start_seq, time_decode=time_decode)
 
     async def bounds(self, stream: str) -> tuple[int, int]:
         return await stream_bounds(self.js, stream)

@@ -56,6 +56,11 @@ class LogReader(Protocol):
 
     async def __anext__(self) -> tuple[int, list[Event]]: ...
 
+    def take_received(self, limit: int) -> list[tuple[int, list[Event]]]:
+        """Up to ``limit`` further messages already at hand, as ``__anext__`` yields them,
+        without awaiting (possibly none: ``__anext__`` then waits for the next one)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -77,8 +82,9 @@ class EventLog(Protocol):
         """Store already-encoded bytes, as :meth:`append` does."""
         ...
 
-    def reader(self, stream: str, *, start_seq: int = 1) -> LogReader:
-        """A reader of ``stream`` from ``start_seq`` (nothing is read before its first use)."""
+    def reader(self, stream: str, *, start_seq: int = 1, time_decode: bool = True) -> LogReader:
+        """A reader of ``stream`` from ``start_seq`` (nothing is read before its first use);
+        ``time_decode``: whether it measures ``last_decode_s`` (else it stays 0)."""
         ...
 
     async def bounds(self, stream: str) -> tuple[int, int]:

@@ -161,7 +161,8 @@ class MemoryLog:
 
     # --- reading --------------------------------------------------------------------------------
 
-    def reader(self, stream: str, *, start_seq: int = 1) -> MemoryReader:
+    def reader(self, stream: str, *, start_seq: int = 1, time_decode: bool = True
+               ) -> MemoryReader:
         return MemoryReader(self._stream(stream), start_seq=start_seq)
 
     async def bounds(self, stream: str) -> tuple[int, int]:
@@ -218,6 +219,11 @@ class MemoryReader:
 
     def __aiter__(self) -> Self:
         return self
+
+    def take_received(self, limit: int) -> list[tuple[int, list[Event]]]:
+        """Nothing: every message is at hand here, and ``__anext__`` yields to the loop now and
+        then on purpose (``_YIELD_EVERY``), which taking many at once would defeat."""
+        return []
 
     async def __anext__(self) -> tuple[int, list[Event]]:
         if self._failure is not None:

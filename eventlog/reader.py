@@ -4,7 +4,10 @@
 client's ``fetch``) so that it alone decides what counts as progress:
 
 * one pull request of ``batch`` messages at a time, with an idle heartbeat, on an inbox that
-  belongs to one consumer *generation*;
+  belongs to one consumer *generation*; while the server says more than ``batch`` messages wait
+  (a replica catching up after a restart), of up to ``catch_up_batch``, and
+  :meth:`StreamReader.take_received` hands over what such a pull brought without an ``await``
+  per message;
 * every delivered message carries its stream and consumer sequences in its reply subject. A
   consumer-sequence gap means a delivery was lost (slow inbox, reconnect): the consumer is
   recreated from ``last_seq + 1``. A stream-sequence gap with no delivery lost means the stream
@@ -88,6 +91,8 @@ class StreamReader:
         *,
         start_seq: int = 1,
         batch: int = 256,
+        catch_up_batch: int = 2048,
+        time_decode: bool = True,
         idle_heartbeat: float = 1.0,
         expires: float = 30.0,
         create_timeout: float = 2.0,
@@ -103,6 +108,12 @@ class StreamReader:
         self.stream = stream
         self.start_seq = start_seq
         self.batch = batch
+        # While the server says more than ``batch`` messages wait, a pull asks for up to this
+        # many: a replica replaying a tail waits one round trip per pull, not per 256 messages.
+        self.catch_up_batch = max(batch, catch_up_batch)
+        # Thread CPU time is a system call (~1 us), twice a message: only readers whose caller
+        # reads ``last_decode_s`` (the router stream's, for the replication cost) pay it.
+        self.time_decode = time_decode
         self.idle_heartbeat = idle_heartbeat
         self.expires = max(expires, 2 * idle_heartbeat)
         self.create_timeout = create_timeout
@@ -160,6 +171,8 @@ class StreamReader:
 
     async def __anext__(self) -> tuple[int, list[Event]]:
         if self._failure is not None:
+            if self._sub is not None or self._consumer is not None:  # failed in take_received
+                await self._drop_consumer()
             raise self._failure
         if not self._started:
             await self.start()
@@ -183,6 +196,25 @@ class StreamReader:
             if item is not None:
                 return item
         raise StopAsyncIteration
+
+    def take_received(self, limit: int) -> list[tuple[int, list[Event]]]:
+        """Up to ``limit`` more messages that have already arrived, each exactly as
+        ``__anext__`` would yield it, without awaiting: a replica catching up applies the
+        thousands a pull brings in one go. Empty when none has arrived, or when the reader must
+        first reset or fail; then ``__anext__`` does that (a purge or a newer format met here
+        is raised by the next ``__anext__``, after every message before it was taken)."""
+        out: list[tuple[int, list[Event]]] = []
+        buf = self._buf
+        while buf and len(out) < limit and self._need_reset is None and self._failure is None:
+            if self._reconnects() != self._reconnects_seen:
+                break
+            try:
+                item = self._process(buf.popleft())
+            except (StartPurged, NewerFormat):
+                break  # _fail recorded it: the next __anext__ drops the consumer and raises
+            if item is not None:
+                out.append(item)
+        return out
 
     async def close(self) -> None:
         """Stop iterating (a pending ``__anext__`` ends with ``StopAsyncIteration``) and delete
@@ -226,7 +258,7 @@ class StreamReader:
             return None
         if sseq != self.last_seq + 1:
             self._fail(StartPurged(self.stream, self.last_seq + 1, sseq))
-        t0 = time.thread_time()
+        t0 = time.thread_time() if self.time_decode else 0.0
         try:
             # A newer format raises NewerFormat out of the reader before last_seq moves: the
             # message is neither applied nor skipped (eventlog/wire.py).
@@ -248,7 +280,8 @@ class StreamReader:
         self.last_seq = sseq
         self.pending = int(tokens[i_pending])
         self.last_subject = msg.subject
-        self.last_decode_s = time.thread_time() - t0
+        if self.time_decode:
+            self.last_decode_s = time.thread_time() - t0
         return sseq, events
 
     def _on_status(self, msg: Msg) -> None:
@@ -299,7 +332,8 @@ class StreamReader:
                 self._need_reset = f"no heartbeat for {self.liveness:.1f}s"
 
     async def _pull(self) -> None:
-        batch = self.batch
+        batch = self.batch if self.pending <= self.batch else min(self.pending,
+                                                                   self.catch_up_batch)
         request: dict[str, object]
         if self.linger > 0 and self._draining:
             request = {"batch": batch, "no_wait": True}

@@ -35,8 +35,9 @@ from itertools import chain, repeat
 import numpy as np
 
 from eventlog.hashing import CHAIN_MULTIPLIER, MASK64
+from replicas.core import index_arrays
 from replicas.core.index_approx import ApproximateMode
-from replicas.core.index_codec import PLAIN_VERSION_V3, expiry_columns, read_plain
+from replicas.core.index_codec import read_expiry, read_plain
 from replicas.core.index_common import (
     U64,
     LiveRows,
@@ -431,35 +432,28 @@ class PrefixIndex(ApproximateMode):
         return self.plain_encoder(copy=False)()
 
     def plain_encoder(self, *, copy: bool = True) -> Callable[[], dict[str, object]]:
-        """Capture the index now and return a function that builds its plain form (v3) later.
+        """Capture the index now and return a function that builds its plain form (v4, the
+        arrays themselves: ``index_arrays.py``) later.
 
-        The capture copies each worker's two columns out of its table (numpy, ~10 ms per
-        million blocks) whatever ``copy`` says, so the returned function may run in a worker
-        thread while the index keeps changing on the event loop."""
-        workers = [(w, *self._blocks[s].items()) for w, s in sorted(self._slots.items())]
-        expiry = dict(self._expiry) if copy else self._expiry
-        keys = list(self._keys)
-        head = {
-            "version": PLAIN_VERSION_V3,
-            "approximate": self.approximate,
-            "ttl_secs": self.ttl_secs,
-            "max_tree_size": self.max_tree_size,
-            "prune_target_ratio": self.prune_target_ratio,
-        }
-        counters = [[t, s, n] for (t, s), n in sorted(self.counters.items())]
-
-        def build() -> dict[str, object]:
-            return {**head,
-                    "workers": [[w[0], w[1], len(ids), ids.tobytes(), seqs.tobytes()]
-                                for w, ids, seqs in workers],
-                    "expiry": expiry_columns(expiry, keys),
-                    "counters": counters}
-
-        return build
+        The capture copies the tables' cells (numpy, ~10 ms per million blocks) whatever
+        ``copy`` says, so the returned function may run in a worker thread while the index
+        keeps changing on the event loop."""
+        return index_arrays.capture(self, copy=copy)
 
     @classmethod
     def from_plain(cls, obj: object) -> PrefixIndex:
-        """Restore from any plain version (1 and 2 written by the reference form, 3 by this)."""
+        """Restore from any plain version (1 and 2 written by the reference form, 3 and 4 by
+        this one)."""
+        if isinstance(obj, dict) and obj.get("version") == index_arrays.PLAIN_VERSION_V4:
+            index = cls(approximate=bool(obj["approximate"]), ttl_secs=float(obj["ttl_secs"]),
+                        max_tree_size=int(obj["max_tree_size"]),
+                        prune_target_ratio=float(obj["prune_target_ratio"]))
+            index_arrays.restore(index, obj)
+            for worker, seq_list, expires, depths in read_expiry(obj):
+                index._restore_expiry(worker, seq_list, expires, depths)
+            heapq.heapify(index._heap)
+            index.counters = {(t, s): int(n) for t, s, n in obj["counters"]}
+            return index
         plain = read_plain(obj)
         index = cls(approximate=plain.approximate, ttl_secs=plain.ttl_secs,
                     max_tree_size=plain.max_tree_size,

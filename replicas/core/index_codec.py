@@ -169,13 +169,19 @@ def read_plain(obj: object) -> PlainColumns:
         else:
             block_hashes, seqs = columns_v3(*row[2:])
         workers.append((key, block_hashes, seqs))
-    expiry = [((str(row[0]), int(row[1])),
-               *(expiry_v1(row[2]) if version == 1 else expiry_v2(*row[2:])))
-              for row in obj["expiry"]]
+    expiry = read_expiry(obj)
     return PlainColumns(bool(obj["approximate"]), float(obj["ttl_secs"]),
                         int(obj["max_tree_size"]), float(obj["prune_target_ratio"]),
                         workers, expiry,  # type: ignore[arg-type]
                         {(t, s): int(n) for t, s, n in obj["counters"]})
+
+
+def read_expiry(obj: dict[str, object]
+                ) -> list[tuple[WorkerKey, list[int], list[float], list[int]]]:
+    """The approximate-mode expiries of any plain version, per worker key."""
+    return [((str(row[0]), int(row[1])),
+             *(expiry_v1(row[2]) if obj["version"] == 1 else expiry_v2(*row[2:])))
+            for row in obj["expiry"]]  # type: ignore[attr-defined]
 
 
 def columns_v3(n: int, block_ids: bytes, seq_bytes: bytes) -> tuple[np.ndarray, np.ndarray]:

@@ -334,3 +334,68 @@ class U64Table:
             if not len(left):
                 return
             bits += 1
+
+    # --- snapshots: the cells themselves (index_arrays.py) -----------------------------------
+
+    def bits(self) -> int:
+        """log2 of the bucket count: with the cells, what a snapshot needs to rebuild this table."""
+        return self._bits
+
+    def homes(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each key's two buckets."""
+        return self._homes(keys)
+
+    @classmethod
+    def with_bits(cls, dtype: np.dtype | type, bits: int) -> U64Table:
+        """An empty table of ``2**bits`` buckets."""
+        table = cls(dtype)
+        if bits != table._bits:
+            table._alloc(bits)
+        return table
+
+    def clone(self) -> U64Table:
+        """A copy that later changes to this table do not reach (lookups only need the keys)."""
+        twin = U64Table.with_bits(self.dtype, _MIN_BITS)
+        twin._alloc_like(self)
+        return twin
+
+    def _alloc_like(self, other: U64Table) -> None:
+        for name in ("_bits", "_empty", "_limit", "_mask_u", "_s1", "_s2", "_shift", "_shift2",
+                     "mask", "size"):
+            setattr(self, name, getattr(other, name))
+        self.keys, self.vals, self.occ = other.keys.copy(), other.vals.copy(), other.occ.copy()
+        self._mk = memoryview(self.keys.reshape(-1))
+        self.mv = memoryview(self.vals.reshape(-1))
+        self._mo = memoryview(self.occ.reshape(-1))
+
+    @classmethod
+    def from_cells(cls, dtype: np.dtype | type, bits: int, keys: np.ndarray, vals: np.ndarray,
+                   occupancy: np.ndarray) -> U64Table:
+        """A table of ``2**bits`` buckets whose occupied cells (``occupancy``: one bit a cell,
+        packed little-endian) hold ``keys``/``vals`` in cell order: no hashing, no sorting.
+        Raises ``ValueError`` unless every key sits in one of its two buckets."""
+        table = cls.with_bits(dtype, bits)
+        occ = np.unpackbits(occupancy, bitorder="little").view(bool)
+        cells = np.flatnonzero(occ)
+        if len(occ) != table.keys.size or len(cells) != len(keys):
+            raise ValueError("table cells do not match their occupancy")
+        table.place_cells(cells, keys, vals)
+        return table
+
+    def place_cells(self, cells: np.ndarray, keys: np.ndarray, vals: np.ndarray, *,
+                    checked: bool = False) -> None:
+        """Put keys (absent, distinct) at the given cells of an empty table; raises
+        ``ValueError`` if two share a cell or (unless the caller ``checked`` it: cells made
+        from the keys' own buckets) a key is outside both of its buckets."""
+        if not checked:
+            b1, b2 = self._homes(keys)
+            bucket = cells >> 3
+            if not ((bucket == b1) | (bucket == b2)).all():
+                raise ValueError("a key outside both of its buckets")
+        self.keys.reshape(-1)[cells] = keys
+        self.vals.reshape(-1)[cells] = vals
+        occ = self.occ.reshape(-1)
+        occ[cells] = True
+        self.size = int(np.count_nonzero(occ))
+        if self.size != len(keys):
+            raise ValueError("two keys in one cell")

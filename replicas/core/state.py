@@ -42,9 +42,11 @@ _MASK = (1 << 64) - 1
 # (eventlog/wire.py): this format and the one before are read, a newer one raises NewerFormat;
 # tests/unit/test_golden_fixtures.py loads a snapshot the previous release wrote.
 # The newest state format written; a state is written in the oldest one that carries it
-# (`snapshot_format`), so the previous release keeps loading what this one writes.
-SNAPSHOT_FORMAT = 3
-_READABLE_FORMATS = (1, 2, 3)
+# (`snapshot_format`), so the previous release keeps loading what this one writes. 4: the compact
+# index as its arrays (replicas/core/index_arrays.py), written only by replicas running
+# --router-index-form compact; a release before it skips such a snapshot as newer and falls back.
+SNAPSHOT_FORMAT = 4
+_READABLE_FORMATS = (1, 2, 3, 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,7 +475,10 @@ class RouterState:
     @property
     def snapshot_format(self) -> int:
         """The oldest state format that carries this state: 3 adds API keys (tenants), so a
-        state without any is written as format 2, which the previous release reads."""
+        state without any is written as format 2, which the previous release reads; 4 is the
+        compact index's arrays (index_arrays.py), so a compact-form state is always format 4."""
+        if isinstance(self.index, compact_index.PrefixIndex):
+            return 4
         return 3 if self.tenants.keys else 2
 
     def encode(self) -> bytes:

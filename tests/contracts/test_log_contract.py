@@ -75,6 +75,22 @@ class EventLogContract:
         assert event_ids(items) == [1, 2, 3, 4, 5]
         assert (reader.last_seq, reader.pending, reader.malformed) == (5, 0, 0)
 
+    async def test_take_received_never_skips_or_reorders(self, log: EventLog) -> None:
+        """Whatever ``take_received`` hands over (possibly nothing) comes in order between the
+        messages ``__anext__`` yields: every sequence once, as a catching-up follower reads."""
+        await append_ids(log, range(1, 41))
+        reader = log.reader(KV_STREAM, start_seq=1, time_decode=False)
+        items: Items = []
+        try:
+            while len(items) < 40:
+                items += await take(reader, 1)
+                items += reader.take_received(7)
+        finally:
+            await reader.close()
+        assert [seq for seq, _ in items] == list(range(1, 41))
+        assert event_ids(items) == list(range(1, 41))
+        assert reader.last_seq == 40
+
     async def test_a_repeated_message_id_is_stored_once_and_answers_the_first_sequence(
             self, log: EventLog) -> None:
         first = await log.append(W1, [stored(1)], "same-id")

@@ -10,16 +10,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import durability
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-async def test_small_run_restores_and_restarts_with_equal_digests(tmp_path: Path) -> None:
+@pytest.mark.parametrize("form", ["reference", "compact"])
+async def test_small_run_restores_and_restarts_with_equal_digests(tmp_path: Path,
+                                                                  form: str) -> None:
+    """The compact form restores its arrays (index v4) and replays the tail in batches; the
+    reference form its columns (v2) — either way the restarted replica agrees."""
     parser = argparse.ArgumentParser()
     durability.add_arguments(parser)
     args = parser.parse_args(["--blocks", "20000", "--workers", "6", "--tail-events", "1500",
-                              "--tail-batch", "3", "--repeats", "1",
+                              "--tail-batch", "3", "--repeats", "1", "--index-form", form,
                               "--keep-dir", str(tmp_path)])
     result = await durability.measure(args)
     assert result["state"]["blocks"] == 20000 and result["state"]["workers"] == 6
@@ -32,6 +38,7 @@ async def test_small_run_restores_and_restarts_with_equal_digests(tmp_path: Path
     assert restart["in_process"]["digests_equal"] is True
     assert restart["sigkill_restart_ready_s"] > 0
     assert "loaded snapshot" in (tmp_path / "replica.log").read_text()
+    assert result["params"]["index_form"] == form
 
 
 def test_cli_skip_restart_prints_json() -> None:

@@ -12,6 +12,7 @@ from eventlog.appender import Appender
 from eventlog.events import BlocksStored, Event
 from eventlog.names import Names
 from eventlog.reader import StartPurged, StreamReader
+from eventlog.wire import EVENT_FORMAT, FORMAT_HEADER, NewerFormat
 from natsops.server import NatsServer
 from tests.waiting import until
 
@@ -96,7 +97,7 @@ async def test_start_below_purged_sequence_raises(js):
 async def test_purge_under_a_slow_reader_raises(js):
     _, context = js
     await append_range(Appender(context), range(1, 21))
-    async with StreamReader(context, KV, batch=4) as reader:
+    async with StreamReader(context, KV, batch=4, catch_up_batch=4) as reader:  # pulls of 4
         assert [seq for seq, _ in await take(reader, 4)] == [1, 2, 3, 4]
         await context.purge_stream(KV, seq=15)
         with pytest.raises(StartPurged) as info:
@@ -203,3 +204,46 @@ async def test_close_ends_a_lingering_reader_at_once(js):
     await append_range(appender, range(3, 4))
     await reader.close()
     assert await asyncio.wait_for(waiting, 5) == []
+
+
+async def test_catching_up_takes_what_a_pull_brought_without_awaiting(js):
+    """Far behind, one pull asks for up to ``catch_up_batch`` messages; ``take_received`` hands
+    over what has arrived as ``__anext__`` would, in order, and a live message still comes
+    through ``__anext__``."""
+    _, context = js
+    appender = Appender(context)
+    await append_range(appender, range(1, 301))
+    async with StreamReader(context, KV, batch=8, catch_up_batch=128,
+                            time_decode=False) as reader:
+        items = await take(reader, 1)
+        await until(lambda: len(reader._buf) >= 127, timeout=30)  # one pull: 128, not 8
+        while len(items) < 300:
+            taken = reader.take_received(50)
+            assert len(taken) <= 50
+            items += taken if taken else await take(reader, 1)
+        assert [seq for seq, _ in items] == list(range(1, 301))
+        assert event_ids(items) == list(range(1, 301))
+        assert reader.last_seq == 300 and reader.last_decode_s == 0.0
+        assert reader.take_received(10) == []
+        follower = asyncio.create_task(take(reader, 1))
+        await append_range(appender, range(301, 302))
+        assert [seq for seq, _ in await follower] == [301]
+
+
+async def test_a_newer_format_met_by_take_received_is_raised_by_the_next_anext(js):
+    """Every message before it is handed over; the reader stays before it, for good."""
+    _, context = js
+    appender = Appender(context)
+    await append_range(appender, range(1, 4))
+    await appender.append(SUBJECT, [stored(4)], msg_id="w1-4",
+                          headers={FORMAT_HEADER: str(EVENT_FORMAT + 1)})
+    await append_range(appender, range(5, 7))
+    async with StreamReader(context, KV, batch=2, catch_up_batch=16) as reader:
+        items = await take(reader, 1)
+        await until(lambda: len(reader._buf) >= 5, timeout=30)
+        items += reader.take_received(10)
+        assert [seq for seq, _ in items] == [1, 2, 3]
+        assert reader.take_received(10) == []
+        with pytest.raises(NewerFormat):
+            await asyncio.wait_for(reader.__anext__(), 30)
+        assert reader.last_seq == 3

@@ -157,12 +157,16 @@ def test_approximate_mode_agrees(decisions: list[tuple[WorkerKey, int, int, str]
     assert answers(again, KEYS, chains) == answers(reference, KEYS, chains)
 
 
-def test_snapshot_is_sixteen_bytes_per_pair() -> None:
+def test_snapshot_is_the_arrays_at_seventeen_bytes_per_pair_and_a_bit_per_cell() -> None:
+    """v4: 16 bytes of (id, seq) a pair, a node code byte, and a bit per block-table cell."""
     index = PrefixIndex()
     for w in range(4):
         index.store((f"w{w}", 0), None, [(w * 10_000 + i, i + 1) for i in range(1000)])
-    workers_rows = index.to_plain()["workers"]
-    assert sum(len(r[3]) + len(r[4]) for r in workers_rows) == 16 * 4000  # type: ignore[attr-defined]
+    columns = index.to_plain()["columns"]
+    assert len(columns["ids"]) + len(columns["seqs"]) == 16 * 4000  # type: ignore[index]
+    assert len(columns["codes"]) == 4000  # type: ignore[index]
+    cells = sum(t.keys.size for t in index._blocks)
+    assert len(columns["occ"]) == cells // 8  # type: ignore[index]
 
 
 def test_hand_picked_sequences_agree() -> None:

@@ -1,0 +1,125 @@
+"""The compact index's v4 snapshot (index_arrays.py): what is restored is the live index's arrays
+themselves — the same slots, block tables, node table cells and bitmaps — and a column that does
+not match its checksum, or cells that cannot be right, are refused."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replicas.core.index import PrefixIndex
+from replicas.core.index_arrays import PLAIN_VERSION_V4
+from tests.unit.replicas.core.test_index_compact import (
+    MANY,
+    ArraysAlways,
+    apply,
+    op_strategy,
+    workers,
+)
+
+KEYS = workers(6)
+
+
+def through_msgpack(index: PrefixIndex) -> dict[str, object]:
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(index.to_plain()))  # type: ignore[no-any-return]
+
+
+def internals(index: PrefixIndex) -> tuple[object, ...]:
+    """Every array and map the index keeps, as comparable values."""
+    live = [s for s, k in enumerate(index._keys) if k is not None]
+    nodes = index._holders.nodes
+    holder_vals = nodes.vals.reshape(-1)[nodes.occ.reshape(-1)]
+    rows = [index._holders.rows[-2 - v].tolist() for v in holder_vals.tolist() if v < 0]
+    return (index._keys, sorted(index._free), index._total, index.digest,
+            [(index._blocks[s].bits(), index._blocks[s].keys.tobytes(),
+              index._blocks[s].vals[index._blocks[s].occ].tobytes(),  # freed cells keep junk
+              index._blocks[s].occ.tobytes(), index._sums[s],
+              index._dups[s], index._weights[s]) for s in live],
+            nodes.bits(), nodes.keys.tobytes(), nodes.occ.tobytes(),
+            [v if v >= 0 else -1 for v in holder_vals.tolist()], rows,
+            sorted(index.counters.items()))
+
+
+def check_same_arrays(index: PrefixIndex) -> PrefixIndex:
+    plain = through_msgpack(index)
+    assert plain["version"] == PLAIN_VERSION_V4
+    restored = type(index).from_plain(plain)
+    assert internals(restored) == internals(index)
+    return restored
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(op_strategy(KEYS), max_size=50), st.booleans())
+def test_restore_gives_the_same_arrays(ops: list[tuple[object, ...]], arrays: bool) -> None:
+    index = ArraysAlways() if arrays else PrefixIndex()
+    for op in ops:
+        apply(index, op)
+    restored = check_same_arrays(index)
+    for op in ops[-5:]:  # and it goes on applying events exactly as the live one does
+        assert apply(restored, op) == apply(index, op)
+    assert internals(restored) == internals(index)
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(MANY), st.integers(1, 5), st.booleans()),
+                min_size=80, max_size=160))
+def test_bitmaps_of_shared_nodes_and_freed_slots(events: list[tuple[object, int, bool]]) -> None:
+    index = PrefixIndex()
+    chain = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5)]
+    for i, (worker, depth, drop) in enumerate(events):
+        if drop:
+            index.remove(worker, [depth])  # type: ignore[arg-type]
+        else:
+            index.store(worker, None, chain[:depth])  # type: ignore[arg-type]
+        if i % 37 == 0:
+            index.remove_worker(worker[0])  # type: ignore[index]
+    check_same_arrays(index)
+
+
+def test_big_tables_restore_in_place() -> None:
+    index = PrefixIndex()
+    rng = np.random.default_rng(7)
+    shared = [(int(i), int(t)) for i, t in zip(rng.integers(1, 2**63, 8), range(1, 9),
+                                                strict=True)]
+    for w in range(70):
+        for c in range(20):
+            ids = rng.integers(1, 2**63, 40).tolist()
+            tokens = rng.integers(1, 2**63, 40).tolist()
+            index.store((f"w{w}", 0), None, [*((i + w + 1000 * c, t) for i, t in shared), *zip(
+                ids, tokens, strict=True)] if c % 2 else list(zip(ids, tokens, strict=True)))
+    index.remove(("w3", 0), [i + 3 + 1000 for i, _ in shared[:4]])  # repeats left behind
+    index.remove_worker("w5")
+    assert any(index._dups) and index._holders.rows_used and index._free == [5]
+    check_same_arrays(index)
+
+
+def test_a_damaged_column_is_refused() -> None:
+    index = PrefixIndex()
+    index.store(("w", 0), None, [(i, i + 1) for i in range(100)])
+    plain = through_msgpack(index)
+    seqs = bytearray(plain["columns"]["seqs"])  # type: ignore[index]
+    seqs[17] ^= 1
+    plain["columns"]["seqs"] = bytes(seqs)  # type: ignore[index]
+    with pytest.raises(ValueError, match="checksum"):
+        PrefixIndex.from_plain(plain)
+
+
+def test_cells_that_cannot_be_right_are_refused() -> None:
+    """Columns that pass their checksums (rewritten with them) but put keys in the wrong
+    buckets, or two in one cell, are refused rather than restored into a broken table."""
+    import zlib
+
+    from replicas.core.index_arrays import _COLUMNS
+
+    index = PrefixIndex()
+    index.store(("w", 0), None, [(i * 7919, i + 1) for i in range(200)])
+    plain = through_msgpack(index)
+    columns = plain["columns"]
+    ids = np.frombuffer(columns["ids"], dtype="<u8")[::-1].copy()  # type: ignore[index]
+    columns["ids"] = ids.tobytes()  # type: ignore[index]
+    plain["checksums"] = [zlib.crc32(columns[n]) for n in _COLUMNS]  # type: ignore[index]
+    with pytest.raises(ValueError):
+        PrefixIndex.from_plain(plain)
