@@ -144,7 +144,8 @@ async def test_disaggregated_tokens_equal_aggregated_and_arrive_by_transfer(
             body = {"model": MODEL, "prompt": prompt, "max_tokens": OUTPUT, "temperature": 0,
                     "stream": stream, "return_token_ids": True}
             resp = await client.post(router + "/v1/completions", json=body)
-            assert resp.headers.get("x-jetrouter-worker") == "vllm-e1", resp.headers
+            assert resp.headers.get("x-jetrouter-worker") == "vllm-e1", (i, resp.status_code,
+                                                                      resp.text[:300])
             disagg.append(answer_of(resp, stream))
         moved = delta(await metrics(client, decode.url), before)
         canary_tokens = len(CANARY_PROMPT) * (await canaries(client, router, "vllm-e1")
