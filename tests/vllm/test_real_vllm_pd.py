@@ -62,6 +62,13 @@ async def pd_cluster(vllm_model: Path, vllm_dir: Path) -> AsyncIterator[Any]:
         progress=sys.stderr)
     try:
         await cluster.start("kv")
+        # Each pair's first NIXL handshake (over 30 s on this 2-core host) is warm-up, not
+        # serving: hand one prompt from the prefill engine to the decode engine straight first,
+        # as `make demo-vllm-disagg` does. What the router does while a first handshake outlasts
+        # its idle timeout is docs/measurements/vllm-pd.md's open finding.
+        from bench.demo_vllm_disagg import warm_pairs
+
+        await warm_pairs(cluster, [cluster.engines[0]], [cluster.engines[1]])
         yield cluster
     finally:
         await cluster.stop()
