@@ -197,6 +197,13 @@ class StreamReader:
                 return item
         raise StopAsyncIteration
 
+    @property
+    def caught_up(self) -> bool:
+        """Whether the reader took everything the stream held when it last looked and has a
+        pull open for the next message (with ``linger``: that one comes at once, the ones
+        after it wait the linger)."""
+        return not self._draining and self._request_left > 0
+
     def take_received(self, limit: int) -> list[tuple[int, list[Event]]]:
         """Up to ``limit`` more messages that have already arrived, each exactly as
         ``__anext__`` would yield it, without awaiting: a replica catching up applies the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgspec
 import pytest
@@ -170,17 +171,25 @@ async def test_a_lingering_reader_takes_a_quiet_spell_s_later_messages_in_one_pu
     _, context = js
     appender = Appender(context)
     await append_range(appender, range(1, 4))
-    async with StreamReader(context, KV, batch=2, linger=2.0) as reader:
+    linger = 4.0
+    async with StreamReader(context, KV, batch=2, linger=linger) as reader:
         assert [seq for seq, _ in await take(reader, 3)] == [1, 2, 3]  # replay: no linger
         follower = asyncio.create_task(take(reader, 6))
+        # A quiet spell starts once the reader has caught up (a message that comes while it
+        # still drains what it replayed is taken with those).
+        await until(lambda: reader.caught_up, timeout=30, what="reader caught up",
+                    interval=0.01)
         await append_range(appender, range(4, 5))
         # The first message of a quiet spell comes at once...
         await until(lambda: reader.last_seq == 4, timeout=30, what="message 4 read",
                     interval=0.01)
+        seen_4 = time.monotonic()
         await append_range(appender, range(5, 10))
         # ...the next ones wait on the server for the linger, then come in one go (in pulls
-        # of `batch`, as many as it takes), in order, without gaps.
-        assert reader.last_seq == 4
+        # of `batch`, as many as it takes), in order, without gaps. (Only checkable while the
+        # linger lasts: a machine busy enough to take longer over five appends has let it end.)
+        if time.monotonic() - seen_4 < linger:
+            assert reader.last_seq == 4
         live = await follower
         assert [seq for seq, _ in live] == list(range(4, 10))
         assert event_ids(live) == list(range(4, 10))
