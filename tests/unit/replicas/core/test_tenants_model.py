@@ -1,7 +1,9 @@
 """Tenant usage against a plain model, through ``RouterState.apply``: whatever sequence of
 admissions (first hops, migrated hops, prefill hops), finishes, lost replicas, time passing and
 snapshot round trips, each tenant's requests and tokens in the last minute and its requests in
-flight are exactly what the model computes from the events applied.
+flight are exactly what the model computes from the events applied — and so are the oldest
+admission in the window and the tokens admitted before a moment, which the fair queue's
+newcomer lift reads.
 """
 
 from __future__ import annotations
@@ -106,6 +108,17 @@ class TenantMachine(RuleBasedStateMachine):
             assert used.requests == len(mine)
             assert used.tokens == sum(c.tokens for c in mine)
             assert used.concurrent == len({b for b, t, _ in self.active.values() if t == tenant})
+            # What the fair queue's newcomer lift reads: the oldest admission in the window, and
+            # the tokens admitted in the window before a given moment.
+            # Asked at the state's time and later (a replica's clock runs ahead of event time).
+            book = self.state.tenants
+            for later in (at, at + WINDOW / 3):
+                seen = [c for c in mine if c.ts > later - WINDOW]
+                assert book.first_admission(tenant, later) == min((c.ts for c in seen),
+                                                                  default=None)
+                for ts in {c.ts for c in self.charges.values()} | {later, at - WINDOW / 2}:
+                    assert book.tokens_before(tenant, ts, later) == sum(
+                        c.tokens for c in seen if c.ts < ts)
 
 
 TenantMachine.TestCase.settings = settings(max_examples=400, stateful_step_count=40,
