@@ -429,7 +429,11 @@ async def test_decode_engine_killed_mid_stream(pd3: Any) -> None:
     assert killed, "the stream ended before the kill"
     assert done and not errors, errors
     assert sum(counts["migrations"].values()) >= 1, counts  # the kill really cut the stream
-    assert counts["disaggregated"] == {"disaggregated": 1.0}, counts
+    # Handed off; the decode engine's pull may still fail (vLLM's own handshake timeout with a
+    # prefill engine the previous test restarted, on a loaded host: seen once), and then the
+    # request is computed on a decode engine without it, which is the stream killed here too.
+    assert counts["disaggregated"].get("disaggregated") == 1.0, counts
+    assert set(counts["disaggregated"]) <= {"disaggregated", "pull_failed"}, counts
     if text != want:
         common = next((i for i, (a, b) in enumerate(zip(text, want, strict=False)) if a != b),
                       min(len(text), len(want)))
