@@ -46,7 +46,7 @@ def test_summary_is_medians_and_ratios_per_level() -> None:
     def run(pair: int, stack: str, rate: float, cpu: float) -> dict[str, object]:
         return {"pair": pair, "concurrency": 1, "stack": stack, "req_per_s": rate,
                 "router_cpu_ms_per_request": cpu, "router_process_cpu_ms_per_request": cpu,
-                "errors": 0}
+                "errors": 0, "cpu_ms_per_request": {"router": cpu, "engines": 2 * cpu}}
 
     runs = [run(0, "dynamo", 100, 1.0), run(0, "jetrouter", 150, 0.5),
             run(1, "dynamo", 200, 2.0), run(1, "jetrouter", 200, 1.0),
@@ -56,3 +56,5 @@ def test_summary_is_medians_and_ratios_per_level() -> None:
     assert row["req_per_s_ratio"] == 1.0 and row["router_cpu_ratio"] == 0.5
     assert row["pair_req_per_s_ratios"] == [1.5, 1.0, 1.1]
     assert row["pair_router_cpu_ratios"] == [0.5, 0.5, 1.0]
+    assert row["router_process_cpu_ratio"] == 0.5
+    assert row["dynamo"]["other_cpu_ms_per_request"] == {"engines": 4.0}
