@@ -22,6 +22,11 @@ SQL projector) divided by the requests completed. Engines, nats-server and the c
 measured too and printed, never counted as the router. The report gives medians over the pairs
 and the ratios jetrouter / Dynamo.
 
+Streamed requests at low concurrency measure Dynamo 1.6.1's HTTP server more than its routing:
+it leaves Nagle on for client connections, so on a keep-alive connection each SSE chunk after
+the first waits for the client's delayed ACK (~40 ms a request at c = 1). ``--no-stream`` is the
+comparison of the routers.
+
 Without a Dynamo virtualenv (``--dynamo-venv`` or ``JETROUTER_DYNAMO_VENV``) the script prints
 one line saying how to make one and exits 0.
 """
