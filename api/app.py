@@ -52,6 +52,7 @@ class AppConfig:
     reset_on_start: bool = False
     stream_idle_timeout: float = option("stream-idle-timeout").default
     engine_connect_timeout: float = option("engine-connect-timeout").default
+    first_byte_timeout: float = option("first-byte-timeout").default
     migration_limit: int = option("migration-limit").default
     max_body_bytes: int = option("max-body-bytes").default
     # Dynamo leaves POST /busy_threshold open; True requires the admin bearer token for it.
@@ -92,7 +93,9 @@ def create_app(replica: Replica, config: AppConfig | None = None,
                           connect_timeout=cfg.engine_connect_timeout,
                           on_worker_failure=functools.partial(_report_passive, replica),
                           heard_ago=functools.partial(_gauge_age, replica),
-                          alive_within=replica.config.worker_timeout)
+                          alive_within=replica.config.worker_timeout,
+                          first_byte_timeout=cfg.first_byte_timeout,
+                          kv_heard_ago=replica.kv_heard_ago)
     engine_sessions = EngineSessions(forwarder.pool)
     conductor = Conductor(replica, ConductorConfig(
         max_prompt_tokens=cfg.max_prompt_tokens, ready_wait=cfg.ready_wait,

@@ -213,6 +213,10 @@ WORKER_FAULTS = Group(
            "seconds one TCP connect to an engine may take; one that times out to an engine "
            "still publishing its load is tried again within --stream-idle-timeout when no "
            "other engine can take the request", above=0),
+    Option("first-byte-timeout", float, 120.0,
+           "seconds a request waits for the first byte of an engine's answer while the engine "
+           "still publishes its load (a busy engine, a first KV transfer), before "
+           "--stream-idle-timeout ends it; 0: --stream-idle-timeout alone", at_least=0),
     Option("migration-limit", int, 3,
            "times one request may move to another engine after a failure", at_least=0),
     Option("canary-interval", float, 30.0,

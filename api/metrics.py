@@ -133,6 +133,11 @@ class RouterMetrics:
             "Connects to an engine that timed out, by what followed: retried (the same engine, "
             "alive, again after a backoff), migrated (another engine took the request), failed",
             ["action"], registry=reg)
+        self.first_byte_waits = Counter(
+            f"{p}_engine_first_byte_waits",
+            "Idle timeouts before the first byte of an engine's answer, by what followed: "
+            "waited (the engine alive, the request kept waiting) or failed",
+            ["action"], registry=reg)
         self.divergence = Counter(f"{p}_replica_divergence",
                                   "Peers found at equal positions with a different digest",
                                   registry=reg)

@@ -29,7 +29,7 @@ says the engine is gone; a refused connection (nothing listening) does.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import cast
 
@@ -65,6 +65,12 @@ class StreamBroken(UpstreamError):
 
 class IdleTimeout(UpstreamError):
     """No byte from the engine for the idle timeout."""
+
+
+# Asked when the idle timeout fires before the response's first body byte, with the seconds since
+# the request went out: True keeps waiting one more idle period (the engine is busy, not dead:
+# api/forward/first_byte.py), False lets the timeout stand.
+Patience = Callable[[float], bool]
 
 
 class _Stale(JetrouterError):
@@ -189,6 +195,18 @@ class _Connection(asyncio.Protocol):
         if self.closed and not self.parser.buffered:
             raise _Stale(self.error)
 
+    async def wait_patiently(self, idle: float, patience: Patience | None,
+                             since: float) -> None:
+        """:meth:`wait`, where an idle timeout stands only once ``patience`` (asked with the
+        seconds since ``since``) says so."""
+        while True:
+            try:
+                await self.wait(idle)
+                return
+            except IdleTimeout:
+                if patience is None or not patience(self.loop.time() - since):
+                    raise
+
     def _on_timer(self) -> None:
         self.timer = None
         waiter = self.waiter
@@ -213,7 +231,8 @@ class UpstreamResponse:
     :meth:`aiter_raw` or :meth:`aread`. Close it (:meth:`aclose`) whatever happens: a body read
     to its end puts the connection back in the pool, anything else closes it."""
 
-    def __init__(self, pool: UpstreamPool, conn: _Connection, head: Head, idle: float) -> None:
+    def __init__(self, pool: UpstreamPool, conn: _Connection, head: Head, idle: float,
+                 patience: Patience | None = None, sent_at: float = 0.0) -> None:
         self.status_code = head.status
         self.reason_phrase = head.reason
         self.headers = head.headers
@@ -221,6 +240,8 @@ class UpstreamResponse:
         self._conn: _Connection | None = conn
         self._keep_alive = head.keep_alive
         self._idle = idle
+        self._patience = patience  # until the first body bytes (see Patience)
+        self._sent_at = sent_at
         self.conn_requests = conn.requests  # requests sent on this connection, this one included
         self.done = False
         if conn.parser.body_complete:  # no body at all
@@ -247,7 +268,7 @@ class UpstreamResponse:
 
     async def _wait(self, conn: _Connection) -> None:
         try:
-            await conn.wait(self._idle)
+            await conn.wait_patiently(self._idle, self._patience, self._sent_at)
         except _Stale as exc:
             if conn.parser.close_delimited:
                 return  # the parser was told of the end: the body is complete
@@ -270,6 +291,7 @@ class UpstreamResponse:
                 except ParseError as exc:
                     raise StreamBroken(str(exc)) from None
                 if event.__class__ is bytes:
+                    self._patience = None  # the engine has begun to answer
                     if parser.body_complete:  # the last bytes: the connection is free now
                         parser.next_event()
                         self._finish()
@@ -425,8 +447,10 @@ class UpstreamPool:
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str] | None = None, *,
                    idle_timeout: float | None = None,
-                   connect_timeout: float | None = None) -> UpstreamResponse:
+                   connect_timeout: float | None = None,
+                   patience: Patience | None = None) -> UpstreamResponse:
         """POST ``body`` (with ``content-length``) and return once the response head is in.
+        ``patience``: asked before an idle timeout stands, until the first body bytes come.
 
         Raises :class:`ConnectFailed`, :class:`StreamBroken` or :class:`IdleTimeout`."""
         if self._closed:
@@ -439,20 +463,20 @@ class UpstreamPool:
         if conn is not None:
             self.reused += 1
             try:
-                return await self._exchange(conn, head, body, idle)
+                return await self._exchange(conn, head, body, idle, patience)
             except _Stale:
                 self.stale_retries += 1  # never answered, so never processed: send it again
         conn = await self._connect(
             t, loop, self.connect_timeout if connect_timeout is None else connect_timeout)
         try:
-            return await self._exchange(conn, head, body, idle)
+            return await self._exchange(conn, head, body, idle, patience)
         except _Stale as exc:
             cause = f": {exc.args[0]}" if exc.args and exc.args[0] else ""
             raise StreamBroken(f"the engine closed the connection without a response{cause}") \
                 from None
 
     async def _exchange(self, conn: _Connection, head: bytes, body: bytes,
-                        idle: float) -> UpstreamResponse:
+                        idle: float, patience: Patience | None) -> UpstreamResponse:
         try:
             transport = conn.transport
             if transport is None or conn.closed or transport.is_closing():
@@ -463,12 +487,13 @@ class UpstreamPool:
             else:
                 transport.write(head)
                 transport.write(body)
-            return await self._read_head(conn, idle)
+            return await self._read_head(conn, idle, patience, conn.loop.time())
         except BaseException:
             conn.close()
             raise
 
-    async def _read_head(self, conn: _Connection, idle: float) -> UpstreamResponse:
+    async def _read_head(self, conn: _Connection, idle: float, patience: Patience | None,
+                         sent_at: float) -> UpstreamResponse:
         """The response head (interim 1xx heads are skipped by the parser)."""
         parser = conn.parser
         while True:
@@ -477,16 +502,16 @@ class UpstreamPool:
             except ParseError as exc:
                 raise StreamBroken(str(exc)) from None
             if isinstance(event, Head):
-                return UpstreamResponse(self, conn, event, idle)
+                return UpstreamResponse(self, conn, event, idle, patience, sent_at)
             if parser.buffered:
                 # Bytes of a response came: from here on a broken connection is a broken
                 # stream, not a stale one (the engine saw the request).
                 try:
-                    await conn.wait(idle)
+                    await conn.wait_patiently(idle, patience, sent_at)
                 except _Stale:
                     raise StreamBroken("the engine closed the connection mid-head") from None
             else:
-                await conn.wait(idle)
+                await conn.wait_patiently(idle, patience, sent_at)
 
     async def aclose(self) -> None:
         """Close every idle connection; responses still being read close when they end."""

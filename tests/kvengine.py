@@ -46,6 +46,9 @@ class EngineSim:
     buffer_steps: int = 100_000
     seed: int = 1
     healthy: bool = True
+    # False: /health and /metrics get no answer until it is True again (an engine whose HTTP
+    # side is too busy to answer; its ZMQ side goes on)
+    responsive: asyncio.Event = field(default_factory=asyncio.Event)
     seq: int = 0
     start_time: float = field(default_factory=time.time)
     # ground truth per dp rank: engine block hash (unsigned) -> block
@@ -54,6 +57,7 @@ class EngineSim:
     waiting: int = 0
 
     async def start(self) -> EngineSim:
+        self.responsive.set()
         self.rng = random.Random(self.seed)
         self.ctx = zmq.asyncio.Context()
         self.pub = self.ctx.socket(zmq.PUB)
@@ -75,6 +79,7 @@ class EngineSim:
         return self
 
     async def stop(self) -> None:
+        self.responsive.set()  # HTTP answers held back go out before the sockets close
         self._replay_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._replay_task
@@ -252,6 +257,8 @@ class EngineSim:
             head = await reader.readuntil(b"\r\n\r\n")
             path = head.split(b" ", 2)[1].decode()
             status, ctype, body = 404, "text/plain", b"not found"
+            if path in ("/health", "/metrics"):
+                await self.responsive.wait()
             if path == "/health":
                 status, body = (200, b"") if self.healthy else (503, b"unhealthy")
             elif path == "/v1/models":

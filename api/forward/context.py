@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from api.forward.connect_retry import ConnectRetries
+from api.forward.first_byte import FirstByteWaits
 from api.forward.hops import HopRouter
 from api.metrics import RouterMetrics
 from api.tokenizer import Tokenizer
@@ -29,7 +30,7 @@ def replica_headers(replica_id: str, worker_id: str | None = None,
 @dataclass(frozen=True, slots=True)
 class RunContext:
     """The replica, the metrics, the engine connections, the one place hops are routed, and
-    what to do when a connect to an engine times out."""
+    what to do when a connect to an engine times out or a live engine is slow to answer."""
 
     replica: Replica
     metrics: RouterMetrics
@@ -40,3 +41,4 @@ class RunContext:
     chat_default_max_tokens: int
     report_failure: Callable[[str, str], None]
     connects: ConnectRetries
+    first_byte: FirstByteWaits

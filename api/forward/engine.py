@@ -21,6 +21,7 @@ from api.upstream import (
     ConnectFailed,
     ConnectTimedOut,
     IdleTimeout,
+    Patience,
     UpstreamError,
     UpstreamPool,
     UpstreamResponse,
@@ -100,9 +101,10 @@ class SseSplitter:
 
 async def open_upstream(pool: UpstreamPool, url: str, body: bytes, request_id: str,
                         idle_timeout: float | None = None,
-                        connect_timeout: float | None = None) -> UpstreamResponse:
+                        connect_timeout: float | None = None,
+                        patience: Patience | None = None) -> UpstreamResponse:
     """POST one hop and return the streaming response once its head is in (``None`` timeouts:
-    the pool's own).
+    the pool's own; ``patience``: see :class:`api.upstream.Patience`).
 
     Raises :class:`HopFailed` for transport errors and 5xx (the response is closed); any other
     status is returned for the caller to pass on (it must be read and closed)."""
@@ -111,7 +113,7 @@ async def open_upstream(pool: UpstreamPool, url: str, body: bytes, request_id: s
     tracing.start_hop(request_id, url, headers)  # adds the hop's traceparent when tracing
     try:
         resp = await pool.post(url, body, headers, idle_timeout=idle_timeout,
-                               connect_timeout=connect_timeout)
+                               connect_timeout=connect_timeout, patience=patience)
     except (UpstreamError, OSError) as exc:
         tracing.hop_answered(request_id, failure=classify(exc))
         raise HopFailed(classify(exc), f"{type(exc).__name__}: {exc}") from None

@@ -6,6 +6,7 @@ that closes a run its client abandoned."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from api.config import option
 from api.forward.connect_retry import ConnectRetries, ConnectRetryPolicy, HeardAgo
 from api.forward.context import PREDICTED_HEADER, RunContext, replica_headers
 from api.forward.engine import HopFailure
+from api.forward.first_byte import FirstBytePolicy, FirstByteWaits
 from api.forward.hops import HopRouter
 from api.forward.passthrough import Passthrough
 from api.forward.prefill import PrefillHop
@@ -44,7 +46,10 @@ class Forwarder:
     of the circuit breakers); if it returns an awaitable, that runs as a background task. A
     connect that timed out to an engine still alive is not such a signal: ``heard_ago(worker_id)``
     (seconds since the replica last heard the engine's load gauge) within ``alive_within`` says
-    alive, and such a hop is retried or moved (:mod:`api.forward.connect_retry`).
+    alive, and such a hop is retried or moved (:mod:`api.forward.connect_retry`); such an
+    engine silent before its first byte is waited for up to ``first_byte_timeout`` while
+    ``kv_heard_ago(worker_id)`` (seconds since a KV message of the engine was applied) says it
+    works (:mod:`api.forward.first_byte`; default `serve`'s ``--first-byte-timeout``).
 
     The Forwarder owns its connections to the engines (``self.pool``, an
     :class:`api.upstream.UpstreamPool`); :meth:`aclose` closes the idle ones. ``self.hops``
@@ -61,7 +66,9 @@ class Forwarder:
                  chat_default_max_tokens: int = 256,
                  on_worker_failure: WorkerFailureHook | None = None,
                  heard_ago: HeardAgo | None = None,
-                 alive_within: float = 10.0) -> None:
+                 alive_within: float = 10.0,
+                 first_byte_timeout: float | None = None,
+                 kv_heard_ago: HeardAgo | None = None) -> None:
         self.replica = replica
         self.metrics = metrics
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
@@ -85,13 +92,21 @@ class Forwarder:
             ConnectRetryPolicy(connect_timeout=connect_timeout, window=idle,
                                alive_within=alive_within),
             heard_ago, record=lambda action: metrics.connect_timeouts.labels(action=action).inc())
+        # A live engine silent before its first byte is waited for (api/forward/first_byte.py).
+        self.first_byte = FirstByteWaits(
+            FirstBytePolicy(first_byte_timeout if first_byte_timeout is not None
+                            else option("first-byte-timeout").value()),
+            self.connects.alive, functools.partial(_working, kv_heard_ago, idle),
+            record=lambda action: metrics.first_byte_waits.labels(action=action).inc())
         prefill = PrefillHop(replica, self.pool, on_worker_failure=self.report_failure,
-                             on_transfer=metrics.kv_transfer_blocks.observe)
+                             on_transfer=metrics.kv_transfer_blocks.observe,
+                             patience=self.first_byte.patience)
         self.hops = HopRouter(
             replica, prefill,
             on_disaggregated=lambda outcome: metrics.disaggregated.labels(outcome=outcome).inc())
         self.context = RunContext(replica, metrics, self.pool, self.tokenizer, self.hops, limit,
-                                  chat_default_max_tokens, self.report_failure, self.connects)
+                                  chat_default_max_tokens, self.report_failure, self.connects,
+                                  self.first_byte)
 
     async def aclose(self) -> None:
         """Close the idle upstream connections (call once at shutdown)."""
@@ -140,6 +155,14 @@ class Forwarder:
         it."""
         return Passthrough(self.context, endpoint, request, routed, path, body, stream=stream,
                            **hooks)
+
+
+def _working(kv_heard_ago: HeardAgo | None, within: float, worker_id: str) -> bool:
+    """Whether a KV message of the engine was applied within ``within`` seconds."""
+    if kv_heard_ago is None:
+        return False
+    heard = kv_heard_ago(worker_id)
+    return heard is not None and heard <= within
 
 
 class RunStream(LeanStreamingResponse):

@@ -222,7 +222,9 @@ class Passthrough:
             try:
                 resp = await open_upstream(self.ctx.pool, url, self.body, hop.request_id,
                                            idle_timeout=None if self.stream else UNARY_TIMEOUT,
-                                           connect_timeout=tries.timeout if tries else None)
+                                           connect_timeout=tries.timeout if tries else None,
+                                           patience=self.ctx.first_byte.patience(
+                                               hop.worker_id, hop.request_id))
             except HopFailed as failure:
                 log.warning("request %s: engine %s failed (%s)", self.request.request_id,
                             hop.worker_id, failure)

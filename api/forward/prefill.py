@@ -41,7 +41,7 @@ from api import tracing
 from api.forward import sglang_handoff, vllm_handoff
 from api.forward.engine import HopFailure, classify
 from api.forward.handoff import handoff_for
-from api.upstream import UpstreamError, UpstreamPool
+from api.upstream import Patience, UpstreamError, UpstreamPool
 from errors.root import JetrouterError
 from eventlog.events import EngineKind, Outcome
 from replicas.runtime.replica import DecisionNotRecorded, Replica, Routed, RouteRequest
@@ -88,9 +88,13 @@ class PrefillHop:
 
     def __init__(self, replica: Replica, pool: UpstreamPool, *,
                  on_worker_failure: Callable[[str, str], None] | None = None,
-                 on_transfer: Callable[[int], None] | None = None) -> None:
+                 on_transfer: Callable[[int], None] | None = None,
+                 patience: Callable[[str, str], Patience | None] | None = None) -> None:
         self.replica = replica
         self.pool = pool
+        # (worker id, request id) -> how long a silent prefill engine is waited for
+        # (api/forward/first_byte.py): a prefill answer's first byte is its last.
+        self.patience = patience
         self.on_worker_failure = on_worker_failure
         self.on_transfer = on_transfer  # KV blocks of each hand-off
         # SGLang prefill requests running beside their decode hop, by the decode hop's id
@@ -181,7 +185,10 @@ class PrefillHop:
         headers = {"content-type": "application/json", "x-request-id": pre.request_id}
         tracing.start_hop(pre.request_id, url, headers)
         try:
-            resp = await self.pool.post(url, msgspec.json.encode(request), headers)
+            patience = (self.patience(pre.worker_id, pre.request_id)
+                        if self.patience is not None else None)
+            resp = await self.pool.post(url, msgspec.json.encode(request), headers,
+                                        patience=patience)
             tracing.hop_answered(pre.request_id, resp.status_code)
             try:
                 raw = await resp.aread()

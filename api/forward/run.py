@@ -258,8 +258,12 @@ class Run:
             url = hop.routed.worker_url.rstrip("/") + self.plan.path
             try:
                 tries = self.connect_tries
-                opening = open_upstream(self.ctx.pool, url, self.plan.body, hop.request_id,
-                                        connect_timeout=tries.timeout if tries else None)
+                opening = open_upstream(
+                    self.ctx.pool, url, self.plan.body, hop.request_id,
+                    connect_timeout=tries.timeout if tries else None,
+                    patience=self.ctx.first_byte.patience(
+                        hop.worker_id, hop.request_id,
+                        handoff=self.handoff and hop is self.cont.hops[0]))
                 beside = self.beside if hop is self.cont.hops[0] else None
                 resp = await (beside.opened(opening) if beside is not None else opening)
             except HopFailed as failure:

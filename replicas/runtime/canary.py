@@ -1,19 +1,21 @@
 """Canary health checks and passive health reports: the adapter around ``health.py``.
 
 Only the leader checks. Every ``interval`` it sends each worker the same deterministic completion
-(token-id prompt, temperature 0, ``max_tokens`` 8, non-streaming) and judges the answer against
-the model's reference (:class:`~replicas.core.health.ReferenceAnswers`, or a known expected text),
-and its latency against the worker's baseline. A check that times out while the engine's own
-token counters (its /metrics) advance, or that already had requests in flight and still answers
+(token-id prompt, temperature 0, ``max_tokens`` 8, non-streaming) and judges the answer against the
+model's reference (:class:`~replicas.core.health.ReferenceAnswers`, or a known expected text), and
+its latency against the worker's baseline. A check that times out while the engine's own token
+counters (its /metrics) advance, or that already had requests in flight and still answers
 ``/health``, is *busy*, not failed: a real engine on a loaded host is slow for seconds at a time
-(long prompts, kernels compiled for new shapes, a first KV transfer) without being dead, and is
-not judged by that attempt. A failed check is retried at once up to
-``max_retries`` times (2 by default), each attempt counting on the breaker, so a worker returning
-wrong tokens goes HEALTHY → SUSPICIOUS → UNHEALTHY within one round, while a one-off blip
-(failure, then success) only costs a brief SUSPICIOUS. A timeout is not retried at once: asking
-a slow engine again only adds to its load, and three timeouts in one round would condemn an
-engine for a few seconds of slowness; it takes timeouts in three rounds (the breaker's
-threshold) to mark an engine that answers nothing and makes no progress unhealthy.
+(long prompts, kernels compiled for new shapes, a first KV transfer) without being dead, and is not
+judged by that attempt. So is a right but slow answer from an engine that had other requests in
+flight when the check was sent: they share its steps, so its latency says nothing of the engine's
+own speed (an idle engine's slow answer still makes it SUSPICIOUS). A failed check is retried at
+once up to ``max_retries`` times (2 by default), each attempt counting on the breaker, so a worker
+returning wrong tokens goes HEALTHY → SUSPICIOUS → UNHEALTHY within one round, while a one-off blip
+(failure, then success) only costs a brief SUSPICIOUS. A timeout is not retried at once: asking a
+slow engine again only adds to its load, and three timeouts in one round would condemn an engine
+for a few seconds of slowness; it takes timeouts in three rounds (the breaker's threshold) to mark
+an engine that answers nothing and makes no progress unhealthy.
 
 Passive signals: any replica's proxy that sees an engine fail (connection refused or reset,
 5xx, idle timeout) calls :func:`report_passive`, a core-NATS publish of
@@ -83,6 +85,9 @@ class Attempt:
     # Timed out, but the engine's own token counters moved meanwhile: it is slow because it is
     # busy (long prompts, a first KV transfer), not dead, so the attempt is not judged.
     busy: bool = False
+    # The engine had other requests in flight when the check was sent: a slow answer is their
+    # doing (they share its steps), not a slow engine's, so its latency is not judged.
+    loaded: bool = False
 
 
 # Counters an engine's /metrics advances as it makes progress: output tokens (vLLM, SGLang and
@@ -291,14 +296,15 @@ class CanaryChecker:
         expected = self.expected_of(model) if self.expected_of is not None else None
         if expected is None:
             expected = self.references.expected(worker_id, model)
-        if a.busy:
+        match = a.ok and (expected is None or a.text == expected)
+        if a.busy or (match and a.loaded and self.board.worker(worker_id).is_slow(a.latency)):
             self.busy += 1
-            log.info("worker %s: canary timed out after %.1f s while the engine made progress "
-                     "(busy, not judged)", worker_id, a.latency)
+            log.info("worker %s: canary %s after %.1f s while the engine %s (busy, not judged)",
+                     worker_id, "timed out" if a.busy else "answered right but slowly",
+                     a.latency, "made progress" if a.busy else "had other requests in flight")
             if self.on_check is not None:
                 self.on_check(worker_id, a.latency, CanaryVerdict.BUSY)
             return True  # not retried: another request would only add to the load
-        match = a.ok and (expected is None or a.text == expected)
         if self.on_check is not None:
             slow = match and self.board.worker(worker_id).is_slow(a.latency)
             verdict = CanaryVerdict.ERROR if not a.ok else CanaryVerdict.MISMATCH if not match \
@@ -333,7 +339,7 @@ class CanaryChecker:
                 raise TypeError("text is not a string")
         except (ValueError, KeyError, IndexError, TypeError):
             return Attempt(False, latency, reason="malformed completion")
-        return Attempt(True, latency, text)
+        return Attempt(True, latency, text, loaded=before is not None and before.in_flight > 0)
 
     async def _progress(self, url: str) -> Progress | None:
         """The engine's progress now (``progress_of`` its /metrics), or None."""

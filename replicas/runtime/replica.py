@@ -125,6 +125,10 @@ class Replica:
         self._boot = f"{time.time_ns():x}"
         self._ready_event = asyncio.Event()
         self._applied = asyncio.Event()  # some event was applied (wait_applied re-checks)
+        # worker id -> monotonic time its last KV message was applied: the engine is computing
+        # (how a busy engine is told from a hung one before its answer's first byte,
+        # api/forward/first_byte.py)
+        self.kv_heard: dict[str, float] = {}
         self._reannounce_asked: set[str] = set()
         self._refused_logged: set[str] = set()
         self.watchdog: LogWatchdog | None = None
@@ -345,6 +349,10 @@ class Replica:
                     self.dispatcher.settle(e.request_id)
             self.dispatcher.load_changed.set()
         elif kind == KV:
+            if batch:
+                worker_id = getattr(batch[0], "worker_id", None)
+                if worker_id is not None:
+                    self.kv_heard[worker_id] = time.monotonic()
             if state.out_of_sync:
                 self._ask_reannounce()
             if state.refused_workers.keys() != self._refused_logged:
@@ -354,6 +362,11 @@ class Replica:
         self._applied.set()
         if not self.ready:
             self._check_ready()
+
+    def kv_heard_ago(self, worker_id: str) -> float | None:
+        """Seconds since a KV message of ``worker_id`` was last applied here (None: none)."""
+        heard = self.kv_heard.get(worker_id)
+        return None if heard is None else time.monotonic() - heard
 
     def stream_rewound(self) -> None:
         self.dispatcher.forget_pending()

@@ -61,14 +61,10 @@ async def pd_cluster(vllm_model: Path, vllm_dir: Path) -> AsyncIterator[Any]:
         bridge_args=["--unhealthy-after", "3", "--health-interval", "0.5"],
         progress=sys.stderr)
     try:
+        # No warm-up: the first request's decode hop meets the pair's first NIXL handshake
+        # (over 30 s on this 2-core host), longer than the router's idle timeout; the router
+        # waits for it as a working engine's first byte (api/forward/first_byte.py).
         await cluster.start("kv")
-        # Each pair's first NIXL handshake (over 30 s on this 2-core host) is warm-up, not
-        # serving: hand one prompt from the prefill engine to the decode engine straight first,
-        # as `make demo-vllm-disagg` does. What the router does while a first handshake outlasts
-        # its idle timeout is docs/measurements/vllm-pd.md's open finding.
-        from bench.demo_vllm_disagg import warm_pairs
-
-        await warm_pairs(cluster, [cluster.engines[0]], [cluster.engines[1]])
         yield cluster
     finally:
         await cluster.stop()

@@ -17,7 +17,8 @@ Also: load gauges on core NATS ``<ns>.load.<worker_id>`` (same JSON as the simul
 re-announce requests (``<ns>.reannounce.<id>|all``) answered from a mirror of what the bridge put
 in the index (or with a clear when the bridge did not see the whole history), ``WorkerRetired`` on
 SIGTERM or when ``/health`` fails for ``--unhealthy-after`` seconds (re-registered when it
-recovers).
+recovers); a ``/health`` that times out while the engine's KV events flow is a busy engine, not a
+failing one (workers/bridge/monitor.py).
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class BridgeSettings:
     unhealthy_after: float = 10.0
     load_interval: float = 1.0
     replay_timeout: float = 5.0
+    engine_http_timeout: float = 5.0
     nats: NatsOptions = field(default_factory=NatsOptions)  # credentials and TLS
 
 
@@ -102,7 +104,7 @@ class Bridge:
         self.names = Names(settings.namespace)
         self.subject = self.names.kv_subject(settings.worker_id)
         self.clock = clock
-        self.engine = EngineHttp(settings.engine_url)
+        self.engine = EngineHttp(settings.engine_url, settings.engine_http_timeout)
         self.ctx = zmq.asyncio.Context()
         self.nc: NatsClient | None = None
         self.appender: Appender | None = None
@@ -127,6 +129,9 @@ class Bridge:
         self.out_first = -1
         self.out_blocks = 0
         self.metrics = MetricsView()
+        # monotonic time of the engine's last live KV batch: its engine core is making progress
+        # (a busy engine whose HTTP side is slow to answer is not a dead one: monitor.py)
+        self.last_progress: float | None = None
         self.control: asyncio.Queue[str] = asyncio.Queue()  # handled between batches
         self._stop = asyncio.Event()
         # counters (logged at exit; tests read them in-process)
@@ -526,6 +531,7 @@ class Bridge:
                     await self.control_item(item)
                 if recv in done:
                     frame, recv = recv.result(), None
+                    self.last_progress = time.monotonic()
                     await self._on_live(frame)
                     # A backlog goes out in few messages: take what is already queued, then send.
                     while len(self.out_events) < MAX_EVENTS_PER_MESSAGE and self.live.ready():

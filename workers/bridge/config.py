@@ -67,6 +67,9 @@ BRIDGE_PROCESS = Group(
            above=0),
     Option("load-interval", float, 1.0, "seconds between load gauges read from /metrics",
            above=0),
+    Option("engine-http-timeout", float, 5.0,
+           "seconds the engine's /health and /metrics may take to answer; one that times out "
+           "while the engine's KV events flow is busy, not unhealthy", above=0),
     Option("replay-timeout", float, 5.0,
            "seconds of silence before a replay request counts as failed", above=0),
     Option("log-level", default="info", choices=("debug", "info", "warning", "error")),

@@ -8,12 +8,17 @@
   name) are the load, per ``engine`` label (the data-parallel rank); ``process_start_time_seconds``
   identifies the engine incarnation (a restarted engine reports a new one). SGLang's ``sglang:``
   names are read the same way; the prefix seen names the engine kind (``vllm`` or ``sglang``).
+* ``/health``: 2xx is healthy; a request that timed out (connected or not) is *silent*, which a
+  busy engine is too (vLLM's API server shares the CPU with its engine core); a refused
+  connection or another status is *down*. The monitor tells busy from hung by the engine's KV
+  events (workers/bridge/monitor.py).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,6 +30,16 @@ _PREFIXES = ("vllm:", "sglang:")
 
 class EngineUnavailable(JetrouterError, RuntimeError):
     """The engine's HTTP side did not answer usefully."""
+
+
+class EngineSilent(EngineUnavailable):
+    """The engine did not answer within the timeout (busy or hung; not refused)."""
+
+
+class Health(StrEnum):
+    OK = "ok"
+    SILENT = "silent"  # timed out
+    DOWN = "down"      # refused, or answered with an error
 
 
 @dataclass(slots=True)
@@ -116,12 +131,19 @@ class EngineHttp:
             resp = await self._http.get("/metrics")
             resp.raise_for_status()
             return parse_metrics(resp.text)
+        except httpx.TimeoutException as exc:
+            raise EngineSilent(f"GET {self.url}/metrics: {exc!r}") from exc
         except (httpx.HTTPError, ValueError) as exc:
             raise EngineUnavailable(f"GET {self.url}/metrics: {exc!r}") from exc
 
     async def healthy(self) -> bool:
+        return await self.health() is Health.OK
+
+    async def health(self) -> Health:
         try:
             resp = await self._http.get("/health")
+        except httpx.TimeoutException:
+            return Health.SILENT
         except httpx.HTTPError:
-            return False
-        return 200 <= resp.status_code < 300
+            return Health.DOWN
+        return Health.OK if 200 <= resp.status_code < 300 else Health.DOWN

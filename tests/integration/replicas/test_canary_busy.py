@@ -2,11 +2,14 @@
 vLLM's ``vllm:num_requests_running`` in its /metrics and never answers the canary in time (as
 a CPU vLLM compiling kernels for a new shape, no token counter moving for seconds). With its
 ``/health`` answering, the timeouts are *busy*, not failures; with ``/health`` failing (vLLM's,
-once its engine core is gone) they are failures, and the engine becomes unhealthy."""
+once its engine core is gone) they are failures, and the engine becomes unhealthy. A right but
+slow answer is busy too while other requests were in flight, and slow (suspicious) when none
+were."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -55,3 +58,36 @@ async def test_a_timeout_with_requests_in_flight_is_busy_while_health_answers(
                 assert h.of("w0") == []  # never suspicious, let alone unhealthy
     finally:
         stuck.set()
+
+
+def slowing_engine(in_flight: int):  # type: ignore[no-untyped-def]
+    """Answers the right tokens at once for its first five checks, then 0.4 s late (its
+    baseline is a few ms), with ``in_flight`` requests running besides the check."""
+    checks = itertools.count()
+
+    def answer(got: Received) -> Reply:
+        if got.path == "/metrics":
+            return Reply(text=METRICS.replace("} 1.0", f"}} {in_flight}.0"))
+        if got.path == "/health":
+            return Reply(json={})
+        if next(checks) < 5:
+            return Reply(json={"choices": [{"text": "x"}]})
+        late = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.4, late.set)
+        return Reply(json={"choices": [{"text": "x"}]}, hold=late)
+    return answer
+
+
+@pytest.mark.parametrize(("in_flight", "suspicious"), [(1, False), (0, True)])
+async def test_a_slow_right_answer_is_busy_while_other_requests_run(
+        in_flight: int, suspicious: bool) -> None:
+    """A real engine serving long prompts answers the canary right but several times slower
+    than its idle baseline; that is their doing, not a slow engine's."""
+    async with standin_engine(slowing_engine(in_flight)) as engine, \
+            running({"w0": engine.url}, timeout=5.0) as h:
+        if suspicious:
+            await until(lambda: h.reached("w0", HealthStatus.SUSPICIOUS))
+            assert h.checker.busy == 0
+        else:
+            await until(lambda: h.checker.busy >= 3)
+            assert h.of("w0") == []

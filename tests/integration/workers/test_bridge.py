@@ -439,6 +439,46 @@ async def test_unhealthy_engine_is_retired_and_registered_again(
 
 
 @pytest.mark.timeout(120)
+async def test_a_busy_engine_is_not_retired_while_its_kv_events_flow(
+        nc: NATS, engine: EngineSim, bridges) -> None:  # type: ignore[no-untyped-def]
+    """Busy is not dead (workers/bridge/monitor.py): the engine's /health and /metrics time out
+    (a real vLLM computing long prompts on a loaded host), but its engine core keeps storing
+    blocks. The worker stays registered and its load gauges go on; once the KV events stop
+    too, it is a hung engine and is retired."""
+    shared = prefixes(engine)
+    gauges: list[dict] = []  # type: ignore[type-arg]
+
+    async def on_gauge(msg) -> None:  # type: ignore[no-untyped-def]
+        gauges.append(json.loads(msg.data))
+    await nc.subscribe(NAMES.load_subject("e1"), cb=on_gauge)
+    engine.running = 5
+    bridges(engine, nc.connected_url.geturl(), "e1", "--engine-http-timeout", "0.3",
+            "--unhealthy-after", "3")
+    await registered(nc)
+    engine.random_step(shared)
+    await until(lambda: caught_up(nc, "e1", engine), timeout=60, what="caught up")
+    engine.responsive.clear()
+    loop = asyncio.get_running_loop()
+    busy_until = loop.time() + 8  # well over --unhealthy-after
+    seen = len(gauges)
+    while loop.time() < busy_until:
+        engine.random_step(shared)  # the engine's pace of work, not a wait for the bridge
+        await asyncio.sleep(0.2)
+    await until(lambda: caught_up(nc, "e1", engine), timeout=60, what="caught up while busy")
+    events = all_events(await kv_messages(nc, NAMES.kv_subject("e1")))
+    assert not [e for e in events if isinstance(e, WorkerRetired)], "a busy engine was retired"
+    during = gauges[seen:]
+    assert len(during) >= 3, f"load gauges stopped while the engine was busy: {during}"
+    assert all(g["num_running"] == 5 for g in during)  # the last load read stands in
+    await assert_index_matches_engine(nc, engine)
+    # The KV events stop as well: a hung engine.
+    events = await until(lambda: kv_messages(nc, NAMES.kv_subject("e1")),
+                         lambda m: isinstance(all_events(m)[-1], WorkerRetired),
+                         timeout=60, what="WorkerRetired once the engine stopped working")
+    assert all_events(events)[-1].reason == "engine unhealthy"  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(120)
 async def test_lora_blocks_only_match_their_adapter(
         nc: NATS, engine: EngineSim, bridges) -> None:  # type: ignore[no-untyped-def]
     bridges(engine, nc.connected_url.geturl())

@@ -105,6 +105,14 @@ class Engine:
             await w.drain()
             await self.release.wait()
             return False
+        elif path == "/slow-head":  # silent until released, then a whole answer
+            await self.release.wait()
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nlate")
+        elif path == "/slow-body":  # the head at once, the body once released
+            w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            await w.drain()
+            await self.release.wait()
+            w.write(b"d\r\ndata: first\n\n\r\n0\r\n\r\n")
         elif path == "/stall-head":
             await self.release.wait()
             return False
@@ -237,6 +245,55 @@ async def test_a_stalled_server_hits_the_idle_timeout(engine: Engine,
         await open_upstream(pool, url(engine, "/stall-head"), b"", "r4", idle_timeout=0.2)
     assert info.value.reason == HopFailure.IDLE_TIMEOUT
     assert pool.idle_count() == 0
+
+
+@pytest.mark.parametrize("path", ["/slow-head", "/slow-body"])
+async def test_patience_outlasts_idle_timeouts_before_the_first_body_byte(
+        engine: Engine, pool: UpstreamPool, path: str) -> None:
+    """A live engine silent before its answer (api/forward/first_byte.py): each idle timeout
+    asks the patience, with the seconds since the request went out, and waiting goes on."""
+    asked: list[float] = []
+
+    def patience(waited: float) -> bool:
+        asked.append(waited)
+        if len(asked) == 3:
+            engine.release.set()  # the engine answers after three idle periods
+        return True
+
+    resp = await pool.post(url(engine, path), b"", idle_timeout=0.2, patience=patience)
+    assert await resp.aread() in (b"late", b"data: first\n\n")
+    assert len(asked) == 3
+    assert asked == sorted(asked) and asked[0] >= 0.15, asked
+    assert [r[1] for r in engine.requests] == [path]  # sent once
+
+
+@pytest.mark.parametrize("path", ["/slow-head", "/slow-body"])
+async def test_an_impatient_answer_lets_the_idle_timeout_stand(
+        engine: Engine, pool: UpstreamPool, path: str) -> None:
+    asked: list[float] = []
+
+    def patience(waited: float) -> bool:
+        asked.append(waited)
+        return len(asked) < 2
+
+    with pytest.raises(HopFailed) as info:
+        resp = await open_upstream(pool, url(engine, path), b"", "r5", idle_timeout=0.2,
+                                   patience=patience)
+        _ = [event async for event in upstream_events(resp)]
+    assert info.value.reason == HopFailure.IDLE_TIMEOUT
+    assert len(asked) == 2
+
+
+async def test_patience_is_not_asked_once_the_body_has_begun(engine: Engine,
+                                                             pool: UpstreamPool) -> None:
+    """A stream that stops mid-answer is a failure, however alive its engine looks."""
+    asked: list[float] = []
+    resp = await pool.post(url(engine, "/stall"), b"", idle_timeout=0.2,
+                           patience=lambda waited: asked.append(waited) is None)
+    assert await resp.next_chunk() == b"data: first\n\n"
+    with pytest.raises(IdleTimeout):
+        await resp.next_chunk()
+    assert asked == []
 
 
 async def test_a_shorter_idle_timeout_after_a_longer_one_still_fires_on_time(
