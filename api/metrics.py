@@ -24,6 +24,8 @@ from prometheus_client import (
 )
 from prometheus_client.registry import Collector
 
+from api.lean_histogram import LeanHistogram
+
 PREFIX = "jetrouter"
 OVERHEAD_STAGES = ("hashing", "matching", "selection", "total")
 
@@ -59,32 +61,35 @@ class RouterMetrics:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         reg = self.registry
         p = PREFIX
+        # What every request observes is a LeanHistogram (the library's exposition, without its
+        # locks: api/lean_histogram.py); the rest are the library's own.
         self.requests = Counter(f"{p}_requests", "HTTP inference requests by final outcome",
                                 ["endpoint", "outcome"], registry=reg)
-        self.ttft = Histogram(f"{p}_time_to_first_token_seconds",
-                              "Time from request arrival to the first token sent to the client",
-                              buckets=_LATENCY_BUCKETS, registry=reg)
-        self.itl = Histogram(f"{p}_inter_token_latency_seconds",
-                             "Time between consecutive streamed tokens",
-                             buckets=_ITL_BUCKETS, registry=reg)
-        self.input_tokens = Histogram(f"{p}_input_tokens", "Prompt length in tokens per request",
-                                      buckets=_TOKEN_BUCKETS, registry=reg)
-        self.output_tokens = Histogram(f"{p}_output_tokens",
-                                       "Generated tokens per finished request",
-                                       buckets=_TOKEN_BUCKETS, registry=reg)
-        self.kv_hit_rate = Histogram(f"{p}_kv_hit_rate",
-                                     "Fraction of the prompt's blocks cached on the chosen worker",
-                                     buckets=_FRACTION_BUCKETS, registry=reg)
-        self.kv_prediction_error = Histogram(
+        self.ttft = LeanHistogram(f"{p}_time_to_first_token_seconds",
+                                  "Time from request arrival to the first token sent to the client",
+                                  buckets=_LATENCY_BUCKETS, registry=reg)
+        self.itl = LeanHistogram(f"{p}_inter_token_latency_seconds",
+                                 "Time between consecutive streamed tokens",
+                                 buckets=_ITL_BUCKETS, registry=reg)
+        self.input_tokens = LeanHistogram(f"{p}_input_tokens",
+                                          "Prompt length in tokens per request",
+                                          buckets=_TOKEN_BUCKETS, registry=reg)
+        self.output_tokens = LeanHistogram(f"{p}_output_tokens",
+                                           "Generated tokens per finished request",
+                                           buckets=_TOKEN_BUCKETS, registry=reg)
+        self.kv_hit_rate = LeanHistogram(
+            f"{p}_kv_hit_rate", "Fraction of the prompt's blocks cached on the chosen worker",
+            buckets=_FRACTION_BUCKETS, registry=reg)
+        self.kv_prediction_error = LeanHistogram(
             f"{p}_kv_prediction_error_tokens",
             "Predicted minus engine-reported cached prompt tokens per request hop "
             "(engine: usage.prompt_tokens_details.cached_tokens)",
             buckets=_ERROR_BUCKETS, registry=reg)
-        self.overhead = Histogram(f"{p}_router_overhead_seconds",
-                                  "Router decision time by stage: hashing, matching, selection, "
-                                  "total (the three together), record (JetStream's "
-                                  "acknowledgement of the decision)", ["stage"],
-                                  buckets=_OVERHEAD_BUCKETS, registry=reg)
+        self.overhead = LeanHistogram(
+            f"{p}_router_overhead_seconds",
+            "Router decision time by stage: hashing, matching, selection, total (the three "
+            "together), record (JetStream's acknowledgement of the decision)", ["stage"],
+            buckets=_OVERHEAD_BUCKETS, registry=reg)
         self.rejections = Counter(f"{p}_rejections", "Requests refused, by reason",
                                   ["reason"], registry=reg)
         # Tenants (api/tenancy.py): the label is a tenant with limits, else "other", so the

@@ -78,17 +78,25 @@ class SseSplitter:
 
     def feed(self, chunk: bytes) -> list[tuple[bytes, bytes | None]]:
         """(raw event bytes with their blank-line terminator, data payload or None) per event."""
-        self._buf += chunk
-        if b"\r" in self._buf:  # some servers end lines with CRLF; the spec allows all three
-            self._buf = self._buf.replace(b"\r\n", b"\n")
+        buf = self._buf + chunk if self._buf else chunk
+        if b"\r" in buf:  # some servers end lines with CRLF; the spec allows all three
+            buf = buf.replace(b"\r\n", b"\n")
         out: list[tuple[bytes, bytes | None]] = []
-        while True:
-            i = self._buf.find(b"\n\n")
-            if i < 0:
-                return out
-            event, self._buf = self._buf[:i], self._buf[i + 2:]
-            data = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
-            out.append((event + b"\n\n", b"\n".join(data) if data else None))
+        # Events are cut from the buffer by position, and the rest kept once at the end: this
+        # runs once per token, and re-slicing the remainder after each event copied it again.
+        start = 0
+        while (i := buf.find(b"\n\n", start)) >= 0:
+            event = buf[start:i]
+            if b"\n" not in event:  # one line, the usual `data: {...}`
+                data = event[5:].strip() if event.startswith(b"data:") else None
+            else:
+                lines = [line[5:].strip() for line in event.split(b"\n")
+                         if line.startswith(b"data:")]
+                data = b"\n".join(lines) if lines else None
+            out.append((buf[start:i + 2], data))
+            start = i + 2
+        self._buf = buf[start:] if start else buf
+        return out
 
 
 async def open_upstream(pool: UpstreamPool, url: str, body: bytes, request_id: str,
