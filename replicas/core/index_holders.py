@@ -28,6 +28,18 @@ def bits_of(slots: np.ndarray) -> np.ndarray:
     return np.left_shift(_ONE, slots.astype(U64) & _SIXTY_THREE)
 
 
+def _repeats(seqs: np.ndarray) -> bool:
+    ordered = np.sort(seqs)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
+def _by_slot(slots: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(slot, positions of its pairs) per distinct slot."""
+    order = np.argsort(slots, kind="stable")
+    cuts = np.flatnonzero(np.diff(slots[order])) + 1
+    return [(int(slots[part[0]]), part) for part in np.split(order, cuts)]
+
+
 class NodeHolders:
     def __init__(self) -> None:
         self.nodes = U64Table(np.int32)  # seq -> slot, or -2 - row of ``rows``
@@ -112,15 +124,78 @@ class NodeHolders:
         if multi.any():
             at, rows = cells[multi], -2 - v[multi]
             self.rows[rows, slot >> 6] &= ~(_ONE << np.uint64(slot & 63))
-            bitmaps = self.rows[rows]
-            lone = popcount(bitmaps).sum(axis=1) == 1
-            if lone.any():
-                words = bitmaps[lone]
-                word = (words != 0).argmax(axis=1)
-                top = words[np.arange(len(word)), word].astype(np.float64)  # a power of two
-                flat[at[lone]] = word * 64 + np.frexp(top)[1] - 1
-                self.rows_free.extend(rows[lone].tolist())
+            self._lone_back_to_slots(at, rows)
         nodes.delete(cells[single & (v == slot)])
+
+    # --- (slot, node) pairs of many slots (a run of events: index_run.py) --------------------
+
+    def hold_pairs(self, slots: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+        """``hold`` for distinct (slot, node) pairs; True where the slot held the node already."""
+        if _repeats(seqs):  # a node several slots take in this run: slot by slot
+            dup = np.zeros(len(seqs), dtype=bool)
+            for slot, at in _by_slot(slots):
+                dup[at] = self.hold(slot, seqs[at])
+            return dup
+        nodes = self.nodes
+        cells, (home1, home2) = nodes.find_homes(seqs)
+        new = cells < 0
+        dup = np.zeros(len(seqs), dtype=bool)
+        old = np.flatnonzero(~new)
+        if len(old):
+            at, mine_slots = cells[old], slots[old]
+            flat = nodes.vals.reshape(-1)
+            v = flat[at].astype(np.int64)
+            single = v >= 0
+            mine = single & (v == mine_slots)
+            dup[old[mine]] = True
+            grow = single & ~mine  # one other holder so far: the node gets a bitmap row
+            if grow.any():
+                others, joining = v[grow], mine_slots[grow]
+                rows = self._alloc_rows(len(others))
+                self.rows[rows, others >> 6] |= bits_of(others)
+                self.rows[rows, joining >> 6] |= bits_of(joining)
+                flat[at[grow]] = -2 - rows
+            multi = ~single
+            if multi.any():
+                rows, joining = -2 - v[multi], mine_slots[multi]
+                word, bit = joining >> 6, bits_of(joining)
+                held = (self.rows[rows, word] & bit) != 0
+                dup[old[multi][held]] = True
+                self.rows[rows[~held], word[~held]] |= bit[~held]
+        if new.any():
+            nodes.insert(seqs[new], slots[new].astype(np.int32), (home1[new], home2[new]))
+        return dup
+
+    def unhold_pairs(self, slots: np.ndarray, seqs: np.ndarray) -> None:
+        """``unhold`` for distinct (slot, node) pairs, each held."""
+        if _repeats(seqs):  # a node several slots leave in this run: slot by slot
+            for slot, at in _by_slot(slots):
+                self.unhold(slot, seqs[at])
+            return
+        nodes = self.nodes
+        cells = nodes.find(seqs)
+        known = cells >= 0  # always all of them, short of a 64-bit hash collision
+        cells, slots = cells[known], slots[known]
+        flat = nodes.vals.reshape(-1)
+        v = flat[cells].astype(np.int64)
+        single = v >= 0
+        multi = ~single
+        if multi.any():
+            at, rows, leaving = cells[multi], -2 - v[multi], slots[multi]
+            self.rows[rows, leaving >> 6] &= ~bits_of(leaving)
+            self._lone_back_to_slots(at, rows)
+        nodes.delete(cells[single & (v == slots)])
+
+    def _lone_back_to_slots(self, cells: np.ndarray, rows: np.ndarray) -> None:
+        """Nodes at ``cells`` whose bitmap ``rows`` kept one holder go back to a plain slot."""
+        bitmaps = self.rows[rows]
+        lone = popcount(bitmaps).sum(axis=1) == 1
+        if lone.any():
+            words = bitmaps[lone]
+            word = (words != 0).argmax(axis=1)
+            top = words[np.arange(len(word)), word].astype(np.float64)  # a power of two
+            self.nodes.vals.reshape(-1)[cells[lone]] = word * 64 + np.frexp(top)[1] - 1
+            self.rows_free.extend(rows[lone].tolist())
 
     # --- one node ----------------------------------------------------------------------------
 
