@@ -130,40 +130,45 @@ class NodeHolders:
     # --- (slot, node) pairs of many slots (a run of events: index_run.py) --------------------
 
     def hold_pairs(self, slots: np.ndarray, seqs: np.ndarray) -> np.ndarray:
-        """``hold`` for distinct (slot, node) pairs; True where the slot held the node already."""
-        if _repeats(seqs):  # a node several slots take in this run: slot by slot
-            dup = np.zeros(len(seqs), dtype=bool)
-            for slot, at in _by_slot(slots):
-                dup[at] = self.hold(slot, seqs[at])
-            return dup
+        """``hold`` for distinct (slot, node) pairs, a node possibly taken by several slots;
+        True where the slot held the node already. Each node's holders become one bitmap (its
+        old holders and the pairs' slots), then a plain slot again if there is one holder."""
+        n = len(seqs)
+        order = np.argsort(seqs, kind="stable")
+        ordered, taking = seqs[order], slots[order]
+        first = np.empty(n, dtype=bool)
+        first[:1] = True
+        np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+        group = np.cumsum(first) - 1
         nodes = self.nodes
-        cells, (home1, home2) = nodes.find_homes(seqs)
-        new = cells < 0
-        dup = np.zeros(len(seqs), dtype=bool)
-        old = np.flatnonzero(~new)
-        if len(old):
-            at, mine_slots = cells[old], slots[old]
-            flat = nodes.vals.reshape(-1)
-            v = flat[at].astype(np.int64)
-            single = v >= 0
-            mine = single & (v == mine_slots)
-            dup[old[mine]] = True
-            grow = single & ~mine  # one other holder so far: the node gets a bitmap row
-            if grow.any():
-                others, joining = v[grow], mine_slots[grow]
-                rows = self._alloc_rows(len(others))
-                self.rows[rows, others >> 6] |= bits_of(others)
-                self.rows[rows, joining >> 6] |= bits_of(joining)
-                flat[at[grow]] = -2 - rows
-            multi = ~single
-            if multi.any():
-                rows, joining = -2 - v[multi], mine_slots[multi]
-                word, bit = joining >> 6, bits_of(joining)
-                held = (self.rows[rows, word] & bit) != 0
-                dup[old[multi][held]] = True
-                self.rows[rows[~held], word[~held]] |= bit[~held]
-        if new.any():
-            nodes.insert(seqs[new], slots[new].astype(np.int32), (home1[new], home2[new]))
+        distinct = ordered[first]
+        cells, (home1, home2) = nodes.find_homes(distinct)
+        present = cells >= 0
+        flat = nodes.vals.reshape(-1)
+        v = np.full(len(distinct), -1, dtype=np.int64)
+        v[present] = flat[cells[present]]
+        bitmaps = np.zeros((len(distinct), self.rows.shape[1]), dtype=U64)
+        single = np.flatnonzero(v >= 0)
+        bitmaps[single, v[single] >> 6] = bits_of(v[single])
+        was_row = np.flatnonzero(present & (v < 0))
+        bitmaps[was_row] = self.rows[-2 - v[was_row]]
+        words, bits = taking >> 6, bits_of(taking)
+        held = (bitmaps[group, words] & bits) != 0
+        np.bitwise_or.at(bitmaps, (group, words), bits)
+        value = np.where(present, v, taking[first])  # the one holder, where there is one
+        shared = popcount(bitmaps).sum(axis=1) > 1
+        row = np.where(v < -1, -2 - v, -1)
+        fresh = shared & (row < 0)
+        row[fresh] = self._alloc_rows(int(fresh.sum()))
+        self.rows[row[shared]] = bitmaps[shared]
+        value[shared] = -2 - row[shared]
+        flat[cells[present]] = value[present]
+        absent = ~present
+        if absent.any():
+            nodes.insert(distinct[absent], value[absent].astype(np.int32),
+                         (home1[absent], home2[absent]))
+        dup = np.empty(n, dtype=bool)
+        dup[order] = held
         return dup
 
     def unhold_pairs(self, slots: np.ndarray, seqs: np.ndarray) -> None:
