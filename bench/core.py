@@ -25,6 +25,8 @@ Figures, each printed (never asserted):
 * ``replay_block_events_per_s`` - a real ``nats-server``: ``--replay-batches`` BlocksStored
   batches are published (not timed), then a ``StreamReader`` from sequence 1 decodes them and
   applies each into a fresh index; the clock runs from creating the reader to the last batch.
+* ``index_apply_runs_blocks_per_s`` / ``replay_runs_block_events_per_s`` - the same two, applied
+  in runs as a replica catching up applies them (``bench/core_runs.py``).
 
 ``--index both`` (before/after in one sitting) runs every figure but replication for the compact
 index (``replicas/core/index.py``, what the router runs) and the reference form it replaced
@@ -54,6 +56,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from bench.core_runs import bench_apply_runs, replay_runs
 from bench.replication import add_arguments as add_replication_arguments
 from bench.replication import bench_replication
 from eventlog import compiled
@@ -380,6 +383,7 @@ async def bench_replay(work: Workload, batches: int, forms: Sequence[str] = ("co
         for form in forms:
             out[form] = await _replay_once(js, names.stream(KV), last, INDEX_FORMS[form](),
                                            len(published))
+            out[form].update(await replay_runs(js, names.stream(KV), last, INDEX_FORMS[form]()))
         return out
     finally:
         if nc is not None:
@@ -455,6 +459,8 @@ def run(args: argparse.Namespace) -> int:
     paths = ["fast", "pure"] if args.decision_path == "both" else [args.decision_path]
     for form, figures in bench_decisions(indexes, work, args, paths).items():
         per_form[form].update(figures)
+    for form in forms:  # in runs, as a replica catching up applies (bench/core_runs.py)
+        per_form[form].update(bench_apply_runs(work.batches, INDEX_FORMS[form](), indexes[form]))
     indexes.clear()
     gc.collect()
     router_state = None
@@ -523,6 +529,7 @@ def print_table(result: dict[str, Any]) -> None:
         ("index form", result["index_form"]),
         ("index RSS (bytes per held block)", result["rss_bytes_per_held_block"]),
         ("index apply (blocks/s)", result["index_apply_blocks_per_s"]),
+        ("  in runs of 2048 events (blocks/s)", result.get("index_apply_runs_blocks_per_s")),
         ("decision p50 (us)", result["decision_p50_us"]),
         ("decision p99 (us)", result["decision_p99_us"]),
         *((f"  {k} p50 (us)", v) for k, v in stages.items()),
@@ -531,6 +538,8 @@ def print_table(result: dict[str, Any]) -> None:
         ("  one event per message (us/request)",
          result.get("replication_single_event_us_per_request")),
         ("replay (block events/s)", result.get("replay_block_events_per_s")),
+        ("  a pull's messages as one run (block events/s)",
+         result.get("replay_runs_block_events_per_s")),
     ]
     pure = result.get("pure_path")
     if pure is not None:

@@ -192,12 +192,13 @@ async def _replay_tail(js: JetStreamContext, names: Names, state: RouterState,
             return
         reader = StreamReader(js, names.stream(kind), start_seq=state.positions[kind] + 1,
                               time_decode=False)
-        try:  # as the replica's follower does: what a pull brought, without an await each
+        try:  # as the replica's follower does: what a pull brought, without an await each,
+            # the KV stream's stores and removals as runs (RouterState.apply_many)
             async for first in reader:
-                for seq, batch in [first, *reader.take_received(1 << 30)]:
-                    state.apply(kind, seq, batch)
-                    if seq >= ends[kind]:
-                        return
+                taken = [m for m in [first, *reader.take_received(1 << 30)] if m[0] <= ends[kind]]
+                state.apply_many(kind, taken)
+                if not taken or taken[-1][0] >= ends[kind]:
+                    return
         finally:
             await reader.close()
 

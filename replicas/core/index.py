@@ -35,7 +35,7 @@ from itertools import chain, repeat
 import numpy as np
 
 from eventlog.hashing import CHAIN_MULTIPLIER, MASK64
-from replicas.core import index_arrays
+from replicas.core import index_arrays, index_run
 from replicas.core.index_approx import ApproximateMode
 from replicas.core.index_codec import read_expiry, read_plain
 from replicas.core.index_common import (
@@ -50,6 +50,7 @@ from replicas.core.index_common import (
     worker_weight,
 )
 from replicas.core.index_holders import NodeHolders
+from replicas.core.index_run import KvOp, RunResult
 from replicas.core.index_table import U64Table
 
 __all__ = ["OverlapScores", "PrefixIndex", "WorkerKey"]
@@ -319,6 +320,11 @@ class PrefixIndex(ApproximateMode):
             else:
                 self._drop1(slot, block_hash, table.mv[cell], cell)
         return unknown
+
+    def apply_run(self, ops: Sequence[KvOp]) -> list[RunResult]:
+        """Stores and removals (``index_run.KvOp``) in order, as one change to the tables: the
+        result of applying them one by one, each op's status or unknown count included."""
+        return index_run.apply_run(self, ops)
 
     def _clear_slot(self, slot: int) -> None:
         table = self._blocks[slot]

@@ -28,6 +28,18 @@ def bits_of(slots: np.ndarray) -> np.ndarray:
     return np.left_shift(_ONE, slots.astype(U64) & _SIXTY_THREE)
 
 
+def _repeats(seqs: np.ndarray) -> bool:
+    ordered = np.sort(seqs)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
+def _by_slot(slots: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(slot, positions of its pairs) per distinct slot."""
+    order = np.argsort(slots, kind="stable")
+    cuts = np.flatnonzero(np.diff(slots[order])) + 1
+    return [(int(slots[part[0]]), part) for part in np.split(order, cuts)]
+
+
 class NodeHolders:
     def __init__(self) -> None:
         self.nodes = U64Table(np.int32)  # seq -> slot, or -2 - row of ``rows``
@@ -112,15 +124,83 @@ class NodeHolders:
         if multi.any():
             at, rows = cells[multi], -2 - v[multi]
             self.rows[rows, slot >> 6] &= ~(_ONE << np.uint64(slot & 63))
-            bitmaps = self.rows[rows]
-            lone = popcount(bitmaps).sum(axis=1) == 1
-            if lone.any():
-                words = bitmaps[lone]
-                word = (words != 0).argmax(axis=1)
-                top = words[np.arange(len(word)), word].astype(np.float64)  # a power of two
-                flat[at[lone]] = word * 64 + np.frexp(top)[1] - 1
-                self.rows_free.extend(rows[lone].tolist())
+            self._lone_back_to_slots(at, rows)
         nodes.delete(cells[single & (v == slot)])
+
+    # --- (slot, node) pairs of many slots (a run of events: index_run.py) --------------------
+
+    def hold_pairs(self, slots: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+        """``hold`` for distinct (slot, node) pairs, a node possibly taken by several slots;
+        True where the slot held the node already. Each node's holders become one bitmap (its
+        old holders and the pairs' slots), then a plain slot again if there is one holder."""
+        n = len(seqs)
+        order = np.argsort(seqs, kind="stable")
+        ordered, taking = seqs[order], slots[order]
+        first = np.empty(n, dtype=bool)
+        first[:1] = True
+        np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+        group = np.cumsum(first) - 1
+        nodes = self.nodes
+        distinct = ordered[first]
+        cells, (home1, home2) = nodes.find_homes(distinct)
+        present = cells >= 0
+        flat = nodes.vals.reshape(-1)
+        v = np.full(len(distinct), -1, dtype=np.int64)
+        v[present] = flat[cells[present]]
+        bitmaps = np.zeros((len(distinct), self.rows.shape[1]), dtype=U64)
+        single = np.flatnonzero(v >= 0)
+        bitmaps[single, v[single] >> 6] = bits_of(v[single])
+        was_row = np.flatnonzero(present & (v < 0))
+        bitmaps[was_row] = self.rows[-2 - v[was_row]]
+        words, bits = taking >> 6, bits_of(taking)
+        held = (bitmaps[group, words] & bits) != 0
+        np.bitwise_or.at(bitmaps, (group, words), bits)
+        value = np.where(present, v, taking[first])  # the one holder, where there is one
+        shared = popcount(bitmaps).sum(axis=1) > 1
+        row = np.where(v < -1, -2 - v, -1)
+        fresh = shared & (row < 0)
+        row[fresh] = self._alloc_rows(int(fresh.sum()))
+        self.rows[row[shared]] = bitmaps[shared]
+        value[shared] = -2 - row[shared]
+        flat[cells[present]] = value[present]
+        absent = ~present
+        if absent.any():
+            nodes.insert(distinct[absent], value[absent].astype(np.int32),
+                         (home1[absent], home2[absent]))
+        dup = np.empty(n, dtype=bool)
+        dup[order] = held
+        return dup
+
+    def unhold_pairs(self, slots: np.ndarray, seqs: np.ndarray) -> None:
+        """``unhold`` for distinct (slot, node) pairs, each held."""
+        if _repeats(seqs):  # a node several slots leave in this run: slot by slot
+            for slot, at in _by_slot(slots):
+                self.unhold(slot, seqs[at])
+            return
+        nodes = self.nodes
+        cells = nodes.find(seqs)
+        known = cells >= 0  # always all of them, short of a 64-bit hash collision
+        cells, slots = cells[known], slots[known]
+        flat = nodes.vals.reshape(-1)
+        v = flat[cells].astype(np.int64)
+        single = v >= 0
+        multi = ~single
+        if multi.any():
+            at, rows, leaving = cells[multi], -2 - v[multi], slots[multi]
+            self.rows[rows, leaving >> 6] &= ~bits_of(leaving)
+            self._lone_back_to_slots(at, rows)
+        nodes.delete(cells[single & (v == slots)])
+
+    def _lone_back_to_slots(self, cells: np.ndarray, rows: np.ndarray) -> None:
+        """Nodes at ``cells`` whose bitmap ``rows`` kept one holder go back to a plain slot."""
+        bitmaps = self.rows[rows]
+        lone = popcount(bitmaps).sum(axis=1) == 1
+        if lone.any():
+            words = bitmaps[lone]
+            word = (words != 0).argmax(axis=1)
+            top = words[np.arange(len(word)), word].astype(np.float64)  # a power of two
+            self.nodes.vals.reshape(-1)[cells[lone]] = word * 64 + np.frexp(top)[1] - 1
+            self.rows_free.extend(rows[lone].tolist())
 
     # --- one node ----------------------------------------------------------------------------
 

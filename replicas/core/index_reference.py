@@ -47,6 +47,7 @@ from replicas.core.index_common import (
 )
 from replicas.core.index_reference_match import match_groups, record, slot_indices
 from replicas.core.index_reference_restore import restore_expiry, restore_slot
+from replicas.core.index_run import STORE, KvOp, RunResult
 
 Entry = int  # a held block: seq | (parent seq + 1) << 64 (a root's parent is _ROOT, so: seq)
 
@@ -329,6 +330,12 @@ class PrefixIndex:
         self._total -= removed
         self._set_gaps(slot, gaps)
         return unknown
+
+    def apply_run(self, ops: Sequence[KvOp]) -> list[RunResult]:
+        """Stores and removals (``index_run.KvOp``) in order, one by one (each is a few dict
+        operations a block here: there is no fixed cost per event to share)."""
+        store, remove = self.store, self.remove
+        return [store(w, a, b) if kind == STORE else remove(w, a) for kind, w, a, b in ops]
 
     def _clear_slot(self, slot: int) -> None:
         bit = 1 << slot

@@ -26,7 +26,7 @@ import xxhash
 from eventlog import events as ev
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS
 from eventlog.wire import NewerFormat
-from replicas.core import disagg, index_reference
+from replicas.core import disagg, index_reference, state_run
 from replicas.core import index as compact_index
 from replicas.core.ended import EndedRequests
 from replicas.core.load import ActiveLoad, OutputTracking
@@ -168,21 +168,30 @@ class RouterState:
         if not events:
             self.stats.bump(stream, "message", "malformed")
         for event in events:
-            handler = _HANDLERS.get(type(event))
-            if handler is None:
-                status = "unexpected"
-            elif _STREAM_OF[type(event)] != stream:
-                # Only each stream's own total order makes replicas agree: a RequestRouted on the
-                # KV stream would be applied before or after the router stream's RequestFinished
-                # depending on how a replica interleaves the streams.
-                status = "wrong_stream"
-            else:
-                if event.ts > self.now:
-                    self.now = event.ts
-                status = handler(self, event)
-            self.stats.bump(stream, type(event).__name__, status)
+            self._apply_event(stream, event)
         self._expire()
         return True
+
+    def apply_many(self, stream: str, messages: Sequence[tuple[int, Sequence[ev.Event]]]
+                   ) -> None:
+        """``apply`` each (seq, events) message in order, to the same state; KV messages'
+        stores and removals as runs (``state_run.py``: a replica catching up)."""
+        state_run.apply_many(self, stream, messages)
+
+    def _apply_event(self, stream: str, event: ev.Event) -> None:
+        handler = _HANDLERS.get(type(event))
+        if handler is None:
+            status = "unexpected"
+        elif _STREAM_OF[type(event)] != stream:
+            # Only each stream's own total order makes replicas agree: a RequestRouted on the
+            # KV stream would be applied before or after the router stream's RequestFinished
+            # depending on how a replica interleaves the streams.
+            status = "wrong_stream"
+        else:
+            if event.ts > self.now:
+                self.now = event.ts
+            status = handler(self, event)
+        self.stats.bump(stream, type(event).__name__, status)
 
     def _expire(self) -> None:
         bound = self.now - self.config.request_max_age

@@ -2,7 +2,8 @@
 
 It owns the replica's `RouterState`: every event reaches the state through here, in stream order.
 Catching up (after a restart, a tail of 100 k messages), the KV and control streams apply what each
-pull brought in slices of `_APPLY_SLICE` messages, one pass through the event loop a slice.
+pull brought in slices, one pass through the event loop a slice; the KV stream's stores and
+removals as runs (`RouterState.apply_many`, replicas/core/state_run.py).
 A purge under a follower (its start is gone) reloads the newest snapshot; a `StateReset` moved
 the other streams' positions to its cut, so the followers restart from there (a rewind); any other
 failure restarts them from the positions the state has applied — nothing is lost or applied twice.
@@ -32,9 +33,11 @@ from snapshots.store import SnapshotStore
 
 log = logging.getLogger("jetrouter.replica")
 
-# Messages of the KV and control streams applied between two passes through the event loop while
-# catching up (~10-50 ms of work: heartbeats, the lease and /ready go on meanwhile).
+# Messages of the control stream applied between two passes through the event loop while catching
+# up (~10-50 ms of work: heartbeats, the lease and /ready go on meanwhile). The KV stream's slice is
+# applied as runs (RouterState.apply_many): ~5-10 us a message, so a whole catch-up pull at once.
 _APPLY_SLICE = 512
+_KV_SLICE = 2048
 
 
 class StreamListener(Protocol):
@@ -199,10 +202,14 @@ class StreamFollower:
                 # What else a pull brought is applied now, without a pass through the event
                 # loop per message: a replica catching up on a tail of 100 k messages awaits
                 # once per pull. Bounded, so the loop still runs between slices of a pull.
-                while taken := reader.take_received(_APPLY_SLICE):
-                    for seq, batch in taken:
-                        self._apply(kind, seq, batch, reader)
-                    if len(taken) == _APPLY_SLICE:
+                limit = _KV_SLICE if kind == KV else _APPLY_SLICE
+                while taken := reader.take_received(limit):
+                    if kind == KV:  # stores and removals as runs: one change to the index
+                        self._apply_many(kind, taken, reader)
+                    else:
+                        for seq, batch in taken:
+                            self._apply(kind, seq, batch, reader)
+                    if len(taken) == limit:
                         await asyncio.sleep(0)
         except NewerFormat as exc:
             self.blocked[kind] = str(exc)
@@ -228,6 +235,15 @@ class StreamFollower:
             # A StateReset moved the other streams' positions to its cut: re-read from there.
             self._listener.stream_rewound()
             raise _Rewind()
+
+    def _apply_many(self, kind: str, messages: Sequence[tuple[int, Sequence[ev.Event]]],
+                    reader: LogReader) -> None:
+        """``_apply`` of each message, the state changed by one ``apply_many`` (not for the
+        control stream: a StateReset there must stop the follower at its own message)."""
+        self.state.apply_many(kind, messages)
+        self.stream_last[kind] = max(self.stream_last[kind], messages[-1][0] + reader.pending)
+        for seq, batch in messages:
+            self._listener.stream_applied(kind, seq, batch)
 
     def malformed_counts(self) -> dict[str, int]:
         """Malformed messages skipped per stream, including the running readers' counts."""

@@ -1,0 +1,94 @@
+"""Applying many messages of one stream at once: what a replica catching up does (design.md §5).
+
+``RouterState.apply_many(stream, messages)`` leaves the state exactly as ``apply`` on each message
+in turn would. On the KV stream it gathers the stores and removals of consecutive messages into a
+run and hands the run to the index (``apply_run``: one change to its tables for the whole run in
+the compact form, ``index_run.py``). Everything else keeps its place in the order:
+
+* each message's position, duplicate and malformed checks, and each event's checks (a refused
+  worker, its ``event_id`` in sequence, an offloaded tier) run in message order, as ``apply``
+  runs them; only events that reach the index join the run;
+* any other KV event — a worker registered or retired, a clear — first applies the run so far,
+  then itself (it may free a slot, or depend on what the run stored);
+* expiry runs once, after the last message, not after each: on the KV stream it only reads event
+  time, a maximum, and expires what lies before it, so once gives what each time gives.
+
+Approximate mode (its index expires blocks by event time) and the other streams apply message by
+message. Statuses are counted as ``apply`` counts them. Pure: no I/O, clock or randomness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from eventlog import events as ev
+from eventlog.names import KV
+from replicas.core.index_run import REMOVE, STORE, KvOp
+
+if TYPE_CHECKING:
+    from replicas.core.state import RouterState
+
+
+def apply_many(state: RouterState, stream: str,
+               messages: Sequence[tuple[int, Sequence[ev.Event]]]) -> None:
+    if stream != KV or state.config.approximate:
+        for seq, events in messages:
+            state.apply(stream, seq, events)
+        return
+    positions, stats, refused = state.positions, state.stats, state.refused_workers
+    check_event_id = state._check_event_id
+    run: list[KvOp] = []
+    kinds: list[str] = []  # each run op's event type, for its status count
+    stored, removed = ev.BlocksStored, ev.BlocksRemoved
+    applied = False
+    for seq, events in messages:
+        if seq <= positions[KV]:
+            stats.bump(KV, "message", "duplicate")
+            continue
+        positions[KV] = seq
+        applied = True
+        if not events:
+            stats.bump(KV, "message", "malformed")
+        for e in events:
+            t = type(e)
+            if t is not stored and t is not removed:
+                if run:
+                    _flush(state, run, kinds)
+                state._apply_event(KV, e)
+                continue
+            if e.ts > state.now:
+                state.now = e.ts
+            name = t.__name__
+            if e.worker_id in refused:
+                stats.bump(KV, name, "refused_worker")
+                continue
+            skip = check_event_id(e.worker_id, e.event_id)
+            if skip:
+                stats.bump(KV, name, skip)
+                continue
+            if e.medium is not None:
+                stats.bump(KV, name, "other_tier")
+                continue
+            if t is stored:
+                run.append((STORE, (e.worker_id, e.dp_rank), e.parent_hash, e.blocks))
+            else:
+                run.append((REMOVE, (e.worker_id, e.dp_rank), e.block_hashes, None))
+            kinds.append(name)
+    if run:
+        _flush(state, run, kinds)
+    if applied:
+        state._expire()
+
+
+def _flush(state: RouterState, run: list[KvOp], kinds: list[str]) -> None:
+    """Apply the run to the index and count each op's status as ``apply`` would."""
+    bump = state.stats.bump
+    for (kind, _, _, _), name, result in zip(run, kinds, state.index.apply_run(run),
+                                            strict=True):
+        if kind == STORE:
+            bump(KV, name, result)  # type: ignore[arg-type]
+        else:
+            bump(KV, name, "block_not_found" if result else "ok")
+    run.clear()
+    kinds.clear()
