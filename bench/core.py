@@ -527,6 +527,8 @@ def print_table(result: dict[str, Any]) -> None:
         ("decision p99 (us)", result["decision_p99_us"]),
         *((f"  {k} p50 (us)", v) for k, v in stages.items()),
         ("replication (us per peer request)", result.get("replication_us_per_request")),
+        ("  with the load's block holders kept (us)",
+         result.get("replication_load_holders_us_per_request")),
         ("replication (router events/s)", result.get("replication_router_events_per_s")),
         ("  one event per message (us/request)",
          result.get("replication_single_event_us_per_request")),
