@@ -16,6 +16,10 @@ With ``--router-prefill-load-model linear`` a request's prefill tokens also deca
 the oldest modeled prefill on its worker rank (``replicas.core.prefill_model``): pass the event
 time to ``active_prefill_tokens``.
 
+The same figures are also kept as columns by slot, with each active block's holder bitmask once
+a decision asks for them (``replicas.core.load_columns``): what a decision over hundreds of loaded
+ranks reads instead of asking each rank. The per-rank methods here stay the reference.
+
 Requests are owned by the router replica that routed them, so a lost replica frees exactly its own
 requests. The digest is an order-independent sum of per-request mixes, maintained incrementally, so
 two replicas that applied the same events agree on it whatever order the requests arrived in.
