@@ -9,7 +9,10 @@ changes, with decisions in between. Each decision is made both ways on the same 
 ``build_candidate_columns`` (its rows kept in a ``CandidateRowCache`` across the whole sequence,
 as the dispatcher keeps them) and ``select_columns``, against ``build_candidates`` and
 ``Selector.select`` with the per-rank ``ActiveLoad`` reads. The same rows and values, the same
-engine, the same cost table and the same tie-break draws."""
+engine, the same cost table and the same tie-break draws. And at each decision the shedding
+check's pressure from the columns (``PressureRowCache``, kept across the sequence too) is
+``model_pressure``'s, bit for bit, with workers retired for cause and on purpose among the
+events."""
 
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ from eventlog.names import CONTROL, KV, ROUTER
 from replicas.core import candidates, disagg
 from replicas.core.candidate_columns import CandidateColumns, select_columns
 from replicas.core.candidates import CandidateRowCache, build_candidate_columns, build_candidates
+from replicas.core.pressure_columns import PressureRowCache
 from replicas.core.selection import Decision, RoutingConfig, Selector
+from replicas.core.shedding import model_pressure
 from replicas.core.state import RouterState, StateConfig
 
 BS = 4
@@ -49,6 +54,7 @@ event = st.one_of(
     st.tuples(st.just("lost"), st.sampled_from(["A", "B"])),
     st.tuples(st.just("health"), st.integers(0, 44),
               st.sampled_from(["healthy", "suspicious", "unhealthy"])),
+    st.tuples(st.just("retire"), st.integers(0, 44), st.booleans()),
     st.tuples(st.just("decide"), st.integers(0, 3), st.integers(0, 10), st.booleans()),
 )
 
@@ -71,7 +77,8 @@ def fleet(workers: int, dp: list[int], cached: list[int]) -> tuple[RouterState, 
 
 @settings(max_examples=60, deadline=None)
 @given(workers=st.integers(1, 45), dp=st.lists(st.integers(1, 2), min_size=1, max_size=3),
-       cached=st.lists(st.integers(0, 10), max_size=20), events=st.lists(event, max_size=80),
+       cached=st.lists(st.integers(0, 10), max_size=20),
+       events=st.lists(event, min_size=20, max_size=80),
        weight=st.sampled_from([8.0, 1.0, 0.0]), seed=st.integers(0, 2**16),
        grouped_from=st.sampled_from([0, 3, 10**9]))
 def test_loaded_decisions_equal_the_reference(workers: int, dp: list[int], cached: list[int],
@@ -93,8 +100,10 @@ def run(workers: int, dp: list[int], cached: list[int], events: list[tuple], wei
     selector = Selector(RoutingConfig(kv_overlap_score_weight=weight, prefill_queue_weight=1.0,
                                       block_size=BS))
     rows = CandidateRowCache()
+    pressures = PressureRowCache()
     rng_columns, rng_objects = random.Random(seed), random.Random(seed)
     router = control = 1
+    kv = 1000
     routed: list[str] = []  # request ids routed so far: the other events name one of them
     ts = 3.0
     for e in events:
@@ -121,10 +130,20 @@ def run(workers: int, dp: list[int], cached: list[int], events: list[tuple], wei
                                                                   a[1], "test", ts)])
             control += 1
             continue
+        elif kind == "retire":
+            state.apply(KV, kv, [ev.WorkerRetired(f"w{a[0] % workers:02d}",
+                                                  "heartbeat timeout" if a[1] else "shutdown",
+                                                  ts)])
+            kv += 1
+            continue
         else:
             p, n, reuse = a
             decide(state, selector, rows, SEQS[p][:n], n * BS + 1, reuse, rng_columns,
                    rng_objects)
+            for block_size, usable in ((BS, 1.0), (1 + n, 0.35)):
+                assert pressures.get(state, "m").pressure(
+                    block_size=block_size, usable_fraction=usable) == model_pressure(
+                    state, "m", block_size=block_size, usable_fraction=usable)
             continue
         state.apply(ROUTER, router, out)
         router += 1
@@ -168,3 +187,7 @@ def test_a_decaying_prefill_is_read_at_the_states_time() -> None:
     assert state.load.active_prefill_tokens(("w03", 0), state.now) == 200.0  # half done
     rows = CandidateRowCache()
     decide(state, selector, rows, SEQS[2], 10 * BS, True, random.Random(1), random.Random(1))
+    got = PressureRowCache().get(state, "m").pressure(block_size=BS)
+    assert got == model_pressure(state, "m", block_size=BS)
+    # w03: 7 distinct blocks (a and b share 3) + 200 tokens left; w07: 9 blocks + 40 tokens
+    assert got is not None and got.demand == 7 + 200 / BS + 9 + 40 / BS
