@@ -548,7 +548,9 @@ def print_table(result: dict[str, Any]) -> None:
             rows += [(f"router state, {path}: decision p50 (us)", state[path]["decision_p50_us"]),
                      (f"router state, {path}: decision p99 (us)", state[path]["decision_p99_us"]),
                      *((f"  router state, {path}: {k} p50 (us)", v)
-                       for k, v in state[path]["decision_stage_p50_us"].items())]
+                       for k, v in state[path]["decision_stage_p50_us"].items()),
+                     (f"router state, {path}: shedding check p50 (us)",
+                      state[path].get("shed_check_p50_us"))]
         rows.append(("router state: samples where the paths differed",
                      state["paths_differed_samples"]))
     reference = result.get("reference")
