@@ -20,7 +20,6 @@ import numpy as np
 from eventlog.hashing import prompt_hashes
 from replicas.core import disagg
 from replicas.core.candidate_columns import CandidateColumns
-from replicas.core.index_reference_match import slot_indices
 from replicas.core.load import MILLI, ActiveLoad
 from replicas.core.load_columns import SlotRows
 from replicas.core.overlay import Overlay
@@ -292,7 +291,14 @@ def _charge_active_prefixes(new: np.ndarray, load: ActiveLoad, slot_rows: SlotRo
             assert key is not None  # a slot with a row is a loaded rank's
             new[i] = n - load.active_prefix_len(key, seq_hashes)
         return
-    slot_row = slot_rows.slot_row
-    for mask, length in load.prefix_groups(seq_hashes):
-        hit = slot_row[slot_indices(mask)]
-        new[hit[hit >= 0]] = n - length
+    groups = load.prefix_groups(seq_hashes)
+    if not groups:
+        return
+    # Each group's mask as a row of bits by slot, in one buffer: a slot's active prefix is the
+    # one length whose row has its bit (the groups are disjoint), 0 where none has.
+    width = (len(load.columns.keys) + 7) // 8
+    packed = b"".join([mask.to_bytes(width, "little") for mask, _ in groups])
+    bits = np.unpackbits(np.frombuffer(packed, dtype=np.uint8), bitorder="little")
+    held = np.array([length for _, length in groups], dtype=np.int64) @ bits.reshape(
+        len(groups), -1)
+    new[at] = n - held[slots]
