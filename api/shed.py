@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 
-from replicas.core.shedding import Degrader, decide, model_pressure, retry_after
+from replicas.core.pressure_columns import PressureRowCache
+from replicas.core.shedding import Degrader, decide, retry_after
 from replicas.runtime.replica import Replica
 
 
@@ -16,6 +17,7 @@ class Shedder:
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
         self.degrader = Degrader()
+        self.rows = PressureRowCache()  # at fleet size the pressure is read from columns
 
     @property
     def level(self) -> int:
@@ -25,9 +27,9 @@ class Shedder:
     def check(self, model: str, tier: str) -> float | None:
         """None to admit the request, else the Retry-After (seconds) of a shed."""
         t = self.replica.thresholds_for(model).active_decode_blocks_threshold
-        pressure = model_pressure(self.replica.state, model,
-                                  block_size=self.replica.config.state.block_size,
-                                  usable_fraction=t or 1.0)
+        pressure = self.rows.pressure(self.replica.state, model,
+                                      block_size=self.replica.config.state.block_size,
+                                      usable_fraction=t or 1.0)
         if pressure is None:
             return None  # unknown model or no workers: the routing path answers that
         level = self.degrader.update(pressure, time.time())

@@ -534,6 +534,8 @@ def print_table(result: dict[str, Any]) -> None:
         ("decision p99 (us)", result["decision_p99_us"]),
         *((f"  {k} p50 (us)", v) for k, v in stages.items()),
         ("replication (us per peer request)", result.get("replication_us_per_request")),
+        ("  with the load's block holders kept (us)",
+         result.get("replication_load_holders_us_per_request")),
         ("replication (router events/s)", result.get("replication_router_events_per_s")),
         ("  one event per message (us/request)",
          result.get("replication_single_event_us_per_request")),
@@ -555,7 +557,9 @@ def print_table(result: dict[str, Any]) -> None:
             rows += [(f"router state, {path}: decision p50 (us)", state[path]["decision_p50_us"]),
                      (f"router state, {path}: decision p99 (us)", state[path]["decision_p99_us"]),
                      *((f"  router state, {path}: {k} p50 (us)", v)
-                       for k, v in state[path]["decision_stage_p50_us"].items())]
+                       for k, v in state[path]["decision_stage_p50_us"].items()),
+                     (f"router state, {path}: shedding check p50 (us)",
+                      state[path].get("shed_check_p50_us"))]
         rows.append(("router state: samples where the paths differed",
                      state["paths_differed_samples"]))
     reference = result.get("reference")

@@ -14,6 +14,9 @@ sharing part of the worker's conversation) and times what ``Dispatcher.decide`` 
 
 Samples alternate between the paths; ``paths_differed_samples`` counts decisions that differed
 (worker or overlap). Stages: ``hashing``, ``candidates`` (matching included), ``selection``.
+``shed_check_p50_us`` (not in the decision's total) is the shedding check every request passes
+before it (``api/shed.py``): the model's pressure from the load columns (``fast``:
+``PressureRowCache``) or rank by rank (``pure``: ``model_pressure``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from replicas.core.candidates import (
     build_candidates,
     request_hashes,
 )
+from replicas.core.pressure_columns import PressureRowCache
 from replicas.core.selection import Selector
+from replicas.core.shedding import model_pressure
 from replicas.core.state import RouterState, StateConfig
 
 MODEL = "m"
@@ -68,8 +73,19 @@ def build_state(work: Any, block_size: int, inflight: int) -> RouterState:
 def bench_state_decisions(work: Any, args: Any, selector: Selector) -> dict[str, Any]:
     state = build_state(work, args.block_size, args.router_inflight)
     rows = CandidateRowCache()
+    pressures = PressureRowCache()
     bs = args.block_size
     clock = time.perf_counter_ns
+    shed: dict[str, list[int]] = {"fast": [], "pure": []}
+
+    def shed_check(path: str) -> Any:
+        t0 = clock()
+        if path == "fast":
+            pressure = pressures.pressure(state, MODEL, block_size=bs)
+        else:
+            pressure = model_pressure(state, MODEL, block_size=bs)
+        shed[path].append(clock() - t0)
+        return pressure
 
     def fast(tokens: list[int], rng: random.Random) -> tuple[tuple[int, int, int], Any]:
         t0 = clock()
@@ -98,14 +114,16 @@ def bench_state_decisions(work: Any, args: Any, selector: Selector) -> dict[str,
         for i in range(args.samples + 50):
             tokens = work.prompts[i % len(work.prompts)]
             picked = set()
+            pressure = set()
             for path in (list(paths) if i % 2 else list(paths)[::-1]):
                 compiled.use_compiled(path == "fast")
+                pressure.add(shed_check(path))
                 times, decision = paths[path](tokens, rngs[path])
                 picked.add((getattr(decision, "worker", None),
                             getattr(decision, "overlap_blocks", None)))
                 if i >= 50:
                     stages[path].append(times)
-            differed += len(picked) > 1
+            differed += len(picked) > 1 or len(pressure) > 1
     finally:
         compiled.use_compiled(was)
     out: dict[str, Any] = {"inflight_per_worker": args.router_inflight,
@@ -119,5 +137,6 @@ def bench_state_decisions(work: Any, args: Any, selector: Selector) -> dict[str,
             "decision_stage_p50_us": {
                 name: round(statistics.median(s[k] for s in samples) / 1e3, 1)
                 for k, name in enumerate(("hashing", "candidates", "selection"))},
+            "shed_check_p50_us": round(statistics.median(shed[path][100:]) / 1e3, 1),
         }
     return out

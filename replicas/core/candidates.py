@@ -20,6 +20,8 @@ import numpy as np
 from eventlog.hashing import prompt_hashes
 from replicas.core import disagg
 from replicas.core.candidate_columns import CandidateColumns
+from replicas.core.load import MILLI, ActiveLoad
+from replicas.core.load_columns import SlotRows
 from replicas.core.overlay import Overlay
 from replicas.core.routing_errors import NoWorkers, UnknownModel
 from replicas.core.selection import Candidate
@@ -29,6 +31,12 @@ from replicas.core.state import RouterState
 HEALTH_WEIGHT = {"healthy": 1.0, "suspicious": 0.5}
 
 _NO_OVERLAY = Overlay()
+
+GROUPED_PREFIX_FROM = 16
+"""Loaded rows from which a decision asks ``ActiveLoad.prefix_groups`` for every rank's active
+prefix, which from then on makes every event keep the blocks' holders (~0.25 µs a block held
+and freed); below it each loaded rank is searched on its own (~1.3 µs a rank at 512 blocks), as
+long as the holders are not kept anyway."""
 
 
 def served_models(state: RouterState) -> list[str]:
@@ -150,6 +158,7 @@ class CandidateRows:
     weight: np.ndarray
     roster_version: int
     row_of: dict[tuple[str, int], int]  # worker key -> its row
+    slot_rows: SlotRows  # the load columns' slots -> these rows (load_columns.py)
 
 
 def candidate_rows(state: RouterState, model: str, exclude: frozenset[str] = frozenset(),
@@ -178,8 +187,8 @@ def candidate_rows(state: RouterState, model: str, exclude: frozenset[str] = fro
                np.array(weights, dtype=np.float64))
     for column in columns:
         column.flags.writeable = False  # shared by every decision until the roster moves
-    return CandidateRows(rows, *columns, state.roster_version,
-                         {key: i for i, key in enumerate(rows)})
+    row_of = {key: i for i, key in enumerate(rows)}
+    return CandidateRows(rows, *columns, state.roster_version, row_of, SlotRows(row_of))
 
 
 class CandidateRowCache:
@@ -216,10 +225,11 @@ def build_candidate_columns(state: RouterState, model: str, seq_hashes: Sequence
                             rows: CandidateRows | None = None) -> CandidateColumns:
     """``build_candidates`` as columns: the same rows in the same order with the same values
     (``CandidateColumns.from_candidates(build_candidates(...))``, property-tested), without an
-    object per row. Only the rows with requests in flight, here or in the overlay, read the load
-    state one by one; the others are the idle defaults, set for all at once. ``rows``: this
-    model's, exclusion's and phase's ``candidate_rows``, kept by the caller while the state's
-    ``roster_version`` stays the same (None: built here)."""
+    object per row. The load comes from the state's load columns (load_columns.py): the loaded
+    ranks' figures in a few array operations, every rank's active prefix from one grouped
+    search; only ranks whose prefill decays and ranks with decisions pending in the overlay are
+    read one by one. ``rows``: this model's, exclusion's and phase's ``candidate_rows``, kept by
+    the caller while the state's ``roster_version`` stays the same (None: built here)."""
     if rows is None or rows.roster_version != state.roster_version:
         rows = candidate_rows(state, model, exclude, phase)
     keys = rows.workers
@@ -230,19 +240,23 @@ def build_candidate_columns(state: RouterState, model: str, seq_hashes: Sequence
     prefill = np.zeros(count, dtype=np.float64)
     decode = np.zeros(count, dtype=np.float64)
     new = np.full(count, n, dtype=np.int64)
-    # Only the ranks with requests in flight, or decisions pending here, read their load; the
-    # overlay's part is added after the state's, as build_candidates sums them.
+    # The overlay's part is added after the state's, as build_candidates sums them.
     row_of = rows.row_of
     load = state.load
-    now = state.now
-    prefix = n and not own_blocks
-    for key in load.loaded_workers():
-        i = row_of.get(key)
-        if i is not None:
-            prefill[i] = load.active_prefill_tokens(key, now)
-            decode[i] = load.active_decode_blocks(key)
-            if prefix:
-                new[i] = n - load.active_prefix_len(key, seq_hashes)
+    columns = load.columns
+    slots, at = rows.slot_rows.sync(columns)
+    if len(slots):
+        prefill[at] = columns.prefill[slots]
+        # as active_decode_blocks: distinct blocks + thousandths / 1000 (+ 0.0 without output)
+        decode[at] = columns.blocks[slots] + columns.milli[slots] / MILLI
+        now = state.now
+        if now is not None:
+            for key in load.decaying_workers():
+                i = row_of.get(key)
+                if i is not None:
+                    prefill[i] = load.active_prefill_tokens(key, now)
+        if n and not own_blocks:
+            _charge_active_prefixes(new, load, rows.slot_rows, slots, at, seq_hashes)
     for key in overlay.pending_workers():
         i = row_of.get(key)
         if i is not None:
@@ -262,3 +276,29 @@ def build_candidate_columns(state: RouterState, model: str, seq_hashes: Sequence
         prefill[:] = 0
     return CandidateColumns(keys, overlap, tree, prefill, decode, new, rows.kv_total_blocks,
                             rows.max_num_batched_tokens, rows.weight)
+
+
+def _charge_active_prefixes(new: np.ndarray, load: ActiveLoad, slot_rows: SlotRows,
+                            slots: np.ndarray, at: np.ndarray, seq_hashes: Sequence[int]
+                            ) -> None:
+    """Take each loaded row's active prefix (blocks its running requests hold already) off its
+    new blocks: ``slots`` are the loaded slots with a row, ``at`` their rows."""
+    n = len(seq_hashes)
+    if load.columns.holders is None and len(slots) < GROUPED_PREFIX_FROM:
+        keys = load.columns.keys
+        for slot, i in zip(slots.tolist(), at.tolist(), strict=True):
+            key = keys[slot]
+            assert key is not None  # a slot with a row is a loaded rank's
+            new[i] = n - load.active_prefix_len(key, seq_hashes)
+        return
+    groups = load.prefix_groups(seq_hashes)
+    if not groups:
+        return
+    # Each group's mask as a row of bits by slot, in one buffer: a slot's active prefix is the
+    # one length whose row has its bit (the groups are disjoint), 0 where none has.
+    width = (len(load.columns.keys) + 7) // 8
+    packed = b"".join([mask.to_bytes(width, "little") for mask, _ in groups])
+    bits = np.unpackbits(np.frombuffer(packed, dtype=np.uint8), bitorder="little")
+    held = np.array([length for _, length in groups], dtype=np.int64) @ bits.reshape(
+        len(groups), -1)
+    new[at] = n - held[slots]

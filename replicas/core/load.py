@@ -16,6 +16,10 @@ With ``--router-prefill-load-model linear`` a request's prefill tokens also deca
 the oldest modeled prefill on its worker rank (``replicas.core.prefill_model``): pass the event
 time to ``active_prefill_tokens``.
 
+The same figures are also kept as columns by slot, with each active block's holder bitmask once
+a decision asks for them (``replicas.core.load_columns``): what a decision over hundreds of loaded
+ranks reads instead of asking each rank. The per-rank methods here stay the reference.
+
 Requests are owned by the router replica that routed them, so a lost replica frees exactly its own
 requests. The digest is an order-independent sum of per-request mixes, maintained incrementally, so
 two replicas that applied the same events agree on it whatever order the requests arrived in.
@@ -25,11 +29,13 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, KeysView, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
+from replicas.core.load_columns import LoadColumns
 from replicas.core.prefill_model import WorkerPrefill
 
 WorkerKey = tuple[str, int]
@@ -92,15 +98,17 @@ class ActiveRequest:
 
 
 class _WorkerLoad:
-    """Aggregates for one (worker_id, dp_rank)."""
+    """Aggregates for one (worker_id, dp_rank), and its slot in the columns (load_columns.py)."""
 
-    __slots__ = ("blocks", "output_milli", "prefill_tokens", "requests")
+    __slots__ = ("bit", "blocks", "output_milli", "prefill_tokens", "requests", "slot")
 
-    def __init__(self) -> None:
+    def __init__(self, slot: int) -> None:
         self.prefill_tokens = 0
         self.output_milli = 0  # weighted output blocks, thousandths
         self.blocks: dict[int, int] = {}  # seq hash -> number of active requests holding it
         self.requests: set[str] = set()
+        self.slot = slot
+        self.bit = 1 << slot
 
 
 def _request_mix(req: ActiveRequest, hash_bytes: bytes | None = None) -> int:
@@ -147,6 +155,11 @@ class ActiveLoad:
     def __init__(self) -> None:
         self._requests: dict[str, ActiveRequest] = {}
         self._workers: dict[WorkerKey, _WorkerLoad] = {}
+        # The same figures as columns by slot, and each active block's holders (a decision
+        # over hundreds of loaded ranks reads these, not each rank's aggregates).
+        self._columns = LoadColumns()
+        # Ranks with modeled prefills pending: their prefill reads depend on the time asked.
+        self._decaying: set[WorkerKey] = set()
         self._by_replica: dict[str, set[str]] = {}
         self._digest = 0
         # Learned prefill throughput and the decaying anchor, per worker rank; kept when the
@@ -186,15 +199,33 @@ class ActiveLoad:
                             tuple(block_seq_hashes), float(ts), output=output, modeled=modeled)
         req.base_mix = _request_mix(req)
         self._requests[request_id] = req
+        columns = self._columns
         load = self._workers.get(worker)
         if load is None:
-            load = self._workers[worker] = _WorkerLoad()
+            load = self._workers[worker] = _WorkerLoad(columns.assign(worker))
         load.prefill_tokens += req.prefill_tokens
         load.requests.add(request_id)
         blocks = load.blocks
         get = blocks.get
-        for h in req.block_seq_hashes:
-            blocks[h] = get(h, 0) + 1
+        holders = columns.holders
+        if holders is None:  # not kept (yet): nothing asked for them
+            for h in req.block_seq_hashes:
+                blocks[h] = get(h, 0) + 1
+        else:
+            hold = holders.setdefault
+            bit = load.bit
+            for h in req.block_seq_hashes:
+                count = get(h)
+                if count is None:
+                    blocks[h] = 1
+                    # most blocks have one holder: they share the rank's bit, allocating nothing
+                    mask = hold(h, bit)
+                    if mask is not bit:
+                        holders[h] = mask | bit
+                else:
+                    blocks[h] = count + 1
+        columns.prefill_view[load.slot] = load.prefill_tokens
+        columns.blocks_view[load.slot] = len(blocks)
         owned = self._by_replica.get(replica_id)
         if owned is None:
             owned = self._by_replica[replica_id] = set()
@@ -202,8 +233,18 @@ class ActiveLoad:
         self._routed_at[replica_id] = req.ts  # stream order: near enough to the newest
         self._digest = (self._digest + _contribution(req)) & _MASK64
         if modeled and req.prefill_tokens > 0:
-            self._prefill_of(worker).start(request_id, req.ts)
+            self._start_modeled(worker, request_id, req.ts)
         return True
+
+    def _start_modeled(self, worker: WorkerKey, request_id: str, ts: float) -> None:
+        self._prefill_of(worker).start(request_id, ts)
+        self._decaying.add(worker)
+
+    def _leave_modeled(self, worker: WorkerKey, request_id: str) -> None:
+        wp = self._prefill_of(worker)
+        wp.leave(request_id)
+        if not wp.pending_ids:
+            self._decaying.discard(worker)
 
     def _prefill_of(self, worker: WorkerKey) -> WorkerPrefill:
         wp = self._prefill.get(worker)
@@ -219,13 +260,15 @@ class ActiveLoad:
         if req is None or req.prefill_done:
             return False
         self._set_progress(req, True, req.output_tokens)
-        self._workers[req.worker].prefill_tokens -= req.prefill_tokens
+        load = self._workers[req.worker]
+        load.prefill_tokens -= req.prefill_tokens
+        self._columns.prefill_view[load.slot] = load.prefill_tokens
         self._freed_by[req.worker] = req.replica_id
         if ts is not None and req.prefill_tokens > 0:
             self._prefill_of(req.worker).observe(request_id, req.prefill_tokens, req.ts,
                                                  float(ts))
         if req.modeled and req.prefill_tokens > 0:
-            self._prefill_of(req.worker).leave(request_id)
+            self._leave_modeled(req.worker, request_id)
         return True
 
     def output_progress(self, request_id: str, output_tokens: int) -> bool:
@@ -238,6 +281,7 @@ class ActiveLoad:
         load.output_milli -= output_block_milli(req.output, req.output_tokens)
         self._set_progress(req, req.prefill_done, int(output_tokens))
         load.output_milli += output_block_milli(req.output, req.output_tokens)
+        self._columns.milli_view[load.slot] = load.output_milli
         return True
 
     def _set_progress(self, req: ActiveRequest, prefill_done: bool, output_tokens: int) -> None:
@@ -259,17 +303,38 @@ class ActiveLoad:
             load.prefill_tokens -= req.prefill_tokens
             self._freed_by[req.worker] = req.replica_id
             if req.modeled and req.prefill_tokens > 0:
-                self._prefill_of(req.worker).leave(request_id)
+                self._leave_modeled(req.worker, request_id)
         load.requests.discard(request_id)
         blocks = load.blocks
-        for h in req.block_seq_hashes:
-            left = blocks[h] - 1
-            if left:
-                blocks[h] = left
-            else:
-                del blocks[h]
+        columns = self._columns
+        holders = columns.holders
+        if holders is None:
+            for h in req.block_seq_hashes:
+                left = blocks[h] - 1
+                if left:
+                    blocks[h] = left
+                else:
+                    del blocks[h]
+        else:
+            unhold = holders.pop
+            bit = load.bit
+            for h in req.block_seq_hashes:
+                left = blocks[h] - 1
+                if left:
+                    blocks[h] = left
+                else:
+                    del blocks[h]
+                    mask = unhold(h)
+                    if mask != bit:
+                        holders[h] = mask ^ bit
         if not load.requests:
             del self._workers[req.worker]
+            columns.release(load.slot)
+        else:
+            slot = load.slot
+            columns.prefill_view[slot] = load.prefill_tokens
+            columns.blocks_view[slot] = len(blocks)
+            columns.milli_view[slot] = load.output_milli
         owned = self._by_replica.get(req.replica_id)
         if owned is not None:
             owned.discard(request_id)
@@ -346,6 +411,37 @@ class ActiveLoad:
             else:
                 hi = mid
         return lo
+
+    @property
+    def columns(self) -> LoadColumns:
+        """The loaded ranks' figures as columns by slot, and each active block's holders: what
+        ``active_prefill_tokens`` (without ``now``), ``active_decode_blocks`` and
+        ``active_prefix_len`` answer, for every loaded rank at once (load_columns.py). Read
+        only."""
+        return self._columns
+
+    def prefix_groups(self, seq_hashes: Sequence[int]) -> list[tuple[int, int]]:
+        """Every loaded rank's ``active_prefix_len`` of ``seq_hashes`` at once, as
+        ``(slot mask, length)`` groups (``LoadColumns.prefix_groups``). The first call starts
+        keeping the blocks' holder bitmasks, built here from the ranks' blocks; from then on
+        every event keeps them (until then no event pays for them)."""
+        columns = self._columns
+        if columns.holders is None:
+            holders: dict[int, int] = {}
+            hold = holders.setdefault
+            for wl in self._workers.values():
+                bit = wl.bit
+                for h in wl.blocks:
+                    mask = hold(h, bit)
+                    if mask is not bit:
+                        holders[h] = mask | bit
+            columns.holders = holders
+        return columns.prefix_groups(seq_hashes)
+
+    def decaying_workers(self) -> AbstractSet[WorkerKey]:
+        """The ranks whose ``active_prefill_tokens`` depends on ``now`` (a modeled prefill is
+        pending there): for every other rank it is its prefill column. A live view."""
+        return self._decaying
 
     def loaded_workers(self) -> KeysView[WorkerKey]:
         """The worker ranks with requests in flight (a live view: every other rank's load is 0
@@ -456,7 +552,7 @@ class ActiveLoad:
             load._requests[rid] = req
             wl = load._workers.get(worker)
             if wl is None:
-                wl = load._workers[worker] = _WorkerLoad()
+                wl = load._workers[worker] = _WorkerLoad(load._columns.assign(worker))
                 per_worker[worker] = []
             wl.prefill_tokens += req.prefill_tokens
             wl.requests.add(rid)
@@ -468,10 +564,14 @@ class ActiveLoad:
             if done:
                 load.prefill_completed(rid)
             elif req.modeled and req.prefill_tokens > 0:
-                load._prefill_of(worker).start(rid, req.ts)
+                load._start_modeled(worker, rid, req.ts)
         for worker, columns in per_worker.items():  # refcounts of shared blocks, in bulk
             ids, counts = np.unique(np.concatenate(columns), return_counts=True)
-            load._workers[worker].blocks = dict(zip(ids.tolist(), counts.tolist(), strict=True))
+            wl = load._workers[worker]
+            wl.blocks = dict(zip(ids.tolist(), counts.tolist(), strict=True))
+            load._columns.prefill_view[wl.slot] = wl.prefill_tokens
+            load._columns.blocks_view[wl.slot] = len(wl.blocks)
+            load._columns.milli_view[wl.slot] = wl.output_milli
         return load
 
 

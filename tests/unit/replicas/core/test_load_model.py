@@ -1,7 +1,12 @@
 """The in-flight load against a plain model: whatever sequence of routed, prefill completed,
 output progress, finished and replica lost, each worker rank's prefill tokens, distinct decode
 blocks, weighted output blocks and owners are those of the requests still active, and the digest
-is that of the same requests added afresh and of the state restored from its snapshot."""
+is that of the same requests added afresh and of the state restored from its snapshot.
+
+The load columns (load_columns.py) are checked against the same model: each loaded rank's slot
+holds its figures, a free slot zeros, each active block exactly the bits of the slots holding
+it, the decaying ranks are those with a modeled prefill pending, and the grouped prefix search
+answers every query — prefix chains and shuffled ones alike — as ``active_prefix_len`` does."""
 
 from __future__ import annotations
 
@@ -21,6 +26,10 @@ RANKS: list[WorkerKey] = [("w0", 0), ("w0", 1), ("w1", 0)]
 # chains that share their first blocks make requests share blocks (held once per rank).
 CHAINS = [[0, 1, 2, 3, 4], [0, 1, 5, 6], [7, 8, 9]]
 HASHES = st.builds(lambda chain, n: chain[:n], st.sampled_from(CHAINS), st.integers(0, 5))
+# What the grouped prefix search is asked: the chains, none, and shuffled ones (membership not
+# monotone along the query: the binary search's answers are compared, not the model's walk).
+QUERIES = [*CHAINS, [], [1, 0, 2, 3, 4], [3, 4, 0, 1, 2], [9, 8, 7], [6, 5, 1, 0, 4, 3, 2],
+           [0, 7, 1, 8, 5, 9, 6]]
 TRACKING = st.one_of(st.none(), st.builds(OutputTracking, st.integers(0, 40), st.just(4),
                                           st.sampled_from([0, 10, 100])))
 
@@ -38,6 +47,7 @@ class Request:
     output: OutputTracking | None
     done: bool = False
     generated: int = 0
+    modeled: bool = False
 
 
 class LoadMachine(RuleBasedStateMachine):
@@ -51,13 +61,15 @@ class LoadMachine(RuleBasedStateMachine):
 
     @rule(request_id=IDS, replica=REPLICAS, worker=st.sampled_from(RANKS),
           prefill=st.one_of(st.just(0), st.integers(0, 500)), hashes=HASHES,
-          ts=st.integers(0, 9).map(float), output=TRACKING)
+          ts=st.integers(0, 9).map(float), output=TRACKING, modeled=st.booleans())
     def add(self, request_id: str, replica: str, worker: WorkerKey, prefill: int,
-            hashes: list[int], ts: float, output: OutputTracking | None) -> None:
-        added = self.load.add(request_id, replica, worker, prefill, hashes, ts, output=output)
+            hashes: list[int], ts: float, output: OutputTracking | None, modeled: bool) -> None:
+        added = self.load.add(request_id, replica, worker, prefill, hashes, ts, output=output,
+                              modeled=modeled)
         assert added == (request_id not in self.model)
         if added:
-            self.model[request_id] = Request(replica, worker, prefill, hashes, ts, output)
+            self.model[request_id] = Request(replica, worker, prefill, hashes, ts, output,
+                                             modeled=modeled)
 
     @rule(request_id=IDS)
     def prefill_completed(self, request_id: str) -> None:
@@ -127,11 +139,46 @@ class LoadMachine(RuleBasedStateMachine):
                 req.replica == replica for req in self.model.values())
 
     @invariant()
+    def load_columns_match_the_model(self) -> None:
+        columns = self.load.columns
+        self.load.prefix_groups([])  # keep the holders from here on (built now if not kept)
+        slot_of = {key: slot for slot, key in enumerate(columns.keys) if key is not None}
+        assert len(slot_of) == sum(key is not None for key in columns.keys)
+        assert set(slot_of) == {req.worker for req in self.model.values()}
+        holders: dict[int, int] = {}
+        for worker, slot in slot_of.items():
+            mine = [req for req in self.model.values() if req.worker == worker]
+            held = {h for req in mine for h in req.hashes}
+            assert columns.prefill[slot] == sum(req.prefill for req in mine if not req.done)
+            assert columns.blocks[slot] == len(held)
+            assert columns.milli[slot] == sum(output_block_milli(req.output, req.generated)
+                                              for req in mine if req.output is not None)
+            for h in held:
+                holders[h] = holders.get(h, 0) | 1 << slot
+        for slot, key in enumerate(columns.keys):
+            if key is None:
+                assert columns.prefill[slot] == columns.blocks[slot] == columns.milli[slot] == 0
+        assert columns.holders == holders
+        assert set(self.load.decaying_workers()) == {
+            req.worker for req in self.model.values()
+            if req.modeled and req.prefill > 0 and not req.done}
+        for query in QUERIES:
+            answered: dict[WorkerKey, int] = {}
+            for mask, length in self.load.prefix_groups(query):
+                assert length > 0
+                for slot, key in enumerate(columns.keys):
+                    if mask >> slot & 1:
+                        assert key is not None and key not in answered
+                        answered[key] = length
+            assert answered == {w: n for w in RANKS
+                                if (n := self.load.active_prefix_len(w, query))}
+
+    @invariant()
     def digest_is_that_of_the_same_requests_added_afresh(self) -> None:
         fresh = ActiveLoad()
         for request_id, req in sorted(self.model.items(), reverse=True):
             fresh.add(request_id, req.replica, req.worker, req.prefill, req.hashes, req.ts,
-                      output=req.output)
+                      output=req.output, modeled=req.modeled)
             if req.done:
                 fresh.prefill_completed(request_id)
             if req.generated:
