@@ -34,7 +34,7 @@ class WorkerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
 
-    def start(self, timeout: float = 20.0) -> Self:
+    def start(self, timeout: float = 60.0) -> Self:
         argv = [sys.executable, "-m", "api.cli", "worker", "--port", "0", *self.args]
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)

@@ -24,15 +24,14 @@ events one by one give (``tests/unit/replicas/core/test_index_run.py`` checks al
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from eventlog.hashing import CHAIN_MULTIPLIER, MASK64
 from replicas.core.index_common import U64, WorkerKey
-
-if TYPE_CHECKING:
-    from replicas.core.index import PrefixIndex
+from replicas.core.index_holders import NodeHolders
+from replicas.core.index_table import U64Table
 
 STORE, REMOVE = 0, 1
 # (STORE, worker, parent block hash | None, [(block_hash, tokens_hash), ...]) or
@@ -41,6 +40,32 @@ KvOp = tuple[int, WorkerKey, Any, Any]
 # What each op gives: a store's status ("ok" | "parent_block_not_found"), a removal's count of
 # unknown block hashes (as ``PrefixIndex.store`` / ``remove``)
 RunResult = str | int
+
+
+
+class PrefixIndex(Protocol):
+    """What a run reads and changes of the compact index (``replicas.core.index.PrefixIndex``,
+    whose ``apply_run`` calls this module): its tables, as a port, so the two modules do not
+    import each other."""
+
+    approximate: bool
+    counters: dict[tuple[str, str], int]
+    _holders: NodeHolders
+    _slots: dict[WorkerKey, int]
+    _blocks: list[U64Table]
+    _dups: list[dict[int, int]]
+    _sums: list[int]
+    _total: int
+
+    def _sizes_changed(self) -> None: ...
+
+    def _slot_for(self, worker: WorkerKey) -> int: ...
+
+    def store(self, worker: WorkerKey, parent_block_hash: int | None,
+              blocks: Sequence[tuple[int, int]]) -> str: ...
+
+    def remove(self, worker: WorkerKey, block_hashes: Sequence[int]) -> int: ...
+
 
 # A slot with at most this many lookups / changes uses the tables' one-key methods (~1-2 us a
 # key) rather than their array methods (a fixed ~10-40 us of numpy calls).

@@ -19,15 +19,53 @@ message. Statuses are counted as ``apply`` counts them. Pure: no I/O, clock or r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from eventlog import events as ev
 from eventlog.names import KV
-from replicas.core.index_run import REMOVE, STORE, KvOp
+from replicas.core.index_run import REMOVE, STORE, KvOp, RunResult
 
-if TYPE_CHECKING:
-    from replicas.core.state import RouterState
+
+class _Config(Protocol):
+    @property
+    def approximate(self) -> bool: ...
+
+
+class _Index(Protocol):
+    def apply_run(self, ops: Sequence[KvOp]) -> list[RunResult]: ...
+
+
+class _Stats(Protocol):
+    def bump(self, stream: str, event_type: str, status: str, n: int = 1) -> None: ...
+
+
+class RouterState(Protocol):
+    """What ``apply_many`` reads and changes of ``replicas.core.state.RouterState`` (which
+    calls it), as a port, so the two modules do not import each other."""
+
+    positions: dict[str, int]
+    now: float
+
+    @property
+    def config(self) -> _Config: ...
+
+    @property
+    def index(self) -> _Index: ...
+
+    @property
+    def stats(self) -> _Stats: ...
+
+    @property
+    def refused_workers(self) -> Mapping[str, object]: ...
+
+    def apply(self, stream: str, seq: int, events: Sequence[ev.Event]) -> bool: ...
+
+    def _apply_event(self, stream: str, event: ev.Event) -> None: ...
+
+    def _check_event_id(self, worker_id: str, event_id: int) -> str | None: ...
+
+    def _expire(self) -> None: ...
 
 
 def apply_many(state: RouterState, stream: str,
