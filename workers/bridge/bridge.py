@@ -241,12 +241,24 @@ class Bridge:
         mirror (not the stream), so re-announce requests get the whole cache, not just a clear.
         Possible only while the engine's buffer still holds its whole run."""
         assert self.block_size is not None
-        try:
-            frames = await replay(self.ctx, self.s.kv_replay, 0, self.s.replay_timeout)
-        except ReplayUnavailable:
-            return
-        head = frames[:self.last_seq + 1]
-        if len(head) != self.last_seq + 1 or any(f.seq != i for i, f in enumerate(head)):
+        head: list[Frame] = []
+        for _ in range(REPLAY_ROUNDS):
+            # An answer with a hole after progress is asked again from the hole, as in
+            # `_fill_gap` (a ZMQ ROUTER drops what overflows its send queue while we read).
+            try:
+                frames = await replay(self.ctx, self.s.kv_replay, len(head),
+                                      self.s.replay_timeout)
+            except ReplayUnavailable:
+                break
+            asked = len(head)
+            for frame in frames:
+                if frame.seq > self.last_seq or frame.seq != len(head):
+                    break
+                head.append(frame)
+            if len(head) == self.last_seq + 1 or len(head) == asked:
+                break
+            self.replay_retries += 1
+        if len(head) != self.last_seq + 1:
             log.info("engine replay buffer no longer starts at seq 0: re-announce will clear")
             return
         scratch = Translator(self.s.worker_id, self.block_size)
