@@ -241,23 +241,7 @@ class Bridge:
         mirror (not the stream), so re-announce requests get the whole cache, not just a clear.
         Possible only while the engine's buffer still holds its whole run."""
         assert self.block_size is not None
-        head: list[Frame] = []
-        for _ in range(REPLAY_ROUNDS):
-            # An answer with a hole after progress is asked again from the hole, as in
-            # `_fill_gap` (a ZMQ ROUTER drops what overflows its send queue while we read).
-            try:
-                frames = await replay(self.ctx, self.s.kv_replay, len(head),
-                                      self.s.replay_timeout)
-            except ReplayUnavailable:
-                break
-            asked = len(head)
-            for frame in frames:
-                if frame.seq > self.last_seq or frame.seq != len(head):
-                    break
-                head.append(frame)
-            if len(head) == self.last_seq + 1 or len(head) == asked:
-                break
-            self.replay_retries += 1
+        head, _, _ = await self._replay_contiguous(0, self.last_seq + 1)
         if len(head) != self.last_seq + 1:
             log.info("engine replay buffer no longer starts at seq 0: re-announce will clear")
             return
@@ -385,24 +369,30 @@ class Bridge:
                 or self.out_blocks >= MAX_BLOCKS_PER_MESSAGE):
             await self._flush_out()
 
-    async def _fill_gap(self, start: int, upto: int | None) -> None:
-        """Append batches ``start .. upto-1`` (``upto`` None: all the engine buffers) from the
-        replay socket; if some are gone, the next message starts with a clear."""
-        if upto is not None and upto <= start:
-            return
-        replay_failed = False
-        expected = start
-        hole = False
+    async def _replay_contiguous(self, start: int, upto: int | None
+                                 ) -> tuple[list[Frame], bool, bool]:
+        """The engine's batches ``start ..`` (before ``upto``; None: all it buffers) from the
+        replay socket, in order and without a hole, as far as they can be had; whether the last
+        answer stopped at a hole, and whether a replay failed.
+
+        A hole in an answer that made progress is most likely the engine's ROUTER socket
+        dropping what overflowed its send queue while this process read slowly (ZMQ drops
+        silently at the high-water mark), not batches gone from its buffer: it is asked again
+        from the first one missing. An answer that brings nothing new settles it."""
+        got: list[Frame] = []
+        hole = failed = False
         for _ in range(REPLAY_ROUNDS):
+            asked = len(got)
             try:
-                frames = await replay(self.ctx, self.s.kv_replay, expected, self.s.replay_timeout)
+                frames = await replay(self.ctx, self.s.kv_replay, start + asked,
+                                      self.s.replay_timeout)
             except ReplayUnavailable as exc:
-                log.warning("replay from seq %d unavailable: %s", expected, exc)
-                replay_failed = True
+                log.warning("replay from seq %d unavailable: %s", start + asked, exc)
+                failed = True
                 break
-            asked = expected
             hole = False
             for frame in frames:
+                expected = start + len(got)
                 if frame.seq < expected:
                     continue
                 if upto is not None and frame.seq >= upto:
@@ -410,16 +400,22 @@ class Bridge:
                 if frame.seq != expected:
                     hole = True
                     break
-                await self._handle(frame)
-                self.replayed += 1
-                expected += 1
-            # A hole in an answer that made progress is most likely the engine's ROUTER socket
-            # dropping what overflowed its send queue while this process read slowly (ZMQ drops
-            # silently at the high-water mark), not batches gone from its buffer: ask again from
-            # the first one missing. An answer that brings nothing new settles it.
-            if not hole or expected == asked:
+                got.append(frame)
+            if not hole or len(got) == asked:
                 break
             self.replay_retries += 1
+        return got, hole, failed
+
+    async def _fill_gap(self, start: int, upto: int | None) -> None:
+        """Append batches ``start .. upto-1`` (``upto`` None: all the engine buffers) from the
+        replay socket; if some are gone, the next message starts with a clear."""
+        if upto is not None and upto <= start:
+            return
+        frames, hole, replay_failed = await self._replay_contiguous(start, upto)
+        for frame in frames:
+            await self._handle(frame)
+            self.replayed += 1
+        expected = start + len(frames)
         # An empty answer to "everything from `start`" is normal (the engine was idle); a failed
         # one after a resume is not knowable, so it counts as lost.
         if hole or (upto is not None and expected < upto) or (
