@@ -55,6 +55,9 @@ class EngineSim:
     cache: dict[int, dict[int, CachedBlock]] = field(default_factory=dict)
     running: int = 0
     waiting: int = 0
+    # /metrics answers to requests that arrived while the HTTP side was responsive (requests
+    # held back while it was not are answered late, to a client that may have given up)
+    metrics_answered: int = 0
 
     async def start(self) -> EngineSim:
         self.responsive.set()
@@ -257,6 +260,7 @@ class EngineSim:
             head = await reader.readuntil(b"\r\n\r\n")
             path = head.split(b" ", 2)[1].decode()
             status, ctype, body = 404, "text/plain", b"not found"
+            on_time = self.responsive.is_set()
             if path in ("/health", "/metrics"):
                 await self.responsive.wait()
             if path == "/health":
@@ -270,6 +274,7 @@ class EngineSim:
                 body = json.dumps({"object": "list", "data": data}).encode()
             elif path == "/metrics":
                 status, ctype, body = 200, "text/plain; version=0.0.4", self._metrics().encode()
+                self.metrics_answered += on_time
             reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]
             writer.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: {ctype}\r\n"
                          f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()

@@ -116,6 +116,10 @@ class Bridge:
         self.retired = False
         self.block_size: int | None = settings.block_size
         self.engine_start: float | None = None
+        # The engine run (its start time) the last restart clear was made for: a restart is
+        # seen twice, by the live seq going back and by the monitor's start time changing, and
+        # the second sighting must not clear blocks the new run has stored since.
+        self.cleared_for_start: float | None = None
         self.kv_total_blocks: int | None = None  # from the settings or the engine, on register
         self.translator: Translator | None = None
         self.next_event_id = 1
@@ -457,8 +461,11 @@ class Bridge:
         await self._flush_out()  # what the old run sent belongs under the old gen
         self.engine_restarts += 1
         log.warning("engine %s restarted (%s): clearing its blocks", self.s.worker_id, why)
-        with contextlib.suppress(EngineUnavailable):
+        try:
             self.engine_start = (await self.engine.metrics()).start_time
+        except EngineUnavailable:
+            self.engine_start = None  # not known yet: the monitor adopts the next one it reads
+        self.cleared_for_start = self.engine_start
         self.gen = new_gen()
         self.last_seq = -1
         self.live_high = -1
@@ -523,7 +530,8 @@ class Bridge:
                 await self._register()
                 await self._fill_gap(0, None)
                 await self._flush_clear()
-        elif item == "engine_restarted" and not self.retired:
+        elif (item == "engine_restarted" and not self.retired
+              and self.engine_start != self.cleared_for_start):
             await self._engine_restarted("engine process start time changed")
 
     async def _events_loop(self) -> None:

@@ -62,6 +62,7 @@ class MonitoredBridge(Protocol):
     registered: bool
     retired: bool
     engine_start: float | None
+    cleared_for_start: float | None
     metrics: MetricsView
     control: asyncio.Queue[str]
     kv_total_blocks: int | None
@@ -143,8 +144,10 @@ class EngineMonitor:
                 view = None
             if view is not None:
                 b.metrics = view
-                if (view.start_time is not None and b.engine_start is not None
-                        and view.start_time != b.engine_start):
+                if b.engine_start is None:
+                    # A restart whose start time the bridge could not read when it cleared.
+                    b.engine_start = b.cleared_for_start = view.start_time
+                elif view.start_time is not None and view.start_time != b.engine_start:
                     b.engine_start = view.start_time
                     b.control.put_nowait("engine_restarted")
                 await self._publish(subject, view)
