@@ -21,6 +21,7 @@ from replicas.core.prefill_model import PREFILL_LOAD_MODELS
 from replicas.core.queue import POLICIES
 from replicas.core.selection import MODES, BusyThresholds, RoutingConfig
 from replicas.core.state import StateConfig
+from replicas.core.tenant_headroom import DEFAULT_HEADROOM
 from settings.flags import Group, Option, defaults, find
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -84,6 +85,11 @@ TENANTS = Group(
     Option("no-tenant-fair-queue", bool, True, dest="tenant_fair_queue",
            help="with tenants, keep the router queue in --router-queue-policy order alone "
                 "instead of serving tenants by weighted fair share of tokens"),
+    Option("tenant-headroom", float, DEFAULT_HEADROOM,
+           "with the fair queue: the most of the engines (a fraction; at least one engine when "
+           "above 0) a tenant over its weighted share leaves free while another active tenant "
+           "is under its share, so that tenant's next request starts at once; 0: nothing held",
+           at_least=0, at_most=1),
 )
 
 ROUTING = Group(

@@ -55,6 +55,7 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
         queue_policy=args.router_queue_policy,
         tenant_fair_queue=bool(args.api_keys_file or args.tenant_header)
         and args.tenant_fair_queue,
+        tenant_headroom=args.tenant_headroom,
         track_output_blocks=args.router_track_output_blocks,
         prefill_load_model=args.router_prefill_load_model,
         seed=args.seed,

@@ -38,7 +38,8 @@ import httpx
 
 MODEL = "jetrouter-sim"
 PARAMS = ("replicas", "workers", "limit", "duration", "flood_concurrency", "victim_interval",
-          "prompt_tokens", "max_tokens", "queue_threshold", "prefill_ms_per_token")
+          "prompt_tokens", "max_tokens", "queue_threshold", "prefill_ms_per_token",
+          "tenant_headroom")
 KEYS = {f"key-{t}": t for t in ("flood", "flood2", "victim", "t1", "t2")}
 
 
@@ -56,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engines' prefill cost in (b), (d): slow enough that requests queue")
     p.add_argument("--queue-threshold", type=float, default=0.01,
                    help="--router-queue-threshold in (b), (d)")
+    p.add_argument("--tenant-headroom", type=float, default=None,
+                   help="--tenant-headroom of the fair replicas in (b), (d) (default: serve's)")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: a,b,c,d")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
 
@@ -300,7 +303,9 @@ async def part_b_d(args: argparse.Namespace, root: Path, skip: set[str], fair: b
                    ) -> dict[str, Any]:
     name = "tfair" if fair else "tfcfs"
     router_args = ["--router-queue-threshold", str(args.queue_threshold),
-                   *([] if fair else ["--no-tenant-fair-queue"])]
+                   *([] if fair else ["--no-tenant-fair-queue"]),
+                   *([] if args.tenant_headroom is None or not fair
+                     else ["--tenant-headroom", str(args.tenant_headroom)])]
     c = _cluster(root, name, args, replicas=args.replicas, workers=args.workers,
                  router_args=router_args,
                  worker_args=["--perf-model", "linear", "--prefill-ms-per-token",
@@ -389,6 +394,9 @@ def format_report(r: dict[str, Any]) -> str:
                         f"{b['engine_p50_ms']} / {b['engine_p99_ms']} ms, prompts ahead at "
                         f"the engine median {b['prompts_ahead_p50']}, max "
                         f"{b['prompts_ahead_max']}")
+        if "flood_served" in x:
+            lines.append(f"(b) {mode:4} flood served {x['flood_served']} requests beside the "
+                         f"victim")
         if "jain" in x:
             j = x["jain"]
             lines.append(f"(d) {mode:4} Jain's index {j['index']} (tokens t1 {j['tokens_t1']}, "

@@ -70,7 +70,7 @@ UP = Group(
 FORWARDED = ("router-mode", "kv-cache-block-size", "num-gpu-blocks", "speedup-ratio",
              "model",  # the engines' served model name (also --served-model-name)
              "otlp-traces-endpoint", "api-keys-file", "tenant-header", "router-queue-threshold",
-             "no-tenant-fair-queue")
+             "no-tenant-fair-queue", "tenant-headroom")
 
 
 def _names(groups: tuple[Group, ...]) -> set[str]:

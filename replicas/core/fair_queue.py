@@ -81,12 +81,17 @@ class FairQueue(Generic[T]):
             del self._queues[key], self._first[key]
         self._len -= 1
 
-    def next_tenant(self) -> tuple[int, str] | None:
-        """The (tier, tenant) whose request leaves next, or None when nothing waits."""
-        if not self._queues:
+    def next_tenant(self, allowed: Callable[[str], bool] | None = None
+                    ) -> tuple[int, str] | None:
+        """The (tier, tenant) whose request leaves next, or None when nothing waits;
+        ``allowed``: only among the tenants it accepts (the others may not take an opening
+        now, ``tenant_headroom.py``)."""
+        keys = list(self._queues) if allowed is None else [
+            k for k in self._queues if allowed(k[1])]
+        if not keys:
             return None
-        tier = max(k[0] for k in self._queues)
-        keys = [k for k in self._queues if k[0] == tier]
+        tier = max(k[0] for k in keys)
+        keys = [k for k in keys if k[0] == tier]
         if len(keys) == 1:
             return keys[0]  # nothing to compare: the counters are not needed
         lifts = self._lifts()
@@ -98,8 +103,8 @@ class FairQueue(Generic[T]):
             lifts = self._lifts()
         return self._service(tenant) + lifts.get(tenant, 0.0)
 
-    def pop(self) -> T | None:
-        key = self.next_tenant()
+    def pop(self, allowed: Callable[[str], bool] | None = None) -> T | None:
+        key = self.next_tenant(allowed)
         if key is None:
             return None
         item = self._queues[key].pop()

@@ -463,6 +463,12 @@ class ActiveLoad:
             del self._routed_at[replica]
         return {*self._routed_at, *self.replicas()}
 
+    def prefilling(self, worker: WorkerKey) -> list[str]:
+        """The requests on ``worker`` whose prompt is still being computed."""
+        load, requests = self._workers.get(worker), self._requests
+        return [r for r in load.requests if not requests[r].prefill_done
+                and requests[r].prefill_tokens > 0] if load is not None else []
+
     def freed_by(self, worker: WorkerKey) -> str | None:
         """The replica whose request last left ``worker``'s prefill (None: none seen)."""
         return self._freed_by.get(worker)

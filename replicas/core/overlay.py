@@ -96,6 +96,12 @@ class Overlay:
         pending prefill tokens and decode blocks are 0)."""
         return self._count.keys()
 
+    def prefilling(self, worker: WorkerKey) -> list[str]:
+        """The decisions pending here that send a prompt to compute to ``worker``."""
+        if worker not in self._count:
+            return []
+        return [r for r, p in self._pending.items() if p.worker == worker and p.prefill_tokens]
+
     def prefill_tokens(self, worker: WorkerKey) -> int:
         return self._prefill.get(worker, 0)
 

@@ -59,6 +59,10 @@ class TenantPending:
     def usage(self, tenant: str) -> Usage:
         return self._sums.get(tenant, Usage())
 
+    def tenant_of(self, request_id: str) -> str | None:
+        p = self._pending.get(request_id)
+        return p.tenant if p is not None else None
+
     def tenants(self) -> list[str]:
         """Tenants with admissions pending here."""
         return list(self._sums)

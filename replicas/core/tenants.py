@@ -229,6 +229,22 @@ class TenantBook:
         hi = bisect.bisect_left(window, (ts, ""))
         return sum(self._charges[b].tokens for _, b in window[lo:hi])
 
+    def recent(self, since: float) -> set[str]:
+        """Tenants with an admission at ``since`` or later (event time) or a request in flight
+        (as applied): the ones that take part in sharing now (``tenant_headroom.py``)."""
+        return {*(t for t, w in self._window.items() if w[-1][0] >= since), *self._concurrent}
+
+    def last_admission(self, tenant: str) -> float | None:
+        """The ts of the tenant's newest admission in the window; None: none."""
+        window = self._window.get(tenant)
+        return window[-1][0] if window else None
+
+    def tenant_of(self, request_id: str) -> str | None:
+        """The tenant of a hop in flight (as applied); None: unknown or ended."""
+        base = self._hops.get(request_id)
+        opened = self._open.get(base) if base is not None else None
+        return opened[0] if opened is not None else None
+
     def active(self) -> list[str]:
         """Tenants with admissions in the window or requests in flight (as applied)."""
         return list({*self._window, *self._concurrent})

@@ -8,6 +8,7 @@ from eventlog.connect import NatsOptions
 from replicas.core.queue import QueuePolicy
 from replicas.core.selection import BusyThresholds, RoutingConfig
 from replicas.core.state import StateConfig
+from replicas.core.tenant_headroom import DEFAULT_HEADROOM
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,10 @@ class ReplicaConfig:
     # Tenants are configured: the router queue serves them by weighted fair share
     # (replicas/core/fair_queue.py) instead of the policy alone.
     tenant_fair_queue: bool = False
+    # With the fair queue: the most of the engines (a fraction, at least one when above 0) an
+    # over-share tenant leaves free for active tenants under their share
+    # (replicas/core/tenant_headroom.py); 0: nothing held.
+    tenant_headroom: float = DEFAULT_HEADROOM
     # Recorded on each decision this replica routes, so every replica accounts that request
     # alike (replicas/core/load.py): output blocks tracked, prefill load model.
     track_output_blocks: bool = False

@@ -34,7 +34,7 @@ from replicas.core.candidates import (
     request_hashes,
     served_models,
 )
-from replicas.core.fair_queue import FairQueue, newcomer_lifts
+from replicas.core.fair_queue import FairQueue
 from replicas.core.index import WorkerKey
 from replicas.core.overlay import Overlay, pending_decision
 from replicas.core.queue import RequestQueue, should_queue
@@ -44,6 +44,7 @@ from replicas.core.selection import BusyThresholds, Candidate, Decision, Overloa
 from replicas.core.sticky import SessionRequest, StickyOverlay, session_events, sticky_target
 from replicas.core.stored_responses import Lookup, response_target
 from replicas.core.tenant_admission import TenantPending, Verdict, admit
+from replicas.core.tenant_headroom import NO_HEADROOM
 from replicas.runtime.background import Background
 from replicas.runtime.config import ReplicaConfig
 from replicas.runtime.decision_log import (
@@ -54,6 +55,7 @@ from replicas.runtime.decision_log import (
 )
 from replicas.runtime.log_outage import LogOutage, LogUnavailable
 from replicas.runtime.port import ReplicaPort
+from replicas.runtime.tenant_shares import TenantShares
 
 log = logging.getLogger("jetrouter.replica")
 
@@ -146,8 +148,11 @@ class Dispatcher:
         # Set when the load may have dropped (a router or control event applied): the queue
         # dispatcher re-judges then.
         self.load_changed = asyncio.Event()
+        # Counters, lifts and headroom of tenants (replicas/runtime/tenant_shares.py).
+        self.shares = TenantShares(port, self.tenant_pending, self.overlay, self._queued_tokens,
+                                   config.tenant_headroom if config.tenant_fair_queue else 0.0)
         self._queue: RequestQueue[_Queued] | FairQueue[_Queued] = (
-            FairQueue(config.queue_policy, self._tenant_service, self._tenant_lifts)
+            FairQueue(config.queue_policy, self.shares.service, self.shares.lifts)
             if config.tenant_fair_queue
             else RequestQueue(config.queue_policy))
         # With tenants, releases take turns between replicas (replicas/core/release_turns.py):
@@ -331,7 +336,7 @@ class Dispatcher:
         else:
             if req.session is not None:
                 await self._catch_up_router()
-            routed = self._prepare(req)
+            routed = self._prepare_into(req, self._held_from(req))
         port = self.port
         if self.outage.degraded(time.monotonic()):
             # The log cannot take it: serve on the overlay's count alone (released when the
@@ -462,7 +467,23 @@ class Dispatcher:
         if len(self._queue):
             return True  # keep arrival order: nobody overtakes the queue
         cands = self.candidates(req.model, ())
-        return bool(cands) and should_queue(cands, threshold)
+        if not cands or should_queue(cands, threshold) or not self.shares.fraction:
+            return bool(cands) and should_queue(cands, threshold)
+        # An over-share tenant waits while every open engine is held for the others.
+        return {c.worker[0] for c in cands if c.active_prefill_tokens
+                <= threshold * c.max_num_batched_tokens} <= self._held_from(req)
+
+    def _held_from(self, req: RouteRequest) -> frozenset[str]:
+        """The engines a request routed without queueing may not go to: those held for
+        tenants under their share, when it is over its own (none without headroom)."""
+        threshold = self.config.queue_threshold
+        if threshold is None or not self.shares.fraction:
+            return frozenset()
+        room = self.shares.headroom(self.candidates(req.model, ()), threshold)
+        return room.held if req.tenant not in room.under else frozenset()
+
+    def _queued_tokens(self, tenant: str) -> int:
+        return self._queue.queued_tokens(tenant) if isinstance(self._queue, FairQueue) else 0
 
     def _enqueue(self, item: _Queued) -> None:
         req = item[0]
@@ -474,40 +495,12 @@ class Dispatcher:
             self._queue.push(item, arrival=time.monotonic(), priority_jump=req.latency_sensitivity,
                              uncached_isl_tokens=len(req.token_ids))
 
-    def _tenant_weight(self, tenant: str) -> float:
-        limits = self.port.state.tenants.limits.get(tenant)
-        return limits.weight if limits is not None else 1.0
-
-    def _tenant_service(self, tenant: str) -> float:
-        """Service ``tenant`` has received, per unit of weight, for the fair queue: its tokens
-        in the last minute fleet-wide (the replicated book) plus what this replica admitted
-        and the stream has not brought back, less what of that still waits in the queue."""
-        book = self.port.state.tenants
-        tokens = book.usage(tenant, time.time()).tokens + self.tenant_pending.usage(tenant).tokens
-        if isinstance(self._queue, FairQueue):
-            tokens -= self._queue.queued_tokens(tenant)
-        return tokens / self._tenant_weight(tenant)
-
-    def _tenant_lifts(self) -> dict[str, float]:
-        """The fair queue's lifts of newcomers (``newcomer_lifts``). A tenant arrives with its
-        first admission in the window, fleet-wide or pending here (a newcomer may be known
-        only here yet); what the others were served before is the replicated book's alone
-        (requests still waiting here are not service, and every replica reads the same)."""
-        book, pending, now = self.port.state.tenants, self.tenant_pending, time.time()
-        firsts: dict[str, float] = {}
-        for tenant in {*book.active(), *pending.tenants()}:
-            seen = [ts for ts in (book.first_admission(tenant, now),
-                                  pending.first_admission(tenant)) if ts is not None]
-            if seen:
-                firsts[tenant] = min(seen)
-        return newcomer_lifts(firsts, lambda tenant, ts: book.tokens_before(tenant, ts, now)
-                              / self._tenant_weight(tenant))
-
     async def _dispatch_queue(self) -> None:
         """Release queued requests in policy order while some worker has capacity. The decision
         is made here, synchronously, so each release already counts in the load the next
         release is judged by. With tenants, only into openings that are this replica's turn
-        (``_openings``); the loop wakes up when another one's grace runs out."""
+        (``_openings``) and that the tenant may take (``_next_fair``: headroom); the loop
+        wakes up when another one's grace runs out, or a held opening may be released."""
         threshold = self.config.queue_threshold
         wake: float | None = None
         while True:
@@ -523,16 +516,20 @@ class Dispatcher:
             while len(self._queue):
                 state = self.port.state
                 cands = [c for m in served_models(state) for c in self.candidates(m, ())]
-                mine = not_mine = frozenset[str]()
+                mine = frozenset[str]()
                 if self._turns:
                     # Every pass, so that an opening that closed is forgotten before the next.
                     mine, wake = self._openings(cands, threshold)
-                    not_mine = frozenset(c.worker[0] for c in cands) - mine
                 if cands and should_queue(cands, threshold):
                     break
-                if self._turns and not mine:
-                    break
-                item = self._queue.pop()
+                not_mine = frozenset[str]()
+                if isinstance(self._queue, FairQueue):
+                    item, not_mine, recheck = self._next_fair(self._queue, cands, threshold,
+                                                              mine)
+                    if recheck is not None:
+                        wake = recheck if wake is None else min(wake, recheck)
+                else:
+                    item = self._queue.pop()
                 if item is None:
                     break
                 req, fut = item
@@ -544,6 +541,22 @@ class Dispatcher:
                     fut.set_exception(exc)
             if not self._queue:
                 self._free_since.clear()  # nothing waits for the openings seen so far
+
+    def _next_fair(self, queue: FairQueue[_Queued], cands: Sequence[Candidate],
+                   threshold: float, mine: frozenset[str]
+                   ) -> tuple[_Queued | None, frozenset[str], float | None]:
+        """The next request the fair queue releases into an opening of this replica's, the
+        engines it may not go to, and (when nothing goes because openings are held) seconds
+        until the headroom may lapse by itself."""
+        everyone = frozenset(c.worker[0] for c in cands)
+        room = self.shares.headroom(cands, threshold)
+        if room is NO_HEADROOM:
+            return (queue.pop() if mine else None), everyone - mine, None
+        item = queue.pop(lambda tenant: bool(room.engines_for(tenant, mine)))
+        if item is None:
+            recheck = room.recheck_at
+            return None, everyone, None if recheck is None else max(recheck - time.time(), 0.0)
+        return item, everyone - room.engines_for(item[0].tenant, mine), None
 
     def _openings(self, cands: Sequence[Candidate], threshold: float
                   ) -> tuple[frozenset[str], float | None]:

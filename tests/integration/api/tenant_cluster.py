@@ -19,14 +19,16 @@ from tests.waiting import until
 
 @asynccontextmanager
 async def queued_tenant_cluster(data: Path, namespace: str, keys: dict[str, str], *,
-                                replicas: int, prefill_ms_per_token: float
+                                replicas: int, prefill_ms_per_token: float, workers: int = 1
                                 ) -> AsyncIterator[LocalCluster]:
-    """``replicas`` replicas and one engine at ``prefill_ms_per_token`` (a linear perf model);
-    ``keys``: API key -> tenant. A queue threshold of 1e-4 of the engine's batch: while any
-    prompt is being computed, every other request waits in its replica's queue."""
+    """``replicas`` replicas and ``workers`` engines at ``prefill_ms_per_token`` (a linear perf
+    model); ``keys``: API key -> tenant. A queue threshold of 1e-4 of an engine's batch: while
+    a prompt is being computed on every engine, other requests wait in their replica's
+    queue."""
     keys_file = data / "keys.yaml"
     keys_file.write_text("".join(f"{key}: {tenant}\n" for key, tenant in keys.items()))
-    async with LocalCluster(replicas=replicas, workers=1, data_dir=data, namespace=namespace,
+    async with LocalCluster(replicas=replicas, workers=workers, data_dir=data,
+                            namespace=namespace,
                             router_args=["--api-keys-file", str(keys_file),
                                          "--router-queue-threshold", "0.0001"],
                             worker_args=["--perf-model", "linear", "--prefill-ms-per-token",
@@ -35,7 +37,7 @@ async def queued_tenant_cluster(data: Path, namespace: str, keys: dict[str, str]
             for url in c.router_urls:
                 await until(lambda u=url: h.get(
                     f"{u}/admin/workers", headers={"authorization": f"Bearer {c.admin_token}"}),
-                    lambda r: len(r.json()["workers"]) == 1)
+                    lambda r: len(r.json()["workers"]) == workers)
         yield c
 
 

@@ -194,10 +194,12 @@ def test_up_forwards_what_the_registry_says() -> None:
 def test_up_forwards_the_tenant_flags_to_its_replicas() -> None:
     args = build_parser(["up"]).parse_args(["up", "--api-keys-file", "/k.yaml", "--tenant-header",
                                             "x-tenant-id", "--no-tenant-fair-queue",
-                                            "--router-queue-threshold", "0.5"])
+                                            "--router-queue-threshold", "0.5",
+                                            "--tenant-headroom", "0.25"])
     router, worker = up.forwarded_args(args)
     assert router == ["--api-keys-file=/k.yaml", "--tenant-header=x-tenant-id",
-                      "--router-queue-threshold=0.5", "--no-tenant-fair-queue"]
+                      "--router-queue-threshold=0.5", "--no-tenant-fair-queue",
+                      "--tenant-headroom=0.25"]
     assert worker == []
 
 
