@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from replicas.core import index_kernel
 from replicas.core.index_common import U64, popcount
 
 _WAYS = 8  # cells per bucket: one 64-byte cache line of keys
@@ -294,7 +295,15 @@ class U64Table:
         """Bulk load into an empty table (a restore, or a table that doubled): every key to
         its first bucket, ranked within it by one sort, the overflow likewise to its second
         bucket after what the first pass put there; returns the few keys left for ``_place``.
-        No occupancy is read, so this is a few passes over the keys whatever their number."""
+        No occupancy is read, so this is a few passes over the keys whatever their number. The
+        sorts are stable, so the compiled kernel's one pass per bucket choice places every key
+        in the same cell."""
+        kernel = index_kernel.active()
+        if kernel is not None:
+            rest = np.array(kernel.fill_empty(self, np.ascontiguousarray(keys, dtype=U64),
+                                              np.ascontiguousarray(vals, dtype=self.dtype)),
+                            dtype=np.int64)
+            return keys.take(rest), vals.take(rest)
         b1, b2 = self._homes(keys)
         fill = np.zeros(self.mask + 1, dtype=np.int64)
         flat_keys, flat_vals, flat_occ = (self.keys.reshape(-1), self.vals.reshape(-1),
@@ -304,7 +313,7 @@ class U64Table:
             m = len(keys)
             if not m:
                 break
-            order = np.argsort(home)
+            order = np.argsort(home, kind="stable")
             sb = home.take(order)
             first = np.empty(m, dtype=bool)
             first[0] = True
