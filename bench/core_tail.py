@@ -12,7 +12,10 @@ blocks — applied to copies of that index (restored from its snapshot) three wa
   ``RUN_EVENTS`` (the follower's catch-up path, per-event checks included).
 
 Each figure is CPU time (``process_time``) per event and blocks per second; the digests of the
-three copies must be equal. Nothing is asserted: figures are printed, one JSON object.
+three copies must be equal. ``--kernel`` picks the index's code: ``compiled`` (its C kernel,
+``replicas/core/_fastindex.c``, when built), ``python`` (the reference code), or ``both``, one
+after the other in one process on the same tail (figures under ``python`` and ``compiled``).
+Nothing is asserted: figures are printed, one JSON object.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 from eventlog import events as ev
 from eventlog.names import KV
+from replicas.core import index_kernel
 from replicas.core.index import PrefixIndex
 from replicas.core.index_run import REMOVE, STORE, KvOp
 from replicas.core.state import RouterState, StateConfig
@@ -107,12 +111,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base.apply_run(fill)
     plain = base.to_plain()
     events = tail(held, args.events, args.event_blocks, args.seed)
+    figures: dict[str, Any] = {"workers": args.workers, "pairs": base.total_blocks,
+                               "events": len(events), "event_blocks": args.event_blocks,
+                               "kernel_built": index_kernel.available(),
+                               "loadavg_1m_start": os.getloadavg()[0]}
+    kernels = ["python", "compiled"] if args.kernel == "both" else [args.kernel]
+    was = index_kernel.active() is not None
+    try:
+        for kernel in kernels:
+            index_kernel.use_compiled(kernel == "compiled")
+            figures[kernel] = time_tail(plain, events)
+    finally:
+        index_kernel.use_compiled(was)
+    figures["loadavg_1m_end"] = os.getloadavg()[0]
+    return figures
+
+
+def time_tail(plain: dict[str, object], events: list[ev.Event]) -> dict[str, Any]:
     ops = as_ops(events)
     blocks = sum(len(e.blocks) if isinstance(e, ev.BlocksStored) else len(e.block_hashes)
                  for e in events)
-    figures: dict[str, Any] = {"workers": args.workers, "pairs": base.total_blocks,
-                               "events": len(events), "tail_blocks": blocks}
-
+    figures: dict[str, Any] = {"tail_blocks": blocks}
     one = PrefixIndex.from_plain(plain)
 
     def one_by_one() -> None:
@@ -142,7 +161,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         figures[f"{name}_us_per_event"] = round(seconds / len(events) * 1e6, 2)
         figures[f"{name}_blocks_per_s"] = round(blocks / seconds)
     figures["digests_equal"] = one.digest == runs.digest == state.index.digest
-    figures["loadavg_1m"] = os.getloadavg()[0]
+    figures["digest"] = one.digest
     return figures
 
 
@@ -153,6 +172,7 @@ def main() -> None:
     p.add_argument("--events", type=int, default=100_000)
     p.add_argument("--event-blocks", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kernel", choices=["compiled", "python", "both"], default="both")
     print(json.dumps(run(p.parse_args())))
 
 
