@@ -979,11 +979,118 @@ done:
     return out;
 }
 
+/* --- a new table's empty cells, and a table's occupied ones (U64Table._alloc, items) ---------- */
+
+static int writable_u64(PyObject *obj, Py_buffer *view, Py_ssize_t count)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
+        return -1;
+    if (view->itemsize != 8 || view->len != count * 8) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "expected a u64 array of another size");
+        return -1;
+    }
+    return 0;
+}
+
+/* sentinels(empty, keys, mask, s1, s2): each bucket's sentinel into empty[bucket] and into the
+ * bucket's 8 cells of keys, as U64Table._sentinels and the repeat after it compute them. */
+static PyObject *sentinels(PyObject *self, PyObject *args)
+{
+    PyObject *empty_obj, *keys_obj;
+    unsigned long long mask;
+    int s1, s2;
+    if (!PyArg_ParseTuple(args, "OOKii:sentinels", &empty_obj, &keys_obj, &mask, &s1, &s2))
+        return NULL;
+    Py_ssize_t buckets = (Py_ssize_t)mask + 1;
+    Py_buffer eb, kb;
+    if (s1 < 0 || s1 > 63 || s2 < 0 || s2 > 63 || writable_u64(empty_obj, &eb, buckets) < 0)
+        return s1 < 0 || s1 > 63 || s2 < 0 || s2 > 63
+               ? (PyErr_SetString(PyExc_ValueError, "sentinels: shifts out of range"), NULL)
+               : NULL;
+    if (writable_u64(keys_obj, &kb, buckets * WAYS) < 0) {
+        PyBuffer_Release(&eb);
+        return NULL;
+    }
+    Table t;
+    t.mask = (uint64_t)mask;
+    t.s1 = s1;
+    t.s2 = s2;
+    uint64_t *empty = eb.buf, *keys = kb.buf;
+    for (Py_ssize_t b = 0; b < buckets; b++) {
+        uint64_t key = sentinel(&t, (uint64_t)b);
+        empty[b] = key;
+        for (int w = 0; w < WAYS; w++)
+            keys[b * WAYS + w] = key;
+    }
+    PyBuffer_Release(&eb);
+    PyBuffer_Release(&kb);
+    Py_RETURN_NONE;
+}
+
+/* occupied(table, keys, vals): the occupied cells' keys and values, in cell order, into arrays
+ * of as many (U64Table.items; the caller counted the cells). */
+static PyObject *occupied(PyObject *self, PyObject *args)
+{
+    PyObject *obj, *keys_obj, *vals_obj;
+    if (!PyArg_ParseTuple(args, "OOO:occupied", &obj, &keys_obj, &vals_obj))
+        return NULL;
+    Table t;
+    Py_buffer kb, vb;
+    PyObject *mv = PyObject_GetAttr(obj, a_mv);
+    if (mv == NULL)
+        return NULL;
+    int wide = PyMemoryView_Check(mv) && PyMemoryView_GET_BUFFER(mv)->itemsize == 8;
+    Py_DECREF(mv);
+    if (load_table(obj, &t, wide) < 0)
+        return NULL;
+    Py_ssize_t count = PyObject_Length(keys_obj);
+    if (count < 0 || writable_u64(keys_obj, &kb, count) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(vals_obj, &vb, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&kb);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (vb.itemsize != (wide ? 8 : 4) || vb.len != count * vb.itemsize) {
+        PyErr_SetString(PyExc_ValueError, "occupied: values of another type or size");
+        goto done;
+    }
+    uint64_t *keys = kb.buf;
+    Py_ssize_t n = 0;
+    for (Py_ssize_t cell = 0; cell < t.cells; cell++) {
+        if (!t.occ[cell])
+            continue;
+        if (n == count) {
+            n++;
+            break;
+        }
+        keys[n] = t.keys[cell];
+        if (wide)
+            ((uint64_t *)vb.buf)[n] = ((uint64_t *)t.vals)[cell];
+        else
+            ((int32_t *)vb.buf)[n] = ((int32_t *)t.vals)[cell];
+        n++;
+    }
+    if (n != count)
+        PyErr_SetString(PyExc_ValueError, "occupied: not as many occupied cells");
+    else
+        result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&kb);
+    PyBuffer_Release(&vb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"apply_ops", apply_ops, METH_VARARGS,
      "apply_ops(index, ops, start) -> results of ops[start:k]; ops[k] is Python's to apply"},
     {"fill_empty", fill_empty, METH_VARARGS,
      "fill_empty(table, keys, vals) -> positions of the keys left for U64Table._place"},
+    {"sentinels", sentinels, METH_VARARGS,
+     "sentinels(empty, keys, mask, s1, s2): a new table's empty keys"},
+    {"occupied", occupied, METH_VARARGS,
+     "occupied(table, keys, vals): the occupied cells' keys and values, in cell order"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -73,8 +73,14 @@ class U64Table:
         self._shift2 = np.uint64(64 - 2 * bits)
         self._s1, self._s2 = 64 - bits, 64 - 2 * bits  # the same, as Python ints
         self._limit = int(_MAX_LOAD * buckets * _WAYS)
-        self._empty = self._sentinels(np.arange(buckets, dtype=np.int64))
-        self.keys = np.repeat(self._empty[:, None], _WAYS, axis=1)
+        kernel = index_kernel.active()
+        if kernel is not None:  # the same keys in one pass (doubling a large table is mostly this)
+            self._empty = np.empty(buckets, dtype=U64)
+            self.keys = np.empty((buckets, _WAYS), dtype=U64)
+            kernel.sentinels(self._empty, self.keys, self.mask, self._s1, self._s2)
+        else:
+            self._empty = self._sentinels(np.arange(buckets, dtype=np.int64))
+            self.keys = np.repeat(self._empty[:, None], _WAYS, axis=1)
         self.vals = np.zeros((buckets, _WAYS), dtype=self.dtype)
         self.occ = np.zeros((buckets, _WAYS), dtype=bool)
         self._bits = bits
@@ -129,6 +135,12 @@ class U64Table:
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """Copies of every (key, value), in cell order."""
+        kernel = index_kernel.active()
+        if kernel is not None:  # (the size lags the cells inside ``insert``: count them)
+            n = int(np.count_nonzero(self.occ))
+            keys, vals = np.empty(n, dtype=U64), np.empty(n, dtype=self.dtype)
+            kernel.occupied(self, keys, vals)
+            return keys, vals
         return self.keys[self.occ], self.vals[self.occ]
 
     # --- one key at a time (events of a few blocks: a numpy call costs more than this) -------
