@@ -20,5 +20,9 @@ setup(ext_modules=[
     ),
     # The compact prefix index's KV-event apply (replicas/core/index_kernel.py); plain C over
     # the index's arrays through the buffer protocol, no numpy headers needed to build it.
-    Extension("replicas.core._fastindex", sources=["replicas/core/_fastindex.c"], optional=True),
+    Extension("replicas.core._fastindex",
+              sources=["replicas/core/_fastindex.c", "replicas/core/_fastindex_state.c",
+                       "replicas/core/_fastindex_table.c"],
+              depends=["replicas/core/_fastindex.h", "replicas/core/_fastindex_state.h"],
+              optional=True),
 ])
