@@ -1,17 +1,28 @@
-"""The one compiled piece: prompt hashing (``eventlog/_fasthash.c``, design.md §4).
+"""The compiled pieces: prompt hashing (``eventlog/_fasthash.c``, design.md §4) and the compact
+prefix index's KV-event apply (``replicas/core/_fastindex.c``).
 
-Everything else is in pyproject.toml. The extension is optional: where it does not build (no C
-compiler), the install still succeeds and ``eventlog.hashing`` runs its pure-Python code, which is
-the reference implementation the compiled one is tested against.
+Everything else is in pyproject.toml. Both extensions are optional and need nothing beyond the
+Python headers (no numpy headers, no sources fetched from elsewhere): where one does not build
+(no C compiler), the install still succeeds and its Python code runs, which is the reference
+implementation the compiled one is tested against.
 """
 
 import sys
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension(
-    "eventlog._fasthash",
-    sources=["eventlog/_fasthash.c"],
-    libraries=["dl"] if sys.platform.startswith("linux") else [],
-    optional=True,
-)])
+setup(ext_modules=[
+    Extension(
+        "eventlog._fasthash",
+        sources=["eventlog/_fasthash.c"],
+        libraries=["dl"] if sys.platform.startswith("linux") else [],
+        optional=True,
+    ),
+    # The compact prefix index's KV-event apply (replicas/core/index_kernel.py); plain C over
+    # the index's arrays through the buffer protocol, no numpy headers needed to build it.
+    Extension("replicas.core._fastindex",
+              sources=["replicas/core/_fastindex.c", "replicas/core/_fastindex_state.c",
+                       "replicas/core/_fastindex_table.c"],
+              depends=["replicas/core/_fastindex.h", "replicas/core/_fastindex_state.h"],
+              optional=True),
+])

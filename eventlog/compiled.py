@@ -38,8 +38,15 @@ def _bind() -> bool:
 DIRECT_XXH3 = _bind()
 """The compiled module calls xxhash's C function directly (else its Python function)."""
 
-_active: ModuleType | None = (
-    _fasthash if os.environ.get(PURE_ENV, "") in ("", "0") else None)
+
+
+def pure_requested() -> bool:
+    """``JETROUTER_PURE_PYTHON`` asks for the Python code (the prefix index's compiled kernel,
+    ``replicas/core/index_kernel.py``, follows it too)."""
+    return os.environ.get(PURE_ENV, "") not in ("", "0")
+
+
+_active: ModuleType | None = None if pure_requested() else _fasthash
 
 
 def available() -> bool:

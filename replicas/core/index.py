@@ -35,7 +35,7 @@ from itertools import chain, repeat
 import numpy as np
 
 from eventlog.hashing import CHAIN_MULTIPLIER, MASK64
-from replicas.core import index_arrays, index_run
+from replicas.core import index_arrays, index_kernel, index_run
 from replicas.core.index_approx import ApproximateMode
 from replicas.core.index_codec import read_expiry, read_plain
 from replicas.core.index_common import (
@@ -50,7 +50,7 @@ from replicas.core.index_common import (
     worker_weight,
 )
 from replicas.core.index_holders import NodeHolders
-from replicas.core.index_run import KvOp, RunResult
+from replicas.core.index_run import REMOVE, STORE, KvOp, RunResult
 from replicas.core.index_table import U64Table
 
 __all__ = ["OverlapScores", "PrefixIndex", "WorkerKey"]
@@ -247,6 +247,24 @@ class PrefixIndex(ApproximateMode):
         blocks: Sequence[tuple[int, int]],
     ) -> str:
         """Apply a BlocksStored: ``blocks`` are ``(block_hash, tokens_hash)`` in chain order."""
+        kernel = index_kernel.active()
+        if kernel is None or self.approximate:
+            return self._store_python(worker, parent_block_hash, blocks)
+        self._sizes_changed()
+        done = kernel.apply_ops(self, [(STORE, worker, parent_block_hash, blocks)], 0)
+        if not done:  # a number the kernel does not take on: Python's error or result
+            return self._store_python(worker, parent_block_hash, blocks)
+        status: str = done[0]
+        self._count("stored", status)
+        return status
+
+    def _python_op(self, op: KvOp) -> RunResult:
+        kind, worker, a, b = op
+        return self._store_python(worker, a, b) if kind == STORE else self._remove_python(worker, a)
+
+    def _store_python(self, worker: WorkerKey, parent_block_hash: int | None,
+                      blocks: Sequence[tuple[int, int]]) -> str:
+        """``store`` in Python: the reference the compiled kernel (``_fastindex.c``) follows."""
         if parent_block_hash is None:
             slot = self._slot_for(worker)
             parent = 0  # chain_hash(0, t) == t: a root block's sequence hash is its tokens_hash
@@ -290,6 +308,21 @@ class PrefixIndex(ApproximateMode):
 
     def remove(self, worker: WorkerKey, block_hashes: Sequence[int]) -> int:
         """Apply a BlocksRemoved; returns how many block hashes were unknown (the rest apply)."""
+        kernel = index_kernel.active()
+        if kernel is None or self.approximate:
+            return self._remove_python(worker, block_hashes)
+        self._sizes_changed()
+        done = kernel.apply_ops(self, [(REMOVE, worker, block_hashes, None)], 0)
+        if not done:
+            return self._remove_python(worker, block_hashes)
+        unknown: int = done[0]
+        self._count("removed", "ok")
+        if unknown:
+            self._count("removed", "block_not_found", unknown)
+        return unknown
+
+    def _remove_python(self, worker: WorkerKey, block_hashes: Sequence[int]) -> int:
+        """``remove`` in Python (the kernel's reference)."""
         slot = self._slots.get(worker)
         if slot is None:
             unknown = len(block_hashes)
@@ -323,7 +356,11 @@ class PrefixIndex(ApproximateMode):
 
     def apply_run(self, ops: Sequence[KvOp]) -> list[RunResult]:
         """Stores and removals (``index_run.KvOp``) in order, as one change to the tables: the
-        result of applying them one by one, each op's status or unknown count included."""
+        result of applying them one by one, each op's status or unknown count included. With
+        the compiled kernel, one by one is what it does, without a Python call per block."""
+        kernel = index_kernel.active()
+        if kernel is not None and not self.approximate:
+            return index_run.apply_compiled(kernel, self, ops, self._python_op)
         return index_run.apply_run(self, ops)
 
     def _clear_slot(self, slot: int) -> None:

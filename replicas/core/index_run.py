@@ -23,7 +23,8 @@ events one by one give (``tests/unit/replicas/core/test_index_run.py`` checks al
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any, Protocol
 
 import numpy as np
@@ -72,6 +73,37 @@ class PrefixIndex(Protocol):
 _FEW_KEYS = 12
 _SALT = np.uint64(0x5BD1E9955BD1E995)  # index_common.DIGEST_SALT
 _TWO, _ONE = np.uint64(2), np.uint64(1)
+
+
+def apply_compiled(kernel: ModuleType, index: PrefixIndex, ops: Sequence[KvOp],
+                   python_op: Callable[[KvOp], RunResult]) -> list[RunResult]:
+    """The ops one by one through the compiled kernel (``_fastindex.c``, ``index_kernel.py``),
+    the rare op it does not take on (a number outside ``u64``, another event shape) through
+    ``python_op``; each op's result, counted as ``store``/``remove`` count it."""
+    index._sizes_changed()
+    results: list[RunResult] = []
+    n = len(ops)
+    stored = lost = removed = unknown = 0
+    while True:
+        done = kernel.apply_ops(index, ops, len(results))
+        for result in done:
+            if result.__class__ is int:
+                removed += 1
+                unknown += result
+            elif result == "ok":
+                stored += 1
+            else:
+                lost += 1
+        results.extend(done)
+        if len(results) >= n:
+            break
+        results.append(python_op(ops[len(results)]))  # counted by the Python code
+    counters = index.counters
+    for key, count in ((("stored", "ok"), stored), (("stored", "parent_block_not_found"), lost),
+                       (("removed", "ok"), removed), (("removed", "block_not_found"), unknown)):
+        if count:
+            counters[key] = counters.get(key, 0) + count
+    return results
 
 
 def apply_one(index: PrefixIndex, op: KvOp) -> RunResult:

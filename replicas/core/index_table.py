@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from replicas.core import index_kernel
 from replicas.core.index_common import U64, popcount
 
 _WAYS = 8  # cells per bucket: one 64-byte cache line of keys
@@ -72,8 +73,14 @@ class U64Table:
         self._shift2 = np.uint64(64 - 2 * bits)
         self._s1, self._s2 = 64 - bits, 64 - 2 * bits  # the same, as Python ints
         self._limit = int(_MAX_LOAD * buckets * _WAYS)
-        self._empty = self._sentinels(np.arange(buckets, dtype=np.int64))
-        self.keys = np.repeat(self._empty[:, None], _WAYS, axis=1)
+        kernel = index_kernel.active()
+        if kernel is not None:  # the same keys in one pass (doubling a large table is mostly this)
+            self._empty = np.empty(buckets, dtype=U64)
+            self.keys = np.empty((buckets, _WAYS), dtype=U64)
+            kernel.sentinels(self._empty, self.keys, self.mask, self._s1, self._s2)
+        else:
+            self._empty = self._sentinels(np.arange(buckets, dtype=np.int64))
+            self.keys = np.repeat(self._empty[:, None], _WAYS, axis=1)
         self.vals = np.zeros((buckets, _WAYS), dtype=self.dtype)
         self.occ = np.zeros((buckets, _WAYS), dtype=bool)
         self._bits = bits
@@ -128,6 +135,12 @@ class U64Table:
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """Copies of every (key, value), in cell order."""
+        kernel = index_kernel.active()
+        if kernel is not None:  # (the size lags the cells inside ``insert``: count them)
+            n = int(np.count_nonzero(self.occ))
+            keys, vals = np.empty(n, dtype=U64), np.empty(n, dtype=self.dtype)
+            kernel.occupied(self, keys, vals)
+            return keys, vals
         return self.keys[self.occ], self.vals[self.occ]
 
     # --- one key at a time (events of a few blocks: a numpy call costs more than this) -------
@@ -294,7 +307,15 @@ class U64Table:
         """Bulk load into an empty table (a restore, or a table that doubled): every key to
         its first bucket, ranked within it by one sort, the overflow likewise to its second
         bucket after what the first pass put there; returns the few keys left for ``_place``.
-        No occupancy is read, so this is a few passes over the keys whatever their number."""
+        No occupancy is read, so this is a few passes over the keys whatever their number. The
+        sorts are stable, so the compiled kernel's one pass per bucket choice places every key
+        in the same cell."""
+        kernel = index_kernel.active()
+        if kernel is not None:
+            rest = np.array(kernel.fill_empty(self, np.ascontiguousarray(keys, dtype=U64),
+                                              np.ascontiguousarray(vals, dtype=self.dtype)),
+                            dtype=np.int64)
+            return keys.take(rest), vals.take(rest)
         b1, b2 = self._homes(keys)
         fill = np.zeros(self.mask + 1, dtype=np.int64)
         flat_keys, flat_vals, flat_occ = (self.keys.reshape(-1), self.vals.reshape(-1),
@@ -304,7 +325,7 @@ class U64Table:
             m = len(keys)
             if not m:
                 break
-            order = np.argsort(home)
+            order = np.argsort(home, kind="stable")
             sb = home.take(order)
             first = np.empty(m, dtype=bool)
             first[0] = True

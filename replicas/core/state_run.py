@@ -19,12 +19,15 @@ message. Statuses are counted as ``apply`` counts them. Pure: no I/O, clock or r
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from eventlog import events as ev
 from eventlog.names import KV
 from replicas.core.index_run import REMOVE, STORE, KvOp, RunResult
+
+_STORED = ev.BlocksStored.__name__
 
 
 class _Config(Protocol):
@@ -120,13 +123,14 @@ def apply_many(state: RouterState, stream: str,
 
 
 def _flush(state: RouterState, run: list[KvOp], kinds: list[str]) -> None:
-    """Apply the run to the index and count each op's status as ``apply`` would."""
+    """Apply the run to the index and count each op's status as ``apply`` would (tallied first:
+    a count per op costs more than the compiled index's apply of a small event)."""
     bump = state.stats.bump
-    for (kind, _, _, _), name, result in zip(run, kinds, state.index.apply_run(run),
-                                            strict=True):
-        if kind == STORE:
-            bump(KV, name, result)  # type: ignore[arg-type]
-        else:
-            bump(KV, name, "block_not_found" if result else "ok")
+    tally = Counter(zip(kinds, state.index.apply_run(run), strict=True))
+    for (name, result), n in tally.items():
+        if name == _STORED:
+            bump(KV, name, result, n)  # type: ignore[arg-type]
+        else:  # a removal's result: how many of its ids were unknown
+            bump(KV, name, "block_not_found" if result else "ok", n)
     run.clear()
     kinds.clear()

@@ -5,6 +5,7 @@ either form writes restores into the compact form with the same answers."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +15,9 @@ from replicas.core.index import PrefixIndex
 from replicas.core.index_common import WorkerKey
 
 Index = PrefixIndex | index_reference.PrefixIndex
+
+# every test twice: the index's Python code, then its compiled kernel (conftest.py)
+pytestmark = pytest.mark.usefixtures("each_index_kernel")
 
 
 class ArraysAlways(PrefixIndex):

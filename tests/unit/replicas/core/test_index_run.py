@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,6 +28,9 @@ from tests.unit.replicas.core.test_index_compact import (
 )
 
 Index = PrefixIndex | index_reference.PrefixIndex
+
+# every test twice: the index's Python code, then its compiled kernel (conftest.py)
+pytestmark = pytest.mark.usefixtures("each_index_kernel")
 
 
 @contextmanager

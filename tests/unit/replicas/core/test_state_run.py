@@ -15,6 +15,9 @@ from eventlog.hashing import sequence_hashes
 from eventlog.names import CONTROL, KV
 from replicas.core.state import RouterState, StateConfig
 
+# every test twice: the index's Python code, then its compiled kernel (conftest.py)
+pytestmark = pytest.mark.usefixtures("each_index_kernel")
+
 WORKERS = ["w0", "w1", "w2"]
 IDS = st.integers(min_value=0, max_value=12).map(lambda h: h * 100 + 7)
 TOKENS = st.integers(min_value=1, max_value=5)

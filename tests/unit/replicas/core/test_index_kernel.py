@@ -1,0 +1,259 @@
+"""The compact index's compiled kernel (``_fastindex.c``) against its Python code: the same state.
+
+Events of a few blocks apply block by block in both, step for step, so there the two leave the
+same arrays cell for cell (block tables, node table, bitmaps, free rows), besides the same
+results, counters, digests and answers. Longer events (the Python code applies them as arrays,
+placing keys in other cells), runs, and bulk loads of a table are checked likewise, cell
+placement aside where the Python code itself places differently. ``JETROUTER_PURE_PYTHON`` turns
+the kernel off.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eventlog import compiled
+from replicas.core import index_kernel
+from replicas.core.index import PrefixIndex
+from replicas.core.index_common import U64
+from replicas.core.index_table import U64Table
+from tests.unit.replicas.core.test_index_compact import (
+    BIG,
+    IDS,
+    KEYS,
+    MANY,
+    QUERIES,
+    TOKENS,
+    answers,
+    op_strategy,
+    through_msgpack,
+)
+from tests.unit.replicas.core.test_index_run import apply_each, apply_in_runs, inner_state
+
+pytestmark = pytest.mark.skipif(not index_kernel.available(),
+                                reason="the compiled index kernel is not built here")
+
+
+@contextmanager
+def kernel(enabled: bool) -> Iterator[None]:
+    was = index_kernel.active() is not None
+    index_kernel.use_compiled(enabled)
+    try:
+        yield
+    finally:
+        index_kernel.use_compiled(was)
+
+
+def cells(index: PrefixIndex) -> tuple[object, ...]:
+    """Every array of the index, cell for cell, and the bookkeeping beside them."""
+    tables = [index._holders.nodes, *index._blocks]
+    return (inner_state(index), [(t.keys.tolist(), t.vals.tolist(), t.occ.tolist(), t.size)
+                                 for t in tables],
+            index._holders.rows[:index._holders.rows_used].tolist(), index._holders.rows_free,
+            index._holders.rows_used, index._keys, index._free)
+
+
+Apply = Callable[[PrefixIndex, list[tuple[object, ...]]], list[object]]
+
+
+def both_ways(ops: list[tuple[object, ...]], apply: Apply = apply_each
+              ) -> tuple[PrefixIndex, PrefixIndex, list[object], list[object]]:
+    """The ops applied with the Python code (one by one) and with the kernel (``apply``)."""
+    with kernel(False):
+        python = PrefixIndex()
+        expected = apply_each(python, ops)
+    with kernel(True):
+        fast = PrefixIndex()
+        got = apply(fast, ops)
+    return python, fast, expected, got
+
+
+def check_same(ops: list[tuple[object, ...]], keys: list, extra: list[list[int]],
+               apply: Apply = apply_each, *, same_cells: bool = True) -> None:
+    python, fast, expected, got = both_ways(ops, apply)
+    assert got == expected
+    queries = [*QUERIES, *extra]
+    assert answers(fast, keys, queries) == answers(python, keys, queries)
+    if same_cells:
+        assert cells(fast) == cells(python)
+    else:
+        assert inner_state(fast) == inner_state(python)
+    # both keep applying alike after a snapshot round trip
+    with kernel(True):
+        restored = PrefixIndex.from_plain(through_msgpack(fast))
+        tail = apply_each(restored, ops[-5:])
+    with kernel(False):
+        assert tail == apply_each(python, ops[-5:])
+    assert inner_state(restored) == inner_state(python)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(op_strategy(KEYS), max_size=80))
+def test_one_by_one_leaves_the_same_cells(ops: list[tuple[object, ...]]) -> None:
+    """Colliding ids and contents, re-announced and reused ids, unknown parents, clears and
+    retirements, hashes at the top of the u64 range."""
+    check_same(ops, KEYS, [])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_runs_leave_the_same_state(data: st.DataObject) -> None:
+    ops = data.draw(st.lists(op_strategy(KEYS), max_size=80))
+    cuts = data.draw(st.lists(st.booleans(), min_size=len(ops), max_size=len(ops)))
+    check_same(ops, KEYS, [], lambda index, o: apply_in_runs(index, o, cuts))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(MANY), st.integers(1, 5), st.booleans()),
+                min_size=150, max_size=300))
+def test_bitmaps_across_words(events: list[tuple[object, int, bool]]) -> None:
+    """Many slots sharing one prefix: bitmap rows taken, grown, freed and reused, nodes back to
+    one holder, slots past 64 and 128."""
+    chain = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5)]
+    ops: list[tuple[object, ...]] = [
+        ("remove", worker, [depth], None) if drop else ("store", worker, None, chain[:depth])
+        for worker, depth, drop in events]
+    check_same(ops, MANY[:8], [[1, 2, 3, 4, 5]])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(KEYS[:2]),
+                          st.lists(st.tuples(st.one_of(IDS, BIG, st.integers(0, 10**6)),
+                                             TOKENS), min_size=20, max_size=90)),
+                min_size=1, max_size=12))
+def test_long_events(events: list[tuple[object, list[tuple[int, int]]]]) -> None:
+    """Events longer than ``small_event``: the Python code applies them as arrays (other cells),
+    the kernel block by block; tables grow in both."""
+    ops: list[tuple[object, ...]] = [("store", worker, None, blocks) for worker, blocks in events]
+    ops += [("remove", worker, [b for b, _ in blocks[::2]], None) for worker, blocks in events]
+    check_same(ops, KEYS, [], same_cells=False)
+
+
+def test_tables_grow_and_keys_move_alike() -> None:
+    """Thousands of blocks of one worker in events of a few: every table doubles several times
+    through U64Table.insert1, and cuckoo steps run, in both."""
+    rng = np.random.default_rng(7)
+    worker = KEYS[0]
+    ops: list[tuple[object, ...]] = []
+    parent = None
+    for _ in range(800):
+        blocks = [(int(b), int(t)) for b, t in zip(rng.integers(0, 2**63, 4),
+                                                     rng.integers(0, 50, 4), strict=True)]
+        ops.append(("store", worker, parent, blocks))
+        parent = blocks[-1][0]
+        if rng.random() < 0.3:
+            ops.append(("remove", worker, [blocks[0][0]], None))
+    check_same(ops, KEYS, [])
+
+
+def test_a_cuckoo_step_moves_the_same_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key whose two buckets are full moves a resident to its other bucket (the table is below
+    its load limit, so it does not double): the same resident, to the same cell."""
+    moved: list[bool] = []
+    relocate = U64Table._relocate1
+
+    def counted(table: U64Table, key: int, val: object) -> int:
+        cell = relocate(table, key, val)
+        moved.append(cell >= 0)
+        return cell
+
+    monkeypatch.setattr(U64Table, "_relocate1", counted)
+    for seed in range(500):  # 52 random ids in a fresh 64-cell table: some seeds need a step
+        rng = np.random.default_rng(seed)
+        ids = [int(x) for x in rng.integers(0, 2**63, 52)]
+        ops: list[tuple[object, ...]] = [
+            ("store", KEYS[0], None, [(b, int(t)) for b, t in zip(
+                ids[i:i + 4], rng.integers(0, 2**63, 4), strict=True)])
+            for i in range(0, 52, 4)]
+        moved.clear()
+        with kernel(False):
+            apply_each(PrefixIndex(), ops)
+        if any(moved):
+            break
+    assert any(moved)
+    check_same(ops, KEYS, [])
+    # and the kernel makes the step itself: it never hands the key to U64Table.insert1
+    handed: list[int] = []
+    insert1 = U64Table.insert1
+    monkeypatch.setattr(U64Table, "insert1",
+                        lambda table, key, val: handed.append(key) or insert1(table, key, val))
+    with kernel(True):
+        apply_each(PrefixIndex(), ops)
+    assert not handed
+
+
+def test_a_freed_bitmap_row_is_cleared_when_reused() -> None:
+    """A node back to one holder frees its row with that holder's bit still set; the next node
+    that needs a row must not inherit it."""
+    # 70 slots, so that a's bit lies in another word of the row than c's and d's
+    ops: list[tuple[object, ...]] = [("store", k, None, [(100, 100)]) for k in MANY[:70]]
+    a, b, c, d = MANY[69], MANY[0], MANY[1], MANY[2]
+    ops += [
+        ("store", a, None, [(1, 1)]), ("store", b, None, [(1, 1)]),  # node 1: a row {a, b}
+        ("remove", b, [1], None),  # back to a alone: the row is free, a's bit still in it
+        ("store", c, None, [(2, 2)]), ("store", d, None, [(2, 2)]),  # node 2 takes the row
+    ]
+    check_same(ops, [a, b, c, d], [[1], [2]])
+
+
+def test_ops_the_kernel_does_not_take_go_to_python() -> None:
+    """Shapes the kernel declines (lists for pairs, ids outside u64) are applied by the Python
+    code, in their place in the run."""
+    a, b = KEYS[0], KEYS[1]
+    ops: list[tuple[object, ...]] = [
+        ("store", a, None, [(1, 1), (2, 2), (3, 3)]),
+        ("store", a, 3, [[4, 4], [5, 5]]),  # pairs as lists
+        ("store", b, None, ((1, 1), (2, 2))),  # a tuple of pairs: taken
+        ("remove", a, [2, -4, 4], None),  # a negative id
+        ("store", b, 2, [(6, 6)]),
+        ("remove", b, [2**64 + 5, 6], None),  # an id no engine sends
+        ("store", a, None, [(1, 1)]),
+    ]
+    check_same(ops, KEYS, [[1, 2, 3, 4, 5]])
+    check_same(ops, KEYS, [[1, 2, 3, 4, 5]], lambda i, o: apply_in_runs(i, o, [False] * len(o)))
+
+
+@pytest.mark.parametrize("count,dtype,bits", [(300, U64, 6), (5000, np.int32, 9),
+                                              (4000, U64, 6), (0, U64, 3)])
+def test_bulk_load_places_every_key_alike(count: int, dtype: type, bits: int) -> None:
+    """U64Table._fill_empty: the kernel's passes leave the cells, and the keys left over (in
+    their order), that the Python code's stable sorts leave."""
+    rng = np.random.default_rng(count)
+    keys = rng.integers(0, 2**64 - 1, count, dtype=np.uint64, endpoint=True)
+    vals = rng.integers(0, 2**31 - 1, count).astype(dtype)
+    out = []
+    for enabled in (False, True):
+        with kernel(enabled):
+            table = U64Table.with_bits(dtype, bits)
+            left, left_vals = table._fill_empty(keys[::-1], vals[::-1])  # a strided view too
+            grown = U64Table(dtype)
+            grown.insert(keys, vals)
+            out.append([table.keys, table.vals, table.occ, left, left_vals, grown.keys,
+                        grown.vals, grown.occ])
+    for python, fast in zip(*out, strict=True):
+        assert np.array_equal(python, fast)
+
+
+def test_environment_variable_turns_the_kernel_off() -> None:
+    probe = "from replicas.core import index_kernel as k; print(k.available(), k.active())"
+    env = {**os.environ, compiled.PURE_ENV: "1"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                         check=True, timeout=60).stdout.split()
+    assert out == ["True", "None"]
+
+
+def test_use_compiled_switches_at_run_time() -> None:
+    with kernel(True):
+        assert index_kernel.use_compiled(False) is False
+        assert index_kernel.active() is None
+        assert index_kernel.use_compiled(True) is True
+        assert index_kernel.active() is not None
