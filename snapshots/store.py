@@ -66,7 +66,7 @@ from nats.js.object_store import ObjectStore
 from errors.root import JetrouterError
 from eventlog.names import Names
 from eventlog.streams import cluster_size_hint, ensure_stream, lookup_stream
-from replicas.core.state import SNAPSHOT_FORMAT
+from replicas.core.state_codec import SNAPSHOT_FORMAT
 
 log = logging.getLogger("jetrouter.snapshots")
 
