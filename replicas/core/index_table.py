@@ -383,10 +383,13 @@ class U64Table:
         return table
 
     def place_cells(self, cells: np.ndarray, keys: np.ndarray, vals: np.ndarray, *,
-                    checked: bool = False) -> None:
-        """Put keys (absent, distinct) at the given cells of an empty table; raises
-        ``ValueError`` if two share a cell or (unless the caller ``checked`` it: cells made
-        from the keys' own buckets) a key is outside both of its buckets."""
+                    checked: bool = False, recount: bool = True) -> None:
+        """Put keys (absent, distinct) at the given cells of an empty table, or of one filled
+        so far only by calls with ``recount=False`` (a restore placing many batches: counting
+        the occupied cells is a pass over the whole table, done once at the end). Raises
+        ``ValueError`` if two share a cell (found when recounting) or (unless the caller
+        ``checked`` it: cells made from the keys' own buckets) a key is outside both of its
+        buckets."""
         if not checked:
             b1, b2 = self._homes(keys)
             bucket = cells >> 3
@@ -396,6 +399,6 @@ class U64Table:
         self.vals.reshape(-1)[cells] = vals
         occ = self.occ.reshape(-1)
         occ[cells] = True
-        self.size = int(np.count_nonzero(occ))
-        if self.size != len(keys):
+        self.size += len(keys)
+        if recount and int(np.count_nonzero(occ)) != self.size:
             raise ValueError("two keys in one cell")
