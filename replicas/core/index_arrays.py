@@ -45,7 +45,7 @@ import msgspec
 import numpy as np
 import xxhash
 
-from replicas.core.index_codec import expiry_columns
+from replicas.core.index_codec import expiry_columns, members
 from replicas.core.index_common import U64, mix_sum, worker_weight
 from replicas.core.index_table import U64Table
 
@@ -134,12 +134,11 @@ def _encode(blocks: list[_Slot], nodes: U64Table, rows: np.ndarray) -> dict[str,
         owner = v == slot
         owner[shared] = lowest[-2 - v[shared]] == slot
         if dups:  # a node under several ids of this slot: the first of its rows owns it
-            rows_of = np.flatnonzero(np.isin(seqs, np.fromiter(dups, U64, len(dups))))
-            seen: set[int] = set()
-            for row, seq in zip(rows_of.tolist(), seqs[rows_of].tolist(), strict=True):
-                if seq in seen:
-                    owner[row] = False
-                seen.add(seq)
+            rows_of = np.flatnonzero(members(seqs, np.sort(np.fromiter(dups, U64, len(dups)))))
+            _, first = np.unique(seqs[rows_of], return_index=True)  # first occurrences
+            later = np.ones(len(rows_of), dtype=bool)
+            later[first] = False
+            owner[rows_of[later]] = False
             for seq, count in sorted(dups.items()):
                 dup_slots.append(slot)
                 dup_seqs.append(seq)
@@ -251,13 +250,12 @@ def restore(index: Any, obj: dict[str, Any]) -> None:
         keys = owned[owned_at:owned_at + k]
         cells = _cells_of(nodes, keys, codes[owned_at:owned_at + k])
         nodes.place_cells(cells, keys, np.full(k, slot, dtype=np.int32), checked=True,
-                          recount=False)
+                          occupy=False)
         lo, hi = np.searchsorted(shared, [start, end])
         if hi > lo:  # the shared nodes this slot owns: their rows' places among its owners
             shared_cells[lo:hi] = cells[np.cumsum(mine)[shared[lo:hi] - start] - 1]
         owned_at += k
-    if int(np.count_nonzero(nodes.occ)) != nodes.size:
-        raise ValueError("two keys in one cell")
+    nodes.occupy_placed()
     node_keys = nodes.keys.reshape(-1)
     if len(refs) and (int(refs.max()) >= len(node_keys)
                       or not nodes.occ.reshape(-1)[refs].all()):
