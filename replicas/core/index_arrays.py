@@ -237,25 +237,8 @@ def restore(index: Any, obj: dict[str, Any]) -> None:
     if len(shared) and (int(shared.max()) >= total or not own[shared].all()
                         or (len(shared) > 1 and int(np.diff(shared).min()) <= 0)):
         raise ValueError("malformed v5 PrefixIndex (shared nodes)")
-    # Slot by slot, so that no temporary is as large as the whole index: at 10 M pairs each
-    # would be tens of MB of fresh pages (page faults) on the way to /ready.
-    nodes = U64Table.with_bits(np.int32, node_bits)
-    starts = np.cumsum([0] + [n for *_, n in slots])
-    owned_at = 0
-    shared_cells = np.zeros(len(shared), dtype=np.int64)
-    for (_, _, slot, _, _), start, end in zip(slots, starts[:-1].tolist(), starts[1:].tolist(),
-                                              strict=True):
-        mine = own[start:end]
-        k = int(np.count_nonzero(mine))
-        keys = owned[owned_at:owned_at + k]
-        cells = _cells_of(nodes, keys, codes[owned_at:owned_at + k])
-        nodes.place_cells(cells, keys, np.full(k, slot, dtype=np.int32), checked=True,
-                          occupy=False)
-        lo, hi = np.searchsorted(shared, [start, end])
-        if hi > lo:  # the shared nodes this slot owns: their rows' places among its owners
-            shared_cells[lo:hi] = cells[np.cumsum(mine)[shared[lo:hi] - start] - 1]
-        owned_at += k
-    nodes.occupy_placed()
+    nodes, shared_cells = _place_owners(U64Table.with_bits(np.int32, node_bits), slots, own,
+                                        owned, codes, shared)
     node_keys = nodes.keys.reshape(-1)
     if len(refs) and (int(refs.max()) >= len(node_keys)
                       or not nodes.occ.reshape(-1)[refs].all()):
@@ -286,6 +269,31 @@ def restore(index: Any, obj: dict[str, Any]) -> None:
         raise ValueError("malformed v5 PrefixIndex (repeated nodes)")
     for slot, seq, count in zip(dup_slots, dup_seqs, dup_counts, strict=True):
         index._dups[slot][seq] = count
+
+
+def _place_owners(nodes: U64Table, slots: list[tuple[str, int, int, int, int]],
+                  own: np.ndarray, owned: np.ndarray, codes: np.ndarray, shared: np.ndarray
+                  ) -> tuple[U64Table, np.ndarray]:
+    """The node table from the owning rows (key: the row's sequence hash, value: its slot, at
+    the cell its code names), and the cells of the ``shared`` rows' nodes. Slot by slot, so
+    that no temporary is as large as the whole index: at 10 M pairs each would be tens of MB of
+    fresh pages (page faults) on the way to ``/ready``."""
+    starts = np.cumsum([0] + [n for *_, n in slots]).tolist()
+    owned_at = 0
+    shared_cells = np.zeros(len(shared), dtype=np.int64)
+    for (_, _, slot, _, _), start, end in zip(slots, starts[:-1], starts[1:], strict=True):
+        mine = own[start:end]
+        k = int(np.count_nonzero(mine))
+        keys = owned[owned_at:owned_at + k]
+        cells = _cells_of(nodes, keys, codes[owned_at:owned_at + k])
+        nodes.place_cells(cells, keys, np.full(k, slot, dtype=np.int32), checked=True,
+                          occupy=False)
+        lo, hi = np.searchsorted(shared, [start, end])
+        if hi > lo:  # the shared nodes this slot owns: their rows' places among its owners
+            shared_cells[lo:hi] = cells[np.cumsum(mine)[shared[lo:hi] - start] - 1]
+        owned_at += k
+    nodes.occupy_placed()
+    return nodes, shared_cells
 
 
 def _slot_rows(obj: dict[str, Any]) -> list[tuple[str, int, int, int, int]]:
