@@ -19,6 +19,10 @@ real ``jetrouter serve`` process. Printed, never asserted.
    it, SIGKILL it, start it again and time process start → ``GET /ready`` 200 (polled every
    10 ms). The restarted replica's digests must equal the in-process state's. For comparison,
    the same restore + tail replay is also timed in-process (``replay_tail_s``).
+   ``--restart-via fresh`` (the default) starts a new ``python -m api.cli serve`` process;
+   ``--restart-via standby`` hands the dead replica's command line to a pre-imported
+   ``api.standby`` process started (and done importing) before the kill, as ``jetrouter up``
+   restarts a replica (``launch/standby_pool.py``): the restart then pays no import time.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import httpx
 import nats
 from nats.js import JetStreamContext
 
+from api.standby import READY_LINE, activation_line
 from eventlog import events as ev
 from eventlog.names import CONTROL, KV, STREAM_KINDS, Names
 from eventlog.reader import StreamReader
@@ -60,10 +65,9 @@ SHARED_PROMPTS = 50
 PROMPT_BLOCKS = 8
 PUBLISH_WINDOW = 256  # publishes in flight at once
 _FORMATS = {"reference": "msgpack state v2, index v2 (columns per worker) + zlib-1",
-            "compact": "msgpack state v4, index v4 (the tables' arrays) + zlib-1"}
+            "compact": "msgpack state v5, index v5 (the tables' arrays, packed), uncompressed"}
 _PARAMS = ("index_form", "blocks", "workers", "chain_blocks", "chains_per_message", "tail_events",
-           "tail_batch",
-           "tail_blocks", "repeats", "seed")
+           "tail_batch", "tail_blocks", "repeats", "seed", "restart_via")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--skip-restart", action="store_true",
                    help="no replica process: take/restore figures only")
+    p.add_argument("--restart-via", choices=("fresh", "standby"), default="fresh",
+                   help="restart the killed replica as a new process, or by handing its command "
+                        "line to a pre-imported standby process as `jetrouter up` does")
     p.add_argument("--ready-timeout", type=float, default=120.0,
                    help="give up waiting for /ready after this long")
     p.add_argument("--keep-dir", type=Path, default=None,
@@ -228,6 +235,33 @@ class ReplicaProcess:
                     "--worker-timeout", "86400", "--replica-timeout", "86400",
                     "--router-index-form", index_form]
         self.proc: subprocess.Popen[bytes] | None = None
+        self.standby: subprocess.Popen[bytes] | None = None
+
+    def prepare_standby(self) -> None:
+        """Start a pre-imported ``api.standby`` process and wait until it has imported what
+        ``serve`` needs (it says so on stdout), as ``jetrouter up`` keeps one waiting."""
+        with (self.log_path.parent / "standby.log").open("ab") as err:
+            self.standby = subprocess.Popen(
+                [sys.executable, "-m", "api.standby"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                cwd=Path(__file__).resolve().parents[1])
+        assert self.standby.stdout is not None
+        line = self.standby.stdout.readline().decode(errors="replace")
+        self.standby.stdout.close()  # after activation it writes to the replica's log
+        if line != READY_LINE:
+            raise RuntimeError(f"standby process said {line!r}, not that it is ready")
+
+    def start_standby(self) -> float:
+        """Hand this replica's command line to the waiting standby; returns the monotonic time
+        just before it was handed over."""
+        standby, self.standby = self.standby, None
+        assert standby is not None and standby.stdin is not None
+        started = time.monotonic()
+        standby.stdin.write(activation_line(self.cmd[3:], {"PYTHONUNBUFFERED": "1"},
+                                            str(self.log_path)))
+        standby.stdin.close()
+        self.proc = standby
+        return started
 
     def start(self) -> float:
         """Start the process; returns the monotonic time just before it was spawned."""
@@ -276,6 +310,9 @@ class ReplicaProcess:
             self.proc.wait(10)
 
     def stop(self) -> None:
+        if self.standby is not None and self.standby.poll() is None:
+            self.standby.kill()  # never activated: nothing of a replica in it
+            self.standby.wait(10)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -364,7 +401,7 @@ async def _measure(args: argparse.Namespace, nc: nats.NATS, nats_url: str,
         raw = encoder()
         t2 = time.perf_counter()
         meta = await store.put(raw, positions=dict(state.positions), epoch=state.epoch,
-                               created_by="bench", trigger="bench")
+                               created_by="bench", trigger="bench", format=state.snapshot_format)
         t3 = time.perf_counter()
         for key, value in zip(take, (t1 - t0, t2 - t1, t3 - t2, t3 - t0), strict=True):
             take[key].append(value)
@@ -439,10 +476,13 @@ async def _restart(args: argparse.Namespace, js: JetStreamContext, names: Names,
             ends = await _stream_ends(js, names)
             before = await replica.wait_positions(client, ends, args.ready_timeout)
             out["digests_equal_before_kill"] = _digests_of(before) == _hex_digests(state)
+            if args.restart_via == "standby":
+                replica.prepare_standby()
             replica.kill()
             log_offset = replica.log_path.stat().st_size
             wall_started = time.time()
-            started = replica.start()
+            started = (replica.start_standby() if args.restart_via == "standby"
+                       else replica.start())
             ready_at = await replica.wait_ready(client, args.ready_timeout)
             out["sigkill_restart_ready_s"] = round(ready_at - started, 3)
             loaded_at = _snapshot_loaded_at(replica.log_path, log_offset)
@@ -498,6 +538,7 @@ def print_table(result: dict[str, Any]) -> None:
                      f"(state then {tail['blocks_after']:,} blocks)"),
             ("first start -> ready", f"{rs['first_start_ready_s']:.3f} s (snapshot, no tail)"),
             ("SIGKILL, restart -> ready", f"{rs['sigkill_restart_ready_s']:.3f} s "
+                                          f"(restarted {result['params']['restart_via']}) "
                                           f"(target <= {rs['target_s']} s); digests equal: "
                                           f"{rs['digests_equal']}"),
             ("  of which", f"start -> snapshot restored "

@@ -51,7 +51,7 @@ from eventlog.connect import (
 )
 from eventlog.names import STREAM_KINDS, Names
 from eventlog.streams import ensure_streams, stream_bounds
-from replicas.core.state import SNAPSHOT_FORMAT
+from replicas.core.state_codec import SNAPSHOT_FORMAT
 from settings.flags import add_options
 from snapshots.store import SnapshotMeta, SnapshotStore
 

@@ -1,8 +1,9 @@
 """Snapshot blobs in the JetStream object store bucket ``<ns>-snapshots`` (design.md §8).
 
-A snapshot is an encoded ``RouterState`` (msgpack), compressed with zlib level 1, stored as one
-object whose NATS object-meta ``headers`` carry a :class:`SnapshotMeta` (positions, epoch, sha256
-of the *uncompressed* bytes, sizes, who took it and why). Object names sort by creation:
+A snapshot is an encoded ``RouterState`` (msgpack), compressed with zlib level 1 (state formats
+up to 4) or stored as it is (format 5 on: see below), as one object whose NATS object-meta
+``headers`` carry a :class:`SnapshotMeta` (positions, epoch, sha256 of the *uncompressed* bytes,
+sizes, compression, who took it and why). Object names sort by creation:
 ``snap-<epoch:06d>-<unix_ms:013d>-<random hex>``.
 
 Why zlib level 1: on a 1M-block state (26.8 MB of msgpack in state format 1; 17.0 MB, of random
@@ -12,6 +13,14 @@ compress and 0.9 s to inflate — restore speed matters more than bytes (figures
 ``benchmarks/bench_snapshot_store.py``). Compression and hashing run in a worker thread
 (both release the GIL), so the event loop — and the leader lease renewing on it — keeps running;
 ``put`` also accepts a function (``RouterState.encoder()``), so encoding runs there too.
+
+Why not compress format 5 (the compact index's arrays, ``replicas/core/state_codec.py``): it is
+almost all random 64-bit hashes, which zlib level 1 shrank by 6 % (172 → 161 MB at 10 M pairs)
+for ~0.5 s of inflating and two SHA-256 passes on the way to ``/ready``, and ~4 s of CPU to
+compress on the leader. Stored as it is, reading it is fetching it and one SHA-256 (the object
+digest and the state's sha256 are then the same hash of the same bytes). Formats up to 4 stay
+compressed, so the release before reads what this one writes for them (it knows no other
+compression; format 5 it passes over by its format before fetching).
 
 Writing uses the stock nats-py ``ObjectStore.put`` with chunks as large as the server's
 ``max_payload`` allows (fewer acked publishes). Reading does *not* use ``ObjectStore.get``: it
@@ -66,12 +75,14 @@ from nats.js.object_store import ObjectStore
 from errors.root import JetrouterError
 from eventlog.names import Names
 from eventlog.streams import cluster_size_hint, ensure_stream, lookup_stream
-from replicas.core.state import SNAPSHOT_FORMAT
+from replicas.core.state_codec import SNAPSHOT_FORMAT
 
 log = logging.getLogger("jetrouter.snapshots")
 
 META_HEADER = "Jetrouter-Snapshot"
 COMPRESSION = "zlib"
+NO_COMPRESSION = "none"
+UNCOMPRESSED_FROM_FORMAT = 5  # state formats stored as they are (module docstring)
 ZLIB_LEVEL = 1
 _MAX_CHUNK = 8 * 1024 * 1024
 _CHUNK_HEADROOM = 4096  # max_payload counts headers too
@@ -128,32 +139,44 @@ def new_snapshot_id(epoch: int, unix_ms: int) -> str:
     return f"snap-{epoch:06d}-{unix_ms:013d}-{secrets.token_hex(3)}"
 
 
-def _pack(raw: bytes) -> tuple[bytes, str]:
+def compression_for(format: int) -> str:
+    """How a snapshot of this state format is stored (module docstring)."""
+    return NO_COMPRESSION if format >= UNCOMPRESSED_FROM_FORMAT else COMPRESSION
+
+
+def _pack(raw: bytes, compression: str) -> tuple[bytes, str]:
     """Compress and checksum (run in a thread: both release the GIL on large buffers)."""
-    return zlib.compress(raw, ZLIB_LEVEL), hashlib.sha256(raw).hexdigest()
+    blob = raw if compression == NO_COMPRESSION else zlib.compress(raw, ZLIB_LEVEL)
+    return blob, hashlib.sha256(raw).hexdigest()
 
 
-def _encode_and_pack(state: bytes | Callable[[], bytes]) -> tuple[int, bytes, str]:
+def _encode_and_pack(state: bytes | Callable[[], bytes], compression: str
+                     ) -> tuple[int, bytes, str]:
     raw = state() if callable(state) else state
-    return len(raw), *_pack(raw)
+    return len(raw), *_pack(raw, compression)
 
 
 def _unpack(snapshot_id: str, blob: bytes, nats_digest: str | None, meta: SnapshotMeta) -> bytes:
     """Verify the object digest, inflate, verify size and sha256 of the state bytes."""
+    if meta.compression not in (COMPRESSION, NO_COMPRESSION):
+        raise SnapshotCorrupt(snapshot_id, f"unknown compression {meta.compression!r}")
+    digest = hashlib.sha256(blob).digest()
     if nats_digest:
         want = nats_digest.split("=", 1)[1] if "=" in nats_digest else nats_digest
-        have = base64.urlsafe_b64encode(hashlib.sha256(blob).digest()).decode()
+        have = base64.urlsafe_b64encode(digest).decode()
         if have.rstrip("=") != want.rstrip("="):
             raise SnapshotCorrupt(snapshot_id, "stored object digest does not match its chunks")
-    if meta.compression != COMPRESSION:
-        raise SnapshotCorrupt(snapshot_id, f"unknown compression {meta.compression!r}")
-    try:
-        raw = zlib.decompress(blob)
-    except zlib.error as exc:
-        raise SnapshotCorrupt(snapshot_id, f"decompression failed: {exc}") from None
+    if meta.compression == NO_COMPRESSION:
+        raw = blob  # its digest is the state's sha256 too: one pass over the bytes
+    else:
+        try:
+            raw = zlib.decompress(blob)
+        except zlib.error as exc:
+            raise SnapshotCorrupt(snapshot_id, f"decompression failed: {exc}") from None
+        digest = hashlib.sha256(raw).digest()
     if len(raw) != meta.size:
         raise SnapshotCorrupt(snapshot_id, f"size {len(raw)} != recorded {meta.size}")
-    if hashlib.sha256(raw).hexdigest() != meta.sha256:
+    if digest.hex() != meta.sha256:
         raise SnapshotCorrupt(snapshot_id, "sha256 of the state bytes does not match")
     return raw
 
@@ -245,15 +268,17 @@ class SnapshotStore:
         ``RouterState.encoder()``, which captured the state already): it is then called in the
         worker thread too, so encoding a large state does not hold the event loop up.
         ``format`` is the state format of those bytes (another one only for an imported
-        backup's snapshot, which keeps the format it was written in)."""
+        backup's snapshot, which keeps the format it was written in); it decides how the
+        bytes are stored (``compression_for``)."""
         obs = await self.ensure()
-        size, blob, digest = await asyncio.to_thread(_encode_and_pack, state)
+        compression = compression_for(format)
+        size, blob, digest = await asyncio.to_thread(_encode_and_pack, state, compression)
         now = time.time()
         snapshot_id = new_snapshot_id(epoch, int(now * 1000))
         meta = SnapshotMeta(
             snapshot_id=snapshot_id, positions=dict(positions), epoch=epoch,
             size=size, sha256=digest, created_by=created_by, trigger=trigger,
-            ts=now, stored_size=len(blob), format=format,
+            ts=now, stored_size=len(blob), compression=compression, format=format,
         )
         object_meta = ObjectMeta(
             name=snapshot_id,

@@ -475,7 +475,7 @@ class PrefixIndex(ApproximateMode):
         return self.plain_encoder(copy=False)()
 
     def plain_encoder(self, *, copy: bool = True) -> Callable[[], dict[str, object]]:
-        """Capture the index now and return a function that builds its plain form (v4, the
+        """Capture the index now and return a function that builds its plain form (v5, the
         arrays themselves: ``index_arrays.py``) later.
 
         The capture copies the tables' cells (numpy, ~10 ms per million blocks) whatever
@@ -485,9 +485,10 @@ class PrefixIndex(ApproximateMode):
 
     @classmethod
     def from_plain(cls, obj: object) -> PrefixIndex:
-        """Restore from any plain version (1 and 2 written by the reference form, 3 and 4 by
+        """Restore from any plain version (1 and 2 written by the reference form, 3 to 5 by
         this one)."""
-        if isinstance(obj, dict) and obj.get("version") == index_arrays.PLAIN_VERSION_V4:
+        if isinstance(obj, dict) and obj.get("version") in (index_arrays.PLAIN_VERSION_V4,
+                                                            index_arrays.PLAIN_VERSION_V5):
             index = cls(approximate=bool(obj["approximate"]), ttl_secs=float(obj["ttl_secs"]),
                         max_tree_size=int(obj["max_tree_size"]),
                         prune_target_ratio=float(obj["prune_target_ratio"]))

@@ -400,14 +400,19 @@ class U64Table:
         cells = np.flatnonzero(occ)
         if len(occ) != table.keys.size or len(cells) != len(keys):
             raise ValueError("table cells do not match their occupancy")
-        table.place_cells(cells, keys, vals)
+        table.place_cells(cells, keys, vals, occupy=False)
+        table.occ.reshape(-1)[:] = occ  # one cell a bit: distinct cells, no recount needed
         return table
 
     def place_cells(self, cells: np.ndarray, keys: np.ndarray, vals: np.ndarray, *,
-                    checked: bool = False) -> None:
-        """Put keys (absent, distinct) at the given cells of an empty table; raises
+                    checked: bool = False, occupy: bool = True) -> None:
+        """Put keys (absent, distinct) at the given cells of an empty table. Raises
         ``ValueError`` if two share a cell or (unless the caller ``checked`` it: cells made
-        from the keys' own buckets) a key is outside both of its buckets."""
+        from the keys' own buckets) a key is outside both of its buckets.
+
+        ``occupy=False`` leaves the occupancy alone (a restore placing many batches: marking
+        cells one by one is one more random write a key, and counting them a pass over the
+        whole table); the caller then sets it itself or calls :meth:`occupy_placed`."""
         if not checked:
             b1, b2 = self._homes(keys)
             bucket = cells >> 3
@@ -415,8 +420,18 @@ class U64Table:
                 raise ValueError("a key outside both of its buckets")
         self.keys.reshape(-1)[cells] = keys
         self.vals.reshape(-1)[cells] = vals
-        occ = self.occ.reshape(-1)
-        occ[cells] = True
-        self.size = int(np.count_nonzero(occ))
-        if self.size != len(keys):
+        self.size += len(keys)
+        if occupy:
+            occ = self.occ.reshape(-1)
+            occ[cells] = True
+            if int(np.count_nonzero(occ)) != self.size:
+                raise ValueError("two keys in one cell")
+
+    def occupy_placed(self) -> None:
+        """After ``place_cells(..., occupy=False)``: the occupancy from the keys themselves, in
+        one pass (an empty cell of bucket ``B`` holds its sentinel, whose buckets are ``B + 1``
+        and ``B + 2``, so no key placed in ``B`` equals it), then the check that no two keys
+        were placed in one cell."""
+        self.occ[:] = self.keys != self._empty[:, None]
+        if int(np.count_nonzero(self.occ)) != self.size:
             raise ValueError("two keys in one cell")

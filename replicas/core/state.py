@@ -20,13 +20,11 @@ import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-import msgspec
 import xxhash
 
 from eventlog import events as ev
 from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS
-from eventlog.wire import NewerFormat
-from replicas.core import disagg, index_reference, state_run
+from replicas.core import disagg, index_reference, state_codec, state_run
 from replicas.core import index as compact_index
 from replicas.core.ended import EndedRequests
 from replicas.core.load import ActiveLoad, OutputTracking
@@ -35,18 +33,9 @@ from replicas.core.selection import BusyThresholds
 from replicas.core.sessions import SessionTable
 from replicas.core.stored_responses import StoredResponses
 from replicas.core.tenants import TenantBook
+from replicas.core.worker_info import WorkerInfo
 
 _MASK = (1 << 64) - 1
-# 2: columnar index and load (replicas/core/index.py, replicas/core/load.py); 1 is still read, so a
-# replica upgraded in place restores from the snapshots its predecessors wrote. The promise
-# (eventlog/wire.py): this format and the one before are read, a newer one raises NewerFormat;
-# tests/unit/test_golden_fixtures.py loads a snapshot the previous release wrote.
-# The newest state format written; a state is written in the oldest one that carries it
-# (`snapshot_format`), so the previous release keeps loading what this one writes. 4: the compact
-# index as its arrays (replicas/core/index_arrays.py), written only by replicas running
-# --router-index-form compact; a release before it skips such a snapshot as newer and falls back.
-SNAPSHOT_FORMAT = 4
-_READABLE_FORMATS = (1, 2, 3, 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,24 +65,6 @@ def _index_class(c: StateConfig) -> type[index_reference.PrefixIndex] | \
     except KeyError:
         raise ValueError(f"unknown index form {c.index_form!r}; expected one of "
                          f"{sorted(INDEX_FORMS)}") from None
-
-
-@dataclass(slots=True)
-class WorkerInfo:
-    worker_id: str
-    url: str
-    model: str
-    block_size: int
-    kv_total_blocks: int
-    max_num_batched_tokens: int
-    dp_size: int
-    registered_ts: float
-    loras: list[str] = field(default_factory=list)  # LoRA adapters served besides `model`
-    role: str = "both"  # "prefill" | "decode" | "both" (replicas/core/disagg.py)
-    engine_kind: str = "jetrouter"  # an EngineKind: the hand-off protocol it speaks
-    # An SGLang prefill engine's bootstrap port (0: not given). Not in the digest and not in
-    # the worker's snapshot entry (see _worker_doc): only the hand-off's bytes use it.
-    bootstrap_port: int = 0
 
 
 @dataclass(slots=True)
@@ -479,119 +450,28 @@ class RouterState:
         parts["state"] = sum(parts.values()) & _MASK
         return parts
 
-    # --- encode / decode (snapshots) -------------------------------------------------------
+    # --- encode / decode (snapshots: state_codec.py) -------------------------------------
 
     @property
     def snapshot_format(self) -> int:
-        """The oldest state format that carries this state: 3 adds API keys (tenants), so a
-        state without any is written as format 2, which the previous release reads; 4 is the
-        compact index's arrays (index_arrays.py), so a compact-form state is always format 4."""
-        if isinstance(self.index, compact_index.PrefixIndex):
-            return 4
-        return 3 if self.tenants.keys else 2
+        """The oldest state format that carries this state (``state_codec.snapshot_format``)."""
+        return state_codec.snapshot_format(self)
 
     def encode(self) -> bytes:
         return self.encoder(copy=False)()
 
     def encoder(self, *, copy: bool = True) -> Callable[[], bytes]:
-        """Capture the state now and return a function that encodes that capture.
-
-        Capturing is cheap (the index's per-worker maps are shallow-copied at C speed, ~20 ms
-        per million blocks; the rest is small); the returned function does the heavy part
-        (columns, msgpack) on the copies only, so it may run in a worker thread while this
-        state keeps applying events on the event loop. Call it with no ``await`` between
-        reading ``positions`` and capturing, so the snapshot and its positions agree."""
-        index_plain = self.index.plain_encoder(copy=copy)
-        doc: dict[str, object] = {
-            "format": self.snapshot_format,
-            "epoch": self.epoch,
-            "now": self.now,
-            "positions": dict(self.positions),
-            "workers": [_worker_doc(w) for w in self.workers.values()],
-            "lost_workers": [_worker_doc(w) for w in self.lost_workers.values()],
-            "refused_workers": [_worker_doc(w) for w in self.refused_workers.values()],
-            "thresholds": {m: [t.active_decode_blocks_threshold, t.active_prefill_tokens_threshold,
-                               t.active_prefill_tokens_threshold_frac]
-                           for m, t in self.thresholds.items()},
-            "snapshot_threshold": self.snapshot_threshold,
-            "health": dict(self.health),
-            "last_event_id": dict(self.last_event_id),
-            "out_of_sync": sorted(self.out_of_sync),
-            "index": None,  # filled in by the returned function
-            "load": self.load.to_plain(),
-            "sessions": self.sessions.to_plain(),
-            "responses": self.responses.to_plain(),
-            "tenants": self.tenants.to_plain(),
-            # Only live entries: finished requests linger in the heap until they age out.
-            "expiry": sorted(x for x in self._expiry if self.load.request(x[1]) is not None),
-            # Replicas of earlier versions read "ended" (id -> routed ts): left empty for them,
-            # they only miss the duplicate guard for what ended before the snapshot.
-            "ended": {},
-            "ended_buckets": self._ended.to_plain(),
-            "snapshot_floor": dict(self.snapshot_floor),
-            # Beside the workers, not in their entries: see _worker_doc.
-            "bootstrap_ports": {w.worker_id: w.bootstrap_port for w in self.workers.values()
-                                if w.bootstrap_port},
-        }
-
-        def encode() -> bytes:
-            return msgspec.msgpack.encode({**doc, "index": index_plain()})
-
-        return encode
+        """Capture the state now and return a function that encodes that capture (it may run
+        in a worker thread while this state keeps applying events: ``state_codec.encoder``)."""
+        return state_codec.encoder(self, copy=copy)
 
     @classmethod
     def decode(cls, data: bytes, config: StateConfig | None = None) -> RouterState:
-        doc = msgspec.msgpack.decode(data)
-        if isinstance(doc.get("format"), int) and doc["format"] > SNAPSHOT_FORMAT:
-            raise NewerFormat("snapshot", doc["format"], SNAPSHOT_FORMAT)
-        if doc.get("format") not in _READABLE_FORMATS:
-            raise ValueError(f"unsupported state format {doc.get('format')!r}")
+        """The state a snapshot holds; raises ``NewerFormat`` for a format this release does
+        not read yet and ``ValueError`` for one it cannot read at all."""
         state = cls(config)
-        state.epoch = doc["epoch"]
-        state.now = doc["now"]
-        state.positions = {k: int(doc["positions"].get(k, 0)) for k in STREAM_KINDS}
-        state.workers = {w["worker_id"]: WorkerInfo(**w) for w in doc["workers"]}
-        state.lost_workers = {w["worker_id"]: WorkerInfo(**w) for w in doc.get("lost_workers", [])}
-        state.refused_workers = {w["worker_id"]: WorkerInfo(**w)
-                                 for w in doc.get("refused_workers", [])}
-        for worker_id, port in doc.get("bootstrap_ports", {}).items():  # absent in older blobs
-            if worker_id in state.workers:
-                state.workers[worker_id].bootstrap_port = port
-        state.thresholds = {m: BusyThresholds(*t) for m, t in doc["thresholds"].items()}
-        state.snapshot_threshold = doc["snapshot_threshold"]
-        state.health = dict(doc["health"])
-        state.last_event_id = dict(doc["last_event_id"])
-        state.out_of_sync = set(doc["out_of_sync"])
-        state.index = _index_class(state.config).from_plain(doc["index"])
-        state.load = ActiveLoad.from_plain(doc["load"])
-        state.sessions = SessionTable.from_plain(doc.get("sessions", []))  # absent in older blobs
-        state.responses = StoredResponses.from_plain(doc.get("responses", []))  # likewise
-        state.tenants = TenantBook.from_plain(doc.get("tenants"))  # likewise
-        state._expiry = [tuple(x) for x in doc["expiry"]]  # type: ignore[misc]
-        heapq.heapify(state._expiry)
-        state._routed_ts = {rid: ts for ts, rid in state._expiry}
-        state._ended = (EndedRequests.from_plain(doc["ended_buckets"]) if "ended_buckets" in doc
-                        else EndedRequests.from_ids(doc["ended"]))  # older blobs: id -> ts
-        state.snapshot_floor = dict(doc.get("snapshot_floor", {}))  # absent in older blobs
+        state_codec.restore(state, data)
         return state
-
-
-def _slots(obj: object) -> dict[str, object]:
-    return {name: getattr(obj, name) for name in obj.__slots__}  # type: ignore[attr-defined]
-
-
-def _worker_doc(w: WorkerInfo) -> dict[str, object]:
-    """A worker in a snapshot. ``engine_kind`` is left out while it is the default, so a
-    snapshot of a fleet without vLLM or SGLang engines is one the release before the field
-    reads (it builds WorkerInfo from exactly these keys); decoding fills the default back in.
-    ``bootstrap_port`` is never in the entry: the snapshot keeps the live workers' ports in a
-    map of its own (``bootstrap_ports``), a key the release before the field does not read, so
-    that release still loads the snapshot (and serves SGLang prefill engines as it did)."""
-    doc = _slots(w)
-    del doc["bootstrap_port"]
-    if w.engine_kind == "jetrouter":
-        del doc["engine_kind"]
-    return doc
 
 
 _HANDLERS = {

@@ -61,7 +61,7 @@ from replicas.core.divergence import (
     decode_heartbeat,
     encode_heartbeat,
 )
-from replicas.core.state import SNAPSHOT_FORMAT
+from replicas.core.state_codec import SNAPSHOT_FORMAT
 from replicas.runtime.port import ReplicaPort
 
 __all__ = ["Heartbeat", "Liveness", "PeerStatus", "heartbeat_subject", "liveness_subject"]

@@ -17,16 +17,18 @@ from bench import durability
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.mark.parametrize("form", ["reference", "compact"])
-async def test_small_run_restores_and_restarts_with_equal_digests(tmp_path: Path,
-                                                                  form: str) -> None:
-    """The compact form restores its arrays (index v4) and replays the tail in batches; the
-    reference form its columns (v2) — either way the restarted replica agrees."""
+@pytest.mark.parametrize(("form", "via"), [("reference", "fresh"), ("compact", "fresh"),
+                                           ("compact", "standby")])
+async def test_small_run_restores_and_restarts_with_equal_digests(tmp_path: Path, form: str,
+                                                                  via: str) -> None:
+    """The compact form restores its arrays (index v5, stored uncompressed) and replays the tail
+    in batches; the reference form its columns (v2) — either way the restarted replica agrees,
+    restarted as a new process or through a pre-imported standby (as `jetrouter up` does)."""
     parser = argparse.ArgumentParser()
     durability.add_arguments(parser)
     args = parser.parse_args(["--blocks", "20000", "--workers", "6", "--tail-events", "1500",
                               "--tail-batch", "3", "--repeats", "1", "--index-form", form,
-                              "--keep-dir", str(tmp_path)])
+                              "--keep-dir", str(tmp_path), "--restart-via", via])
     result = await durability.measure(args)
     assert result["state"]["blocks"] == 20000 and result["state"]["workers"] == 6
     assert 0 < result["snapshot"]["stored_bytes"] and 0 < result["snapshot"]["raw_bytes"]
@@ -39,6 +41,9 @@ async def test_small_run_restores_and_restarts_with_equal_digests(tmp_path: Path
     assert restart["sigkill_restart_ready_s"] > 0
     assert "loaded snapshot" in (tmp_path / "replica.log").read_text()
     assert result["params"]["index_form"] == form
+    assert result["params"]["restart_via"] == via
+    if form == "compact":
+        assert result["snapshot"]["stored_bytes"] == result["snapshot"]["raw_bytes"]
 
 
 def test_cli_skip_restart_prints_json() -> None:

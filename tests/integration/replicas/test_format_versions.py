@@ -21,7 +21,8 @@ from eventlog import wire
 from eventlog.names import CONTROL, Names
 from launch.local_cluster import LocalCluster
 from natsops.server import NatsServer
-from replicas.core.state import SNAPSHOT_FORMAT, RouterState
+from replicas.core.state import RouterState
+from replicas.core.state_codec import SNAPSHOT_FORMAT
 from snapshots.store import SnapshotStore
 from tests.waiting import until
 

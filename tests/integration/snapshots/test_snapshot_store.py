@@ -21,7 +21,7 @@ from nats.js.kv import MSG_ROLLUP_SUBJECT
 
 from eventlog.names import Names
 from natsops.server import NatsCluster
-from replicas.core.state import RouterState
+from replicas.core.state import RouterState, StateConfig
 from snapshots.store import SnapshotCorrupt, SnapshotNotFound, SnapshotStore
 from tests.eventgen import worker_history
 
@@ -66,9 +66,11 @@ async def corrupt(store: SnapshotStore, snapshot_id: str, content: bytes, *,
     await corrupt_blob(store.js, store.names, snapshot_id, content, fix_digest=fix_digest)
 
 
-async def put(store: SnapshotStore, data: bytes, epoch: int = 0, **positions: int):
+async def put(store: SnapshotStore, data: bytes, epoch: int = 0, format: int = 2,
+              **positions: int):
+    """Store ``data`` as a state of ``format`` (2, as the reference form writes: compressed)."""
     return await store.put(data, positions={**POSITIONS, **positions}, epoch=epoch,
-                           created_by="r1", trigger="test")
+                           created_by="r1", trigger="test", format=format)
 
 
 async def test_put_list_get_round_trip(store: SnapshotStore) -> None:
@@ -195,12 +197,67 @@ async def test_real_router_state_round_trip(store: SnapshotStore) -> None:
             state.apply("kv", seq, batch)
     blob = state.encode()
     meta = await store.put(blob, positions=dict(state.positions), epoch=state.epoch,
-                           created_by="r1", trigger="threshold")
+                           created_by="r1", trigger="threshold", format=state.snapshot_format)
     loaded = await store.load_newest_valid()
     assert loaded is not None and loaded[0] == meta
+    assert meta.compression == "zlib" and meta.stored_size < meta.size
     restored = RouterState.decode(loaded[1])
     assert restored.digests() == state.digests()
     assert restored.positions == state.positions == meta.positions
+
+
+def compact_state(workers: int = 4) -> RouterState:
+    rng = random.Random(11)
+    state = RouterState(StateConfig(index_form="compact"))
+    seq = 0
+    for w in range(workers):
+        for batch in worker_history(rng, f"w{w}", 200):
+            seq += 1
+            state.apply("kv", seq, batch)
+    return state
+
+
+async def test_the_compact_forms_format_is_stored_as_it_is(store: SnapshotStore) -> None:
+    """State format 5 (the compact index's arrays, random hashes) is not compressed: the stored
+    object is the state's bytes, read back with one digest pass, and restores equal."""
+    state = compact_state()
+    assert state.snapshot_format == 5
+    meta = await store.put(state.encoder(), positions=dict(state.positions), epoch=0,
+                           created_by="r1", trigger="test", format=state.snapshot_format)
+    assert meta.compression == "none" and meta.stored_size == meta.size
+    assert meta.format == 5
+    loaded = await store.load_newest_valid()
+    assert loaded is not None and loaded.meta == meta and loaded.skipped == []
+    assert hashlib.sha256(loaded.data).hexdigest() == meta.sha256
+    restored = RouterState.decode(loaded.data, state.config)
+    assert restored.digests() == state.digests()
+
+
+@pytest.mark.parametrize("how", ["garbage_chunks", "other_state", "a_flipped_bit"])
+async def test_a_corrupt_uncompressed_snapshot_is_refused_and_an_older_one_loads(
+        store: SnapshotStore, how: str) -> None:
+    state = compact_state()
+    config = state.config
+    older = await store.put(state.encode(), positions=dict(state.positions), epoch=0,
+                            created_by="r1", trigger="test", format=5)
+    state.apply("kv", state.positions["kv"] + 1, [])  # one message later: a newer snapshot
+    raw = state.encode()
+    newest = await store.put(raw, positions=dict(state.positions), epoch=0,
+                             created_by="r1", trigger="test", format=5)
+    if how == "garbage_chunks":  # chunks replaced, object digest left as it was
+        await corrupt(store, newest.snapshot_id, b"\x00" * 300, fix_digest=False)
+    elif how == "other_state":  # another state's bytes, digest rewritten: sizes differ
+        await corrupt(store, newest.snapshot_id, compact_state(3).encode(), fix_digest=True)
+    else:  # one bit of the same length, digest rewritten: only the state's sha256 catches it
+        flipped = bytearray(raw)
+        flipped[len(raw) // 2] ^= 1
+        await corrupt(store, newest.snapshot_id, bytes(flipped), fix_digest=True)
+    with pytest.raises(SnapshotCorrupt, match=r"digest|size|sha256"):
+        await store.get(newest.snapshot_id)
+    loaded = await store.load_newest_valid()
+    assert loaded is not None and loaded.meta.snapshot_id == older.snapshot_id
+    assert [sid for sid, _ in loaded.skipped] == [newest.snapshot_id]
+    assert RouterState.decode(loaded.data, config).positions == older.positions
 
 
 async def test_cluster_bucket_is_replicated_and_readable_from_any_node(

@@ -9,7 +9,8 @@ from eventlog import events as ev
 from eventlog import wire
 from eventlog.memory import MemoryLog
 from eventlog.names import CONTROL, KV, Names
-from replicas.core.state import SNAPSHOT_FORMAT, RouterState, StateConfig
+from replicas.core.state import RouterState, StateConfig
+from replicas.core.state_codec import SNAPSHOT_FORMAT
 from replicas.runtime.replica import Replica, ReplicaConfig
 from tests.waiting import until
 

@@ -1,4 +1,4 @@
-"""The compact index's v4 snapshot (index_arrays.py): what is restored is the live index's arrays
+"""The compact index's v5 snapshot (index_arrays.py): what is restored is the live index's arrays
 themselves — the same slots, block tables, node table cells and bitmaps — and a column that does
 not match its checksum, or cells that cannot be right, are refused."""
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replicas.core.index import PrefixIndex
-from replicas.core.index_arrays import PLAIN_VERSION_V4
+from replicas.core.index_arrays import PLAIN_VERSION_V5
 from tests.unit.replicas.core.test_index_compact import (
     MANY,
     ArraysAlways,
@@ -45,7 +45,7 @@ def internals(index: PrefixIndex) -> tuple[object, ...]:
 
 def check_same_arrays(index: PrefixIndex) -> PrefixIndex:
     plain = through_msgpack(index)
-    assert plain["version"] == PLAIN_VERSION_V4
+    assert plain["version"] == PLAIN_VERSION_V5
     restored = type(index).from_plain(plain)
     assert internals(restored) == internals(index)
     return restored
@@ -96,21 +96,46 @@ def test_big_tables_restore_in_place() -> None:
     check_same_arrays(index)
 
 
-def test_a_damaged_column_is_refused() -> None:
+def _shared_and_repeated() -> PrefixIndex:
+    """Every v5 column non-empty: owners and others, shared nodes, repeated ones."""
     index = PrefixIndex()
-    index.store(("w", 0), None, [(i, i + 1) for i in range(100)])
-    plain = through_msgpack(index)
-    seqs = bytearray(plain["columns"]["seqs"])  # type: ignore[index]
-    seqs[17] ^= 1
-    plain["columns"]["seqs"] = bytes(seqs)  # type: ignore[index]
-    with pytest.raises(ValueError, match="checksum"):
+    for w in range(3):
+        index.store((f"w{w}", 0), None, [(w * 1000 + i, i + 1) for i in range(100)])
+    index.store(("w0", 0), None, [(5000 + i, i + 1) for i in range(10)])  # repeats
+    return index
+
+
+@pytest.mark.parametrize("column", ["ids", "own", "seqs", "codes", "refs", "occ", "shared_rows",
+                                    "shared_masks", "dup_slots", "dup_seqs", "dup_counts"])
+def test_a_damaged_column_is_refused(column: str) -> None:
+    plain = through_msgpack(_shared_and_repeated())
+    damaged = bytearray(plain["columns"][column])  # type: ignore[index]
+    damaged[len(damaged) // 2] ^= 1
+    plain["columns"][column] = bytes(damaged)  # type: ignore[index]
+    with pytest.raises(ValueError, match=f"column '{column}' fails its checksum"):
         PrefixIndex.from_plain(plain)
+
+
+def test_a_damaged_state_snapshot_is_refused_with_the_column_named() -> None:
+    """Through ``RouterState.decode``, on the blob itself: a byte of the ids changed (as a
+    disk or a copy might) is refused, naming the column, before anything is placed."""
+    from replicas.core.state import RouterState, StateConfig
+
+    state = RouterState(StateConfig(index_form="compact"))
+    state.index = _shared_and_repeated()
+    blob = bytearray(state.encode())
+    ids = bytes(through_msgpack(state.index)["columns"]["ids"])  # type: ignore[index]
+    at = bytes(blob).index(ids) + 8 * 50
+    blob[at] ^= 0x40
+    with pytest.raises(ValueError, match="column 'ids' fails its checksum"):
+        RouterState.decode(bytes(blob), state.config)
+    assert RouterState.decode(state.encode(), state.config).digests() == state.digests()
 
 
 def test_cells_that_cannot_be_right_are_refused() -> None:
     """Columns that pass their checksums (rewritten with them) but put keys in the wrong
     buckets, or two in one cell, are refused rather than restored into a broken table."""
-    import zlib
+    import xxhash
 
     from replicas.core.index_arrays import _COLUMNS
 
@@ -120,6 +145,7 @@ def test_cells_that_cannot_be_right_are_refused() -> None:
     columns = plain["columns"]
     ids = np.frombuffer(columns["ids"], dtype="<u8")[::-1].copy()  # type: ignore[index]
     columns["ids"] = ids.tobytes()  # type: ignore[index]
-    plain["checksums"] = [zlib.crc32(columns[n]) for n in _COLUMNS]  # type: ignore[index]
-    with pytest.raises(ValueError):
+    plain["checksums"] = [xxhash.xxh3_64_intdigest(columns[n])  # type: ignore[index]
+                          for n in _COLUMNS]
+    with pytest.raises(ValueError, match=r"malformed|outside|two keys"):
         PrefixIndex.from_plain(plain)

@@ -161,14 +161,21 @@ def test_approximate_mode_agrees(decisions: list[tuple[WorkerKey, int, int, str]
     assert answers(again, KEYS, chains) == answers(reference, KEYS, chains)
 
 
-def test_snapshot_is_the_arrays_at_seventeen_bytes_per_pair_and_a_bit_per_cell() -> None:
-    """v4: 16 bytes of (id, seq) a pair, a node code byte, and a bit per block-table cell."""
+def test_snapshot_bytes_a_pair_owners_and_others() -> None:
+    """v5: an id (8 bytes) and an own bit a row; a row owning its node adds its sequence hash
+    (8) and half a byte of node code, any other row the node table cell of its node (4); and
+    a bit per block-table cell."""
     index = PrefixIndex()
-    for w in range(4):
+    for w in range(4):  # the same chain on four workers: 1000 nodes, each held by four rows
         index.store((f"w{w}", 0), None, [(w * 10_000 + i, i + 1) for i in range(1000)])
+    index.store(("w4", 0), None, [(50_000 + i, 7_000 + i) for i in range(1001)])  # its own
     columns = index.to_plain()["columns"]
-    assert len(columns["ids"]) + len(columns["seqs"]) == 16 * 4000  # type: ignore[index]
-    assert len(columns["codes"]) == 4000  # type: ignore[index]
+    rows, owners = 5001, 2001
+    assert len(columns["ids"]) == 8 * rows  # type: ignore[index]
+    assert len(columns["own"]) == (rows + 7) // 8  # type: ignore[index]
+    assert len(columns["seqs"]) == 8 * owners  # type: ignore[index]
+    assert len(columns["codes"]) == (owners + 1) // 2  # type: ignore[index]
+    assert len(columns["refs"]) == 4 * (rows - owners)  # type: ignore[index]
     cells = sum(t.keys.size for t in index._blocks)
     assert len(columns["occ"]) == cells // 8  # type: ignore[index]
 
