@@ -40,10 +40,17 @@ _APPLY_SLICE = 512
 _KV_SLICE = 2048
 
 
+# Messages the follower applied, in order: (stream sequence, its events).
+AppliedMessages = Sequence[tuple[int, Sequence[ev.Event]]]
+
+
 class StreamListener(Protocol):
     """What the replica does after the follower applied a batch to the state."""
 
-    def stream_applied(self, kind: str, seq: int, batch: Sequence[ev.Event]) -> None: ...
+    def stream_applied(self, kind: str, messages: AppliedMessages) -> None:
+        """``messages`` of ``kind`` were applied, in order (several at once while catching up:
+        what does not depend on each message is done once, after the last)."""
+        ...
 
     def stream_rewound(self) -> None:
         """A reset moved the positions: whatever was pending on the old streams is void."""
@@ -229,7 +236,7 @@ class StreamFollower:
         before = (state.epoch, state.positions[KV], state.positions[ROUTER])
         state.apply(kind, seq, batch)
         self.stream_last[kind] = max(self.stream_last[kind], seq + reader.pending)
-        self._listener.stream_applied(kind, seq, batch)
+        self._listener.stream_applied(kind, ((seq, batch),))
         if kind == CONTROL and state.epoch != before[0] and (
                 state.positions[KV], state.positions[ROUTER]) != before[1:]:
             # A StateReset moved the other streams' positions to its cut: re-read from there.
@@ -242,8 +249,7 @@ class StreamFollower:
         control stream: a StateReset there must stop the follower at its own message)."""
         self.state.apply_many(kind, messages)
         self.stream_last[kind] = max(self.stream_last[kind], messages[-1][0] + reader.pending)
-        for seq, batch in messages:
-            self._listener.stream_applied(kind, seq, batch)
+        self._listener.stream_applied(kind, messages)
 
     def malformed_counts(self) -> dict[str, int]:
         """Malformed messages skipped per stream, including the running readers' counts."""
