@@ -3,7 +3,8 @@
 It owns the replica's `RouterState`: every event reaches the state through here, in stream order.
 Catching up (after a restart, a tail of 100 k messages), the KV and control streams apply what each
 pull brought in slices, one pass through the event loop a slice; the KV stream's stores and
-removals as runs (`RouterState.apply_many`, replicas/core/state_run.py).
+removals as runs (`RouterState.apply_many`, replicas/core/state_run.py). The KV tail after a
+snapshot is read while the snapshot loads (tail_prefetch.py) and applied first.
 A purge under a follower (its start is gone) reloads the newest snapshot; a `StateReset` moved
 the other streams' positions to its cut, so the followers restart from there (a rewind); any other
 failure restarts them from the positions the state has applied — nothing is lost or applied twice.
