@@ -2,9 +2,9 @@
 
 Starts a ``nats-server``, publishes ``--messages`` KV messages shaped like `bench durability`'s
 tail (one event of 4 blocks each, half stores extending a chain, half removals, each with the
-``Nats-Msg-Id`` header an append carries), then reads them ``--repeats`` times from the start
-with a :class:`eventlog.reader.StreamReader` as a catching-up follower drives it (one
-``__anext__``, then ``take_received`` of what the pull brought), nothing applied — or
+``Nats-Msg-Id`` header an append carries unless ``--bare``), then reads them ``--repeats`` times
+from the start with a :class:`eventlog.reader.StreamReader` as a catching-up follower drives it
+(one ``__anext__``, then ``take_received`` of what the pull brought), nothing applied — or
 ``--apply-us`` of busy CPU per message in its place. Prints wall and process CPU time per run
 and per message, with the 1-minute load average; ``--profile`` profiles the last run.
 Printed, never asserted.
@@ -40,7 +40,8 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def _publish(js: nats.js.JetStreamContext, names: Names, messages: int) -> int:
+async def _publish(js: nats.js.JetStreamContext, names: Names, messages: int, bare: bool
+                   ) -> int:
     wl = Workload(64, 0)
     ts = time.time()
     batches: list[tuple[str, ev.Event]] = []
@@ -53,7 +54,7 @@ async def _publish(js: nats.js.JetStreamContext, names: Names, messages: int) ->
         chunk = batches[start:start + PUBLISH_WINDOW]
         await asyncio.gather(*(
             js.publish(subject, ev.encode_batch([event]),
-                       headers={"Nats-Msg-Id": f"tail-{start + k}"})
+                       headers=None if bare else {"Nats-Msg-Id": f"tail-{start + k}"})
             for k, (subject, event) in enumerate(chunk)))
     return (await stream_bounds(js, names.stream(KV)))[1]
 
@@ -88,7 +89,7 @@ async def measure(args: argparse.Namespace) -> None:
             names = Names("tailread")
             await ensure_streams(js, names)
             start = time.perf_counter()
-            end = await _publish(js, names, args.messages)
+            end = await _publish(js, names, args.messages, args.bare)
             print(f"published {end} messages in {time.perf_counter() - start:.1f} s "
                   f"(load {os.getloadavg()[0]:.2f})", flush=True)
             for run in range(args.repeats):
@@ -120,6 +121,8 @@ def main() -> None:
     p.add_argument("--apply-us", type=float, default=0.0,
                    help="busy CPU per message after each take, standing in for applying")
     p.add_argument("--profile", action="store_true", help="cProfile the last run")
+    p.add_argument("--bare", action="store_true",
+                   help="publish without the Nats-Msg-Id header (as bench durability's tail)")
     asyncio.run(measure(p.parse_args()))
 
 

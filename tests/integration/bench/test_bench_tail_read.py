@@ -11,7 +11,8 @@ from bench import tail_read
 
 
 async def test_small_run_reads_every_message(capsys: pytest.CaptureFixture[str]) -> None:
-    args = argparse.Namespace(messages=300, repeats=2, apply_us=1.0, profile=True)
+    args = argparse.Namespace(messages=300, repeats=2, apply_us=1.0, profile=True,
+                              bare=False)
     await tail_read.measure(args)
     out = capsys.readouterr().out
     assert "published 300 messages" in out
