@@ -39,8 +39,6 @@ import time
 from collections import deque
 from typing import NoReturn, Self
 
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.errors import ConnectionClosedError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -48,17 +46,26 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from errors.root import JetrouterError
 from eventlog.binding import foreign_party
 from eventlog.events import Event, MalformedMessage, decode_batch
-from eventlog.wire import NewerFormat, UnknownFormat, check_message
+from eventlog.raw_inbox import DESCRIPTION, STATUS, RawSubscription, parse_headers, subscribe_raw
+from eventlog.wire import FORMAT_HEADER, NewerFormat, UnknownFormat, check_message
 
 log = logging.getLogger(__name__)
 
-_ACK_PREFIX = "$JS.ACK."
+_ACK_PREFIX = b"$JS.ACK."
+# A message's header block is parsed only when it may mark a format (most carry just the
+# Nats-Msg-Id of their append, which the reader does not read).
+_FORMAT_MARK = FORMAT_HEADER.encode()
 # Reply subject token positions ($JS.ACK.<...>): v1 has 9 tokens, v2 adds domain + account hash.
 _V1_TOKENS = 9
 _V1 = (5, 6, 8)  # stream seq, consumer seq, pending
 _V2 = (7, 8, 10)
 _STATUS_HEARTBEAT = "100"
+# Subjects seen, bytes -> str: one per worker or replica, decoded once rather than per message.
+_SUBJECT_CACHE = 4096
 _STATUS_REQUEST_DONE = ("404", "408")
+
+
+_Raw = tuple[bytes, bytes, bytes, bytes | None]
 
 
 class StartPurged(JetrouterError):
@@ -134,12 +141,14 @@ class StreamReader:
         self._start_lock = asyncio.Lock()
         self._closed = False
         self._failure: BaseException | None = None
-        self._buf: deque[Msg] = deque()
+        # Messages as the inbox received them: (subject, reply, payload, header block or None).
+        self._buf: deque[_Raw] = deque()
+        self._subjects: dict[bytes, str] = {}
         self._wake = asyncio.Event()
         self._closed_evt = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
         self._gen = 0
-        self._sub: Subscription | None = None
+        self._sub: RawSubscription | None = None
         self._consumer: str | None = None
         self._request_left = 0
         # With `linger`: whether the next pull takes everything there is (no_wait) rather than
@@ -211,16 +220,18 @@ class StreamReader:
         first reset or fail; then ``__anext__`` does that (a purge or a newer format met here
         is raised by the next ``__anext__``, after every message before it was taken)."""
         out: list[tuple[int, list[Event]]] = []
-        buf = self._buf
-        while buf and len(out) < limit and self._need_reset is None and self._failure is None:
-            if self._reconnects() != self._reconnects_seen:
-                break
+        # Nothing here awaits, so a reconnect or a reset cannot happen during the loop: the
+        # conditions are checked once, and the loop stops at a failure or a reset it meets.
+        if self._failure is not None or self._reconnects() != self._reconnects_seen:
+            return out
+        buf, process, append = self._buf, self._process, out.append
+        while buf and len(out) < limit and self._need_reset is None:
             try:
-                item = self._process(buf.popleft())
+                item = process(buf.popleft())
             except (StartPurged, NewerFormat):
                 break  # _fail recorded it: the next __anext__ drops the consumer and raises
             if item is not None:
-                out.append(item)
+                append(item)
         return out
 
     async def close(self) -> None:
@@ -245,13 +256,13 @@ class StreamReader:
 
     # --- message handling ----------------------------------------------------------------------
 
-    def _process(self, msg: Msg) -> tuple[int, list[Event]] | None:
+    def _process(self, raw: _Raw) -> tuple[int, list[Event]] | None:
         """One inbox message: a status, a stale duplicate, a gap, or the next event batch."""
-        reply = msg.reply
-        if not reply or not reply.startswith(_ACK_PREFIX):
-            self._on_status(msg)
+        subject_b, reply, data, header_block = raw
+        if not reply.startswith(_ACK_PREFIX):
+            self._on_status(header_block)
             return None
-        tokens = reply.split(".")
+        tokens = reply.split(b".")
         i_sseq, i_cseq, i_pending = _V1 if len(tokens) == _V1_TOKENS else _V2
         sseq, cseq = int(tokens[i_sseq]), int(tokens[i_cseq])
         if cseq != self._expect_cseq:
@@ -265,35 +276,41 @@ class StreamReader:
             return None
         if sseq != self.last_seq + 1:
             self._fail(StartPurged(self.stream, self.last_seq + 1, sseq))
+        subject = self._subjects.get(subject_b)
+        if subject is None:
+            if len(self._subjects) >= _SUBJECT_CACHE:
+                self._subjects.clear()
+            subject = self._subjects[subject_b] = subject_b.decode("utf-8", "replace")
         t0 = time.thread_time() if self.time_decode else 0.0
         try:
             # A newer format raises NewerFormat out of the reader before last_seq moves: the
             # message is neither applied nor skipped (eventlog/wire.py).
-            check_message(msg.headers, self.stream, sseq)
-            events = decode_batch(msg.data)
+            if header_block is not None and _FORMAT_MARK in header_block:
+                check_message(parse_headers(header_block), self.stream, sseq)
+            events = decode_batch(data)
         except NewerFormat as exc:
             self._fail(exc)
         except (MalformedMessage, UnknownFormat) as exc:
             self.malformed += 1
             log.warning("stream %s seq %d: skipping malformed message (%s)", self.stream, sseq, exc)
             events = []
-        party = foreign_party(msg.subject, events) if events else None
+        party = foreign_party(subject, events) if events else None
         if party is not None:
             self.malformed += 1  # counted with the malformed ones: skipped, never applied
             self.forged += 1
             log.warning("stream %s seq %d: skipping a message on %s that speaks for %r",
-                        self.stream, sseq, msg.subject, party)
+                        self.stream, sseq, subject, party)
             events = []
         self.last_seq = sseq
         self.pending = int(tokens[i_pending])
-        self.last_subject = msg.subject
+        self.last_subject = subject
         if self.time_decode:
             self.last_decode_s = time.thread_time() - t0
         return sseq, events
 
-    def _on_status(self, msg: Msg) -> None:
-        headers = msg.headers or {}
-        status = headers.get("Status", "")
+    def _on_status(self, header_block: bytes | None) -> None:
+        headers = parse_headers(header_block) if header_block else {}
+        status = headers.get(STATUS, "")
         if status == _STATUS_HEARTBEAT:
             return
         if status in _STATUS_REQUEST_DONE:  # the pull request expired or ran dry
@@ -301,7 +318,7 @@ class StreamReader:
             self._draining = False  # caught up (with `linger`: wait for one message next)
             return
         # 409 consumer deleted / leadership change / server shutdown, 503 no responders, ...
-        self._need_reset = f"status {status} {headers.get('Description', '')}".strip()
+        self._need_reset = f"status {status} {headers.get(DESCRIPTION, '')}".strip()
 
     def _fail(self, exc: BaseException) -> NoReturn:
         self._failure = exc
@@ -405,13 +422,17 @@ class StreamReader:
         self._gen += 1
         gen = self._gen
 
-        async def on_msg(msg: Msg) -> None:
-            if gen == self._gen:
-                self._buf.append(msg)
-                self._last_activity = time.monotonic()
-                self._wake.set()
+        buf, wake, monotonic = self._buf, self._wake, time.monotonic
 
-        self._sub = await self._nc.subscribe(self._nc.new_inbox(), cb=on_msg)
+        # Called by the connection's protocol parser with the bytes as received (no Msg, no
+        # header parsing, no queue and task per message: eventlog/raw_inbox.py).
+        def on_msg(subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
+            if gen == self._gen:
+                buf.append((subject, reply, data, headers))
+                self._last_activity = monotonic()
+                wake.set()
+
+        self._sub = await subscribe_raw(self._nc, on_msg)
         config = ConsumerConfig(
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=self.last_seq + 1,

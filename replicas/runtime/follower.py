@@ -3,7 +3,8 @@
 It owns the replica's `RouterState`: every event reaches the state through here, in stream order.
 Catching up (after a restart, a tail of 100 k messages), the KV and control streams apply what each
 pull brought in slices, one pass through the event loop a slice; the KV stream's stores and
-removals as runs (`RouterState.apply_many`, replicas/core/state_run.py).
+removals as runs (`RouterState.apply_many`, replicas/core/state_run.py). The KV tail after a
+snapshot is read while the snapshot loads (tail_prefetch.py) and applied first.
 A purge under a follower (its start is gone) reloads the newest snapshot; a `StateReset` moved
 the other streams' positions to its cut, so the followers restart from there (a rewind); any other
 failure restarts them from the positions the state has applied — nothing is lost or applied twice.
@@ -29,6 +30,7 @@ from eventlog.reader import StartPurged
 from eventlog.wire import NewerFormat
 from replicas.core.state import RouterState, StateConfig
 from replicas.runtime.replication_cost import ReplicationCost
+from replicas.runtime.tail_prefetch import TailPrefetch, adopt
 from snapshots.store import SnapshotStore
 
 log = logging.getLogger("jetrouter.replica")
@@ -38,12 +40,22 @@ log = logging.getLogger("jetrouter.replica")
 # applied as runs (RouterState.apply_many): ~5-10 us a message, so a whole catch-up pull at once.
 _APPLY_SLICE = 512
 _KV_SLICE = 2048
+# At most this many KV messages are read ahead while a snapshot loads (~0.5 KB each in memory
+# at 4 blocks a message); the reader goes on from there once the state is restored.
+_PREFETCH_LIMIT = 200_000
+
+
+# Messages the follower applied, in order: (stream sequence, its events).
+AppliedMessages = Sequence[tuple[int, Sequence[ev.Event]]]
 
 
 class StreamListener(Protocol):
     """What the replica does after the follower applied a batch to the state."""
 
-    def stream_applied(self, kind: str, seq: int, batch: Sequence[ev.Event]) -> None: ...
+    def stream_applied(self, kind: str, messages: AppliedMessages) -> None:
+        """``messages`` of ``kind`` were applied, in order (several at once while catching up:
+        what does not depend on each message is done once, after the last)."""
+        ...
 
     def stream_rewound(self) -> None:
         """A reset moved the positions: whatever was pending on the old streams is void."""
@@ -75,6 +87,8 @@ class StreamFollower:
         self.blocked: dict[str, str] = {}
         self._listener = listener
         self._readers: dict[str, LogReader] = {}
+        self._prefetch: TailPrefetch | None = None  # the KV tail, read while a snapshot loads
+        self.prefetched = 0  # KV messages applied from a prefetch
         self._supervisor: asyncio.Task[None] | None = None
         self.replication = ReplicationCost()  # decoding + applying peers' router messages
 
@@ -103,6 +117,7 @@ class StreamFollower:
             self._supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._supervisor
+        await self._drop_prefetch()
 
     # --- snapshots ---------------------------------------------------------------------------
 
@@ -110,7 +125,16 @@ class StreamFollower:
         """Replace the state with the newest valid snapshot if it is ahead of ours."""
         if self.snapshots is None:
             return False
-        found = await self.snapshots.load_newest_valid()
+        # Beside the load, not before it: listing the snapshots again takes a round trip.
+        prefetching = asyncio.create_task(self._start_prefetch())
+        try:
+            found = await self.snapshots.load_newest_valid()
+        except BaseException:
+            prefetching.cancel()
+            await asyncio.gather(prefetching, return_exceptions=True)
+            await self._drop_prefetch()
+            raise
+        await prefetching
         if found is None:
             return False
         meta, blob = found[0], found[1]
@@ -141,6 +165,24 @@ class StreamFollower:
         self._listener.stream_rewound()
         self.start()
 
+    async def _start_prefetch(self) -> None:
+        """Read the KV tail after the newest snapshot while it loads (tail_prefetch.py)."""
+        assert self.log is not None and self.snapshots is not None
+        await self._drop_prefetch()
+        try:
+            newest = await self.snapshots.list()
+        except Exception:  # the load that follows meets it too, and says so
+            return
+        if newest and newest[0].positions.get(KV, 0) > self.state.positions[KV]:
+            reader = self.log.reader(self.names.stream(KV),
+                                     start_seq=newest[0].positions[KV] + 1, time_decode=False)
+            self._prefetch = TailPrefetch(reader, _PREFETCH_LIMIT)
+
+    async def _drop_prefetch(self) -> None:
+        prefetch, self._prefetch = self._prefetch, None
+        if prefetch is not None:
+            await prefetch.close()
+
     # --- following ---------------------------------------------------------------------------
 
     async def _supervise(self) -> None:
@@ -149,6 +191,8 @@ class StreamFollower:
         positions the state has applied (nothing is lost or applied twice)."""
         backoff = 0.2
         while True:
+            if KV in self.blocked:  # no KV follower will adopt it
+                await self._drop_prefetch()
             followers = [asyncio.create_task(self._follow(k), name=f"follow-{k}")
                          for k in STREAM_KINDS if k not in self.blocked]
             if not followers:  # every stream is blocked: only an upgrade moves this replica
@@ -182,9 +226,14 @@ class StreamFollower:
     async def _follow(self, kind: str) -> None:
         assert self.log is not None
         stream = self.names.stream(kind)
-        # Only the router stream's decode time is read (the replication cost of peers' decisions)
-        reader = self.log.reader(stream, start_seq=self.state.positions[kind] + 1,
-                                 time_decode=kind == ROUTER)
+        reader: LogReader | None = None
+        if kind == KV and (prefetch := self._prefetch) is not None:
+            reader = await self._adopt_prefetch(prefetch)
+        if reader is None:
+            # Only the router stream's decode time is read (the replication cost of peers'
+            # decisions)
+            reader = self.log.reader(stream, start_seq=self.state.positions[kind] + 1,
+                                     time_decode=kind == ROUTER)
         self._readers[kind] = reader
         own = self.names.router_subject(self.replica_id)
         try:
@@ -229,7 +278,7 @@ class StreamFollower:
         before = (state.epoch, state.positions[KV], state.positions[ROUTER])
         state.apply(kind, seq, batch)
         self.stream_last[kind] = max(self.stream_last[kind], seq + reader.pending)
-        self._listener.stream_applied(kind, seq, batch)
+        self._listener.stream_applied(kind, ((seq, batch),))
         if kind == CONTROL and state.epoch != before[0] and (
                 state.positions[KV], state.positions[ROUTER]) != before[1:]:
             # A StateReset moved the other streams' positions to its cut: re-read from there.
@@ -242,8 +291,32 @@ class StreamFollower:
         control stream: a StateReset there must stop the follower at its own message)."""
         self.state.apply_many(kind, messages)
         self.stream_last[kind] = max(self.stream_last[kind], messages[-1][0] + reader.pending)
-        for seq, batch in messages:
-            self._listener.stream_applied(kind, seq, batch)
+        self._listener.stream_applied(kind, messages)
+
+    async def _adopt_prefetch(self, prefetch: TailPrefetch) -> LogReader | None:
+        """Apply what ``prefetch`` read and return its reader, if the state continues where it
+        starts; None (prefetch closed) otherwise, or when its reading failed."""
+        self._prefetch = None
+        if prefetch.start_seq != self.state.positions[KV] + 1:
+            await prefetch.close()  # the state restored is not the snapshot it followed
+            return None
+        reader = prefetch.reader
+
+        async def apply(items: list[tuple[int, list[ev.Event]]]) -> None:
+            for start in range(0, len(items), _KV_SLICE):  # in slices, as a pull's
+                self._apply_many(KV, items[start:start + _KV_SLICE], reader)
+                await asyncio.sleep(0)
+            self.prefetched += len(items)
+
+        self._readers[KV] = reader  # its malformed count is the running reader's meanwhile
+        adopted = None
+        try:
+            adopted = await adopt(prefetch, apply)
+        finally:
+            self._readers.pop(KV, None)
+            if adopted is None:  # closed after what it read was applied: count what it skipped
+                self.malformed[KV] += reader.malformed
+        return adopted
 
     def malformed_counts(self) -> dict[str, int]:
         """Malformed messages skipped per stream, including the running readers' counts."""

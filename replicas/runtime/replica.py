@@ -24,7 +24,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
 from nats.aio.client import Client as NatsClient
@@ -51,7 +51,7 @@ from replicas.runtime.background import Background
 from replicas.runtime.config import ReplicaConfig
 from replicas.runtime.decision_log import DecisionLogHealth, DecisionNotRecorded
 from replicas.runtime.dispatcher import Dispatcher, Routed, RouteRequest
-from replicas.runtime.follower import StreamFollower
+from replicas.runtime.follower import AppliedMessages, StreamFollower
 from replicas.runtime.leader import Leader
 from replicas.runtime.liveness import Liveness, release
 from replicas.runtime.log_outage import LogOutage, LogUnavailable
@@ -341,21 +341,21 @@ class Replica:
 
     # --- after each applied batch (follower.StreamListener) ----------------------------------
 
-    def stream_applied(self, kind: str, seq: int, batch: Sequence[ev.Event]) -> None:
-        state = self.state
+    def stream_applied(self, kind: str, messages: AppliedMessages) -> None:
         if kind == ROUTER:
-            for e in batch:
-                if isinstance(e, ev.RequestRouted):
-                    self.dispatcher.settle(e.request_id)
+            for _, batch in messages:
+                for e in batch:
+                    if isinstance(e, ev.RequestRouted):
+                        self.dispatcher.settle(e.request_id)
             self.dispatcher.load_changed.set()
         elif kind == KV:
-            if batch:
-                worker_id = getattr(batch[0], "worker_id", None)
-                if worker_id is not None:
-                    self.kv_heard[worker_id] = time.monotonic()
-            if state.out_of_sync:
+            now, heard = time.monotonic(), self.kv_heard
+            for _, batch in messages:
+                if batch and (worker_id := getattr(batch[0], "worker_id", None)) is not None:
+                    heard[worker_id] = now
+            if self.state.out_of_sync:  # once a slice of messages: after its last one
                 self._ask_reannounce()
-            if state.refused_workers.keys() != self._refused_logged:
+            if self.state.refused_workers.keys() != self._refused_logged:
                 self._log_refusals()
         elif kind == CONTROL:
             self.dispatcher.load_changed.set()

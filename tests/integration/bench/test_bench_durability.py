@@ -39,6 +39,7 @@ async def test_small_run_restores_and_restarts_with_equal_digests(tmp_path: Path
     assert restart["digests_equal"] is True
     assert restart["in_process"]["digests_equal"] is True
     assert restart["sigkill_restart_ready_s"] > 0
+    assert restart["sigkill_restart_cpu_to_ready_s"] > 0  # read from /proc (Linux)
     assert "loaded snapshot" in (tmp_path / "replica.log").read_text()
     assert result["params"]["index_form"] == form
     assert result["params"]["restart_via"] == via

@@ -256,3 +256,42 @@ async def test_a_newer_format_met_by_take_received_is_raised_by_the_next_anext(j
         with pytest.raises(NewerFormat):
             await asyncio.wait_for(reader.__anext__(), 30)
         assert reader.last_seq == 3
+
+
+async def test_a_catch_up_tail_reads_every_message_once_in_order_across_pulls(js, caplog):
+    """A tail as a restarting replica reads it (one ``__anext__``, then ``take_received`` until
+    the pull is spent, pulls of 16 over 150 messages): every sequence exactly once, in order; the
+    malformed, forged and wrongly marked messages inside it counted and skipped; messages marked
+    format 1 or carrying other headers applied."""
+    _, context = js
+    appender = Appender(context)
+    bad: dict[int, str] = {}
+    for i in range(1, 151):
+        if i % 37 == 0:
+            await context.publish(SUBJECT, b"\xc1 garbage", headers={"Nats-Msg-Id": f"g{i}"})
+            bad[i] = "malformed"
+        elif i % 41 == 0:  # w2's event on w1's subject
+            forged = BlocksStored("w2", i, 0, None, [(i, i)], 1.0)
+            await appender.append(SUBJECT, [forged], msg_id=f"f{i}")
+            bad[i] = "forged"
+        elif i % 43 == 0:
+            await appender.append(SUBJECT, [stored(i)], msg_id=f"x{i}",
+                                  headers={FORMAT_HEADER: "x"})
+            bad[i] = "unknown format"
+        else:
+            headers = {FORMAT_HEADER: "1", "Other": "y"} if i % 10 == 0 else None
+            await appender.append(SUBJECT, [stored(i)], msg_id=f"w1-{i}", headers=headers)
+    caplog.set_level(logging.WARNING, logger="eventlog.reader")
+    items: Items = []
+    async with StreamReader(context, KV, batch=4, catch_up_batch=16,
+                            time_decode=False) as reader:
+        while len(items) < 150:
+            items += await take(reader, 1)
+            items += reader.take_received(5)  # smaller than a pull: a pull spans several takes
+            items += reader.take_received(1 << 20)
+    assert [seq for seq, _ in items] == list(range(1, 151))
+    assert [seq for seq, events in items if not events] == sorted(bad)
+    assert event_ids(items) == [i for i in range(1, 151) if i not in bad]
+    assert (reader.malformed, reader.forged) == (len(bad), list(bad.values()).count("forged"))
+    assert reader.last_seq == 150 and reader.pending == 0
+    assert len([r for r in caplog.records if "skipping" in r.getMessage()]) == len(bad)
