@@ -82,12 +82,35 @@ async def subscribe_raw(nc: Any, handler: RawHandler) -> RawSubscription:
     if dispatch is None:
         dispatch = _Dispatch(nc)
         setattr(nc, _DISPATCH_ATTR, dispatch)
-    # No callback: nats-py starts no task for it, and nothing reaches its queue (the dispatcher
-    # takes the sid's messages first). Nothing is delivered to a fresh inbox before the caller
-    # asks for it, so registering after the SUB went out loses nothing.
-    sub = await nc.subscribe(nc.new_inbox())
+    # The dispatcher takes the sid's messages before nats-py builds a Msg, so the callback is
+    # never called while it does. The callback is the safety net should a nats-py release stop
+    # routing messages through ``_process_msg``: the handler then gets the same bytes, rebuilt
+    # from nats-py's Msg (slower, still correct), instead of nothing. Nothing is delivered to a
+    # fresh inbox before the caller asks for it, so registering after the SUB loses nothing.
+    async def through_nats_py(msg: Any) -> None:
+        try:
+            handler(msg.subject.encode(), (msg.reply or "").encode(), msg.data,
+                    header_block(msg.headers))
+        except Exception:
+            log.exception("raw inbox handler failed on %r", msg.subject)
+
+    sub = await nc.subscribe(nc.new_inbox(), cb=through_nats_py)
     dispatch.handlers[sub._id] = handler
     return RawSubscription(sub, dispatch)
+
+
+def header_block(headers: dict[str, str] | None) -> bytes | None:
+    """nats-py's header dict written back as the header block :func:`parse_headers` reads
+    (an inline status as nats-py parsed it out, included)."""
+    if not headers:
+        return None
+    first = _HEADER_LINE.decode()
+    if status := headers.get(STATUS):
+        first += f" {status}"
+        if description := headers.get(DESCRIPTION):
+            first += f" {description}"
+    lines = [first, *(f"{k}: {v}" for k, v in headers.items() if k not in (STATUS, DESCRIPTION))]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
 def parse_headers(raw: bytes) -> dict[str, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from eventlog.raw_inbox import subscribe_raw
+from eventlog.raw_inbox import parse_headers, subscribe_raw
 from tests.waiting import until
 
 Raw = tuple[bytes, bytes, bytes, bytes | None]
@@ -53,3 +53,19 @@ async def test_a_failing_handler_does_not_stop_the_connection_and_unsubscribe_st
     await nc.publish(other.subject, b"c")
     await until(lambda: second == [b"c"], timeout=10)
     assert got == [b"a", b"b"]
+
+
+async def test_messages_nats_py_delivers_itself_still_reach_the_handler(js):
+    """Should a nats-py release stop routing messages through the client's ``_process_msg``,
+    the subscription's own callback hands the handler the same bytes, not nothing."""
+    nc, _ = js
+    got: list[Raw] = []
+    raw = await subscribe_raw(nc, lambda s, r, d, h: got.append((s, r, d, h)))
+    nc._process_msg = nc._jetrouter_raw_dispatch.original  # as if nats-py bypassed it
+    await nc.publish(raw.subject, b"one", reply="reply.to")
+    await nc.publish(raw.subject, b"two", headers={"K": "v", "Nats-Msg-Id": "m1"})
+    await until(lambda: len(got) == 2, timeout=10)
+    assert got[0] == (raw.subject.encode(), b"reply.to", b"one", None)
+    subject, reply, data, headers = got[1]
+    assert (subject, reply, data) == (raw.subject.encode(), b"", b"two")
+    assert headers is not None and parse_headers(headers) == {"K": "v", "Nats-Msg-Id": "m1"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eventlog.raw_inbox import parse_headers
+from eventlog.raw_inbox import header_block, parse_headers
 
 
 @pytest.mark.parametrize(("block", "expected"), [
@@ -24,3 +24,5 @@ from eventlog.raw_inbox import parse_headers
 ])
 def test_header_blocks(block: bytes, expected: dict[str, str]) -> None:
     assert parse_headers(block) == expected
+    # nats-py's dict written back (the raw inbox's fallback) reads as the same headers
+    assert parse_headers(header_block(expected) or b"") == expected
