@@ -22,7 +22,8 @@ setup(ext_modules=[
     # the index's arrays through the buffer protocol, no numpy headers needed to build it.
     Extension("replicas.core._fastindex",
               sources=["replicas/core/_fastindex.c", "replicas/core/_fastindex_state.c",
-                       "replicas/core/_fastindex_table.c"],
+                       "replicas/core/_fastindex_table.c",
+                       "replicas/core/_fastindex_match.c"],
               depends=["replicas/core/_fastindex.h", "replicas/core/_fastindex_state.h"],
               optional=True),
 ])

@@ -23,7 +23,8 @@
  *
  * Beside this file: _fastindex.h (a table's cells and one-key methods), _fastindex_table.c
  * (reading a table; its bulk passes: fill_empty, sentinels, occupied), _fastindex_state.{h,c}
- * (the index's state during a call; the holders' one-node methods).
+ * (the index's state during a call; the holders' one-node methods), _fastindex_match.c (the
+ * query: a prompt's prefix match, one call).
  *
  * Pure like the rest of replicas/core: no I/O, no clock, no randomness.
  */
@@ -329,6 +330,9 @@ static PyMethodDef methods[] = {
      "fill_empty(table, keys, vals) -> positions of the keys left for U64Table._place"},
     {"sentinels", sentinels, METH_VARARGS,
      "sentinels(empty, keys, mask, s1, s2): a new table's empty keys"},
+    {"prefix_match", prefix_match, METH_VARARGS,
+     "prefix_match(holders, seq_hashes[, by_slot]) -> (slots, lengths) as PrefixIndex._match_python"
+     " gives them (by_slot: written there, their count returned), or None: Python's to answer"},
     {"occupied", occupied, METH_VARARGS,
      "occupied(table, keys, vals): the occupied cells' keys and values, in cell order"},
     {NULL, NULL, 0, NULL},
@@ -349,7 +353,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__fastindex(void)
 {
-    if (table_names() < 0 || state_names() < 0)
+    if (table_names() < 0 || state_names() < 0 || match_names() < 0)
         return NULL;
     INTERN(str_ok, "ok");
     INTERN(str_lost, "parent_block_not_found");

@@ -1,7 +1,7 @@
-/* What the compact prefix index's kernel (_fastindex.c, _fastindex_table.c) knows of a
- * U64Table (replicas/core/index_table.py): its cells read through the memoryviews the table keeps,
- * and its one-key methods (find1, _place1, _relocate1, delete1) step for step, so that the
- * kernel leaves the cells the Python code leaves. */
+/* What the compact prefix index's kernel (_fastindex.c, _fastindex_table.c, _fastindex_match.c)
+ * knows of a U64Table (replicas/core/index_table.py): its cells read through the memoryviews the
+ * table keeps, and its one-key methods (find1, _place1, _relocate1, delete1) step for step, so
+ * that the kernel leaves the cells the Python code leaves. */
 #ifndef JETROUTER_FASTINDEX_H
 #define JETROUTER_FASTINDEX_H
 
@@ -40,6 +40,8 @@ int flush_table(Table *t);
 PyObject *fill_empty(PyObject *self, PyObject *args);
 PyObject *sentinels(PyObject *self, PyObject *args);
 PyObject *occupied(PyObject *self, PyObject *args);
+int match_names(void);
+PyObject *prefix_match(PyObject *self, PyObject *args);
 
 static inline uint64_t sentinel(const Table *t, uint64_t bucket)
 {

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from itertools import chain, repeat
+from itertools import chain
 
 import numpy as np
 
@@ -393,30 +393,49 @@ class PrefixIndex(ApproximateMode):
 
     def find_matches(self, seq_hashes: Sequence[int]) -> OverlapScores:
         """Matched prefix length (in blocks) of ``seq_hashes`` per worker key, plus tree sizes."""
-        scores: dict[WorkerKey, int] = {}
-        if len(seq_hashes) and self._holders.nodes.size:
-            holders = self._holders.prefix_holders(np.asarray(seq_hashes, dtype=U64))
-            if len(holders):
-                keys = self._keys
-                first = int(holders[0])
-                other = np.flatnonzero(holders != first) if first >= 0 else None
-                if other is not None and (not len(other) or holders[other[0]] >= 0):
-                    # one worker holds the first block, and after its run comes a block it does
-                    # not hold (or none): only it matches, that far
-                    scores[keys[first]] = (  # type: ignore[index]
-                        int(other[0]) if len(other) else len(holders))
-                else:
-                    slots, lengths = self._holders.match(holders)
-                    scores.update(zip([keys[s] for s in slots],  # type: ignore[misc]
-                                      lengths, strict=True))
+        slots, lengths = self._match_slots(seq_hashes)
+        keys = self._keys
+        scores: dict[WorkerKey, int] = dict(zip([keys[s] for s in slots],  # type: ignore[misc]
+                                                lengths, strict=True))
         return OverlapScores(scores, dict(self._tree_sizes()))
 
     def match_columns(self, seq_hashes: Sequence[int]) -> MatchColumns:
         """``find_matches`` as columns (``MatchColumns``)."""
-        scores = self.find_matches(seq_hashes).scores
-        _, workers, sizes, rows, _, _ = self._live_columns()
-        return MatchColumns(workers, np.fromiter(map(scores.get, workers, repeat(0)), np.int64,
-                                                 len(workers)), sizes, rows)
+        live, workers, sizes, rows, _, _ = self._live_columns()
+        by_slot = np.zeros(len(self._keys), dtype=np.int64)
+        kernel = index_kernel.active()
+        # the kernel writes each length at its slot (None: a hash it does not take on)
+        if kernel is None or kernel.prefix_match(self._holders, seq_hashes, by_slot) is None:
+            slots, lengths = self._match_python(seq_hashes)
+            by_slot[slots] = lengths
+        return MatchColumns(workers, by_slot.take(live), sizes, rows)
+
+    def _match_slots(self, seq_hashes: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(slots, match lengths) of the slots holding the query's first block, in order of
+        length then slot: the compiled kernel's (``_fastindex_match.c``) when it runs, else
+        ``_match_python``'s, the same answer."""
+        kernel = index_kernel.active()
+        if kernel is not None:
+            found: tuple[list[int], list[int]] | None = kernel.prefix_match(self._holders,
+                                                                             seq_hashes)
+            if found is not None:  # (None: a hash the kernel does not take on)
+                return found
+        return self._match_python(seq_hashes)
+
+    def _match_python(self, seq_hashes: Sequence[int]) -> tuple[list[int], list[int]]:
+        """``_match_slots`` in Python: the reference the compiled kernel follows."""
+        if not len(seq_hashes) or not self._holders.nodes.size:
+            return [], []
+        holders = self._holders.prefix_holders(np.asarray(seq_hashes, dtype=U64))
+        if not len(holders):
+            return [], []
+        first = int(holders[0])
+        other = np.flatnonzero(holders != first) if first >= 0 else None
+        if other is not None and (not len(other) or holders[other[0]] >= 0):
+            # one worker holds the first block, and after its run comes a block it does not
+            # hold (or none): only it matches, that far
+            return [first], [int(other[0]) if len(other) else len(holders)]
+        return self._holders.match(holders)
 
     def _tree_sizes(self) -> dict[WorkerKey, int]:
         sizes = self._sizes_cache

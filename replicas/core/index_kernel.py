@@ -1,11 +1,13 @@
-"""Whether the compact index applies KV events with its compiled kernel (``_fastindex.c``).
+"""Whether the compact index applies KV events and matches prompts with its compiled kernel
+(``_fastindex.c``).
 
 The kernel is an optional build (``setup.py``, beside the compiled prompt hashing): where it is
 missing, or where ``JETROUTER_PURE_PYTHON`` asks for the Python code (``eventlog/compiled.py``
-reads it), ``PrefixIndex.store``/``remove``/``apply_run`` run their Python code, which stays the
-reference implementation (``tests/unit/replicas/core/test_index_kernel.py`` checks the two leave
-the same state). ``use_compiled`` switches at run time, so one process can time both
-(``python -m bench.core_tail --kernel both``)."""
+reads it), ``PrefixIndex.store``/``remove``/``apply_run`` and ``find_matches``/``match_columns``
+run their Python code, which stays the reference implementation
+(``tests/unit/replicas/core/test_index_kernel.py`` checks the two leave the same state,
+``test_index_match_kernel.py`` that they match alike). ``use_compiled`` switches at run time,
+so one process can time both (``python -m bench.core_tail --kernel both``)."""
 
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ from replicas.core import index_kernel
 from replicas.core.index_common import U64, popcount
 
 _WAYS = 8  # cells per bucket: one 64-byte cache line of keys
+_LINE = 64
 _M = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio (odd)
 _M_INVERSE = np.uint64(pow(0x9E3779B97F4A7C15, -1, 2**64))  # _M * this == 1 mod 2**64
 _M_INT, _MASK64 = int(_M), 2**64 - 1
@@ -47,6 +48,16 @@ _MIN_BITS = 3
 _ROUNDS = 6  # placement rounds; what is left then gets a cuckoo step each, else the table doubles
 _FEW = 16
 _BULK = 256  # an insert of more keys than this into an empty table loads it in bulk
+
+
+def _lined_up(buckets: int, dtype: np.dtype) -> np.ndarray:
+    """Zeroed ``(buckets, 8)`` cells starting on a 64-byte boundary, so that a bucket's keys are
+    one cache line (numpy aligns its data to 16 bytes only: a bucket then spans two lines, and a
+    lookup of a table far larger than the caches waits for both)."""
+    size = buckets * _WAYS * dtype.itemsize
+    raw = np.zeros(size + _LINE, dtype=np.uint8)
+    start = -raw.ctypes.data % _LINE
+    return raw[start:start + size].view(dtype).reshape(buckets, _WAYS)
 
 
 class U64Table:
@@ -74,15 +85,15 @@ class U64Table:
         self._s1, self._s2 = 64 - bits, 64 - 2 * bits  # the same, as Python ints
         self._limit = int(_MAX_LOAD * buckets * _WAYS)
         kernel = index_kernel.active()
+        self.keys = _lined_up(buckets, U64)
         if kernel is not None:  # the same keys in one pass (doubling a large table is mostly this)
             self._empty = np.empty(buckets, dtype=U64)
-            self.keys = np.empty((buckets, _WAYS), dtype=U64)
             kernel.sentinels(self._empty, self.keys, self.mask, self._s1, self._s2)
         else:
             self._empty = self._sentinels(np.arange(buckets, dtype=np.int64))
-            self.keys = np.repeat(self._empty[:, None], _WAYS, axis=1)
-        self.vals = np.zeros((buckets, _WAYS), dtype=self.dtype)
-        self.occ = np.zeros((buckets, _WAYS), dtype=bool)
+            self.keys[:] = self._empty[:, None]
+        self.vals = _lined_up(buckets, self.dtype)
+        self.occ = _lined_up(buckets, np.dtype(bool))
         self._bits = bits
         # memoryviews of the same memory, for the one-key methods: indexing one returns a Python
         # int in ~30 ns, where indexing the array makes a numpy scalar
