@@ -137,6 +137,18 @@ static int by_bucket(const void *x, const void *y)
     return (a->at > b->at) - (a->at < b->at);
 }
 
+/* Put key i in the next free cell of bucket b if it has one (both passes of fill_empty). */
+static inline int fill_into(Table *t, uint8_t *fill, uint64_t b, uint64_t key, uint64_t val)
+{
+    if (fill[b] >= WAYS)
+        return 0;
+    Py_ssize_t cell = (Py_ssize_t)b * WAYS + fill[b]++;
+    t->keys[cell] = key;
+    set_val(t, cell, val);
+    t->occ[cell] = 1;
+    return 1;
+}
+
 /* fill_empty(table, keys, vals) -> positions of the keys left for U64Table._place, in the order
  * _fill_empty leaves them. Each key to its first bucket, the k-th of a bucket's keys (in input
  * order) to its k-th cell; the overflow, in (first bucket, input) order, likewise to its second
@@ -168,6 +180,8 @@ PyObject *fill_empty(PyObject *self, PyObject *args)
     if (load_table(obj, &t, wide) < 0)
         goto done;
     const uint64_t *keys = kb.buf;
+#define VAL_AT(i) (wide ? ((const uint64_t *)vb.buf)[i] \
+                        : (uint64_t)(int64_t)((const int32_t *)vb.buf)[i])
     fill = PyMem_Calloc((size_t)(t.mask + 1), 1);
     waiting = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Waiting));
     if (fill == NULL || waiting == NULL) {
@@ -177,13 +191,7 @@ PyObject *fill_empty(PyObject *self, PyObject *args)
     Py_ssize_t left = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t b = (keys[i] * TABLE_M) >> t.s1;
-        if (fill[b] < WAYS) {
-            Py_ssize_t cell = (Py_ssize_t)b * WAYS + fill[b]++;
-            t.keys[cell] = keys[i];
-            set_val(&t, cell, wide ? ((const uint64_t *)vb.buf)[i]
-                                   : (uint64_t)(int64_t)((const int32_t *)vb.buf)[i]);
-            t.occ[cell] = 1;
-        } else {
+        if (!fill_into(&t, fill, b, keys[i], VAL_AT(i))) {
             waiting[left].bucket = b;
             waiting[left++].at = i;
         }
@@ -198,13 +206,7 @@ PyObject *fill_empty(PyObject *self, PyObject *args)
     for (Py_ssize_t j = 0; j < left; j++) {
         Py_ssize_t i = waiting[j].at;
         uint64_t b = ((keys[i] * TABLE_M) >> t.s2) & t.mask;
-        if (fill[b] < WAYS) {
-            Py_ssize_t cell = (Py_ssize_t)b * WAYS + fill[b]++;
-            t.keys[cell] = keys[i];
-            set_val(&t, cell, wide ? ((const uint64_t *)vb.buf)[i]
-                                   : (uint64_t)(int64_t)((const int32_t *)vb.buf)[i]);
-            t.occ[cell] = 1;
-        } else {
+        if (!fill_into(&t, fill, b, keys[i], VAL_AT(i))) {
             second[rest].bucket = b;
             second[rest++].at = j; /* ties keep the first pass's order */
         }
@@ -218,6 +220,7 @@ PyObject *fill_empty(PyObject *self, PyObject *args)
         else
             PyList_SET_ITEM(out, j, v);
     }
+#undef VAL_AT
 done:
     PyMem_Free(fill);
     PyMem_Free(waiting);
