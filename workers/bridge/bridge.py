@@ -29,18 +29,16 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import zmq.asyncio
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
-from errors.root import JetrouterError
 from eventlog.appender import Appender, AppendFailed
-from eventlog.connect import NatsOptions
 from eventlog.events import EngineKind, Event, Role, WorkerRegistered, WorkerRetired
 from eventlog.names import KV, Names
+from workers.bridge.config import BridgeConfigInvalid, BridgeSettings
 from workers.bridge.decode import BadPayload, EngineStored, decode_payload
 from workers.bridge.engine_http import EngineHttp, EngineUnavailable, MetricsView
 from workers.bridge.monitor import EngineMonitor
@@ -64,38 +62,6 @@ log = logging.getLogger(__name__)
 
 # Replay requests for one gap while each answer brings batches the previous ones did not.
 REPLAY_ROUNDS = 50
-
-
-class BridgeConfigInvalid(JetrouterError, ValueError):
-    """Settings the bridge cannot run with (reported as one line, exit 2)."""
-
-
-@dataclass(slots=True)
-class BridgeSettings:
-    engine_url: str
-    kv_events: str
-    worker_id: str
-    nats_url: str
-    kv_replay: str = ""
-    namespace: str = "jr"
-    kv_topic: str = ""
-    block_size: int | None = None
-    kv_total_blocks: int | None = None
-    max_num_batched_tokens: int = 8192
-    advertise_url: str | None = None
-    # Disaggregated serving: routers hand a prefill engine's KV over in the protocol of its
-    # engine kind ("auto": found in /metrics; api/forward/prefill.py); a failed hand-off falls
-    # back to aggregated serving.
-    role: str = "both"
-    engine_kind: str = "auto"
-    bootstrap_port: int = 0  # an SGLang prefill engine's bootstrap server (0: not given)
-    model: str | None = None
-    health_interval: float = 2.0
-    unhealthy_after: float = 10.0
-    load_interval: float = 1.0
-    replay_timeout: float = 5.0
-    engine_http_timeout: float = 5.0
-    nats: NatsOptions = field(default_factory=NatsOptions)  # credentials and TLS
 
 
 class Bridge:

@@ -21,8 +21,8 @@ from eventlog.connect import (
 )
 from eventlog.names import check_token
 from settings.flags import CliError, add_options, build
-from workers.bridge.bridge import Bridge, BridgeConfigInvalid, BridgeSettings
-from workers.bridge.config import BRIDGE
+from workers.bridge.bridge import Bridge
+from workers.bridge.config import BRIDGE, BridgeConfigInvalid, BridgeSettings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

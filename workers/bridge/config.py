@@ -1,16 +1,50 @@
 """The bridge's options (`jetrouter bridge`), each declared once (see settings/flags.py).
 
-The option names are :class:`workers.bridge.bridge.BridgeSettings`' field names, so the settings
+The option names are :class:`BridgeSettings`' field names, so the settings
 are built from the parsed flags by name (:func:`settings.flags.build`).
 To add an option or an alias: one line in the group it belongs to (settings/flags.py says how).
 """
 
 from __future__ import annotations
 
-from eventlog.connect import NAMESPACE, NATS_SECURITY
+from dataclasses import dataclass, field
+
+from errors.root import JetrouterError
+from eventlog.connect import NAMESPACE, NATS_SECURITY, NatsOptions
 from eventlog.events import EngineKind, Role
 from settings.flags import Group, Option, find
 
+
+class BridgeConfigInvalid(JetrouterError, ValueError):
+    """Settings the bridge cannot run with (reported as one line, exit 2)."""
+
+
+@dataclass(slots=True)
+class BridgeSettings:
+    engine_url: str
+    kv_events: str
+    worker_id: str
+    nats_url: str
+    kv_replay: str = ""
+    namespace: str = "jr"
+    kv_topic: str = ""
+    block_size: int | None = None
+    kv_total_blocks: int | None = None
+    max_num_batched_tokens: int = 8192
+    advertise_url: str | None = None
+    # Disaggregated serving: routers hand a prefill engine's KV over in the protocol of its
+    # engine kind ("auto": found in /metrics; api/forward/prefill.py); a failed hand-off falls
+    # back to aggregated serving.
+    role: str = "both"
+    engine_kind: str = "auto"
+    bootstrap_port: int = 0  # an SGLang prefill engine's bootstrap server (0: not given)
+    model: str | None = None
+    health_interval: float = 2.0
+    unhealthy_after: float = 10.0
+    load_interval: float = 1.0
+    replay_timeout: float = 5.0
+    engine_http_timeout: float = 5.0
+    nats: NatsOptions = field(default_factory=NatsOptions)  # credentials and TLS
 
 def zmq_endpoint(raw: str) -> str:
     if raw and "://" not in raw:

@@ -220,7 +220,7 @@ def test_an_option_and_an_alias_are_one_line_each() -> None:
 
 
 def test_build_fills_a_dataclass_by_option_name() -> None:
-    from workers.bridge.bridge import BridgeSettings
+    from workers.bridge.config import BridgeSettings
 
     args = build_parser(["bridge"]).parse_args(["bridge", *BRIDGE_OK, "--load-interval", "3"])
     settings = build(BridgeSettings, args)
