@@ -319,7 +319,8 @@ class Dispatcher:
     async def route(self, req: RouteRequest) -> Routed:
         """Decide, count the decision in our load at once, submit its append and hand back the
         worker without waiting for the acknowledgement (:meth:`recorded` waits for it)."""
-        if self.config.queue_threshold is not None and self._must_queue(req):
+        held = self._held_unless_queued(req)
+        if held is None:
             fut: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
             queued_at = time.perf_counter()
             self._enqueue((req, fut))
@@ -336,7 +337,7 @@ class Dispatcher:
         else:
             if req.session is not None:
                 await self._catch_up_router()
-            routed = self._prepare_into(req, self._held_from(req))
+            routed = self._prepare_into(req, held)
         port = self.port
         if self.outage.degraded(time.monotonic()):
             # The log cannot take it: serve on the overlay's count alone (released when the
@@ -461,26 +462,26 @@ class Dispatcher:
 
     # --- the router queue --------------------------------------------------------------------
 
-    def _must_queue(self, req: RouteRequest) -> bool:
+    def _held_unless_queued(self, req: RouteRequest) -> frozenset[str] | None:
+        """None when ``req`` must wait in the router queue; otherwise the engines it may not go
+        to now: those held for tenants under their share, when it is over its own (none
+        without a queue threshold or headroom)."""
         threshold = self.config.queue_threshold
-        assert threshold is not None
-        if len(self._queue):
-            return True  # keep arrival order: nobody overtakes the queue
-        cands = self.candidates(req.model, ())
-        if not cands or should_queue(cands, threshold) or not self.shares.fraction:
-            return bool(cands) and should_queue(cands, threshold)
-        # An over-share tenant waits while every open engine is held for the others.
-        return {c.worker[0] for c in cands if c.active_prefill_tokens
-                <= threshold * c.max_num_batched_tokens} <= self._held_from(req)
-
-    def _held_from(self, req: RouteRequest) -> frozenset[str]:
-        """The engines a request routed without queueing may not go to: those held for
-        tenants under their share, when it is over its own (none without headroom)."""
-        threshold = self.config.queue_threshold
-        if threshold is None or not self.shares.fraction:
+        if threshold is None:
             return frozenset()
-        room = self.shares.headroom(self.candidates(req.model, ()), threshold)
-        return room.held if req.tenant not in room.under else frozenset()
+        if len(self._queue):
+            return None  # keep arrival order: nobody overtakes the queue
+        cands = self.candidates(req.model, ())
+        if cands and should_queue(cands, threshold):
+            return None
+        if not cands or not self.shares.fraction:
+            return frozenset()
+        room = self.shares.headroom(cands, threshold)
+        held = room.held if req.tenant not in room.under else frozenset()
+        # An over-share tenant waits while every open engine is held for the others.
+        open_engines = {c.worker[0] for c in cands
+                        if c.active_prefill_tokens <= threshold * c.max_num_batched_tokens}
+        return None if open_engines <= held else held
 
     def _queued_tokens(self, tenant: str) -> int:
         return self._queue.queued_tokens(tenant) if isinstance(self._queue, FairQueue) else 0

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from replicas.core import index_kernel
+from tests.unit.replicas.core.kernel_switch import kernel
 
 
 @pytest.fixture(scope="module", params=["python", "compiled"])
@@ -16,7 +17,5 @@ def each_index_kernel(request: pytest.FixtureRequest) -> Iterator[str]:
     use it."""
     if request.param == "compiled" and not index_kernel.available():
         pytest.skip("the compiled index kernel is not built here")
-    was = index_kernel.active() is not None
-    index_kernel.use_compiled(request.param == "compiled")
-    yield request.param
-    index_kernel.use_compiled(was)
+    with kernel(request.param == "compiled"):
+        yield request.param

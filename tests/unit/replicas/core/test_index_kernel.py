@@ -13,8 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ from replicas.core import index_kernel
 from replicas.core.index import PrefixIndex
 from replicas.core.index_common import U64
 from replicas.core.index_table import U64Table
+from tests.unit.replicas.core.kernel_switch import kernel
 from tests.unit.replicas.core.test_index_compact import (
     BIG,
     IDS,
@@ -41,16 +41,6 @@ from tests.unit.replicas.core.test_index_run import apply_each, apply_in_runs, i
 
 pytestmark = pytest.mark.skipif(not index_kernel.available(),
                                 reason="the compiled index kernel is not built here")
-
-
-@contextmanager
-def kernel(enabled: bool) -> Iterator[None]:
-    was = index_kernel.active() is not None
-    index_kernel.use_compiled(enabled)
-    try:
-        yield
-    finally:
-        index_kernel.use_compiled(was)
 
 
 def cells(index: PrefixIndex) -> tuple[object, ...]:

@@ -10,9 +10,6 @@ property tests against the reference form (``test_index_compact.py``) run with t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -22,6 +19,7 @@ from eventlog.hashing import sequence_hashes
 from replicas.core import index_kernel
 from replicas.core.index import PrefixIndex
 from replicas.core.index_common import U64, WorkerKey
+from tests.unit.replicas.core.kernel_switch import kernel
 from tests.unit.replicas.core.test_index_compact import KEYS, MANY
 
 pytestmark = pytest.mark.skipif(not index_kernel.available(),
@@ -29,16 +27,6 @@ pytestmark = pytest.mark.skipif(not index_kernel.available(),
 
 ALPHABET = st.integers(min_value=1, max_value=3)  # small, so that chains share prefixes
 NOBODY = 99  # a token no store uses: a query starting with it has a first block nobody holds
-
-
-@contextmanager
-def kernel(enabled: bool) -> Iterator[None]:
-    was = index_kernel.active() is not None
-    index_kernel.use_compiled(enabled)
-    try:
-        yield
-    finally:
-        index_kernel.use_compiled(was)
 
 
 def compiled_match(index: PrefixIndex, query: object) -> object:

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from eventlog import events as ev
+from eventlog.hashing import tokens_hashes
 from eventlog.names import KV, ROUTER
 from replicas.core.tenant_headroom import ACTIVE_FOR
 from replicas.runtime.dispatcher import Dispatcher, RouteRequest
@@ -86,3 +87,17 @@ async def test_the_hold_lapses_when_the_victim_stops_being_active() -> None:
         assert time.monotonic() - started >= 0.2
     finally:
         await d.stop()
+
+
+async def test_a_flood_request_routed_at_once_keeps_off_the_held_engine() -> None:
+    """Three engines, two open: the flood may be routed without queueing, but not to the one
+    held for the victim — even though that one holds the flood's prompt in its cache."""
+    port, d = _queued(0.5)
+    _fleet(port, victim_ago=0.5)
+    port.state.apply(KV, 3, [ev.WorkerRegistered("w2", "http://w2", "m", 16, 1000, 8192, 1.0)])
+    hashes = tokens_hashes(TOKENS, 16)
+    port.state.apply(KV, 4, [ev.BlocksStored("w1", 1, 0, None,
+                                             [(i + 1, h) for i, h in enumerate(hashes)], 2.0)])
+    routed = await asyncio.wait_for(d.route(_req("f1", "flood")), 5)
+    assert routed.worker_id == "w2"
+    assert d.queue_depth() == 0
