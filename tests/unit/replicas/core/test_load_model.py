@@ -125,6 +125,10 @@ class LoadMachine(RuleBasedStateMachine):
             mine = [req for req in self.model.values() if req.worker == worker]
             assert self.load.active_prefill_tokens(worker) == sum(
                 req.prefill for req in mine if not req.done)
+            # the requests whose prompt is still being computed (what the headroom counts)
+            assert sorted(self.load.prefilling(worker)) == sorted(
+                rid for rid, req in self.model.items()
+                if req.worker == worker and not req.done and req.prefill > 0)
             held = {h for req in mine for h in req.hashes}
             milli = sum(output_block_milli(req.output, req.generated)
                         for req in mine if req.output is not None)

@@ -51,6 +51,8 @@ class OverlayMachine(RuleBasedStateMachine):
             pending = [p for p in self.model.values() if p.worker == worker]
             assert self.overlay.prefill_tokens(worker) == sum(p.prefill_tokens for p in pending)
             assert self.overlay.decode_blocks(worker) == sum(p.new_blocks for p in pending)
+            assert sorted(self.overlay.prefilling(worker)) == sorted(
+                r for r, p in self.model.items() if p.worker == worker and p.prefill_tokens)
 
 
 OverlayMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40,

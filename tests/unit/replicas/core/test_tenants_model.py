@@ -3,7 +3,8 @@ admissions (first hops, migrated hops, prefill hops), finishes, lost replicas, t
 snapshot round trips, each tenant's requests and tokens in the last minute and its requests in
 flight are exactly what the model computes from the events applied — and so are the oldest
 admission in the window and the tokens admitted before a moment, which the fair queue's
-newcomer lift reads.
+newcomer lift reads, and what the headroom reads (the newest admission, who is recent, the
+tenant of a hop in flight).
 """
 
 from __future__ import annotations
@@ -119,6 +120,17 @@ class TenantMachine(RuleBasedStateMachine):
                 for ts in {c.ts for c in self.charges.values()} | {later, at - WINDOW / 2}:
                     assert book.tokens_before(tenant, ts, later) == sum(
                         c.tokens for c in seen if c.ts < ts)
+            # What the headroom reads (tenant_headroom.py): the newest admission in the window,
+            # and who was admitted since a moment or has a request in flight.
+            assert book.last_admission(tenant) == max((c.ts for c in mine), default=None)
+            for since in {c.ts for c in self.charges.values()} | {at, at - WINDOW / 2}:
+                admitted = any(c.ts >= since for c in mine)
+                in_flight = any(t == tenant for _, t, _ in self.active.values())
+                assert (tenant in book.recent(since)) == (admitted or in_flight)
+        for hop_id in self.ended - set(self.active):
+            assert self.state.tenants.tenant_of(hop_id) is None
+        for hop_id, (_, tenant, _) in self.active.items():
+            assert self.state.tenants.tenant_of(hop_id) == tenant
 
 
 TenantMachine.TestCase.settings = settings(max_examples=400, stateful_step_count=40,
