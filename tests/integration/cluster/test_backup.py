@@ -80,9 +80,13 @@ async def test_export_then_import_into_an_empty_nats_gives_equal_digests(tmp_pat
             r = await h.post(f"{c.router_urls[0]}/admin/snapshot", headers=auth)
             assert r.status_code == 200, r.text
             await _route(h, c, 12, 1000)  # messages after the snapshot too
-            lasts = await _lasts(c.nats_url)
-            before = await until(lambda: _settled(h, c, lasts), timeout=60,
-                                 what="replicas settled on one digest")
+            # A request's end is appended after its answer went out: read the streams' ends
+            # again once the replicas settle, until nothing more came meanwhile.
+            lasts: dict[str, int] = {}
+            while (now := await _lasts(c.nats_url)) != lasts:
+                lasts = now
+                before = await until(lambda at=lasts: _settled(h, c, at), timeout=60,
+                                     what="replicas settled on one digest")
             code, out = await _cli("export", str(backup), "--nats-url", c.nats_url,
                                    "--namespace", NS)
             assert code == 0, out
