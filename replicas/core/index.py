@@ -55,6 +55,11 @@ from replicas.core.index_table import U64Table
 
 __all__ = ["OverlapScores", "PrefixIndex", "WorkerKey"]
 
+# A worker's block table starts with 2**7 buckets (1,024 cells, ~18 KB; ~870 blocks before it
+# first doubles): an engine that stores holds thousands of blocks, and each doubling of a small
+# table is a fixed ~30 us of numpy calls, most of applying a fresh worker's first events.
+_SLOT_TABLE_BITS = 7
+
 class _Powers:
     """``P**i`` and ``P**-i`` mod 2**64 for the chain multiplier ``P`` (odd, so invertible)."""
 
@@ -133,11 +138,12 @@ class PrefixIndex(ApproximateMode):
         if self._free:
             slot = heapq.heappop(self._free)
             self._keys[slot] = worker
+            self._blocks[slot] = U64Table.with_bits(U64, _SLOT_TABLE_BITS)
             self._weights[slot] = worker_weight(worker)
         else:
             slot = len(self._keys)
             self._keys.append(worker)
-            self._blocks.append(U64Table(U64))
+            self._blocks.append(U64Table.with_bits(U64, _SLOT_TABLE_BITS))
             self._dups.append({})
             self._sums.append(0)
             self._weights.append(worker_weight(worker))
