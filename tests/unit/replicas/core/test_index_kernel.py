@@ -212,6 +212,23 @@ def test_ops_the_kernel_does_not_take_go_to_python() -> None:
     check_same(ops, KEYS, [[1, 2, 3, 4, 5]], lambda i, o: apply_in_runs(i, o, [False] * len(o)))
 
 
+def test_numbers_at_an_ints_digit_boundaries_read_exactly() -> None:
+    """The kernel reads a Python int's 30-bit digits itself: ids and hashes with one, two and
+    three digits, at each boundary and at the top of u64, apply as in Python; an id past u64 (a
+    fourth digit, or a third one too large) sends its removal to Python."""
+    a, b = KEYS[0], KEYS[1]
+    edges = [0, 1, 2**30 - 1, 2**30, 2**60 - 1, 2**60, 2**63, 2**64 - 2, 2**64 - 1]
+    ops: list[tuple[object, ...]] = [
+        ("store", a, None, [(x, edges[-1 - i]) for i, x in enumerate(edges)]),
+        ("store", b, None, [(x, x) for x in edges]),
+        ("remove", a, [2**30, 2**64, 2**60], None),  # past u64 by one: the third digit is 16
+        ("remove", b, [2**90, 2**60 - 1], None),  # four digits
+        ("remove", b, [2**64 - 2, 2**63], None),
+        ("store", a, None, [(2**60 - 1, 3)]),
+    ]
+    check_same(ops, KEYS, [edges[:4], [2**64 - 1]])
+
+
 @pytest.mark.parametrize("count,dtype,bits", [(300, U64, 6), (5000, np.int32, 9),
                                               (4000, U64, 6), (0, U64, 3)])
 def test_bulk_load_places_every_key_alike(count: int, dtype: type, bits: int) -> None:
