@@ -49,7 +49,8 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -94,7 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Python hashing and one Candidate object per worker; both: side by side, "
                         "one sitting (the pure figures under pure_path)")
     p.add_argument("--serve-gc", action="store_true",
-                   help="time decisions under the replica's garbage-collector settings "
+                   help="time decisions and the replays under the replica's garbage-collector "
+                        "settings "
                         "(api/serve.py tune_gc: start-up objects frozen, young threshold 10,000)")
     p.add_argument("--router-state", action="store_true",
                    help="also time decisions as the replica makes them, on a RouterState built "
@@ -180,6 +182,25 @@ def bench_apply(work: Workload, form: str = "compact") -> tuple[AnyIndex, float,
     return index, elapsed, memory
 
 
+@contextmanager
+def replica_gc(enabled: bool) -> Iterator[None]:
+    """With ``enabled``, the replica's garbage-collector settings (api/serve.py ``tune_gc``):
+    what exists now (the workload's millions of tuples among it) is frozen, young collections
+    every 10,000 net allocations; the defaults again afterwards."""
+    if not enabled:
+        yield
+        return
+    from api.serve import tune_gc
+
+    was = gc.get_threshold()
+    tune_gc()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*was)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -211,37 +232,29 @@ def bench_decisions(indexes: dict[str, AnyIndex], work: Workload, args: argparse
     differ = dict.fromkeys(indexes, 0)
     steps = {"fast": _fast_decision(keys, load), "pure": _pure_decision(keys, load)}
     compiled_was = compiled.active() is not None
-    gc_was = gc.get_threshold()
-    if args.serve_gc:
-        # The replica's garbage-collector settings (api/serve.py): what exists now is frozen,
-        # young collections every 10,000 net allocations.
-        from api.serve import tune_gc
-
-        tune_gc()
-    try:
-        for i in range(args.samples + 50):  # the first 50 warm caches and are not recorded
-            q = i % len(work.prompts)
-            tokens = work.prompts[q]
-            picked: dict[tuple[str, str], Any] = {}
-            for variant in (variants if i % 2 else variants[::-1]):
-                form, path = variant
-                compiled.use_compiled(path == "fast")
-                times, decision = steps[path](indexes[form], tokens, bs, selector, rngs[variant])
-                picked[variant] = (getattr(decision, "worker", None),
-                                   getattr(decision, "overlap_blocks", None))
-                if i >= 50:
-                    right[variant] += getattr(decision, "worker", None) == work.owners[q]
-                    for name, dt in zip(stages[variant], times, strict=True):
-                        stages[variant][name].append(dt)
-                    totals[variant].append(sum(times))
-                    core[variant].append(sum(times) - times[2])
-            for form in indexes:  # the paths must decide alike: count any sample where not
-                differ[form] += len({picked[(form, path)] for path in paths}) > 1
-    finally:
-        compiled.use_compiled(compiled_was)
-        if args.serve_gc:
-            gc.unfreeze()
-            gc.set_threshold(*gc_was)
+    with replica_gc(args.serve_gc):
+        try:
+            for i in range(args.samples + 50):  # the first 50 warm caches and are not recorded
+                q = i % len(work.prompts)
+                tokens = work.prompts[q]
+                picked: dict[tuple[str, str], Any] = {}
+                for variant in (variants if i % 2 else variants[::-1]):
+                    form, path = variant
+                    compiled.use_compiled(path == "fast")
+                    times, decision = steps[path](indexes[form], tokens, bs, selector,
+                                                  rngs[variant])
+                    picked[variant] = (getattr(decision, "worker", None),
+                                       getattr(decision, "overlap_blocks", None))
+                    if i >= 50:
+                        right[variant] += getattr(decision, "worker", None) == work.owners[q]
+                        for name, dt in zip(stages[variant], times, strict=True):
+                            stages[variant][name].append(dt)
+                        totals[variant].append(sum(times))
+                        core[variant].append(sum(times) - times[2])
+                for form in indexes:  # the paths must decide alike: count any sample where not
+                    differ[form] += len({picked[(form, path)] for path in paths}) > 1
+        finally:
+            compiled.use_compiled(compiled_was)
     us = 1e-3
 
     def figures(v: tuple[str, str]) -> dict[str, Any]:
@@ -399,7 +412,8 @@ async def _replay_once(js: Any, stream: str, last: int, index: AnyIndex, batches
     applied = 0
     gc.collect()
     t0 = time.perf_counter()
-    reader = StreamReader(js, stream, start_seq=1)
+    # as the replica's KV follower reads (replicas/runtime/follower.py): no decode timing
+    reader = StreamReader(js, stream, start_seq=1, time_decode=False)
     try:
         async for seq, events in reader:
             for e in events:
@@ -473,7 +487,9 @@ def run(args: argparse.Namespace) -> int:
         router_state = bench_state_decisions(work, args, Selector(routing))
         gc.collect()
     if args.replay_batches > 0:
-        for form, figures in asyncio.run(bench_replay(work, args.replay_batches, forms)).items():
+        with replica_gc(args.serve_gc):
+            replays = asyncio.run(bench_replay(work, args.replay_batches, forms))
+        for form, figures in replays.items():
             per_form[form].update(figures)
     else:
         for form in forms:

@@ -46,7 +46,8 @@ async def replay_runs(js: Any, stream: str, last: int, index: AnyIndex) -> dict[
     applied = 0
     gc.collect()
     t0 = time.perf_counter()
-    reader = StreamReader(js, stream, start_seq=1)
+    # as the replica's KV follower reads (replicas/runtime/follower.py): no decode timing
+    reader = StreamReader(js, stream, start_seq=1, time_decode=False)
     try:
         async for first in reader:
             taken = [first, *reader.take_received(RUN_EVENTS - 1)]
