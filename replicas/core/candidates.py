@@ -13,13 +13,14 @@ engines whose role takes the decision's phase are candidates, each seen as that 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from eventlog.hashing import prompt_hashes
 from replicas.core import disagg
 from replicas.core.candidate_columns import CandidateColumns
+from replicas.core.index_common import MatchColumns
 from replicas.core.load import MILLI, ActiveLoad
 from replicas.core.load_columns import SlotRows
 from replicas.core.overlay import Overlay
@@ -159,6 +160,21 @@ class CandidateRows:
     roster_version: int
     row_of: dict[tuple[str, int], int]  # worker key -> its row
     slot_rows: SlotRows  # the load columns' slots -> these rows (load_columns.py)
+    # [the index's MatchColumns.workers list, these rows' places in it]: kept while the index
+    # answers with the same list (its rows unchanged), instead of a dict lookup per row per
+    # decision (~16 us at 256 rows)
+    match_memo: list[object] = field(default_factory=list)
+
+    def match_rows(self, match: MatchColumns) -> np.ndarray:
+        """``match.rows_of(self.workers)``, kept while ``match.workers`` is the same list."""
+        memo = self.match_memo
+        if memo and memo[0] is match.workers:
+            where: np.ndarray = memo[1]  # type: ignore[assignment]
+            return where
+        where = match.rows_of(self.workers)
+        where.flags.writeable = False  # shared by the decisions until the index's rows move
+        memo[:] = [match.workers, where]
+        return where
 
 
 def candidate_rows(state: RouterState, model: str, exclude: frozenset[str] = frozenset(),
@@ -236,7 +252,8 @@ def build_candidate_columns(state: RouterState, model: str, seq_hashes: Sequence
     own_blocks = not assume_kv_reuse and phase == disagg.AGGREGATED
     count = len(keys)
     n = len(seq_hashes)
-    overlap, tree = state.index.match_columns(seq_hashes).for_keys(keys)
+    match = state.index.match_columns(seq_hashes)
+    overlap, tree = match.for_keys(keys, rows.match_rows(match))
     prefill = np.zeros(count, dtype=np.float64)
     decode = np.zeros(count, dtype=np.float64)
     new = np.full(count, n, dtype=np.int64)

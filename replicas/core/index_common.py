@@ -52,11 +52,19 @@ class MatchColumns:
                    np.fromiter(scores.tree_sizes.values(), np.int64, len(workers)),
                    {k: i for i, k in enumerate(workers)})
 
-    def for_keys(self, keys: Sequence[WorkerKey]) -> tuple[np.ndarray, np.ndarray]:
-        """(overlap, tree size) of each of ``keys``, in their order (0 for a key with no row)."""
+    def rows_of(self, keys: Sequence[WorkerKey]) -> np.ndarray:
+        """Each of ``keys``' row here (-1 for a key with no row): the same for every query while
+        ``workers`` is the same list, so a caller may keep it that long."""
+        return np.fromiter(map(self.rows.get, keys, repeat(-1)), np.int64, len(keys))
+
+    def for_keys(self, keys: Sequence[WorkerKey], where: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """(overlap, tree size) of each of ``keys``, in their order (0 for a key with no row);
+        ``where``: ``rows_of(keys)``, if the caller kept it."""
         if not self.workers:
             return np.zeros(len(keys), dtype=np.int64), np.zeros(len(keys), dtype=np.int64)
-        where = np.fromiter(map(self.rows.get, keys, repeat(-1)), np.int64, len(keys))
+        if where is None:
+            where = self.rows_of(keys)
         missing = where < 0
         overlap = self.overlap_blocks[where]
         tree = self.tree_sizes[where]

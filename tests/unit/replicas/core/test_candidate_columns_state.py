@@ -120,3 +120,28 @@ def test_rows_are_rebuilt_when_the_roster_moves() -> None:
     assert_equal(got, CandidateColumns.from_candidates(build_candidates(state, "m", SEQ)))
     state.apply(KV, 9, [ev.WorkerRetired("w1", "shutdown", 4.0)])
     assert cache.get(state, "m").workers == []
+
+
+def test_kept_rows_follow_the_index_when_its_rows_move() -> None:
+    """One ``CandidateRows`` kept across decisions (as the dispatcher keeps it) while the
+    index's rows change under it without a roster change: blocks stored by a rank that held
+    none (a row added before the others), then every block of a rank removed (its row gone).
+    Each decision equals one built from scratch, in both index forms."""
+    one = {"model": "m", "loras": [], "dp": 2, "role": "both", "health": None,
+           "cached": [], "inflight": [], "pending": [], "excluded": False}
+    for form in ("reference", "compact"):
+        state, _, _ = build([dict(one, cached=[0, 5]), dict(one, cached=[3])], form)
+        rows = CandidateRowCache().get(state, "m")
+        assert_kept_rows_right(state, rows)
+        assert_kept_rows_right(state, rows)  # the kept places again
+        pairs = [(7000 + j, h) for j, h in enumerate(HASHES[:6])]
+        state.apply(KV, 50, [ev.BlocksStored("w0", 9, 0, None, pairs, 3.0)])  # w0 rank 0: a row
+        assert_kept_rows_right(state, rows)
+        state.apply(KV, 51, [ev.BlocksRemoved("w1", 9, 0, [1000 + j for j in range(3)], 3.0)])
+        assert_kept_rows_right(state, rows)
+        assert CandidateRowCache().get(state, "m").workers == rows.workers  # same roster
+
+
+def assert_kept_rows_right(state: RouterState, rows: object) -> None:
+    got = build_candidate_columns(state, "m", SEQ, rows=rows)  # type: ignore[arg-type]
+    assert_equal(got, CandidateColumns.from_candidates(build_candidates(state, "m", SEQ)))
