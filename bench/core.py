@@ -19,7 +19,8 @@ Figures, each printed (never asserted):
   every other worker holds the shared system prompt the conversation starts with, so several
   workers match at different depths.
 * ``router_state`` (``--router-state``) - the decision as the replica's dispatcher makes it, on a
-  ``RouterState`` built from the same workload (``bench/core_state.py``), both paths.
+  ``RouterState`` built from the same workload (``bench/core_state.py``; its index in the form
+  ``--index`` names, reference with ``both``), both paths.
 * ``replication_us_per_request`` / ``replication_router_events_per_s`` - what applying another
   replica's routed requests costs (`bench.replication`).
 * ``replay_block_events_per_s`` - a real ``nats-server``: ``--replay-batches`` BlocksStored

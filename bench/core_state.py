@@ -45,10 +45,12 @@ from replicas.core.state import RouterState, StateConfig
 MODEL = "m"
 
 
-def build_state(work: Any, block_size: int, inflight: int) -> RouterState:
+def build_state(work: Any, block_size: int, inflight: int, index_form: str = "reference"
+                ) -> RouterState:
     """The workload's workers registered and its KV events applied, then ``inflight`` requests in
-    flight per worker (each holding a growing prefix of that worker's conversation)."""
-    state = RouterState(StateConfig(block_size=block_size))
+    flight per worker (each holding a growing prefix of that worker's conversation); the prefix
+    index in ``index_form`` (``--router-index-form``)."""
+    state = RouterState(StateConfig(block_size=block_size, index_form=index_form))
     workers = sorted({w for w, _, _ in work.batches})
     state.apply(KV, 1, [ev.WorkerRegistered(wid, f"http://{wid}", MODEL, block_size, 100_000,
                                             8192, 1.0) for wid, _ in workers])
@@ -71,7 +73,9 @@ def build_state(work: Any, block_size: int, inflight: int) -> RouterState:
 
 
 def bench_state_decisions(work: Any, args: Any, selector: Selector) -> dict[str, Any]:
-    state = build_state(work, args.block_size, args.router_inflight)
+    # the form `--index` names (with `both`, the router's default: reference)
+    form = "compact" if args.index == "compact" else "reference"
+    state = build_state(work, args.block_size, args.router_inflight, form)
     rows = CandidateRowCache()
     pressures = PressureRowCache()
     bs = args.block_size
@@ -126,7 +130,7 @@ def bench_state_decisions(work: Any, args: Any, selector: Selector) -> dict[str,
             differed += len(picked) > 1 or len(pressure) > 1
     finally:
         compiled.use_compiled(was)
-    out: dict[str, Any] = {"inflight_per_worker": args.router_inflight,
+    out: dict[str, Any] = {"inflight_per_worker": args.router_inflight, "index_form": form,
                            "paths_differed_samples": differed}
     for path, samples in stages.items():
         totals = sorted(sum(s) for s in samples)
