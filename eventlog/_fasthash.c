@@ -71,9 +71,23 @@ pack_tokens(PyObject *seq, Py_ssize_t count, unsigned char *out)
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *item = items[i];
+        unsigned long value;
+#if PY_VERSION_HEX < 0x030C0000 && PyLong_SHIFT == 30
+        /* A token id is one 30-bit digit (or zero): read it directly, not through
+         * PyLong_AsUnsignedLong's call and checks, which were half of hashing an 8 k-token
+         * prompt. */
+        if (PyLong_CheckExact(item) && (Py_SIZE(item) == 0 || Py_SIZE(item) == 1)) {
+            value = Py_SIZE(item) ? ((PyLongObject *)item)->ob_digit[0] : 0;
+            out[4 * i] = (unsigned char)value;
+            out[4 * i + 1] = (unsigned char)(value >> 8);
+            out[4 * i + 2] = (unsigned char)(value >> 16);
+            out[4 * i + 3] = (unsigned char)(value >> 24);
+            continue;
+        }
+#endif
         if (!PyLong_Check(item))
             return 1;
-        unsigned long value = PyLong_AsUnsignedLong(item);
+        value = PyLong_AsUnsignedLong(item);
         if (value == (unsigned long)-1 && PyErr_Occurred()) {
             PyErr_Clear();
             return 1;

@@ -73,6 +73,15 @@ def test_long_blocks_take_xxh3s_long_path(xxh3_binding: str) -> None:
         assert prompt_hashes(tokens, block_size) == prompt_hashes_python(tokens, block_size)
 
 
+def test_token_ids_at_an_ints_digit_boundaries(xxh3_binding: str) -> None:
+    """Ids of one 30-bit digit are read from the int directly, larger ones through the C API:
+    zero, each side of 2**30 and the top of u32 hash as in Python, in one prompt."""
+    edges = [0, 1, 255, 256, 2**30 - 1, 2**30, 2**31, 2**32 - 1]
+    tokens = [edges[(i * 5) % len(edges)] for i in range(16 * 9)]
+    for block_size in (1, 4, 16):
+        assert prompt_hashes(tokens, block_size) == prompt_hashes_python(tokens, block_size)
+
+
 @pytest.mark.parametrize("tokens", [[-1] * 16, [2**32] * 16, [1.0] * 16, ["1"] * 16,
                                     np.array([-1] * 16)])
 def test_same_errors_as_python(tokens: list[object]) -> None:
