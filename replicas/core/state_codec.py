@@ -167,9 +167,39 @@ def _encoder(state: RouterState, index_plain: Callable[[], object]) -> Callable[
     }
 
     def encode() -> bytes:
-        return msgspec.msgpack.encode({**doc, "index": index_plain()})
+        return msgpack_columns_apart(doc, "index", index_plain())
 
     return encode
+
+
+def msgpack_columns_apart(doc: dict[str, object], key: str, plain: object) -> bytes:
+    """``msgspec.msgpack.encode({**doc, key: plain})``, the same object, with ``plain``'s
+    ``columns`` (a compact index's: ~165 MB at 10 M pairs) written apart: msgspec holds the GIL
+    for all it copies (~0.1 s at 10 M pairs, an event-loop stall although it runs in a worker
+    thread) where ``bytes.join`` lets it go for large copies. ``key`` comes last in the map and
+    ``columns`` last in ``plain`` (decoders read maps by key)."""
+    columns = plain.get("columns") if isinstance(plain, dict) else None
+    if not isinstance(columns, dict) or not all(
+            isinstance(v, bytes | bytearray) for v in columns.values()):
+        return msgspec.msgpack.encode({**doc, key: plain})
+    assert isinstance(plain, dict)
+    top = {k: v for k, v in doc.items() if k != key}
+    top[key] = {**{k: v for k, v in plain.items() if k != "columns"}, "columns": None}
+    head = msgspec.msgpack.encode(top)  # ends with the nil of "columns", replaced below
+    parts: list[bytes | bytearray] = [head[:-1], _map_header(len(columns))]
+    for name, value in columns.items():
+        parts += [msgspec.msgpack.encode(name), _bin_header(len(value)), value]
+    return b"".join(parts)
+
+
+def _map_header(n: int) -> bytes:
+    return bytes([0x80 | n]) if n < 16 else b"\xde" + n.to_bytes(2, "big")
+
+
+def _bin_header(n: int) -> bytes:
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    return b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xc6" + n.to_bytes(4, "big")
 
 
 def restore(state: RouterState, data: bytes) -> None:
