@@ -466,8 +466,8 @@ class RouterState:
         return state_codec.encoder(self, copy=copy)
 
     def capture(self) -> state_codec.Capture:
-        """Capture the state for a snapshot, the compact index's tables in steps of a few ms
-        while the caller keeps the KV stream from applying (``state_codec.capture``)."""
+        """Capture the state for a snapshot, the prefix index in steps of a few ms while the
+        caller keeps the KV stream from applying (``state_codec.capture``)."""
         return state_codec.capture(self)
 
     @classmethod

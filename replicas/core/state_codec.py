@@ -107,29 +107,30 @@ class Capture(NamedTuple):
 
 
 def capture(state: RouterState) -> Capture:
-    """Capture the state for a snapshot, its largest part in steps of a few ms each.
+    """Capture the state for a snapshot, its largest part — the prefix index — in steps.
 
-    Everything but the compact index's tables is captured now (call it with no ``await``
-    after reading ``positions``); the tables are copied by iterating ``steps``
-    (``index_capture.py``), and the snapshot is the state at those positions only if the index
-    does not change until the last step: the caller holds the KV stream meanwhile (outside
-    approximate mode the only stream that changes the index). The last step raises
-    ``IndexChanged`` if a KV message was applied all the same. An index that is not captured
-    in steps (the reference form; approximate mode, where the router stream and the passing
-    of event time change the index too) is captured whole now, and ``steps`` is empty."""
+    Everything but the index is captured now (call it with no ``await`` after reading
+    ``positions``); the index is copied by iterating ``steps`` (a few ms each: the compact
+    form's tables, ``index_capture.py``, or the reference form's maps, one worker's a step,
+    ``index_reference_capture.py``). The snapshot is the state at those positions only if the
+    index does not change until the last step: the caller holds the KV stream meanwhile
+    (outside approximate mode the only stream that changes the index); the last step raises
+    ``IndexChanged`` if a KV message was applied all the same. In approximate mode (where the
+    router stream and the passing of event time change the index too) the index is captured
+    whole now, and ``steps`` is empty."""
     index = state.index
-    if not isinstance(index, compact_index.PrefixIndex) or index.approximate:
+    if index.approximate:
         return Capture(iter(()), encoder(state))
-    tables = index.plain_capture()
+    copies = index.plain_capture()
     kv_at = state.positions[KV]
 
     def steps() -> Iterator[None]:
-        yield from tables.steps()
+        yield from copies.steps()
         if state.positions[KV] != kv_at:
             raise IndexChanged(f"KV messages {kv_at + 1}-{state.positions[KV]} were applied "
                                f"while the prefix index was copied for a snapshot")
 
-    return Capture(steps(), _encoder(state, tables.build))
+    return Capture(steps(), _encoder(state, copies.build))
 
 
 def _encoder(state: RouterState, index_plain: Callable[[], object]) -> Callable[[], bytes]:

@@ -1,7 +1,8 @@
-"""The leader's snapshot capture in slices (leader.py, index_capture.py) with a real replica on a
-real nats-server, KV messages appended all the while: each snapshot decodes to the state at its
-positions, KV messages wait while the index is copied and are all applied after, once each, and
-the KV hold ends on every path (a failed capture, a cancelled one, the lease lost)."""
+"""The leader's snapshot capture in slices (leader.py; index_capture.py for the compact index,
+index_reference_capture.py for the reference one) with a real replica on a real nats-server,
+KV messages appended all the while: each snapshot decodes to the state at its positions, KV
+messages wait while the index is copied and are all applied after, once each, and the KV hold
+ends on every path (a failed capture, a cancelled one, the lease lost)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ from tests.waiting import until
 pytestmark = pytest.mark.timeout(120)
 
 NAMES = Names("jr")
-CONFIG = StateConfig(index_form="compact")
 
 
 class Feeder:
@@ -42,7 +42,7 @@ class Feeder:
         histories = [worker_history(rng, f"w{i}", 400) for i in range(6)]
         # round robin, so every worker's messages keep coming
         self.batches = [b for group in itertools.zip_longest(*histories) for b in group if b]
-        self.reference = RouterState(CONFIG)
+        self.reference = RouterState()  # both index forms have the same digests
         self.digests: dict[int, dict[str, int]] = {0: self.reference.digests()}
         self.last = 0
 
@@ -66,8 +66,13 @@ class Feeder:
             await self.append(6, burst=6)
 
 
+@pytest.fixture(params=["compact", "reference"])
+def form(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-async def replica(nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+async def replica(nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch, form: str
                   ) -> AsyncIterator[Replica]:
     # Small steps and no slice budget: the loop runs after every step, so KV messages arrive
     # in the middle of a capture.
@@ -76,7 +81,8 @@ async def replica(nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
     # KV messages that came together are applied one slice each, a pass through the loop
     # between two: a hold may start between two slices of what the reader took.
     monkeypatch.setattr(follower_module, "_KV_SLICE", 1)
-    config = ReplicaConfig("r1", nats_server.url, state=CONFIG, canary_interval=0,
+    config = ReplicaConfig("r1", nats_server.url, state=StateConfig(index_form=form),
+                           canary_interval=0,
                            snapshot_threshold=10**9, worker_timeout=86400,
                            replica_timeout=86400)
     replica = Replica(config)
@@ -115,7 +121,7 @@ async def test_snapshots_taken_while_kv_messages_arrive_are_the_state_at_their_p
             assert not replica.follower.kv_held
             assert answer["positions"][ROUTER] == 0  # no decisions here: KV decides it all
             blob = await replica.leader.store.get(answer["snapshot_id"])
-            restored = RouterState.decode(blob, CONFIG)
+            restored = RouterState.decode(blob, replica.state.config)
             assert restored.positions[KV] == answer["positions"][KV]
             assert restored.digests() == feeder.digests[answer["positions"][KV]]
     finally:

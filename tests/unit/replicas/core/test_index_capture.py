@@ -1,7 +1,7 @@
-"""The compact index's capture in steps (index_capture.py) and the state's (state_codec.capture):
-the same snapshot as a capture at once, whatever the step size; a change between the first and
-the last step refused rather than written; the forms that are not captured in steps captured
-whole."""
+"""The prefix index's capture in steps (index_capture.py for the compact form,
+index_reference_capture.py for the reference form) and the state's (state_codec.capture): the
+same snapshot as a capture at once, whatever the step size; a change between the first and the
+last step refused rather than written; approximate mode captured whole."""
 
 from __future__ import annotations
 
@@ -36,6 +36,28 @@ def stepped(capture: IndexCapture) -> int:
     for _ in capture.steps():
         steps += 1
     return steps
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_reference_form_in_steps_is_its_capture_at_once(seed: int) -> None:
+    state = state_after(StateConfig(), history(seed))
+    capture = state.index.plain_capture()
+    assert stepped(capture) == len(state.index._slots)  # one worker's map a step
+    assert capture.build() == state.index.to_plain()
+
+
+def test_a_change_to_the_reference_form_between_two_steps_is_refused() -> None:
+    batches = history(2)
+    state = state_after(StateConfig(), batches[:-1])
+    capture = state.index.plain_capture()
+    steps = capture.steps()
+    next(steps)
+    state.apply(KV, len(batches), batches[-1])
+    with pytest.raises(IndexChanged):
+        for _ in steps:
+            pass
+    with pytest.raises(RuntimeError, match="not complete"):
+        capture.build()
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -92,11 +114,13 @@ def test_a_step_size_that_does_not_pack_into_whole_bytes_is_refused() -> None:
         IndexCapture(RouterState(COMPACT).index, step_cells=12)
 
 
-def test_the_state_captured_in_steps_decodes_to_the_state_at_its_positions() -> None:
+@pytest.mark.parametrize("config", [COMPACT, StateConfig()], ids=["compact", "reference"])
+def test_the_state_captured_in_steps_decodes_to_the_state_at_its_positions(
+        config: StateConfig) -> None:
     """Router messages applied between the steps are not in the snapshot: its positions are
     the capture's, and so are its load and sessions."""
     rng = random.Random(5)
-    state = state_after(COMPACT, history(5))
+    state = state_after(config, history(5))
     routed = router_history(rng, "r1", ["w0", "w1", "w2"], 80)
     for seq, batch in enumerate(routed[:40], 1):
         state.apply(ROUTER, seq, batch)
@@ -108,14 +132,15 @@ def test_the_state_captured_in_steps_decodes_to_the_state_at_its_positions() -> 
             state.apply(ROUTER, seq, routed[seq - 1])
         steps += 1
     assert steps > 1 and state.positions[ROUTER] > positions[ROUTER]
-    restored = RouterState.decode(taken.encode(), COMPACT)
+    restored = RouterState.decode(taken.encode(), config)
     assert restored.positions == positions
     assert restored.digests() == digests
 
 
-def test_a_kv_message_applied_during_the_state_capture_is_refused() -> None:
+@pytest.mark.parametrize("config", [COMPACT, StateConfig()], ids=["compact", "reference"])
+def test_a_kv_message_applied_during_the_state_capture_is_refused(config: StateConfig) -> None:
     """Even one that leaves the index as it was (a removal of a block nobody holds)."""
-    state = state_after(COMPACT, history(6))
+    state = state_after(config, history(6))
     taken = state.capture()
     next(taken.steps)
     assert state.apply(KV, state.positions[KV] + 1,
@@ -125,15 +150,13 @@ def test_a_kv_message_applied_during_the_state_capture_is_refused() -> None:
             pass
 
 
-@pytest.mark.parametrize("config", [StateConfig(), StateConfig(index_form="compact",
-                                                               approximate=True)],
-                         ids=["reference", "compact-approximate"])
-def test_forms_not_captured_in_steps_are_captured_whole(config: StateConfig) -> None:
+@pytest.mark.parametrize("form", ["reference", "compact"])
+def test_approximate_mode_is_captured_whole(form: str) -> None:
+    config = StateConfig(index_form=form, approximate=True)
     state = state_after(config, history(7))
-    if config.approximate:  # the index is fed by decisions there
-        for seq, batch in enumerate(router_history(random.Random(7), "r1", ["w0", "w1"], 30),
-                                    1):
-            state.apply(ROUTER, seq, batch)
+    # the index is fed by decisions there
+    for seq, batch in enumerate(router_history(random.Random(7), "r1", ["w0", "w1"], 30), 1):
+        state.apply(ROUTER, seq, batch)
     digests = state.digests()
     taken = state.capture()
     assert list(taken.steps) == []
