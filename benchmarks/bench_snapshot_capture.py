@@ -4,8 +4,9 @@ Not a test (prints figures, asserts nothing about speed). Run:
 
     .venv/bin/python -m benchmarks.bench_snapshot_capture [--blocks 2000000] [--workers 64]
 
-Builds a compact-form ``RouterState`` in-process (``bench durability``'s workload: chains of 32
-blocks, half starting with one of 50 shared 8-block prompts), then has a real ``Leader`` (its
+Builds a ``RouterState`` (``--index-form``, compact by default) in-process (``bench
+durability``'s workload: chains of 32 blocks, half starting with one of 50 shared 8-block
+prompts), then has a real ``Leader`` (its
 lease taken on the server, the KV hold of a real ``StreamFollower`` around the state) take
 ``--repeats`` snapshots into the object store. Meanwhile a probe sleeps 1 ms at a time on the
 same loop and records how late each wake-up is: the largest lateness is the longest the loop
@@ -46,11 +47,11 @@ NAMES = Names("capbench")
 _RUN = 2048  # KV messages applied at once while building (as a replica catching up)
 
 
-def build_state(blocks: int, workers: int, chain_blocks: int, seed: int
+def build_state(blocks: int, workers: int, chain_blocks: int, seed: int, index_form: str
                 ) -> tuple[RouterState, list[int]]:
-    """A compact state holding ``blocks`` pairs, and one stored chain's sequence hashes (a
-    prompt that matches)."""
-    state = RouterState(StateConfig(index_form="compact"))
+    """A state holding ``blocks`` pairs, and one stored chain's sequence hashes (a prompt that
+    matches)."""
+    state = RouterState(StateConfig(index_form=index_form))
     wl = Workload(workers, seed)
     ts = time.time()
     state.apply(KV, 1, wl.registrations(ts))
@@ -122,7 +123,8 @@ async def decide(stop: asyncio.Event, state: RouterState, prompt: list[int],
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
-    state, prompt = build_state(args.blocks, args.workers, args.chain_blocks, args.seed)
+    state, prompt = build_state(args.blocks, args.workers, args.chain_blocks, args.seed,
+                                args.index_form)
     built = {"pairs": state.index.total_blocks, "nodes": state.index.node_count,
              "build_s": round(time.perf_counter() - start, 1)}
     server = NatsServer().start()
@@ -179,6 +181,7 @@ def main() -> None:
     p.add_argument("--chain-blocks", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--index-form", choices=("compact", "reference"), default="compact")
     p.add_argument("--decisions", action="store_true",
                    help="route (match_columns) on the same loop while the snapshots are taken")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
