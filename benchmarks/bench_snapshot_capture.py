@@ -6,16 +6,15 @@ Not a test (prints figures, asserts nothing about speed). Run:
 
 Builds a ``RouterState`` (``--index-form``, compact by default) in-process (``bench
 durability``'s workload: chains of 32 blocks, half starting with one of 50 shared 8-block
-prompts), then has a real ``Leader`` (its
-lease taken on the server, the KV hold of a real ``StreamFollower`` around the state) take
-``--repeats`` snapshots into the object store. Meanwhile a probe sleeps 1 ms at a time on the
-same loop and records how late each wake-up is: the largest lateness is the longest the loop
-was held (on a shared machine, scheduling noise too: hence also the count of stalls over
-20 ms). With ``--decisions`` a second task routes meanwhile (``match_columns`` on a prompt the
-index holds, one per pass through the loop), as a serving replica would. Per snapshot: end to
-end (capture, encode, put, record, purge), the loop's largest stall, how long the KV stream
-was held and in how many slices (``Leader.last_capture``; absent before the capture was
-sliced), decisions made meanwhile.
+prompts), then has a real ``Leader`` (its lease taken on the server, the KV hold of a real
+``StreamFollower`` around the state) take ``--repeats`` snapshots into the object store.
+Meanwhile a probe sleeps 1 ms at a time on the same loop and records how late each wake-up is:
+the largest lateness is the longest the loop was held (on a shared machine, scheduling noise
+too: hence also the count of stalls over 20 ms). With ``--decisions`` a second task routes
+meanwhile (``match_columns`` on a prompt the index holds, one per pass through the loop), as a
+serving replica would. Per snapshot: end to end (capture, encode, put, record, purge), the
+loop's largest stall, how long the KV stream was held and in how many slices
+(``Leader.last_capture``; absent before the capture was sliced), decisions made meanwhile.
 """
 
 from __future__ import annotations
