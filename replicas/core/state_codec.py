@@ -187,6 +187,7 @@ def msgpack_columns_apart(doc: dict[str, object], key: str, plain: object) -> by
     top = {k: v for k, v in doc.items() if k != key}
     top[key] = {**{k: v for k, v in plain.items() if k != "columns"}, "columns": None}
     head = msgspec.msgpack.encode(top)  # ends with the nil of "columns", replaced below
+    assert head[-1:] == b"\xc0"
     parts: list[bytes | bytearray] = [head[:-1], _map_header(len(columns))]
     for name, value in columns.items():
         parts += [msgspec.msgpack.encode(name), _bin_header(len(value)), value]

@@ -41,8 +41,8 @@ from snapshots.store import SnapshotStore
 
 log = logging.getLogger("jetrouter.durability")
 
-# Longest the snapshot's capture runs on the event loop before letting it run (leader.py
-# _copy_in_slices); a slice ends after the step that crosses it (a step: ~1-3 ms).
+# Longest the snapshot's capture runs on the event loop before letting it run
+# (``Leader._copy_in_slices``); a slice ends after the step that crosses it (a step: ~1-3 ms).
 _CAPTURE_SLICE = 0.005
 
 
