@@ -1,4 +1,4 @@
-"""The compact index copied for a snapshot (``index_arrays.py``'s v5), in bounded steps.
+"""The compact index copied for a snapshot (``index_arrays.py``'s form), in bounded steps.
 
 A snapshot is encoded from copies of the index's tables, in a worker thread, while the index
 goes on changing (``state_codec.py``, ``snapshots/store.py``). Taking those copies is the part
@@ -39,7 +39,7 @@ class IndexChanged(JetrouterError, RuntimeError):
 
 
 class IndexCapture:
-    """Copies of what a v5 snapshot needs of one compact ``PrefixIndex``: ``steps()`` takes them,
+    """Copies of what a snapshot needs of one compact ``PrefixIndex``: ``steps()`` takes them,
     then ``build`` encodes them (it may run in a worker thread: it reads the copies only)."""
 
     def __init__(self, index: Any, *, copy: bool = True, step_cells: int | None = None) -> None:
@@ -51,6 +51,7 @@ class IndexCapture:
         self._digest = index.digest
         self._order = sorted(index._slots.items(), key=lambda kv: kv[1])
         holders = index._holders
+        # the version index_arrays._encode writes: change with it
         self._head = {"version": PLAIN_VERSION_V5, "approximate": index.approximate,
                       "ttl_secs": index.ttl_secs, "max_tree_size": index.max_tree_size,
                       "prune_target_ratio": index.prune_target_ratio,
@@ -97,7 +98,8 @@ class IndexCapture:
         self._rows = rows
 
     def build(self) -> dict[str, object]:
-        """The index's plain form (v5) from the copies; after the last step."""
+        """The index's plain form (``_encode``'s version) from the copies; after the last
+        step."""
         if self._nodes is None or self._rows is None:
             raise RuntimeError("the index capture is not complete: run its steps first")
         blocks: list[_Slot] = [(slot, worker, bits, _joined(ids), _joined(seqs), _joined(occ),
