@@ -45,7 +45,7 @@ import msgspec
 import numpy as np
 import xxhash
 
-from replicas.core.index_codec import expiry_columns, members
+from replicas.core.index_codec import members
 from replicas.core.index_common import U64, mix_sum, worker_weight
 from replicas.core.index_table import U64Table
 
@@ -69,37 +69,6 @@ def _lowest_slots(rows: np.ndarray) -> np.ndarray:
     low = bits & (~bits + np.uint64(1))  # the lowest set bit alone (a power of two, exact)
     lowest = word * 64 + np.frexp(low.astype(np.float64))[1] - 1
     return np.where(nonzero.any(axis=1), lowest, -1)
-
-
-def capture(index: Any, *, copy: bool = True) -> Callable[[], dict[str, object]]:
-    """Copy what v5 needs out of ``index`` (a compact ``PrefixIndex``) now; the returned function
-    encodes the copies, so it may run in a worker thread while the index keeps changing.
-
-    The copies are the block tables' occupied cells and occupancy, and the node table's keys
-    and values (memory copies: ~0.1 s for 10 M pairs on the event loop)."""
-    blocks: list[_Slot] = []
-    for worker, slot in sorted(index._slots.items(), key=lambda kv: kv[1]):
-        table = index._blocks[slot]
-        occ = table.occ.reshape(-1)
-        blocks.append((slot, worker, table.bits(), table.keys.reshape(-1)[occ],
-                       table.vals.reshape(-1)[occ], np.packbits(occ, bitorder="little"),
-                       dict(index._dups[slot])))
-    holders = index._holders
-    nodes = holders.nodes.clone()
-    rows = holders.rows[:holders.rows_used].copy()
-    expiry = dict(index._expiry) if copy else index._expiry
-    keys = list(index._keys)
-    head = {"version": PLAIN_VERSION_V5, "approximate": index.approximate,
-            "ttl_secs": index.ttl_secs, "max_tree_size": index.max_tree_size,
-            "prune_target_ratio": index.prune_target_ratio, "slot_count": len(keys),
-            "node_bits": nodes.bits(), "words": int(holders.rows.shape[1])}
-    counters = [[t, s, n] for (t, s), n in sorted(index.counters.items())]
-
-    def build() -> dict[str, object]:
-        return {**head, **_encode(blocks, nodes, rows),
-                "expiry": expiry_columns(expiry, keys), "counters": counters}
-
-    return build
 
 
 # (slot, worker key, table bits, ids and seqs of its occupied cells, packed occupancy, dups)

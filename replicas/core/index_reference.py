@@ -25,12 +25,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from eventlog.hashing import CHAIN_MULTIPLIER, MASK64
+from replicas.core import index_reference_capture
 from replicas.core.index_codec import (
     PLAIN_VERSION_V2,
-    block_columns,
     columns_v1,
     columns_v2,
-    expiry_columns,
     expiry_v1,
     expiry_v2,
     node_masks,
@@ -45,6 +44,7 @@ from replicas.core.index_common import (
     membership_mix,
     worker_weight,
 )
+from replicas.core.index_reference_capture import MapsCapture
 from replicas.core.index_reference_match import match_groups, record, slot_indices
 from replicas.core.index_reference_restore import restore_expiry, restore_slot
 from replicas.core.index_run import STORE, KvOp, RunResult
@@ -545,26 +545,12 @@ class PrefixIndex:
         With ``copy`` the per-worker maps are shallow-copied (C-speed, ~20 ms per million
         blocks; entries are immutable ints), so the returned function may run in a worker
         thread while the index keeps changing on the event loop."""
-        workers = [(w, self._blocks[s].copy() if copy else self._blocks[s])
-                   for w, s in sorted(self._slots.items())]
-        expiry = dict(self._expiry) if copy else self._expiry
-        keys = list(self._keys)
-        head = {
-            "version": PLAIN_VERSION_V2,
-            "approximate": self.approximate,
-            "ttl_secs": self.ttl_secs,
-            "max_tree_size": self.max_tree_size,
-            "prune_target_ratio": self.prune_target_ratio,
-        }
-        counters = [[t, s, n] for (t, s), n in sorted(self.counters.items())]
+        return index_reference_capture.capture(self, copy=copy)
 
-        def build() -> dict[str, object]:
-            return {**head,
-                    "workers": [[w[0], w[1], *block_columns(bmap)] for w, bmap in workers],
-                    "expiry": expiry_columns(expiry, keys),
-                    "counters": counters}
-
-        return build
+    def plain_capture(self) -> MapsCapture:
+        """The same capture in steps, one worker's map a step (``index_reference_capture.py``),
+        for a caller that keeps the index unchanged until the last step."""
+        return MapsCapture(self)
 
     @classmethod
     def from_plain(cls, obj: object) -> PrefixIndex:

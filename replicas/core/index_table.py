@@ -29,6 +29,8 @@ several times slower on small batches).
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import numpy as np
 
 from replicas.core import index_kernel
@@ -387,20 +389,26 @@ class U64Table:
             table._alloc(bits)
         return table
 
-    def clone(self) -> U64Table:
-        """A copy that later changes to this table do not reach (lookups only need the keys)."""
+    def clone_in_steps(self, cells: int) -> Generator[None, None, U64Table]:
+        """A copy that later changes to this table do not reach, taken a piece at a time: yields
+        after each ``cells`` cells copied and returns the copy (``yield from``). The table must
+        not change until the copy is returned."""
+        keys, vals, occ = (np.empty_like(a) for a in (self.keys, self.vals, self.occ))
+        pairs = [(a.reshape(-1), b.reshape(-1)) for a, b in
+                 ((keys, self.keys), (vals, self.vals), (occ, self.occ))]
+        for start in range(0, self.keys.size, cells):
+            for copy, original in pairs:
+                copy[start:start + cells] = original[start:start + cells]
+            yield
         twin = U64Table.with_bits(self.dtype, _MIN_BITS)
-        twin._alloc_like(self)
-        return twin
-
-    def _alloc_like(self, other: U64Table) -> None:
         for name in ("_bits", "_empty", "_limit", "_mask_u", "_s1", "_s2", "_shift", "_shift2",
                      "mask", "size"):
-            setattr(self, name, getattr(other, name))
-        self.keys, self.vals, self.occ = other.keys.copy(), other.vals.copy(), other.occ.copy()
-        self._mk = memoryview(self.keys.reshape(-1))
-        self.mv = memoryview(self.vals.reshape(-1))
-        self._mo = memoryview(self.occ.reshape(-1))
+            setattr(twin, name, getattr(self, name))
+        twin.keys, twin.vals, twin.occ = keys, vals, occ
+        twin._mk = memoryview(keys.reshape(-1))
+        twin.mv = memoryview(vals.reshape(-1))
+        twin._mo = memoryview(occ.reshape(-1))
+        return twin
 
     @classmethod
     def from_cells(cls, dtype: np.dtype | type, bits: int, keys: np.ndarray, vals: np.ndarray,

@@ -465,6 +465,11 @@ class RouterState:
         in a worker thread while this state keeps applying events: ``state_codec.encoder``)."""
         return state_codec.encoder(self, copy=copy)
 
+    def capture(self) -> state_codec.Capture:
+        """Capture the state for a snapshot, the prefix index in steps of a few ms while the
+        caller keeps the KV stream from applying (``state_codec.capture``)."""
+        return state_codec.capture(self)
+
     @classmethod
     def decode(cls, data: bytes, config: StateConfig | None = None) -> RouterState:
         """The state a snapshot holds; raises ``NewerFormat`` for a format this release does

@@ -29,16 +29,17 @@ copied and ~40 k page faults not taken on the way to ``/ready``.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
-from eventlog.names import STREAM_KINDS
+from eventlog.names import KV, STREAM_KINDS
 from eventlog.wire import NewerFormat
 from replicas.core import index as compact_index
 from replicas.core import index_arrays
 from replicas.core.ended import EndedRequests
+from replicas.core.index_capture import IndexChanged
 from replicas.core.load import ActiveLoad
 from replicas.core.selection import BusyThresholds
 from replicas.core.sessions import SessionTable
@@ -88,12 +89,52 @@ def snapshot_format(state: RouterState) -> int:
 def encoder(state: RouterState, *, copy: bool = True) -> Callable[[], bytes]:
     """Capture the state now and return a function that encodes that capture.
 
-    Capturing is cheap (the index's per-worker maps are shallow-copied at C speed, ~20 ms
-    per million blocks; the rest is small); the returned function does the heavy part
-    (columns, msgpack) on the copies only, so it may run in a worker thread while this
-    state keeps applying events on the event loop. Call it with no ``await`` between
-    reading ``positions`` and capturing, so the snapshot and its positions agree."""
-    index_plain = state.index.plain_encoder(copy=copy)
+    Capturing is cheap next to encoding (the reference index's per-worker maps are
+    shallow-copied at C speed, ~20 ms per million blocks; the compact index's cells ~15-20 ms
+    per million pairs; the rest is small); the returned function does the heavy part (columns,
+    msgpack) on the copies only, so it may run in a worker thread while this state keeps
+    applying events on the event loop. Call it with no ``await`` between reading
+    ``positions`` and capturing, so the snapshot and its positions agree."""
+    return _encoder(state, state.index.plain_encoder(copy=copy))
+
+
+class Capture(NamedTuple):
+    """A state being captured for a snapshot (``capture``): iterate ``steps`` to the end, then
+    call ``encode`` (in a worker thread if you like) for the snapshot's bytes."""
+
+    steps: Iterator[None]
+    encode: Callable[[], bytes]
+
+
+def capture(state: RouterState) -> Capture:
+    """Capture the state for a snapshot, its largest part — the prefix index — in steps.
+
+    Everything but the index is captured now (call it with no ``await`` after reading
+    ``positions``); the index is copied by iterating ``steps`` (a few ms each: the compact
+    form's tables, ``index_capture.py``, or the reference form's maps, one worker's a step,
+    ``index_reference_capture.py``). The snapshot is the state at those positions only if the
+    index does not change until the last step: the caller holds the KV stream meanwhile
+    (outside approximate mode the only stream that changes the index); the last step raises
+    ``IndexChanged`` if a KV message was applied all the same. In approximate mode (where the
+    router stream and the passing of event time change the index too) the index is captured
+    whole now, and ``steps`` is empty."""
+    index = state.index
+    if index.approximate:
+        return Capture(iter(()), encoder(state))
+    copies = index.plain_capture()
+    kv_at = state.positions[KV]
+
+    def steps() -> Iterator[None]:
+        yield from copies.steps()
+        if state.positions[KV] != kv_at:
+            raise IndexChanged(f"KV messages {kv_at + 1}-{state.positions[KV]} were applied "
+                               f"while the prefix index was copied for a snapshot")
+
+    return Capture(steps(), _encoder(state, copies.build))
+
+
+def _encoder(state: RouterState, index_plain: Callable[[], object]) -> Callable[[], bytes]:
+    """Capture all but the index now; the returned function encodes it with ``index_plain()``."""
     doc: dict[str, object] = {
         "format": snapshot_format(state),
         "epoch": state.epoch,
@@ -127,9 +168,40 @@ def encoder(state: RouterState, *, copy: bool = True) -> Callable[[], bytes]:
     }
 
     def encode() -> bytes:
-        return msgspec.msgpack.encode({**doc, "index": index_plain()})
+        return msgpack_columns_apart(doc, "index", index_plain())
 
     return encode
+
+
+def msgpack_columns_apart(doc: dict[str, object], key: str, plain: object) -> bytes:
+    """``msgspec.msgpack.encode({**doc, key: plain})``, the same object, with ``plain``'s
+    ``columns`` (a compact index's: ~165 MB at 10 M pairs) written apart: msgspec holds the GIL
+    for all it copies (~0.1 s at 10 M pairs, an event-loop stall although it runs in a worker
+    thread) where ``bytes.join`` lets it go for large copies. ``key`` comes last in the map and
+    ``columns`` last in ``plain`` (decoders read maps by key)."""
+    columns = plain.get("columns") if isinstance(plain, dict) else None
+    if not isinstance(columns, dict) or not all(
+            isinstance(v, bytes | bytearray) for v in columns.values()):
+        return msgspec.msgpack.encode({**doc, key: plain})
+    assert isinstance(plain, dict)
+    top = {k: v for k, v in doc.items() if k != key}
+    top[key] = {**{k: v for k, v in plain.items() if k != "columns"}, "columns": None}
+    head = msgspec.msgpack.encode(top)  # ends with the nil of "columns", replaced below
+    assert head[-1:] == b"\xc0"
+    parts: list[bytes | bytearray] = [head[:-1], _map_header(len(columns))]
+    for name, value in columns.items():
+        parts += [msgspec.msgpack.encode(name), _bin_header(len(value)), value]
+    return b"".join(parts)
+
+
+def _map_header(n: int) -> bytes:
+    return bytes([0x80 | n]) if n < 16 else b"\xde" + n.to_bytes(2, "big")
+
+
+def _bin_header(n: int) -> bytes:
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    return b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xc6" + n.to_bytes(4, "big")
 
 
 def restore(state: RouterState, data: bytes) -> None:

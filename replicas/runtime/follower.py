@@ -11,6 +11,9 @@ failure restarts them from the positions the state has applied — nothing is lo
 A message in a format newer than this release reads (eventlog/wire.py) *blocks* its stream: that
 stream's follower stops before it for good, the others go on, and the replica is told, so it
 turns not ready instead of diverging from the replicas that can apply the message.
+While the leader copies the index for a snapshot (leader.py), the KV stream is *held*
+(`hold_kv`): its messages wait, in order, in the reader or in the slice taken from it, and
+are applied once the hold is released; the router and control streams go on meanwhile.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from errors.root import JetrouterError
@@ -91,6 +94,10 @@ class StreamFollower:
         self.prefetched = 0  # KV messages applied from a prefetch
         self._supervisor: asyncio.Task[None] | None = None
         self.replication = ReplicationCost()  # decoding + applying peers' router messages
+        self._kv_holds = 0  # holds not released yet: no KV message is applied while any is
+        self._kv_free = asyncio.Event()
+        self._kv_free.set()
+        self.kv_waits = 0  # times a KV message (or slice) waited for a hold to be released
 
     def connect(self, log: EventLog, snapshots: SnapshotStore | None) -> None:
         """The streams to follow, and the snapshots to reload from (None: never reload)."""
@@ -183,6 +190,38 @@ class StreamFollower:
         if prefetch is not None:
             await prefetch.close()
 
+    # --- holding the KV stream ----------------------------------------------------------------
+
+    def hold_kv(self) -> Callable[[], None]:
+        """Apply no KV message until the returned function is called (calling it again does
+        nothing). Outside approximate mode only KV messages change the prefix index, so the
+        index stands still meanwhile while the other streams keep applying."""
+        self._kv_holds += 1
+        self._kv_free.clear()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            self._kv_holds -= 1
+            if not self._kv_holds:
+                self._kv_free.set()
+
+        return release
+
+    @property
+    def kv_held(self) -> bool:
+        return self._kv_holds > 0
+
+    async def _kv_released(self) -> None:
+        """Return once no hold is on the KV stream; apply right after, with no await between."""
+        if self._kv_holds:
+            self.kv_waits += 1
+            while self._kv_holds:
+                await self._kv_free.wait()
+
     # --- following ---------------------------------------------------------------------------
 
     async def _supervise(self) -> None:
@@ -247,6 +286,8 @@ class StreamFollower:
                     else:
                         self._apply(kind, seq, batch, reader)
                     continue
+                if kind == KV:
+                    await self._kv_released()
                 self._apply(kind, seq, batch, reader)
                 # What else a pull brought is applied now, without a pass through the event
                 # loop per message: a replica catching up on a tail of 100 k messages awaits
@@ -254,6 +295,7 @@ class StreamFollower:
                 limit = _KV_SLICE if kind == KV else _APPLY_SLICE
                 while taken := reader.take_received(limit):
                     if kind == KV:  # stores and removals as runs: one change to the index
+                        await self._kv_released()
                         self._apply_many(kind, taken, reader)
                     else:
                         for seq, batch in taken:
@@ -304,6 +346,7 @@ class StreamFollower:
 
         async def apply(items: list[tuple[int, list[ev.Event]]]) -> None:
             for start in range(0, len(items), _KV_SLICE):  # in slices, as a pull's
+                await self._kv_released()
                 self._apply_many(KV, items[start:start + _KV_SLICE], reader)
                 await asyncio.sleep(0)
             self.prefetched += len(items)

@@ -210,7 +210,7 @@ class Replica:
         self.follower.connect(self.log, store)
         if store is not None:
             assert self.nc is not None and self.js is not None
-            self.leader = Leader(self, self.nc, self.js, store,
+            self.leader = Leader(self, self.nc, self.js, store, hold_kv=self.follower.hold_kv,
                                  snapshot_threshold=cfg.snapshot_threshold,
                                  lease_ttl=cfg.lease_ttl)
             await self.follower.restore("start-up")
