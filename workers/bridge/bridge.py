@@ -444,6 +444,12 @@ class Bridge:
             self.mirror.reset()
             self.mirror_valid = True
             self.pending_clear = False
+            # The new run from its first batch: a restart seen by its start time alone came
+            # after batches of the new run that were taken for replayed ones of the old run
+            # (seqs at or below what the bridge appended from a replay, with no live seq to go
+            # back from: the old run learnt by replay alone). Those are in the engine's buffer.
+            await self._fill_gap(0, None)
+            await self._flush_clear()
 
     async def _reannounce(self) -> None:
         if not self.registered or self.retired or self.translator is None:
