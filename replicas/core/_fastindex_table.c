@@ -137,6 +137,15 @@ static int by_bucket(const void *x, const void *y)
     return (a->at > b->at) - (a->at < b->at);
 }
 
+/* Key i of a column that may sit at any byte offset (v6's owners are a view of the snapshot's
+ * buffer, index_arrays.py): read through memcpy, which compiles to one unaligned load. */
+static inline uint64_t load_key(const unsigned char *keys, Py_ssize_t i)
+{
+    uint64_t key;
+    memcpy(&key, keys + 8 * i, 8);
+    return key;
+}
+
 /* Put key i in the next free cell of bucket b if it has one (both passes of fill_empty). */
 static inline int fill_into(Table *t, uint8_t *fill, uint64_t b, uint64_t key, uint64_t val)
 {
@@ -179,7 +188,7 @@ PyObject *fill_empty(PyObject *self, PyObject *args)
     }
     if (load_table(obj, &t, wide) < 0)
         goto done;
-    const uint64_t *keys = kb.buf;
+    const unsigned char *keys = kb.buf;
 #define VAL_AT(i) (wide ? ((const uint64_t *)vb.buf)[i] \
                         : (uint64_t)(int64_t)((const int32_t *)vb.buf)[i])
     fill = PyMem_Calloc((size_t)(t.mask + 1), 1);
@@ -190,8 +199,9 @@ PyObject *fill_empty(PyObject *self, PyObject *args)
     }
     Py_ssize_t left = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t b = (keys[i] * TABLE_M) >> t.s1;
-        if (!fill_into(&t, fill, b, keys[i], VAL_AT(i))) {
+        uint64_t key = load_key(keys, i);
+        uint64_t b = (key * TABLE_M) >> t.s1;
+        if (!fill_into(&t, fill, b, key, VAL_AT(i))) {
             waiting[left].bucket = b;
             waiting[left++].at = i;
         }
@@ -205,8 +215,9 @@ PyObject *fill_empty(PyObject *self, PyObject *args)
     Py_ssize_t rest = 0;
     for (Py_ssize_t j = 0; j < left; j++) {
         Py_ssize_t i = waiting[j].at;
-        uint64_t b = ((keys[i] * TABLE_M) >> t.s2) & t.mask;
-        if (!fill_into(&t, fill, b, keys[i], VAL_AT(i))) {
+        uint64_t key = load_key(keys, i);
+        uint64_t b = ((key * TABLE_M) >> t.s2) & t.mask;
+        if (!fill_into(&t, fill, b, key, VAL_AT(i))) {
             second[rest].bucket = b;
             second[rest++].at = j; /* ties keep the first pass's order */
         }

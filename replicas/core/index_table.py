@@ -326,7 +326,9 @@ class U64Table:
             rest = np.array(kernel.fill_empty(self, np.ascontiguousarray(keys, dtype=U64),
                                               np.ascontiguousarray(vals, dtype=self.dtype)),
                             dtype=np.int64)
-            return keys.take(rest), vals.take(rest)
+            # (indexing, not ``take``: take copies a whole source that is not aligned, as a view
+            # of a snapshot's buffer may be)
+            return keys[rest], vals[rest]
         b1, b2 = self._homes(keys)
         fill = np.zeros(self.mask + 1, dtype=np.int64)
         flat_keys, flat_vals, flat_occ = (self.keys.reshape(-1), self.vals.reshape(-1),
