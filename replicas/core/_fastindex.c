@@ -335,6 +335,8 @@ static PyMethodDef methods[] = {
      " gives them (by_slot: written there, their count returned), or None: Python's to answer"},
     {"occupied", occupied, METH_VARARGS,
      "occupied(table, keys, vals): the occupied cells' keys and values, in cell order"},
+    {"place_each", place_each, METH_VARARGS,
+     "place_each(table, keys, vals) -> positions of the keys U64Table._place1 finds no room for"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,7 +1,7 @@
 /* The compact prefix index's kernel (_fastindex.c): reading a U64Table from its Python object, and
  * the table's bulk passes — _fill_empty (a table doubling, or restored), a new table's sentinel
- * keys (_alloc), its occupied cells in cell order (items) — each giving the arrays the numpy code
- * gives. No numpy headers: the arrays come through the buffer protocol. */
+ * keys (_alloc), its occupied cells in cell order (items), the keys _place leaves to _place1 —
+ * each giving the arrays the numpy code gives. No numpy headers: the arrays come through the buffer protocol. */
 #include "_fastindex.h"
 
 PyObject *a_mk, *a_mv, *a_mo, *a_mask, *a_s1, *a_s2, *a_size, *a_limit;
@@ -342,4 +342,49 @@ done:
     PyBuffer_Release(&kb);
     PyBuffer_Release(&vb);
     return result;
+}
+
+/* --- the keys _place's rounds left: U64Table._place1 for each, in order ----------------------- */
+
+/* place_each(table, keys, vals) -> positions of the keys that found no room (both buckets full
+ * and no cuckoo step): place1 for each key in turn, as _place's last loop calls _place1, so the
+ * same keys land in the same cells. The size is the caller's to count, as there. */
+PyObject *place_each(PyObject *self, PyObject *args)
+{
+    PyObject *obj, *keys_obj, *vals_obj;
+    if (!PyArg_ParseTuple(args, "OOO:place_each", &obj, &keys_obj, &vals_obj))
+        return NULL;
+    Table t;
+    Py_buffer kb, vb;
+    if (PyObject_GetBuffer(keys_obj, &kb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(vals_obj, &vb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&kb);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    Py_ssize_t n = kb.len / 8;
+    int wide = vb.itemsize == 8;
+    if (kb.itemsize != 8 || (vb.itemsize != 8 && vb.itemsize != 4) || vb.len / vb.itemsize != n) {
+        PyErr_SetString(PyExc_TypeError, "place_each: u64 keys and as many u64/int32 values");
+        goto done;
+    }
+    if (load_table(obj, &t, wide) < 0)
+        goto done;
+    const unsigned char *keys = kb.buf;
+    out = PyList_New(0);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        uint64_t val = wide ? ((const uint64_t *)vb.buf)[i]
+                            : (uint64_t)(int64_t)((const int32_t *)vb.buf)[i];
+        if (place1(&t, load_key(keys, i), val) >= 0)
+            continue;
+        PyObject *v = PyLong_FromSsize_t(i);
+        if (v == NULL || PyList_Append(out, v) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(v);
+    }
+done:
+    PyBuffer_Release(&kb);
+    PyBuffer_Release(&vb);
+    return out;
 }

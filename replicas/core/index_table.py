@@ -310,8 +310,14 @@ class U64Table:
             if len(keys) <= _FEW:
                 break
         # one by one: the emptier bucket, else a cuckoo step, else (returned) the table doubles
-        left = [i for i, (key, val) in enumerate(zip(keys.tolist(), vals.tolist(), strict=True))
-                if self._place1(key, val) < 0]
+        kernel = index_kernel.active()
+        if kernel is not None:  # (a bulk load ~70 % full leaves ~0.6 % of its keys here)
+            left = kernel.place_each(self, np.ascontiguousarray(keys, dtype=U64),
+                                     np.ascontiguousarray(vals, dtype=self.dtype))
+        else:
+            left = [i for i, (key, val) in enumerate(zip(keys.tolist(), vals.tolist(),
+                                                         strict=True))
+                    if self._place1(key, val) < 0]
         return keys[left], vals[left]
 
     def _fill_empty(self, keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
