@@ -22,9 +22,9 @@
  * and the size caches are the caller's to update, from the results.
  *
  * Beside this file: _fastindex.h (a table's cells and one-key methods), _fastindex_table.c
- * (reading a table; its bulk passes: fill_empty, sentinels, occupied), _fastindex_state.{h,c}
- * (the index's state during a call; the holders' one-node methods), _fastindex_match.c (the
- * query: a prompt's prefix match, one call).
+ * (reading a table; its bulk passes: fill_empty, sentinels, occupied, place_each),
+ * _fastindex_state.{h,c} (the index's state during a call; the holders' one-node methods),
+ * _fastindex_match.c (the query: a prompt's prefix match, one call).
  *
  * Pure like the rest of replicas/core: no I/O, no clock, no randomness.
  */
