@@ -420,6 +420,13 @@ class U64Table:
         packed little-endian) hold ``keys``/``vals`` in cell order: no hashing, no sorting.
         Raises ``ValueError`` unless every key sits in one of its two buckets."""
         table = cls.with_bits(dtype, bits)
+        kernel = index_kernel.active()
+        if kernel is not None:  # the same cells in one pass, without a temporary a cell
+            kernel.place_occupied(table, np.ascontiguousarray(keys, dtype=U64),
+                                  np.ascontiguousarray(vals, dtype=table.dtype),
+                                  np.ascontiguousarray(occupancy, dtype=np.uint8))
+            table.size = len(keys)
+            return table
         occ = np.unpackbits(occupancy, bitorder="little").view(bool)
         cells = np.flatnonzero(occ)
         if len(occ) != table.keys.size or len(cells) != len(keys):
