@@ -8,8 +8,8 @@ reading columns (``np.frombuffer``, on the snapshot's own buffer) and putting th
 they were. Rows are the block tables' occupied cells, slot by slot, each slot's in cell order:
 
 * ``ids`` (``u64``): every row's engine block id; each slot's **occupancy bitmap** (``occ``:
-  one bit a cell, 1.2-2.4 bits a pair at the tables' 43-85 % load). Restore: a boolean-mask
-  assignment per block table.
+  one bit a cell, 1.2-2.4 bits a pair at the tables' 43-85 % load). Restore: each block
+  table's keys put at its set bits (``U64Table.from_cells``: one pass of the kernel when built).
 * The row that **owns** a node (its lowest-numbered holder slot, first of that slot's ids for
   it) carries the node's sequence hash (``seqs``, ``u64``); an ``own`` bit a row says which.
 * The bitmaps of nodes several slots hold, with the row (``shared_rows``) that owns each: few,
