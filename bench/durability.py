@@ -67,7 +67,7 @@ SHARED_PROMPTS = 50
 PROMPT_BLOCKS = 8
 PUBLISH_WINDOW = 256  # publishes in flight at once
 _FORMATS = {"reference": "msgpack state v2, index v2 (columns per worker) + zlib-1",
-            "compact": "msgpack state v5, index v5 (the tables' arrays, packed), uncompressed"}
+            "compact": "msgpack state v6, index v6 (the tables' arrays, packed), uncompressed"}
 _PARAMS = ("index_form", "blocks", "workers", "chain_blocks", "chains_per_message", "tail_events",
            "tail_batch", "tail_blocks", "repeats", "seed", "restart_via")
 

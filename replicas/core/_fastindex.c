@@ -22,9 +22,10 @@
  * and the size caches are the caller's to update, from the results.
  *
  * Beside this file: _fastindex.h (a table's cells and one-key methods), _fastindex_table.c
- * (reading a table; its bulk passes: fill_empty, sentinels, occupied), _fastindex_state.{h,c}
- * (the index's state during a call; the holders' one-node methods), _fastindex_match.c (the
- * query: a prompt's prefix match, one call).
+ * (reading a table; its bulk passes: fill_empty, sentinels, occupied, place_each,
+ * place_occupied),
+ * _fastindex_state.{h,c} (the index's state during a call; the holders' one-node methods),
+ * _fastindex_match.c (the query: a prompt's prefix match, one call).
  *
  * Pure like the rest of replicas/core: no I/O, no clock, no randomness.
  */
@@ -357,6 +358,10 @@ static PyMethodDef methods[] = {
      " gives them (by_slot: written there, their count returned), or None: Python's to answer"},
     {"occupied", occupied, METH_VARARGS,
      "occupied(table, keys, vals): the occupied cells' keys and values, in cell order"},
+    {"place_each", place_each, METH_VARARGS,
+     "place_each(table, keys, vals) -> positions of the keys U64Table._place1 finds no room for"},
+    {"place_occupied", place_occupied, METH_VARARGS,
+     "place_occupied(table, keys, vals, occupancy): a restored table's cells (from_cells)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -40,6 +40,8 @@ int flush_table(Table *t);
 PyObject *fill_empty(PyObject *self, PyObject *args);
 PyObject *sentinels(PyObject *self, PyObject *args);
 PyObject *occupied(PyObject *self, PyObject *args);
+PyObject *place_each(PyObject *self, PyObject *args);
+PyObject *place_occupied(PyObject *self, PyObject *args);
 int match_names(void);
 PyObject *prefix_match(PyObject *self, PyObject *args);
 

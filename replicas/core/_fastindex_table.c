@@ -1,7 +1,7 @@
 /* The compact prefix index's kernel (_fastindex.c): reading a U64Table from its Python object, and
  * the table's bulk passes — _fill_empty (a table doubling, or restored), a new table's sentinel
- * keys (_alloc), its occupied cells in cell order (items) — each giving the arrays the numpy code
- * gives. No numpy headers: the arrays come through the buffer protocol. */
+ * keys (_alloc), its occupied cells in cell order (items), the keys _place leaves to _place1,
+ * a restored table's cells (from_cells) — each giving the arrays the numpy code gives. No numpy headers: the arrays come through the buffer protocol. */
 #include "_fastindex.h"
 
 PyObject *a_mk, *a_mv, *a_mo, *a_mask, *a_s1, *a_s2, *a_size, *a_limit;
@@ -137,6 +137,15 @@ static int by_bucket(const void *x, const void *y)
     return (a->at > b->at) - (a->at < b->at);
 }
 
+/* Key i of a column that may sit at any byte offset (v6's owners are a view of the snapshot's
+ * buffer, index_arrays.py): read through memcpy, which compiles to one unaligned load. */
+static inline uint64_t load_key(const unsigned char *keys, Py_ssize_t i)
+{
+    uint64_t key;
+    memcpy(&key, keys + 8 * i, 8);
+    return key;
+}
+
 /* Put key i in the next free cell of bucket b if it has one (both passes of fill_empty). */
 static inline int fill_into(Table *t, uint8_t *fill, uint64_t b, uint64_t key, uint64_t val)
 {
@@ -179,7 +188,7 @@ PyObject *fill_empty(PyObject *self, PyObject *args)
     }
     if (load_table(obj, &t, wide) < 0)
         goto done;
-    const uint64_t *keys = kb.buf;
+    const unsigned char *keys = kb.buf;
 #define VAL_AT(i) (wide ? ((const uint64_t *)vb.buf)[i] \
                         : (uint64_t)(int64_t)((const int32_t *)vb.buf)[i])
     fill = PyMem_Calloc((size_t)(t.mask + 1), 1);
@@ -190,8 +199,9 @@ PyObject *fill_empty(PyObject *self, PyObject *args)
     }
     Py_ssize_t left = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t b = (keys[i] * TABLE_M) >> t.s1;
-        if (!fill_into(&t, fill, b, keys[i], VAL_AT(i))) {
+        uint64_t key = load_key(keys, i);
+        uint64_t b = (key * TABLE_M) >> t.s1;
+        if (!fill_into(&t, fill, b, key, VAL_AT(i))) {
             waiting[left].bucket = b;
             waiting[left++].at = i;
         }
@@ -205,8 +215,9 @@ PyObject *fill_empty(PyObject *self, PyObject *args)
     Py_ssize_t rest = 0;
     for (Py_ssize_t j = 0; j < left; j++) {
         Py_ssize_t i = waiting[j].at;
-        uint64_t b = ((keys[i] * TABLE_M) >> t.s2) & t.mask;
-        if (!fill_into(&t, fill, b, keys[i], VAL_AT(i))) {
+        uint64_t key = load_key(keys, i);
+        uint64_t b = ((key * TABLE_M) >> t.s2) & t.mask;
+        if (!fill_into(&t, fill, b, key, VAL_AT(i))) {
             second[rest].bucket = b;
             second[rest++].at = j; /* ties keep the first pass's order */
         }
@@ -330,5 +341,116 @@ PyObject *occupied(PyObject *self, PyObject *args)
 done:
     PyBuffer_Release(&kb);
     PyBuffer_Release(&vb);
+    return result;
+}
+
+/* --- the keys _place's rounds left: U64Table._place1 for each, in order ----------------------- */
+
+/* place_each(table, keys, vals) -> positions of the keys that found no room (both buckets full
+ * and no cuckoo step): place1 for each key in turn, as _place's last loop calls _place1, so the
+ * same keys land in the same cells. The size is the caller's to count, as there. */
+PyObject *place_each(PyObject *self, PyObject *args)
+{
+    PyObject *obj, *keys_obj, *vals_obj;
+    if (!PyArg_ParseTuple(args, "OOO:place_each", &obj, &keys_obj, &vals_obj))
+        return NULL;
+    Table t;
+    Py_buffer kb, vb;
+    if (PyObject_GetBuffer(keys_obj, &kb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(vals_obj, &vb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&kb);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    Py_ssize_t n = kb.len / 8;
+    int wide = vb.itemsize == 8;
+    if (kb.itemsize != 8 || (vb.itemsize != 8 && vb.itemsize != 4) || vb.len / vb.itemsize != n) {
+        PyErr_SetString(PyExc_TypeError, "place_each: u64 keys and as many u64/int32 values");
+        goto done;
+    }
+    if (load_table(obj, &t, wide) < 0)
+        goto done;
+    const unsigned char *keys = kb.buf;
+    out = PyList_New(0);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        uint64_t val = wide ? ((const uint64_t *)vb.buf)[i]
+                            : (uint64_t)(int64_t)((const int32_t *)vb.buf)[i];
+        if (place1(&t, load_key(keys, i), val) >= 0)
+            continue;
+        PyObject *v = PyLong_FromSsize_t(i);
+        if (v == NULL || PyList_Append(out, v) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(v);
+    }
+done:
+    PyBuffer_Release(&kb);
+    PyBuffer_Release(&vb);
+    return out;
+}
+
+/* --- a restored block table: U64Table.from_cells ---------------------------------------------- */
+
+/* place_occupied(table, keys, vals, occupancy): into an empty table, the k-th key and value at
+ * the k-th set bit of occupancy (one bit a cell, little-endian), each checked to sit in one of
+ * its two buckets; the same cells as from_cells' numpy code, in one pass and no temporaries. The
+ * size is the caller's to set. */
+PyObject *place_occupied(PyObject *self, PyObject *args)
+{
+    PyObject *obj, *keys_obj, *vals_obj, *occ_obj;
+    if (!PyArg_ParseTuple(args, "OOOO:place_occupied", &obj, &keys_obj, &vals_obj, &occ_obj))
+        return NULL;
+    Py_buffer kb, vb, ob;
+    if (PyObject_GetBuffer(keys_obj, &kb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(vals_obj, &vb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&kb);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(occ_obj, &ob, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&kb);
+        PyBuffer_Release(&vb);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Table t;
+    Py_ssize_t n = kb.len / 8;
+    int wide = vb.itemsize == 8;
+    if (kb.itemsize != 8 || (vb.itemsize != 8 && vb.itemsize != 4) || vb.len / vb.itemsize != n) {
+        PyErr_SetString(PyExc_TypeError, "place_occupied: u64 keys and as many u64/int32 values");
+        goto done;
+    }
+    if (load_table(obj, &t, wide) < 0)
+        goto done;
+    const unsigned char *keys = kb.buf, *bits = ob.buf;
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < ob.len; i++) /* as many cells as keys, checked first as there */
+        k += __builtin_popcount(bits[i]);
+    if (ob.len * 8 != t.cells || k != n) {
+        PyErr_SetString(PyExc_ValueError, "table cells do not match their occupancy");
+        goto done;
+    }
+    k = 0;
+    for (Py_ssize_t i = 0; i < ob.len; i++) {
+        for (unsigned int byte = bits[i]; byte; byte &= byte - 1) {
+            Py_ssize_t cell = i * 8 + __builtin_ctz(byte);
+            uint64_t key = load_key(keys, k);
+            uint64_t h = key * TABLE_M, bucket = (uint64_t)(cell / WAYS);
+            if (bucket != h >> t.s1 && bucket != ((h >> t.s2) & t.mask)) {
+                PyErr_SetString(PyExc_ValueError, "a key outside both of its buckets");
+                goto done;
+            }
+            t.keys[cell] = key;
+            set_val(&t, cell, wide ? ((const uint64_t *)vb.buf)[k]
+                                   : (uint64_t)(int64_t)((const int32_t *)vb.buf)[k]);
+            t.occ[cell] = 1;
+            k++;
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&kb);
+    PyBuffer_Release(&vb);
+    PyBuffer_Release(&ob);
     return result;
 }

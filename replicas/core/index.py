@@ -35,7 +35,7 @@ from itertools import chain
 import numpy as np
 
 from eventlog.hashing import CHAIN_MULTIPLIER, MASK64
-from replicas.core import index_arrays, index_capture, index_kernel, index_run
+from replicas.core import index_arrays, index_arrays_legacy, index_capture, index_kernel, index_run
 from replicas.core.index_approx import ApproximateMode
 from replicas.core.index_capture import IndexCapture
 from replicas.core.index_codec import read_expiry, read_plain
@@ -501,7 +501,7 @@ class PrefixIndex(ApproximateMode):
         return self.plain_encoder(copy=False)()
 
     def plain_encoder(self, *, copy: bool = True) -> Callable[[], dict[str, object]]:
-        """Capture the index now and return a function that builds its plain form (v5, the
+        """Capture the index now and return a function that builds its plain form (v6, the
         arrays themselves: ``index_arrays.py``) later.
 
         The capture copies the tables' cells (numpy, ~15-20 ms per million pairs) whatever
@@ -516,14 +516,18 @@ class PrefixIndex(ApproximateMode):
 
     @classmethod
     def from_plain(cls, obj: object) -> PrefixIndex:
-        """Restore from any plain version (1 and 2 written by the reference form, 3 to 5 by
+        """Restore from any plain version (1 and 2 written by the reference form, 3 to 6 by
         this one)."""
         if isinstance(obj, dict) and obj.get("version") in (index_arrays.PLAIN_VERSION_V4,
-                                                            index_arrays.PLAIN_VERSION_V5):
+                                                            index_arrays.PLAIN_VERSION_V5,
+                                                            index_arrays.PLAIN_VERSION_V6):
             index = cls(approximate=bool(obj["approximate"]), ttl_secs=float(obj["ttl_secs"]),
                         max_tree_size=int(obj["max_tree_size"]),
                         prune_target_ratio=float(obj["prune_target_ratio"]))
-            index_arrays.restore(index, obj)
+            if obj["version"] == index_arrays.PLAIN_VERSION_V6:
+                index_arrays.restore(index, obj)
+            else:
+                index_arrays_legacy.restore(index, obj)
             for worker, seq_list, expires, depths in read_expiry(obj):
                 index._restore_expiry(worker, seq_list, expires, depths)
             heapq.heapify(index._heap)

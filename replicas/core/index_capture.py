@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from errors.root import JetrouterError
-from replicas.core.index_arrays import PLAIN_VERSION_V5, _encode, _Slot
+from replicas.core.index_arrays import PLAIN_VERSION_V6, _encode, _Slot
 from replicas.core.index_codec import expiry_columns
 from replicas.core.index_table import U64Table
 
@@ -52,7 +52,7 @@ class IndexCapture:
         self._order = sorted(index._slots.items(), key=lambda kv: kv[1])
         holders = index._holders
         # the version index_arrays._encode writes: change with it
-        self._head = {"version": PLAIN_VERSION_V5, "approximate": index.approximate,
+        self._head = {"version": PLAIN_VERSION_V6, "approximate": index.approximate,
                       "ttl_secs": index.ttl_secs, "max_tree_size": index.max_tree_size,
                       "prune_target_ratio": index.prune_target_ratio,
                       "slot_count": len(index._keys), "node_bits": holders.nodes.bits(),

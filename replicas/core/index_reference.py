@@ -557,7 +557,7 @@ class PrefixIndex:
         if not isinstance(obj, dict) or obj.get("version") not in (1, PLAIN_VERSION_V2):
             raise ValueError("this snapshot's prefix index is in the compact form: run every "
                              "replica with --router-index-form compact" if isinstance(obj, dict)
-                             and obj.get("version") in (3, 4, 5) else "not a plain PrefixIndex")
+                             and obj.get("version") in (3, 4, 5, 6) else "not a plain PrefixIndex")
         index = cls(
             approximate=bool(obj["approximate"]),
             ttl_secs=float(obj["ttl_secs"]),

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[3]
                                            ("compact", "standby")])
 async def test_small_run_restores_and_restarts_with_equal_digests(tmp_path: Path, form: str,
                                                                   via: str) -> None:
-    """The compact form restores its arrays (index v5, stored uncompressed) and replays the tail
+    """The compact form restores its arrays (index v6, stored uncompressed) and replays the tail
     in batches; the reference form its columns (v2) — either way the restarted replica agrees,
     restarted as a new process or through a pre-imported standby (as `jetrouter up` does)."""
     parser = argparse.ArgumentParser()

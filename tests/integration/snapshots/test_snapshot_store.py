@@ -218,14 +218,14 @@ def compact_state(workers: int = 4) -> RouterState:
 
 
 async def test_the_compact_forms_format_is_stored_as_it_is(store: SnapshotStore) -> None:
-    """State format 5 (the compact index's arrays, random hashes) is not compressed: the stored
+    """State format 6 (the compact index's arrays, random hashes) is not compressed: the stored
     object is the state's bytes, read back with one digest pass, and restores equal."""
     state = compact_state()
-    assert state.snapshot_format == 5
+    assert state.snapshot_format == 6
     meta = await store.put(state.encoder(), positions=dict(state.positions), epoch=0,
                            created_by="r1", trigger="test", format=state.snapshot_format)
     assert meta.compression == "none" and meta.stored_size == meta.size
-    assert meta.format == 5
+    assert meta.format == 6
     loaded = await store.load_newest_valid()
     assert loaded is not None and loaded.meta == meta and loaded.skipped == []
     assert hashlib.sha256(loaded.data).hexdigest() == meta.sha256

@@ -1,7 +1,7 @@
 """A compact-form snapshot in state format 4 (index v4), written by the code that wrote that
 format (tests/fixtures/compact-v4/, made by tests/fixtures/make_compact_v4.py), still restores:
 the digests and answers recorded when it was written, and the same state once written again in
-the current format (5) and read back. A replica upgraded in place restores from it."""
+the current format (6) and read back. A replica upgraded in place restores from it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from replicas.core.index_arrays import PLAIN_VERSION_V4, PLAIN_VERSION_V5
+from replicas.core.index_arrays import PLAIN_VERSION_V4, PLAIN_VERSION_V6
 from replicas.core.state import RouterState, StateConfig
 from replicas.core.state_codec import SNAPSHOT_FORMAT
 
@@ -60,9 +60,9 @@ def test_written_again_in_the_current_format_it_restores_the_same(
     state = RouterState.decode(raw, CONFIG)
     again = state.encode()
     doc = msgspec.msgpack.decode(again)
-    assert doc["format"] == SNAPSHOT_FORMAT == 5
-    assert doc["index"]["version"] == PLAIN_VERSION_V5
-    assert len(again) < len(raw)  # packed: v5 spends less than v4 on each row
+    assert doc["format"] == SNAPSHOT_FORMAT == 6
+    assert doc["index"]["version"] == PLAIN_VERSION_V6
+    assert len(again) < len(raw)  # packed: v6 spends less than v4 on each row
     back = RouterState.decode(again, CONFIG)
     assert _hex(back) == meta["digests"]
     assert _answers(back, meta) == [a["scores"] for a in meta["answers"]]

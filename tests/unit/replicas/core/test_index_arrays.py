@@ -1,6 +1,8 @@
-"""The compact index's v5 snapshot (index_arrays.py): what is restored is the live index's arrays
-themselves — the same slots, block tables, node table cells and bitmaps — and a column that does
-not match its checksum, or cells that cannot be right, are refused."""
+"""The compact index's v6 snapshot (index_arrays.py): what is restored is the live index's arrays
+themselves — the same slots, block tables and repeated nodes — and the same node table as a map
+(loaded in bulk, so its cells may differ); a column that does not match its checksum, or cells
+that cannot be right, are refused. Every test runs with the index's Python code and with its
+compiled kernel (conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +13,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replicas.core.index import PrefixIndex
-from replicas.core.index_arrays import PLAIN_VERSION_V5
+from replicas.core.index_arrays import PLAIN_VERSION_V6
 from tests.unit.replicas.core.test_index_compact import (
     MANY,
+    QUERIES,
     ArraysAlways,
+    answers,
     apply,
     op_strategy,
     workers,
 )
+
+pytestmark = pytest.mark.usefixtures("each_index_kernel")
 
 KEYS = workers(6)
 
@@ -27,27 +33,31 @@ def through_msgpack(index: PrefixIndex) -> dict[str, object]:
     return msgspec.msgpack.decode(msgspec.msgpack.encode(index.to_plain()))  # type: ignore[no-any-return]
 
 
+def node_map(index: PrefixIndex) -> list[tuple[int, object]]:
+    """The node table as a map: each node's one holder slot, or its holders' bitmap."""
+    holders = index._holders
+    keys, vals = holders.nodes.items()
+    return sorted((seq, v if v >= 0 else tuple(holders.rows[-2 - v].tolist()))
+                  for seq, v in zip(keys.tolist(), vals.tolist(), strict=True))
+
+
 def internals(index: PrefixIndex) -> tuple[object, ...]:
-    """Every array and map the index keeps, as comparable values."""
+    """Every array and map the index keeps, as comparable values (the node table as a map)."""
     live = [s for s, k in enumerate(index._keys) if k is not None]
-    nodes = index._holders.nodes
-    holder_vals = nodes.vals.reshape(-1)[nodes.occ.reshape(-1)]
-    rows = [index._holders.rows[-2 - v].tolist() for v in holder_vals.tolist() if v < 0]
     return (index._keys, sorted(index._free), index._total, index.digest,
             [(index._blocks[s].bits(), index._blocks[s].keys.tobytes(),
               index._blocks[s].vals[index._blocks[s].occ].tobytes(),  # freed cells keep junk
               index._blocks[s].occ.tobytes(), index._sums[s],
               index._dups[s], index._weights[s]) for s in live],
-            nodes.bits(), nodes.keys.tobytes(), nodes.occ.tobytes(),
-            [v if v >= 0 else -1 for v in holder_vals.tolist()], rows,
-            sorted(index.counters.items()))
+            index._holders.nodes.size, node_map(index), sorted(index.counters.items()))
 
 
 def check_same_arrays(index: PrefixIndex) -> PrefixIndex:
     plain = through_msgpack(index)
-    assert plain["version"] == PLAIN_VERSION_V5
+    assert plain["version"] == PLAIN_VERSION_V6
     restored = type(index).from_plain(plain)
     assert internals(restored) == internals(index)
+    assert restored._holders.rows_used == len(plain["columns"]["shared_rows"]) // 8  # type: ignore[index]
     return restored
 
 
@@ -79,6 +89,45 @@ def test_bitmaps_of_shared_nodes_and_freed_slots(events: list[tuple[object, int,
     check_same_arrays(index)
 
 
+CHAIN_QUERIES = [*QUERIES, [1, 2, 3, 4, 5], [1, 2, 9]]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(MANY), st.integers(1, 5),
+                          st.sampled_from(["store", "again", "drop", "retire"])),
+                min_size=60, max_size=200))
+def test_restored_answers_as_the_live_index_with_many_workers(
+        events: list[tuple[tuple[str, int], int, str]]) -> None:
+    """Over 140 workers (three bitmap words): one chain shared by many (bitmaps), stored again
+    by a worker under other ids (repeated nodes), blocks dropped and workers retired (freed
+    slots, reused). The restored index gives the live one's digests and answers, and goes on
+    giving them as both apply the same events."""
+    from eventlog.hashing import sequence_hashes
+
+    index = PrefixIndex()
+    chain = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5)]
+    ops: list[tuple[object, ...]] = []
+    for n, (worker, depth, kind) in enumerate(events):
+        if kind == "store":
+            ops.append(("store", worker, None, chain[:depth]))
+        elif kind == "again":  # the same content under other ids: repeated nodes
+            ops.append(("store", worker, None, [(1000 * (n + 1) + i, t)
+                                                for i, t in chain[:depth]]))
+        elif kind == "drop":
+            ops.append(("remove", worker, [depth], None))
+        else:
+            ops.append(("retire", worker, None, None))
+    queries = [sequence_hashes(q) for q in CHAIN_QUERIES]
+    for op in ops[:-10]:
+        apply(index, op)
+    restored = PrefixIndex.from_plain(through_msgpack(index))
+    assert answers(restored, MANY, queries) == answers(index, MANY, queries)
+    for op in ops[-10:]:
+        assert apply(restored, op) == apply(index, op)
+    assert answers(restored, MANY, queries) == answers(index, MANY, queries)
+    assert internals(restored)[:4] == internals(index)[:4]
+
+
 def test_big_tables_restore_in_place() -> None:
     index = PrefixIndex()
     rng = np.random.default_rng(7)
@@ -97,7 +146,7 @@ def test_big_tables_restore_in_place() -> None:
 
 
 def _shared_and_repeated() -> PrefixIndex:
-    """Every v5 column non-empty: owners and others, shared nodes, repeated ones."""
+    """Every v6 column non-empty: owners and others, shared nodes, repeated ones."""
     index = PrefixIndex()
     for w in range(3):
         index.store((f"w{w}", 0), None, [(w * 1000 + i, i + 1) for i in range(100)])
@@ -105,7 +154,7 @@ def _shared_and_repeated() -> PrefixIndex:
     return index
 
 
-@pytest.mark.parametrize("column", ["ids", "own", "seqs", "codes", "refs", "occ", "shared_rows",
+@pytest.mark.parametrize("column", ["ids", "own", "seqs", "refs", "occ", "shared_rows",
                                     "shared_masks", "dup_slots", "dup_seqs", "dup_counts"])
 def test_a_damaged_column_is_refused(column: str) -> None:
     plain = through_msgpack(_shared_and_repeated())
@@ -148,4 +197,23 @@ def test_cells_that_cannot_be_right_are_refused() -> None:
     plain["checksums"] = [xxhash.xxh3_64_intdigest(columns[n])  # type: ignore[index]
                           for n in _COLUMNS]
     with pytest.raises(ValueError, match=r"malformed|outside|two keys"):
+        PrefixIndex.from_plain(plain)
+
+
+def test_a_row_naming_no_owner_is_refused() -> None:
+    """v6 rows name their node's owner by ordinal: one past the owners, in columns that pass
+    their checksums (rewritten with them), is refused before anything is placed."""
+    import xxhash
+
+    from replicas.core.index_arrays import _COLUMNS
+
+    plain = through_msgpack(_shared_and_repeated())
+    columns = plain["columns"]
+    owners = len(columns["seqs"]) // 8  # type: ignore[index]
+    refs = np.frombuffer(columns["refs"], dtype="<u4").copy()  # type: ignore[index]
+    refs[len(refs) // 2] = owners
+    columns["refs"] = refs.tobytes()  # type: ignore[index]
+    plain["checksums"] = [xxhash.xxh3_64_intdigest(columns[n])  # type: ignore[index]
+                          for n in _COLUMNS]
+    with pytest.raises(ValueError, match="malformed v6 PrefixIndex"):
         PrefixIndex.from_plain(plain)

@@ -5,6 +5,7 @@ either form writes restores into the compact form with the same answers."""
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -162,9 +163,8 @@ def test_approximate_mode_agrees(decisions: list[tuple[WorkerKey, int, int, str]
 
 
 def test_snapshot_bytes_a_pair_owners_and_others() -> None:
-    """v5: an id (8 bytes) and an own bit a row; a row owning its node adds its sequence hash
-    (8) and half a byte of node code, any other row the node table cell of its node (4); and
-    a bit per block-table cell."""
+    """v6: an id (8 bytes) and an own bit a row; a row owning its node adds its sequence hash
+    (8), any other row its node's owner as an ordinal (4); and a bit per block-table cell."""
     index = PrefixIndex()
     for w in range(4):  # the same chain on four workers: 1000 nodes, each held by four rows
         index.store((f"w{w}", 0), None, [(w * 10_000 + i, i + 1) for i in range(1000)])
@@ -174,8 +174,12 @@ def test_snapshot_bytes_a_pair_owners_and_others() -> None:
     assert len(columns["ids"]) == 8 * rows  # type: ignore[index]
     assert len(columns["own"]) == (rows + 7) // 8  # type: ignore[index]
     assert len(columns["seqs"]) == 8 * owners  # type: ignore[index]
-    assert len(columns["codes"]) == (owners + 1) // 2  # type: ignore[index]
+    assert "codes" not in columns  # type: ignore[operator]
     assert len(columns["refs"]) == 4 * (rows - owners)  # type: ignore[index]
+    refs = np.frombuffer(columns["refs"], dtype="<u4")  # type: ignore[index]
+    # the first worker's rows own the chain (ordinals 0-999); each other worker names each once
+    assert [sorted(refs[k * 1000:(k + 1) * 1000].tolist()) for k in range(3)] == [
+        list(range(1000))] * 3
     cells = sum(t.keys.size for t in index._blocks)
     assert len(columns["occ"]) == cells // 8  # type: ignore[index]
 
