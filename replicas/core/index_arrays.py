@@ -77,6 +77,28 @@ def _lowest_slots(rows: np.ndarray) -> np.ndarray:
 _Slot = tuple[int, object, int, np.ndarray, np.ndarray, np.ndarray, dict[int, int]]
 
 
+def row_seqs(own: np.ndarray, owned: np.ndarray, refs: np.ndarray, others: np.ndarray
+             ) -> Callable[[int, int], np.ndarray]:
+    """``seqs_of(start, end)`` for ``place_slots``, called for consecutive rows: their sequence
+    hashes in order, an owning row's its own (the next of ``owned``), every other row's
+    ``others[ref]`` (the next of ``refs``: v6 an owner's ordinal into ``owned``, v5 a node table
+    cell into its keys)."""
+    taken = [0, 0]  # owners', others' rows read so far
+
+    def seqs_of(start: int, end: int) -> np.ndarray:
+        mine = own[start:end]
+        k = int(np.count_nonzero(mine))
+        o, r = taken
+        seqs = np.empty(end - start, dtype=U64)
+        seqs[mine] = owned[o:o + k]
+        # (indexing, not ``take``: take copies a source that is not aligned, as these views are)
+        seqs[~mine] = others[refs[r:r + end - start - k]]
+        taken[0], taken[1] = o + k, r + end - start - k
+        return seqs
+
+    return seqs_of
+
+
 def _joined(parts: list[np.ndarray]) -> bytes:
     """The arrays' bytes end to end. ``bytes.join`` lets the GIL go for a large result only when
     every part is ``bytes`` (for buffers it keeps it: ~40 ms of a 10 M-pair snapshot's encoding
@@ -211,21 +233,7 @@ def restore(index: Any, obj: dict[str, Any]) -> None:
     masks = np.frombuffer(cols["shared_masks"], dtype=U64)
     if len(masks) != len(shared) * words:
         raise ValueError("malformed v6 PrefixIndex (shared nodes)")
-    owned_at = refs_at = 0
-
-    def seqs_of(start: int, end: int) -> np.ndarray:
-        """A slot's rows' sequence hashes: the owners' own, the others' their owner's."""
-        nonlocal owned_at, refs_at
-        mine = own[start:end]
-        k = int(np.count_nonzero(mine))
-        seqs = np.empty(end - start, dtype=U64)
-        seqs[mine] = owned[owned_at:owned_at + k]
-        # (indexing, not ``take``: take copies a source that is not aligned, as this view is)
-        seqs[~mine] = owned[refs[refs_at:refs_at + end - start - k]]
-        owned_at += k
-        refs_at += end - start - k
-        return seqs
-
+    seqs_of = row_seqs(own, owned, refs, owned)
     index._holders.nodes = _load_owners(int(obj["node_bits"]), slots, own, owned, shared)
     place_slots(index, obj, slots, np.frombuffer(cols["ids"], dtype=U64), seqs_of,
                 np.frombuffer(cols["occ"], dtype=np.uint8))

@@ -23,6 +23,7 @@ from replicas.core.index_arrays import (
     checked_columns,
     place_slots,
     restore_dup_columns,
+    row_seqs,
     slot_rows,
 )
 from replicas.core.index_common import U64
@@ -71,20 +72,7 @@ def _restore_v5(index: Any, obj: dict[str, Any]) -> None:
     if len(refs) and (int(refs.max()) >= len(node_keys)
                       or not nodes.occ.reshape(-1)[refs].all()):
         raise ValueError("malformed v5 PrefixIndex (a row's node is not in the node table)")
-    owned_at = refs_at = 0
-
-    def seqs_of(start: int, end: int) -> np.ndarray:
-        """A slot's rows' sequence hashes: the owners' own, the others' from the node table."""
-        nonlocal owned_at, refs_at
-        mine = own[start:end]
-        k = int(np.count_nonzero(mine))
-        seqs = np.empty(end - start, dtype=U64)
-        seqs[mine] = owned[owned_at:owned_at + k]
-        seqs[~mine] = node_keys[refs[refs_at:refs_at + end - start - k]]
-        owned_at += k
-        refs_at += end - start - k
-        return seqs
-
+    seqs_of = row_seqs(own, owned, refs, node_keys)
     place_slots(index, obj, slots, np.frombuffer(cols["ids"], dtype=U64), seqs_of,
                 np.frombuffer(cols["occ"], dtype=np.uint8))
     _hold_shared(index._holders, nodes, shared_cells, int(obj["words"]),
