@@ -162,6 +162,29 @@ static inline int fill_into(Table *t, uint8_t *fill, uint64_t b, uint64_t key, u
  * _fill_empty leaves them. Each key to its first bucket, the k-th of a bucket's keys (in input
  * order) to its k-th cell; the overflow, in (first bucket, input) order, likewise to its second
  * bucket after what the first pass put there: what _fill_empty's two stable sorts give. */
+/* Keys (u64) and as many values (u64 or int32) as buffers, and the table they go into loaded for
+ * the values' width. 0; or -1 with an exception set and no buffer held. */
+static int keys_vals_table(PyObject *obj, PyObject *keys_obj, PyObject *vals_obj, const char *who,
+                           Py_buffer *kb, Py_buffer *vb, Table *t)
+{
+    if (PyObject_GetBuffer(keys_obj, kb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (PyObject_GetBuffer(vals_obj, vb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(kb);
+        return -1;
+    }
+    Py_ssize_t n = kb->len / 8;
+    if (kb->itemsize != 8 || (vb->itemsize != 8 && vb->itemsize != 4)
+        || vb->len / vb->itemsize != n) {
+        PyErr_Format(PyExc_TypeError, "%s: u64 keys and as many u64/int32 values", who);
+    } else if (load_table(obj, t, vb->itemsize == 8) == 0) {
+        return 0;
+    }
+    PyBuffer_Release(kb);
+    PyBuffer_Release(vb);
+    return -1;
+}
+
 PyObject *fill_empty(PyObject *self, PyObject *args)
 {
     PyObject *obj, *keys_obj, *vals_obj;
@@ -170,24 +193,13 @@ PyObject *fill_empty(PyObject *self, PyObject *args)
     Table t;
     Py_buffer kb, vb;
     memset(&t, 0, sizeof(t));
-    int wide = 1;
-    if (PyObject_GetBuffer(keys_obj, &kb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+    if (keys_vals_table(obj, keys_obj, vals_obj, "fill_empty", &kb, &vb, &t) < 0)
         return NULL;
-    if (PyObject_GetBuffer(vals_obj, &vb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&kb);
-        return NULL;
-    }
     PyObject *out = NULL;
     uint8_t *fill = NULL;
     Waiting *waiting = NULL, *second = NULL;
     Py_ssize_t n = kb.len / 8;
-    wide = vb.itemsize == 8;
-    if (kb.itemsize != 8 || (vb.itemsize != 8 && vb.itemsize != 4) || vb.len / vb.itemsize != n) {
-        PyErr_SetString(PyExc_TypeError, "fill_empty: u64 keys and as many u64/int32 values");
-        goto done;
-    }
-    if (load_table(obj, &t, wide) < 0)
-        goto done;
+    int wide = vb.itemsize == 8;
     const unsigned char *keys = kb.buf;
 #define VAL_AT(i) (wide ? ((const uint64_t *)vb.buf)[i] \
                         : (uint64_t)(int64_t)((const int32_t *)vb.buf)[i])
@@ -356,23 +368,12 @@ PyObject *place_each(PyObject *self, PyObject *args)
         return NULL;
     Table t;
     Py_buffer kb, vb;
-    if (PyObject_GetBuffer(keys_obj, &kb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+    if (keys_vals_table(obj, keys_obj, vals_obj, "place_each", &kb, &vb, &t) < 0)
         return NULL;
-    if (PyObject_GetBuffer(vals_obj, &vb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&kb);
-        return NULL;
-    }
-    PyObject *out = NULL;
     Py_ssize_t n = kb.len / 8;
     int wide = vb.itemsize == 8;
-    if (kb.itemsize != 8 || (vb.itemsize != 8 && vb.itemsize != 4) || vb.len / vb.itemsize != n) {
-        PyErr_SetString(PyExc_TypeError, "place_each: u64 keys and as many u64/int32 values");
-        goto done;
-    }
-    if (load_table(obj, &t, wide) < 0)
-        goto done;
     const unsigned char *keys = kb.buf;
-    out = PyList_New(0);
+    PyObject *out = PyList_New(0);
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
         uint64_t val = wide ? ((const uint64_t *)vb.buf)[i]
                             : (uint64_t)(int64_t)((const int32_t *)vb.buf)[i];
@@ -383,7 +384,6 @@ PyObject *place_each(PyObject *self, PyObject *args)
             Py_CLEAR(out);
         Py_XDECREF(v);
     }
-done:
     PyBuffer_Release(&kb);
     PyBuffer_Release(&vb);
     return out;
@@ -401,27 +401,17 @@ PyObject *place_occupied(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OOOO:place_occupied", &obj, &keys_obj, &vals_obj, &occ_obj))
         return NULL;
     Py_buffer kb, vb, ob;
-    if (PyObject_GetBuffer(keys_obj, &kb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+    Table t;
+    if (keys_vals_table(obj, keys_obj, vals_obj, "place_occupied", &kb, &vb, &t) < 0)
         return NULL;
-    if (PyObject_GetBuffer(vals_obj, &vb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&kb);
-        return NULL;
-    }
     if (PyObject_GetBuffer(occ_obj, &ob, PyBUF_C_CONTIGUOUS) < 0) {
         PyBuffer_Release(&kb);
         PyBuffer_Release(&vb);
         return NULL;
     }
     PyObject *result = NULL;
-    Table t;
     Py_ssize_t n = kb.len / 8;
     int wide = vb.itemsize == 8;
-    if (kb.itemsize != 8 || (vb.itemsize != 8 && vb.itemsize != 4) || vb.len / vb.itemsize != n) {
-        PyErr_SetString(PyExc_TypeError, "place_occupied: u64 keys and as many u64/int32 values");
-        goto done;
-    }
-    if (load_table(obj, &t, wide) < 0)
-        goto done;
     const unsigned char *keys = kb.buf, *bits = ob.buf;
     Py_ssize_t k = 0;
     for (Py_ssize_t i = 0; i < ob.len; i++) /* as many cells as keys, checked first as there */

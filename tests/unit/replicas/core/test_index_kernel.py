@@ -312,3 +312,24 @@ def test_use_compiled_switches_at_run_time() -> None:
         assert index_kernel.active() is None
         assert index_kernel.use_compiled(True) is True
         assert index_kernel.active() is not None
+
+
+@pytest.mark.parametrize("name", ["fill_empty", "place_each", "place_occupied"])
+def test_the_table_calls_refuse_keys_and_values_that_do_not_pair(name: str) -> None:
+    """u64 keys with as many u64 or int32 values, else a TypeError naming the call, the table
+    untouched and no buffer left held (a memoryview with an export left cannot be released)."""
+    fast = index_kernel.active()
+    if fast is None:
+        pytest.skip("the kernel is not built here")
+    table = U64Table(U64)
+    before = table.keys.copy()
+    occupancy = np.zeros(table.keys.size // 8, dtype=np.uint8)
+    for fmt, count in (("h", 4), ("Q", 3)):  # int16 values; too few u64 values
+        keys = memoryview(bytearray(8 * 4)).cast("Q")
+        vals = memoryview(bytearray(count * (2 if fmt == "h" else 8))).cast(fmt)
+        args = (table, keys, vals, occupancy)[:4 if name == "place_occupied" else 3]
+        with pytest.raises(TypeError, match=f"{name}: u64 keys and as many u64/int32 values"):
+            getattr(fast, name)(*args)
+        keys.release()
+        vals.release()
+    assert np.array_equal(table.keys, before)
