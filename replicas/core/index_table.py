@@ -267,8 +267,6 @@ class U64Table:
                homes: tuple[np.ndarray, np.ndarray] | None = None
                ) -> tuple[np.ndarray, np.ndarray]:
         """Put keys in the emptier of their two buckets; returns those that found no room."""
-        if not len(keys):  # a bulk load placed them all (the usual case): no numpy calls at all
-            return keys, vals
         b1, b2 = self._homes(keys) if homes is None else homes
         flat_keys, flat_vals, flat_occ = (self.keys.reshape(-1), self.vals.reshape(-1),
                                           self.occ.reshape(-1))

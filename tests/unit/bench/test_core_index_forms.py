@@ -3,6 +3,7 @@ and the ratios computed from the two (figures printed, never asserted)."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -37,3 +38,19 @@ def test_both_decision_paths_in_one_run(capsys: pytest.CaptureFixture[str]) -> N
             figures["pure_path"]["decision_picked_cached_worker"]
         assert "decision_p50_us" in figures["path_ratios"]
         assert figures["paths_differed_samples"] == 0
+
+
+@pytest.mark.parametrize("form", ["compact", "reference"])
+def test_the_replicas_decision_uses_the_index_form_named(
+        form: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--router-state` builds its state with the form `--index` names, and `--serve-gc` leaves
+    the garbage collector as it found it."""
+    thresholds = gc.get_threshold()
+    assert core.main(["--json", "--index", form, "--workers", "4", "--blocks", "3000",
+                      "--prompt-tokens", "512", "--samples", "120", "--replay-batches", "0",
+                      "--replication-requests", "0", "--router-state", "--router-inflight", "1",
+                      "--serve-gc"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["router_state"]["index_form"] == form
+    assert result["router_state"]["paths_differed_samples"] == 0
+    assert gc.get_threshold() == thresholds and gc.get_freeze_count() == 0
