@@ -34,12 +34,13 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from errors.root import JetrouterError
+from leanhttp.loop import run as run_loop
 
 DEFAULT_CONCURRENCY = (1, 16, 64)
 IDLE_SECONDS = 3.0
@@ -571,14 +572,6 @@ def options_from_args(args: argparse.Namespace) -> OverheadOptions:
                            prefixes=args.prefixes)
 
 
-def _run_loop(main: Awaitable[dict[str, Any]]) -> dict[str, Any]:
-    try:
-        import uvloop  # the load generator must be cheap: uvloop halves its cost per request
-    except ImportError:
-        return asyncio.run(main)  # type: ignore[arg-type]
-    return uvloop.run(main)  # type: ignore[arg-type]
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         opts = options_from_args(args)
@@ -586,9 +579,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"jetrouter bench overhead: error: {exc}", file=sys.stderr)
         return 2
     quiet = bool(args.json)
-    result = _run_loop(run_overhead(opts, args.data_dir,
-                                    log=(lambda s: None) if quiet else
-                                    (lambda s: print(f"  {s}", file=sys.stderr, flush=True))))
+    result = run_loop(run_overhead(opts, args.data_dir,
+                                   log=(lambda s: None) if quiet else
+                                   (lambda s: print(f"  {s}", file=sys.stderr, flush=True))))
     text = json.dumps(result, indent=2)
     if args.out is not None:
         args.out.write_text(text + "\n")

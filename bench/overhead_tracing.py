@@ -27,11 +27,11 @@ from typing import Any
 
 from bench.overhead import (
     OverheadOptions,
-    _run_loop,
     format_report,
     options_from_args,
     run_overhead,
 )
+from leanhttp.loop import run as run_loop
 
 LOCAL = "local"
 
@@ -175,10 +175,10 @@ def run(args: argparse.Namespace) -> int:
                   "extra: pip install 'jetrouter[tracing]'", file=sys.stderr)
             return 2
     quiet = bool(args.json)
-    result = _run_loop(run_both(opts, args.otlp_traces_endpoint, args.data_dir,
-                                log=(lambda s: None) if quiet else
-                                (lambda s: print(f"  {s}", file=sys.stderr, flush=True)),
-                                pairs=args.tracing_pairs))
+    result = run_loop(run_both(opts, args.otlp_traces_endpoint, args.data_dir,
+                               log=(lambda s: None) if quiet else
+                               (lambda s: print(f"  {s}", file=sys.stderr, flush=True)),
+                               pairs=args.tracing_pairs))
     text = json.dumps(result, indent=2)
     if args.out is not None:
         args.out.write_text(text + "\n")

@@ -52,13 +52,13 @@ from typing import Any
 from bench.overhead import (
     CpuMeter,
     PhaseResult,
-    _run_loop,
     _wait_for_model,
     children_of,
     closed_loop,
     machine,
 )
 from launch.local_cluster import LocalCluster
+from leanhttp.loop import run as run_loop
 from natsops.server import NatsServer, free_port
 
 ENGINES = 4
@@ -475,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = (lambda s: None) if args.json else (
         lambda s: print(f"  [{time.strftime('%H:%M:%S')}] {s}", file=sys.stderr, flush=True))
     try:
-        result = _run_loop(_main(args, opts, python, work, log))
+        result = run_loop(_main(args, opts, python, work, log))
     finally:
         if owned:
             shutil.rmtree(work, ignore_errors=True)

@@ -16,16 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
 
 import httpx
 
+from leanhttp.loop import run as run_loop
 from workers.engine import Engine, RequestHandle
 from workers.procs import WorkerProcess
 from workers.scheduler import EngineConfig
-
-T = TypeVar("T")
 
 
 async def drive(url: str, requests: int, concurrency: int) -> float:
@@ -63,14 +61,6 @@ async def step_timing(speedup: float, requests: int, tokens: int) -> tuple[int, 
     return engine.steps, engine.busy_seconds / steps, engine.wall_seconds / steps
 
 
-def _run_loop(coro: Coroutine[Any, Any, T]) -> T:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=2000)
@@ -87,7 +77,7 @@ def main() -> None:
     if args.steps:
         speedup = args.speedup_ratio or 10.0
         conc = min(args.concurrency, 256)
-        steps, configured, achieved = _run_loop(step_timing(speedup, conc, args.tokens))
+        steps, configured, achieved = run_loop(step_timing(speedup, conc, args.tokens))
         print(f"engine step time: configured {configured * 1000:.3f} ms, achieved "
               f"{achieved * 1000:.3f} ms ({achieved / configured:.2f}x; {steps} steps, "
               f"{conc} requests x {args.tokens} tokens, speedup ratio {speedup:g})")

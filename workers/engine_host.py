@@ -21,6 +21,7 @@ import signal
 import sys
 from collections.abc import Iterator, Sequence
 
+from leanhttp.loop import run as run_loop
 from workers.server import WorkerServer, WorkerSettings, build_server
 
 
@@ -59,7 +60,7 @@ async def _serve_all(servers: Sequence[WorkerServer]) -> None:
 def serve_engines(settings: Sequence[WorkerSettings]) -> int:
     """Run every engine of ``settings`` in this process until SIGTERM; 0 once all have drained."""
     servers = [build_server(one, _HostedServer) for one in settings]
-    asyncio.run(_serve_all(servers))
+    run_loop(_serve_all(servers))
     if all(server.started for server in servers):
         return 0
     print("jetrouter worker: not every hosted engine started", file=sys.stderr)
