@@ -91,6 +91,22 @@ class RequestHandle:
                 return
             yield token
 
+    async def token_runs(self) -> AsyncIterator[list[int]]:
+        """The tokens of :meth:`tokens`, those already produced when one is awaited together:
+        a request's last token and its end come in one step, so a stream may write them, and
+        what follows the end, at once."""
+        queue = self._queue
+        while True:
+            run = [await queue.get()]
+            while not queue.empty():
+                run.append(queue.get_nowait())
+            if run[-1] == _END:
+                self.finished = True
+                if len(run) > 1:
+                    yield run[:-1]
+                return
+            yield run
+
     def abort(self) -> None:
         self._engine.abort(self)
 

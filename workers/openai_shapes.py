@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from errors.root import JetrouterError
 from tokenization.model_tokenizer import ByteCodec, ChatTemplateFailed, Codec
 from tokenization.tokens import MAX_TOKEN_ID, decode, role_error
@@ -40,12 +42,30 @@ class ParsedRequest:
     cache_salt: str = ""
 
 
+def decode_body(raw: bytes) -> Any:
+    """The JSON value of a request body; BadRequest for anything that is not JSON (including
+    invalid UTF-8 and nesting deeper than the decoder's limit)."""
+    try:
+        return msgspec.json.decode(raw)
+    except (msgspec.MsgspecError, UnicodeDecodeError, RecursionError):
+        raise BadRequest("request body is not valid JSON") from None
+
+
 def _token_list(value: list[Any]) -> list[int] | None:
-    if value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        if any(t < 0 or t > MAX_TOKEN_ID for t in value):
-            raise BadRequest(f"token ids must be in 0..{MAX_TOKEN_ID}", "prompt")
-        return list(value)
-    return None
+    """``value`` as token ids when every item is an integer (not a boolean), else None.
+    msgspec checks the items in C: a Python loop over a few thousand ids was a tenth of the
+    simulated engines' CPU per request."""
+    if not value:
+        return None
+    try:
+        ids: list[int] = msgspec.convert(value, list[int], strict=True)
+    except msgspec.ValidationError:  # not all integers, or one past 64 bits
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return None
+        ids = value
+    if min(ids) < 0 or max(ids) > MAX_TOKEN_ID:
+        raise BadRequest(f"token ids must be in 0..{MAX_TOKEN_ID}", "prompt")
+    return ids
 
 
 _BYTES = ByteCodec()

@@ -47,6 +47,7 @@ from workers.metrics import WorkerMetrics
 from workers.openai_shapes import (
     BadRequest,
     ResponseShaper,
+    decode_body,
     error_body,
     parse_request,
     usage,
@@ -200,10 +201,7 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
             runtime.metrics.count(endpoint, "rejected")
             return _error(503, "worker is shutting down", "service_unavailable")
         try:
-            body = json.loads(await read_body(request))
-        except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's limit
-            return _error(400, "request body is not valid JSON")
-        try:
+            body = decode_body(await read_body(request))
             parsed = parse_request(body, chat=chat, default_max_tokens=settings.default_max_tokens,
                                    header_request_id=request.headers.get("x-request-id"),
                                    codec=runtime.codec)
@@ -329,16 +327,26 @@ async def _stream(runtime: WorkerRuntime, handle: RequestHandle, shaper: Respons
         if shaper.chat:
             yield _sse(shaper.chunk("", first=True))
         sent = 0
-        async for token in handle.tokens():
-            yield _sse(shaper.chunk(decode([token])))
-            sent += 1
-            if crash_budget is not None and sent >= crash_budget:
-                crash_now()  # the Nth chunk has been handed to the socket by now
-        yield _sse(shaper.chunk(None if shaper.chat else "", "length"))
+        last = b""  # the tokens that came with the end: written with the stream's end
+        async for run in handle.token_runs():
+            if crash_budget is not None:  # one chunk a token, so that the Nth is on the socket
+                for token in run:
+                    yield _sse(shaper.chunk(decode([token])))
+                    sent += 1
+                    if sent >= crash_budget:
+                        crash_now()  # the Nth chunk has been handed to the socket by now
+                continue
+            chunks = b"".join([_sse(shaper.chunk(decode([token]))) for token in run])
+            if handle.finished:
+                last = chunks  # (the runs end here)
+                continue
+            yield chunks
+        end = [last, _sse(shaper.chunk(None if shaper.chat else "", "length"))]
         if include_usage:
-            yield _sse(shaper.usage_chunk(usage(handle.prompt_tokens, len(handle.output),
-                                                handle.cached_tokens)))
-        yield LastChunk(_DONE)  # ends the chunked body in the same write
+            end.append(_sse(shaper.usage_chunk(usage(handle.prompt_tokens, len(handle.output),
+                                                     handle.cached_tokens))))
+        end.append(_DONE)
+        yield LastChunk(b"".join(end))  # one write: the last tokens, the end, the chunked end
         outcome = "ok"  # (the response asks for more after its last chunk: this still runs)
     finally:
         runtime.metrics.in_flight.dec()

@@ -138,3 +138,26 @@ async def test_polynomial_first_token_is_out_after_the_prefill_part(clock: Virtu
     assert prefill - slack <= times[0] <= prefill + slack
     assert times[1] - times[0] >= decode - slack
     assert engine.busy_seconds == pytest.approx(clock.now, abs=2 * slack)
+
+
+async def test_token_runs_give_every_token_once_and_the_last_with_the_end(
+        clock: VirtualClock) -> None:
+    engine = Engine(CFG, sleep=clock.sleep, clock=clock.time)
+    async with running(engine):
+        by_one = engine.submit("one", list(range(1, 17)), 12)
+        singles = [t async for t in by_one.tokens()]
+        handle = engine.submit("runs", list(range(1, 17)), 12)
+        runs: list[list[int]] = []
+        finished_at_last_run: list[bool] = []
+
+        async def consume() -> None:
+            async for run in handle.token_runs():
+                runs.append(run)
+                finished_at_last_run.append(handle.finished)
+
+        await asyncio.wait_for(consume(), 10)
+    assert [t for run in runs for t in run] == singles == handle.output
+    assert all(runs) and handle.finished
+    # The step that made the last token also ended the request: the last run says so, so
+    # a stream writes its end with it; no run before it does.
+    assert finished_at_last_run[-1] and not any(finished_at_last_run[:-1])
