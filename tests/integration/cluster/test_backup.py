@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +50,33 @@ async def _lasts(url: str) -> dict[str, int]:
         await nc.close()
 
 
-async def _settled(h: httpx.AsyncClient, c: LocalCluster, lasts: dict[str, int]
-                   ) -> dict[str, Any] | None:
-    """Every replica ready at ``lasts`` with one state digest: that digest set, else None."""
+@dataclass(frozen=True)
+class Settled:
+    """What the replicas showed: their one state digest at the streams' ends ``lasts`` (None
+    when they were not all there, with ``why``)."""
+
+    digests: dict[str, Any] | None
+    lasts: dict[str, int]
+    why: str = ""
+
+
+async def _settled(h: httpx.AsyncClient, c: LocalCluster, lasts: dict[str, int] | None = None
+                   ) -> Settled:
+    """Every replica ready at ``lasts`` (default: the streams' ends read now) with one state
+    digest."""
+    if lasts is None:
+        lasts = await _lasts(c.nats_url)
     auth = {"authorization": f"Bearer {c.admin_token}"}
     states = [(await h.get(f"{u}/admin/state", headers=auth)).json() for u in c.router_urls]
+    seen = [(s["ready"], s["positions"], s["digests"]["state"]) for s in states]
     if all(s["ready"] and s["positions"] == lasts for s in states) and \
             len({s["digests"]["state"] for s in states}) == 1:
-        return states[0]["digests"]
-    return None
+        return Settled(states[0]["digests"], lasts)
+    return Settled(None, lasts, f"replicas (ready, positions, digest): {seen}")
+
+
+def _found(s: Settled) -> bool:
+    return s.digests is not None
 
 
 async def _route(h: httpx.AsyncClient, c: LocalCluster, n: int, offset: int) -> None:
@@ -80,17 +99,21 @@ async def test_export_then_import_into_an_empty_nats_gives_equal_digests(tmp_pat
             r = await h.post(f"{c.router_urls[0]}/admin/snapshot", headers=auth)
             assert r.status_code == 200, r.text
             await _route(h, c, 12, 1000)  # messages after the snapshot too
-            # A request's end is appended after its answer went out: read the streams' ends
-            # again once the replicas settle, until nothing more came meanwhile.
-            lasts: dict[str, int] = {}
-            while (now := await _lasts(c.nats_url)) != lasts:
-                lasts = now
-                before = await until(lambda at=lasts: _settled(h, c, at), timeout=60,
-                                     what="replicas settled on one digest")
-            code, out = await _cli("export", str(backup), "--nats-url", c.nats_url,
-                                   "--namespace", NS)
-            assert code == 0, out
-            assert "snapshot snap-" in out, out
+            # A request's end is appended after its answer went out, and the export must hold
+            # what the digests were taken at: settle, export, and again if the streams grew
+            # meanwhile.
+            for _ in range(5):
+                settled = await until(lambda: _settled(h, c), ok=_found, timeout=60,
+                                      what="replicas settled on one digest at the streams' ends")
+                code, out = await _cli("export", str(backup), "--nats-url", c.nats_url,
+                                       "--namespace", NS)
+                assert code == 0, out
+                assert "snapshot snap-" in out, out
+                if await _lasts(c.nats_url) == settled.lasts:
+                    break
+            else:
+                raise AssertionError("the streams kept growing after the requests were served")
+            before, lasts = settled.digests, settled.lasts
 
         fresh = NatsServer(store_dir=tmp_path / "empty-nats").start(timeout=60)
         try:
@@ -102,9 +125,9 @@ async def test_export_then_import_into_an_empty_nats_gives_equal_digests(tmp_pat
             async with LocalCluster(replicas=2, workers=0, data_dir=tmp_path / "b",
                                     namespace=NS, nats_url=fresh.url,
                                     router_args=QUIET) as restored:
-                after = await until(lambda: _settled(h, restored, lasts), timeout=60,
-                                    what="restored replicas at the exported positions")
-                assert after == before
+                after = await until(lambda: _settled(h, restored, lasts), ok=_found,
+                                    timeout=60, what="restored replicas at the exported positions")
+                assert after.digests == before
                 auth = {"authorization": f"Bearer {restored.admin_token}"}
                 state = (await h.get(f"{restored.router_urls[0]}/admin/state",
                                      headers=auth)).json()
