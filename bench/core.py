@@ -26,6 +26,7 @@ Figures, each printed (never asserted):
 * ``replay_block_events_per_s`` - a real ``nats-server``: ``--replay-batches`` BlocksStored
   batches are published (not timed), then a ``StreamReader`` from sequence 1 decodes them and
   applies each into a fresh index; the clock runs from creating the reader to the last batch.
+  The replays run on the replica's event loop (uvloop where installed, as uvicorn picks).
   ``replay_block_events_per_cpu_s``: the same per second of this process's CPU (the reader and
   the index, not nats-server), which a shared machine's scheduler moves less.
 * ``index_apply_runs_blocks_per_s`` / ``replay_runs_block_events_per_s`` - the same two, applied
@@ -65,6 +66,7 @@ from bench.replication import add_arguments as add_replication_arguments
 from bench.replication import bench_replication
 from eventlog import compiled
 from eventlog.hashing import prompt_hashes, tokens_hashes
+from leanhttp.loop import run as run_loop
 from replicas.core import index_reference
 from replicas.core.index import PrefixIndex, WorkerKey
 from replicas.core.state import RouterState, StateConfig
@@ -494,7 +496,8 @@ def run(args: argparse.Namespace) -> int:
         gc.collect()
     if args.replay_batches > 0:
         with replica_gc(args.serve_gc):
-            replays = asyncio.run(bench_replay(work, args.replay_batches, forms))
+            # on the replica's loop (uvicorn runs it on uvloop where installed)
+            replays = run_loop(bench_replay(work, args.replay_batches, forms))
         for form, figures in replays.items():
             per_form[form].update(figures)
     else:
