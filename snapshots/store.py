@@ -36,6 +36,15 @@ So the listing asks the stream leader (stream info with a subject filter, then e
 last meta message: both answered by the leader only), and a chunk read that finds fewer chunks
 than the meta names is asked again on a fresh consumer before the snapshot counts as corrupt.
 
+Writing right after the bucket's stream was created (or while it elects a leader) can find no
+stream to answer yet: the create is acknowledged by the new stream leader before its interest
+has reached the server this client is connected to, so the first chunk's publish comes back "no
+response from stream" (seen on a 3-node cluster one put in four under load). A put failing so is
+tried again under the same id, up to ``_PUT_WINDOW`` seconds: nats-py's put purges the chunks of a
+failed try, and a meta that was stored without our hearing of it is replaced by the next try's
+(same name, a rollup), whose chunks are then the object's. (A try whose purge fails as well leaves
+its chunks behind, named by no meta, until ``delete_all``.)
+
 Deleting purges the object's chunks and then its meta subject (no tombstone left behind, so the
 bucket does not accumulate one meta message per snapshot ever taken). A crash in between leaves a
 meta without chunks: it lists, fails verification loudly, and is pruned as the oldest later.
@@ -73,6 +82,7 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 from nats.js.object_store import ObjectStore
 
 from errors.root import JetrouterError
+from eventlog.appender import is_transient
 from eventlog.names import Names
 from eventlog.streams import cluster_size_hint, ensure_stream, lookup_stream
 from replicas.core.state_codec import SNAPSHOT_FORMAT
@@ -89,6 +99,8 @@ _CHUNK_HEADROOM = 4096  # max_payload counts headers too
 _FETCH_BATCH = 16
 _FETCH_TIMEOUT = 10.0
 _FETCH_ATTEMPTS = 4
+_PUT_WINDOW = 30.0  # seconds a put keeps trying a transient failure (module docstring)
+_PUT_RETRY_MIN, _PUT_RETRY_MAX = 0.1, 2.0
 
 
 class SnapshotMeta(msgspec.Struct, frozen=True):
@@ -286,12 +298,30 @@ class SnapshotStore:
             headers={META_HEADER: [msgspec.json.encode(meta).decode()]},
             options=ObjectMetaOptions(max_chunk_size=self._chunk_size()),
         )
-        await obs.put(snapshot_id, blob, meta=object_meta)
+        await self._put_object(obs, snapshot_id, blob, object_meta)
         try:
             await self.prune(protect=snapshot_id)
         except Exception:  # the snapshot is stored; a failed prune is retried on the next put
             log.warning("pruning snapshots after %s failed", snapshot_id, exc_info=True)
         return meta
+
+    async def _put_object(self, obs: ObjectStore, snapshot_id: str, blob: bytes,
+                          object_meta: ObjectMeta) -> None:
+        """``obs.put``, tried again while it fails transiently (no stream leader yet, no answer
+        in time), for up to ``_PUT_WINDOW`` seconds (module docstring)."""
+        deadline = time.monotonic() + _PUT_WINDOW
+        delay = _PUT_RETRY_MIN
+        while True:
+            try:
+                await obs.put(snapshot_id, blob, meta=object_meta)
+                return
+            except Exception as exc:
+                if not is_transient(exc) or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("storing snapshot %s failed (%s); trying again in %.1f s",
+                            snapshot_id, type(exc).__name__, delay)
+            await asyncio.sleep(delay)  # backoff between attempts, not a synchronisation
+            delay = min(delay * 2, _PUT_RETRY_MAX)
 
     async def prune(self, *, protect: str | None = None) -> list[str]:
         """Delete all but the newest ``keep`` snapshots (never ``protect``); returns deleted ids."""

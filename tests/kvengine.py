@@ -76,6 +76,11 @@ class EngineSim:
         # Batches the next replay answer leaves out, as a ROUTER socket whose send queue
         # overflowed while the reader was slow drops them (silently, at ZMQ's high-water mark).
         self.replay_drops: set[int] = set()
+        # When set, the next replay answer stops after that many batches, as one whose send
+        # queue overflowed to its end: its end marker is lost too (the reader hears silence)
+        # unless ``replay_cut_keeps_end``.
+        self.replay_cut_after: int | None = None
+        self.replay_cut_keeps_end = False
         self.http = await asyncio.start_server(self._serve_http, "127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.http.sockets[0].getsockname()[1]}"
         self._replay_task = asyncio.create_task(self._serve_replay())
@@ -223,11 +228,18 @@ class EngineSim:
             start = int.from_bytes(start_raw, "big")
             self.replay_requests.append(start)
             drops, self.replay_drops = self.replay_drops, set()
+            cut, self.replay_cut_after = self.replay_cut_after, None
+            sent = 0
             for seq, payload in list(self.buffer):
+                if cut is not None and sent == cut:
+                    break
                 if seq >= start and seq not in drops:
                     head = [self.topic.encode()] if self.layout == "map" else []
                     await self.router.send_multipart(
                         [client, b"", *head, seq.to_bytes(8, "big"), payload])
+                    sent += 1
+            if cut is not None and not self.replay_cut_keeps_end:
+                continue
             await self.router.send_multipart([client, b"", b"", END_SEQ, b""]
                                              if self.layout == "map"
                                              else [client, b"", END_SEQ, b""])

@@ -7,7 +7,8 @@ Sequence discipline (one task appends, in engine order)
 * live ``seq > last + 1``: a gap -> replay ``last + 1 ..``; what cannot be replayed makes the next
   appended message start with ``AllBlocksCleared`` for every dp rank seen. A replay answer with
   a hole after some progress is asked again from the hole (a ZMQ ROUTER drops what overflows
-  its send queue while the reader is slow, so a hole does not mean the engine lost the batches).
+  its send queue while the reader is slow, so a hole does not mean the engine lost the batches);
+  so is one that goes silent before its end marker, or stops short of the batch asked up to.
 * live ``seq <=`` the highest live seq seen: the engine restarted (its seq went back) -> a new
   ``gen``, ``AllBlocksCleared``, replay of the new run from 0. A changed ``process_start_time``
   seen while polling ``/metrics`` does the same even if the new engine is silent.
@@ -343,12 +344,15 @@ class Bridge:
                                  ) -> tuple[list[Frame], bool, bool]:
         """The engine's batches ``start ..`` (before ``upto``; None: all it buffers) from the
         replay socket, in order and without a hole, as far as they can be had; whether the last
-        answer stopped at a hole, and whether a replay failed.
+        answer stopped at a hole, and whether the last one failed (went silent before its end).
 
-        A hole in an answer that made progress is most likely the engine's ROUTER socket
-        dropping what overflowed its send queue while this process read slowly (ZMQ drops
-        silently at the high-water mark), not batches gone from its buffer: it is asked again
-        from the first one missing. An answer that brings nothing new settles it."""
+        An answer that made progress and then has a hole, goes silent before its end marker, or
+        ends before ``upto`` is most likely the engine's ROUTER socket dropping what overflowed
+        its send queue while this process read slowly (ZMQ drops silently at the high-water
+        mark, the end marker too), not batches gone from its buffer: it is asked again from the
+        first one missing. An answer that brings nothing new settles it. (A resumed bridge that
+        threw away a silent answer's batches, or took a short answer for the whole run, had no
+        mirror: its re-announce was a clear only.)"""
         got: list[Frame] = []
         hole = failed = False
         for _ in range(REPLAY_ROUNDS):
@@ -356,10 +360,10 @@ class Bridge:
             try:
                 frames = await replay(self.ctx, self.s.kv_replay, start + asked,
                                       self.s.replay_timeout)
+                failed = False
             except ReplayUnavailable as exc:
                 log.warning("replay from seq %d unavailable: %s", start + asked, exc)
-                failed = True
-                break
+                frames, failed = exc.received, True
             hole = False
             for frame in frames:
                 expected = start + len(got)
@@ -371,7 +375,8 @@ class Bridge:
                     hole = True
                     break
                 got.append(frame)
-            if not hole or len(got) == asked:
+            short = upto is not None and start + len(got) < upto
+            if not (hole or failed or short) or len(got) == asked:
                 break
             self.replay_retries += 1
         return got, hole, failed

@@ -7,6 +7,12 @@ Replay: a DEALER sends ``[b"", start_seq as 8 bytes big-endian]`` to the engine'
 the engine answers one message per buffered batch with ``seq >= start_seq``, ``[b"", topic, seq,
 payload]`` (SGLang and older vLLM: ``[b"", seq, payload]``), then an end marker whose seq frame is
 ``0xFF * 8`` (-1 as a signed int). Both layouts are accepted.
+
+The engine's ROUTER socket drops, silently, whatever overflows its send queue (ZMQ's high-water
+mark, 1000 messages by default, vLLM's too): an answer of thousands of batches sent in one burst
+comes with holes (measured on loopback: 2-14 % of 10 000 small batches, in the middle), and one
+whose queue is still full at its end can stop short or lose its end marker. An answer that goes
+silent before its end marker hands what it brought to the caller, which asks again from there.
 """
 
 from __future__ import annotations
@@ -24,7 +30,12 @@ END_SEQ = b"\xff" * 8
 
 
 class ReplayUnavailable(JetrouterError, RuntimeError):
-    """No replay endpoint, or it did not answer in time."""
+    """No replay endpoint, or it did not finish answering in time; ``received``: the batches
+    that came before the silence (an answer whose end was dropped: module docstring)."""
+
+    def __init__(self, why: str, received: list[Frame] | None = None) -> None:
+        super().__init__(why)
+        self.received = received or []
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +108,8 @@ async def replay(ctx: zmq.asyncio.Context, endpoint: str, start_seq: int,
     """Every batch the engine still buffers from ``start_seq`` on, in order.
 
     Raises :class:`ReplayUnavailable` if the engine does not finish answering within ``timeout``
-    seconds of silence (a fresh socket per request: a late answer can never be mistaken for the
-    next request's)."""
+    seconds of silence, with the batches received until then (a fresh socket per request: a
+    late answer can never be mistaken for the next request's)."""
     if not endpoint:
         raise ReplayUnavailable("no replay endpoint configured")
     sock = ctx.socket(zmq.DEALER)
@@ -111,8 +122,9 @@ async def replay(ctx: zmq.asyncio.Context, endpoint: str, start_seq: int,
             try:
                 frames = await asyncio.wait_for(sock.recv_multipart(), timeout)
             except TimeoutError:
-                raise ReplayUnavailable(f"replay from {endpoint} did not answer in "
-                                        f"{timeout:.1f}s") from None
+                raise ReplayUnavailable(f"replay from {endpoint} went silent for {timeout:.1f}s "
+                                        f"after {len(out)} batches, before its end", out
+                                        ) from None
             try:
                 frame = parse_replay_reply(frames)
             except ValueError:

@@ -1,9 +1,10 @@
 """Liveness across the loss of one NATS server of three: heartbeats must not stall behind it.
 
 Three replicas' liveness, each connected first to a different server of a real 3-node cluster.
-The server leading the heartbeat bucket's stream is SIGKILLed; for many rounds afterwards no
-replica may see a live peer's heartbeat older than ``--replica-timeout``, and the leader
-declares nobody lost (every replica pretends to own requests, so a lapse would be declared).
+The server leading the heartbeat bucket's stream is SIGKILLed; for many rounds afterwards every
+replica keeps judging both peers live (``peers()``, read as often as an operator's admin view may
+be), and the leader declares nobody lost (every replica pretends to own requests, so a lapse
+would be declared).
 """
 
 from __future__ import annotations
@@ -59,10 +60,10 @@ class Replica(PortIdentity):
     async def wait_applied(self, kind: str, seq: int, timeout: float = 10.0) -> None:
         return None
 
-    def max_peer_age(self) -> float:
+    def peer_ages(self) -> dict[str, float]:
         now = time.monotonic()
-        return max((p.age(now) for r, p in self.live.peers_status.items() if r != self.rid),
-                   default=0.0)
+        return {r: round(p.age(now), 2) for r, p in self.live.peers_status.items()
+                if r != self.rid}
 
 
 @pytest.fixture
@@ -96,13 +97,20 @@ async def test_a_dead_nats_server_makes_no_live_peer_look_stale(
     leader = info.cluster.leader if info.cluster else None
     victim = next(s for s in nats_cluster.servers if s.server_name == leader)
 
-    worst: dict[str, float] = dict.fromkeys(IDS, 0.0)
+    # Each replica's own judgement, not the wall-clock age of a peer's last heartbeat: this
+    # process may be starved for seconds on a busy machine, and on waking it reads the clock
+    # before the heartbeats queued in its sockets (a 3.4 s "age" with every peer alive). The
+    # replica discounts such a stall of its own (liveness.py `_refresh`); a heartbeat that
+    # really stalls behind the dead server's stream leader election (4-9 s) is judged stale.
+    stale: list[tuple[str, list[str], dict[str, float]]] = []
     stop = asyncio.Event()
 
     async def sample() -> None:
         while not stop.is_set():
             for rep in replicas:
-                worst[rep.rid] = max(worst[rep.rid], rep.max_peer_age())
+                live = set(await rep.live.peers())
+                if live != set(IDS) - {rep.rid}:
+                    stale.append((rep.rid, sorted(live), rep.peer_ages()))
             await asyncio.sleep(0.02)  # sampling period of the observation, not a sync
 
     sampler = asyncio.create_task(sample())
@@ -116,8 +124,8 @@ async def test_a_dead_nats_server_makes_no_live_peer_look_stale(
     finally:
         stop.set()
         await sampler
-    assert all(age < TIMEOUT for age in worst.values()), (
-        f"a live peer looked stale (worst ages {worst}, killed {victim.server_name})")
+    assert not stale, (f"a live peer was judged stale ((replica, peers it judged live, ages) "
+                       f"{stale[:5]}, killed {victim.server_name})")
     assert [r.declared for r in replicas] == [[], [], []]
     for rep in replicas:
         assert set(await rep.live.peers()) == set(IDS) - {rep.rid}

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo
+from nats.js.errors import NoStreamResponseError
 from nats.js.kv import MSG_ROLLUP_SUBJECT
 
 from eventlog.names import Names
@@ -90,6 +91,29 @@ async def test_put_list_get_round_trip(store: SnapshotStore) -> None:
     loaded = await store.load_newest_valid()
     assert loaded is not None
     assert loaded[0] == meta and loaded[1] == data and loaded.skipped == []
+
+
+async def test_a_put_no_stream_answers_yet_is_tried_again_and_stored_once(
+        store: SnapshotStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right after the bucket's stream is created on a cluster, the server this client talks to
+    may not know the stream's leader yet: the first chunk's publish finds no responders. The put
+    tries again under the same id, and the snapshot is stored once."""
+    await store.ensure()
+    publish = store.js.publish
+    refused: list[str] = []
+
+    async def not_yet(subject: str, payload: bytes = b"", **kwargs: object) -> object:
+        if not refused:
+            refused.append(subject)
+            raise NoStreamResponseError
+        return await publish(subject, payload, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store.js, "publish", not_yet)
+    meta = await put(store, b"stored once")
+    assert refused and refused[0].startswith(f"$O.{store.bucket}.C.")
+    assert [m.snapshot_id for m in await store.list()] == [meta.snapshot_id]
+    assert await store.get(meta.snapshot_id) == b"stored once"
+    assert (await store.status())["messages"] == 2  # one chunk and one meta: nothing left over
 
 
 async def test_empty_store(store: SnapshotStore) -> None:

@@ -69,9 +69,11 @@ async def _serve(app: Any, what: str) -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def engine(worker_id: str, role: str = "both", engine: EngineConfig = ENGINE
-                 ) -> AsyncIterator[Engine]:
-    """A simulated engine on a loopback socket that notes the headers of every POST."""
+async def engine(worker_id: str, role: str = "both", engine: EngineConfig = ENGINE,
+                 hold: asyncio.Event | None = None) -> AsyncIterator[Engine]:
+    """A simulated engine on a loopback socket that notes the headers of every POST; with
+    ``hold``, a POST goes on to the engine only once it is set (a request the engine is still
+    busy with, for as long as the test needs)."""
     runtime = WorkerRuntime(WorkerSettings(worker_id, model=MODEL, nats_url="", engine=engine,
                                            role=role))
     inner = create_worker_app(runtime)
@@ -80,6 +82,8 @@ async def engine(worker_id: str, role: str = "both", engine: EngineConfig = ENGI
     async def recording(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             seen.headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
+            if hold is not None:
+                await asyncio.wait_for(hold.wait(), 60)
         await inner(scope, receive, send)
 
     async for url in _serve(recording, f"engine {worker_id}"):
@@ -238,22 +242,34 @@ async def test_a_disaggregated_request_has_a_prefill_hop_and_a_decode_hop() -> N
     assert [parsed_traceparent(h) for h in d1.headers] == [(trace_id, decode.span_id)]
 
 
+async def queue_depth(client: httpx.AsyncClient) -> float:
+    """The replica's ``jetrouter_queue_depth`` gauge, as its /metrics shows it."""
+    text = (await client.get("/metrics")).text
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("jetrouter_queue_depth"))
+
+
 async def test_a_request_held_in_the_router_queue_has_a_queue_span() -> None:
     """With a queue threshold, a request arriving while the only engine still prefills the
-    first one waits in the router queue until that prefill is done."""
-    slow = EngineConfig(speedup_ratio=1.0)  # real-time prefill: the second request must wait
+    first one waits in the router queue until that prefill is done. The engine holds the first
+    request until the second is seen queued (a real-time prefill raced the second request's
+    arrival on a busy machine: it could be over first)."""
+    busy = asyncio.Event()
     with HttpReceiver() as receiver:
-        async with engine("w1", engine=slow) as e1:
+        async with engine("w1", hold=busy) as e1:
             async with traced_router(receiver.endpoint, [("w1", e1.url, "both")],
                                      queue_threshold=0.001) as url, \
-                    httpx.AsyncClient(base_url=url, timeout=30) as client:
+                    httpx.AsyncClient(base_url=url, timeout=60) as client:
                 bodies = [{"model": MODEL, "max_tokens": 2, "prompt": f"{n} " + "x" * 3000}
                           for n in range(2)]
                 first = asyncio.create_task(client.post("/v1/completions", json=bodies[0]))
                 await until(lambda: e1.headers, timeout=20, what="the first request at w1")
-                second = await client.post("/v1/completions", json=bodies[1])
-                assert second.status_code == 200 and (await first).status_code == 200
-                waited = second.headers["x-jetrouter-request-id"]
+                second = asyncio.create_task(client.post("/v1/completions", json=bodies[1]))
+                await until(lambda: queue_depth(client), lambda depth: depth == 1, timeout=20,
+                            what="the second request in the router queue")
+                busy.set()
+                assert (await second).status_code == 200 and (await first).status_code == 200
+                waited = (await second).headers["x-jetrouter-request-id"]
         spans = receiver.snapshot()
     decision = one(spans, "jetrouter.route", **{"jetrouter.request_id": waited})
     queue = one(spans, "jetrouter.queue")
