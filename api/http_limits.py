@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import encoded_error_body
 from errors.root import JetrouterError
+from leanhttp.head_with_body import hold_heads
 
 log = logging.getLogger("jetrouter.http")
 
@@ -110,7 +111,8 @@ class BodySizeLimit:
 
 def _read_timeout_protocol(base: type[Any]) -> type[Any]:
     class RequestReadTimeoutProtocol(base):  # type: ignore[misc, valid-type]
-        """uvicorn's HTTP protocol plus a deadline for reading each request (module doc)."""
+        """uvicorn's HTTP protocol plus a deadline for reading each request (module doc);
+        a response's head goes out with its body (leanhttp.head_with_body)."""
 
         request_read_timeout = DEFAULT_REQUEST_READ_TIMEOUT
 
@@ -138,6 +140,7 @@ def _read_timeout_protocol(base: type[Any]) -> type[Any]:
         def on_headers_complete(self) -> None:
             self._headers_done = True
             super().on_headers_complete()
+            hold_heads(self.cycle, self.loop)  # the head goes out with the body
 
         def on_message_complete(self) -> None:
             self._disarm_read_timer()
