@@ -19,8 +19,9 @@ concurrency the two stacks take turns (the first of the pair alternates), each f
 ``--duration`` seconds of closed-loop load. Per run: requests per second, and the router
 process's CPU seconds (user + system from ``/proc``, its child processes included: jetrouter's
 SQL projector) divided by the requests completed. Engines, nats-server and the client are
-measured too and printed, never counted as the router. The report gives medians over the pairs
-and the ratios jetrouter / Dynamo.
+measured too and printed, never counted as the router; "stack" is every process of the stack
+plus the client (this process) per request: on a machine of few cores req/s follows it. The
+report gives medians over the pairs and the ratios jetrouter / Dynamo.
 
 Streamed requests at low concurrency measure Dynamo 1.6.1's HTTP server more than its routing:
 it leaves Nagle on for client connections, so on a keep-alive connection each SSE chunk after
@@ -251,14 +252,20 @@ async def _run(stack: Stack, body: Callable[[int], bytes], conc: int, opts: Opti
                *, duration: float, offset: int) -> dict[str, Any]:
     meter = CpuMeter(stack.pids())
     meter.start()
+    client = time.process_time()  # this process is the load generator
     res = await closed_loop(stack.url, "/v1/completions", lambda n: body(offset + n), conc,
                             duration=duration, stream=opts.stream,
                             result=PhaseResult(stack.name, conc))
+    client = time.process_time() - client
     used = meter.stop()
     router = sum(v for k, v in used.items() if k.startswith("router"))
     ok = max(res.ok, 1)
     return {"ok": res.ok, "errors": res.errors, "seconds": round(res.seconds, 3),
             "req_per_s": round(res.rate, 1),
+            # every process of the stack and the client: on a machine of few cores req/s
+            # follows this, not the router's share alone
+            "stack_cpu_ms_per_request": round(1000 * (sum(used.values()) + client) / ok, 4),
+            "client_cpu_ms_per_request": round(1000 * client / ok, 4),
             "router_cpu_ms_per_request": round(1000 * router / ok, 4),
             "router_process_cpu_ms_per_request": round(1000 * used.get("router", 0.0) / ok, 4),
             "cpu_ms_per_request": {k: round(1000 * v / ok, 4) for k, v in used.items()},
@@ -316,19 +323,24 @@ def summarise(runs: Sequence[dict[str, Any]], levels: Sequence[int]) -> list[dic
             rs = list(by_pair.values())
             row[name] = {key: statistics.median(r[key] for r in rs)
                          for key in ("req_per_s", "router_cpu_ms_per_request",
-                                     "router_process_cpu_ms_per_request")}
+                                     "router_process_cpu_ms_per_request",
+                                     "stack_cpu_ms_per_request")}
             row[name]["errors"] = sum(r["errors"] for r in rs)
             others = sorted({k for r in rs for k in r.get("cpu_ms_per_request", {})
                              if not k.startswith("router")})
             row[name]["other_cpu_ms_per_request"] = {
                 k: statistics.median(r["cpu_ms_per_request"].get(k, 0.0) for r in rs)
                 for k in others}
+            if all("client_cpu_ms_per_request" in r for r in rs):
+                row[name]["other_cpu_ms_per_request"]["client"] = statistics.median(
+                    r["client_cpu_ms_per_request"] for r in rs)
         if "jetrouter" in per and "dynamo" in per:
             j, d = row["jetrouter"], row["dynamo"]
             pairs = sorted(set(per["jetrouter"]) & set(per["dynamo"]))
             for key, name in (("req_per_s", "req_per_s"), ("router_cpu_ms_per_request",
                                                            "router_cpu"),
-                              ("router_process_cpu_ms_per_request", "router_process_cpu")):
+                              ("router_process_cpu_ms_per_request", "router_process_cpu"),
+                              ("stack_cpu_ms_per_request", "stack_cpu")):
                 row[f"{name}_ratio"] = _ratio(j[key], d[key])
                 row[f"pair_{name}_ratios"] = [
                     _ratio(per["jetrouter"][p][key], per["dynamo"][p][key]) for p in pairs]
@@ -361,9 +373,10 @@ def format_report(r: dict[str, Any]) -> str:
     for name, cores in r.get("idle_cpu_cores", {}).items():
         lines.append(f"idle cores, {name}: " + " ".join(f"{k}={v}" for k, v in cores.items()))
     lines += ["", "router ms/req: the router process and its children (jetrouter's SQL projector);"
-              " (process): the router process alone; others: CPU ms per request of the rest",
+              " (process): the router process alone; stack: every process of the stack and the"
+              " client; others: CPU ms per request of the rest",
               f"{'conc':>5} {'stack':<10} {'req/s':>9} {'router ms/req':>14} "
-              f"{'(process)':>10} {'errors':>6}  others"]
+              f"{'(process)':>10} {'stack':>7} {'errors':>6}  others"]
     for row in r["summary"]:
         for name in ("dynamo", "jetrouter"):
             if name in row:
@@ -373,13 +386,16 @@ def format_report(r: dict[str, Any]) -> str:
                 lines.append(f"{row['concurrency']:>5} {name:<10} {s['req_per_s']:>9.1f} "
                              f"{s['router_cpu_ms_per_request']:>14.3f} "
                              f"{s['router_process_cpu_ms_per_request']:>10.3f} "
+                             f"{s['stack_cpu_ms_per_request']:>7.3f} "
                              f"{s['errors']:>6}  {others}")
         if "req_per_s_ratio" in row:
             lines.append(f"{row['concurrency']:>5} {'jet/dyn':<10} {row['req_per_s_ratio']:>8}x "
-                         f"{row['router_cpu_ratio']:>13}x {row['router_process_cpu_ratio']:>9}x")
+                         f"{row['router_cpu_ratio']:>13}x {row['router_process_cpu_ratio']:>9}x "
+                         f"{row['stack_cpu_ratio']:>6}x")
             lines.append(f"{'':>5} {'pairs':<10} req/s {row['pair_req_per_s_ratios']}, router "
                          f"{row['pair_router_cpu_ratios']}, process "
-                         f"{row['pair_router_process_cpu_ratios']}")
+                         f"{row['pair_router_process_cpu_ratios']}, stack "
+                         f"{row['pair_stack_cpu_ratios']}")
     return "\n".join(lines)
 
 

@@ -46,6 +46,7 @@ def test_summary_is_medians_and_ratios_per_level() -> None:
     def run(pair: int, stack: str, rate: float, cpu: float) -> dict[str, object]:
         return {"pair": pair, "concurrency": 1, "stack": stack, "req_per_s": rate,
                 "router_cpu_ms_per_request": cpu, "router_process_cpu_ms_per_request": cpu,
+                "stack_cpu_ms_per_request": 4 * cpu,
                 "errors": 0, "cpu_ms_per_request": {"router": cpu, "engines": 2 * cpu}}
 
     runs = [run(0, "dynamo", 100, 1.0), run(0, "jetrouter", 150, 0.5),
@@ -58,3 +59,8 @@ def test_summary_is_medians_and_ratios_per_level() -> None:
     assert row["pair_router_cpu_ratios"] == [0.5, 0.5, 1.0]
     assert row["router_process_cpu_ratio"] == 0.5
     assert row["dynamo"]["other_cpu_ms_per_request"] == {"engines": 4.0}
+    assert row["jetrouter"]["stack_cpu_ms_per_request"] == 4.0 and row["stack_cpu_ratio"] == 0.5
+    assert row["pair_stack_cpu_ratios"] == [0.5, 0.5, 1.0]
+    text = sbs.format_report({"machine": {"cpus": 2, "cpu_model": "x", "python": "3.11"},
+                              "options": sbs._describe(sbs.Options()), "summary": [row]})
+    assert "stack" in text and "0.5x" in text
