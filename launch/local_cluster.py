@@ -391,7 +391,7 @@ class LocalCluster:
         stops nats-server last) and tied to our life (no orphan if `up` is SIGKILLed)."""
         server.proc = subprocess.Popen(
             server.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True,
+            stderr=subprocess.DEVNULL, start_new_session=True, env=server.environment(),
             preexec_fn=functools.partial(die_with_parent, self._prctl, os.getpid()))
 
     async def _spawn(self, child: Child) -> None:
