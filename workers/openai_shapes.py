@@ -53,16 +53,14 @@ def decode_body(raw: bytes) -> Any:
 
 def _token_list(value: list[Any]) -> list[int] | None:
     """``value`` as token ids when every item is an integer (not a boolean), else None.
-    msgspec checks the items in C: a Python loop over a few thousand ids was a tenth of the
+    msgspec checks the items in C: a Python loop over a few hundred ids was ~6 % of the
     simulated engines' CPU per request."""
     if not value:
         return None
     try:
         ids: list[int] = msgspec.convert(value, list[int], strict=True)
-    except msgspec.ValidationError:  # not all integers, or one past 64 bits
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            return None
-        ids = value
+    except msgspec.ValidationError:  # not all integers (any size is one; a boolean is not)
+        return None
     if min(ids) < 0 or max(ids) > MAX_TOKEN_ID:
         raise BadRequest(f"token ids must be in 0..{MAX_TOKEN_ID}", "prompt")
     return ids

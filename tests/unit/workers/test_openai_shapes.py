@@ -46,6 +46,12 @@ def test_a_body_that_is_not_json_is_a_bad_request(raw: bytes) -> None:
         decode_body(raw)
 
 
+def test_an_id_past_64_bits_in_a_body_is_refused_by_range() -> None:
+    body = decode_body(b'{"prompt": [1, 100000000000000000000000]}')
+    with pytest.raises(BadRequest, match=r"token ids must be in 0\.\."):
+        _parse(body)
+
+
 def test_a_json_body_decodes() -> None:
     assert decode_body(b'{"prompt": [1, 2], "max_tokens": 3}') == {"prompt": [1, 2],
                                                                    "max_tokens": 3}
