@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 
 .PHONY: install test demo bench bench-core chaos lint clean soak
 
-$(BIN)/jetrouter: pyproject.toml setup.py eventlog/_fasthash.c $(wildcard replicas/core/_fastindex*)
+$(BIN)/jetrouter: pyproject.toml setup.py eventlog/_fasthash.c eventlog/_kvwire.c $(wildcard replicas/core/_fastindex*)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'

@@ -1,5 +1,6 @@
-"""The compiled pieces: prompt hashing (``eventlog/_fasthash.c``, design.md §4) and the compact
-prefix index's KV-event apply (``replicas/core/_fastindex.c``).
+"""The compiled pieces: prompt hashing (``eventlog/_fasthash.c``, design.md §4), reading a KV
+event's blocks into u64 words (``eventlog/_kvwire.c``) and the compact prefix index's KV-event
+apply (``replicas/core/_fastindex.c``).
 
 Everything else is in pyproject.toml. Both extensions are optional and need nothing beyond the
 Python headers (no numpy headers, no sources fetched from elsewhere): where one does not build
@@ -18,6 +19,8 @@ setup(ext_modules=[
         libraries=["dl"] if sys.platform.startswith("linux") else [],
         optional=True,
     ),
+    # A BlocksStored's blocks read from msgpack into u64 words (eventlog/kv_decode.py).
+    Extension("eventlog._kvwire", sources=["eventlog/_kvwire.c"], optional=True),
     # The compact prefix index's KV-event apply (replicas/core/index_kernel.py); plain C over
     # the index's arrays through the buffer protocol, no numpy headers needed to build it.
     Extension("replicas.core._fastindex",

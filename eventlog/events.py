@@ -7,12 +7,14 @@ of tagged events, so a worker's cache changes that happened together are applied
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Annotated, Literal
 
 import msgspec
 
 from errors.root import JetrouterError
+from eventlog.packed_pairs import PackedPairs
 
 # Bounds every decoded event must respect. Anything else on a stream is malformed: counted and
 # skipped by every replica alike, never applied
@@ -371,13 +373,24 @@ class MalformedMessage(JetrouterError, ValueError):
     """A stream message that is not a valid batch of events (garbage bytes or wrong schema)."""
 
 
-_encoder = msgspec.msgpack.Encoder()
+def _encode_other(obj: object) -> object:
+    """Blocks a reader left packed (``kv_decode.py``) are encoded as the list they equal."""
+    if isinstance(obj, PackedPairs):
+        return list(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__} in an event")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_encode_other)
 _decoder = msgspec.msgpack.Decoder(list[Event])
 
 
 def encode_batch(events: list[Event] | tuple[Event, ...]) -> bytes:
     """Encode events as one stream message (a msgpack array of tagged maps)."""
     return _encoder.encode(list(events))
+
+
+Decode = Callable[[bytes], list[Event]]
+"""How a reader decodes a message: ``decode_batch``, or one that gives what it gives."""
 
 
 def decode_batch(data: bytes) -> list[Event]:

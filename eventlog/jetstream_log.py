@@ -9,7 +9,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from eventlog.appender import Appender
-from eventlog.events import Event
+from eventlog.events import Decode, Event, decode_batch
 from eventlog.log import StoredMessage
 from eventlog.names import STREAM_KINDS, Names
 from eventlog.reader import StreamReader
@@ -35,9 +35,10 @@ class JetStreamLog:
                          extra_headers: dict[str, str] | None = None) -> int:
         return await self.appender.append_raw(subject, payload, msg_id, extra_headers)
 
-    def reader(self, stream: str, *, start_seq: int = 1, time_decode: bool = True
-               ) -> StreamReader:
-        return StreamReader(self.js, stream, start_seq=start_seq, time_decode=time_decode)
+    def reader(self, stream: str, *, start_seq: int = 1, time_decode: bool = True,
+               decode: Decode = decode_batch) -> StreamReader:
+        return StreamReader(self.js, stream, start_seq=start_seq, time_decode=time_decode,
+                            decode=decode)
 
     async def bounds(self, stream: str) -> tuple[int, int]:
         return await stream_bounds(self.js, stream)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, Self
 
-from eventlog.events import Event
+from eventlog.events import Decode, Event, decode_batch
 from eventlog.names import STREAM_KINDS, Names
 
 
@@ -82,9 +82,11 @@ class EventLog(Protocol):
         """Store already-encoded bytes, as :meth:`append` does."""
         ...
 
-    def reader(self, stream: str, *, start_seq: int = 1, time_decode: bool = True) -> LogReader:
+    def reader(self, stream: str, *, start_seq: int = 1, time_decode: bool = True,
+               decode: Decode = decode_batch) -> LogReader:
         """A reader of ``stream`` from ``start_seq`` (nothing is read before its first use);
-        ``time_decode``: whether it measures ``last_decode_s`` (else it stays 0)."""
+        ``time_decode``: whether it measures ``last_decode_s`` (else it stays 0); ``decode``:
+        ``decode_batch`` or one that gives what it gives (``kv_decode.decode_kv_batch``)."""
         ...
 
     async def bounds(self, stream: str) -> tuple[int, int]:

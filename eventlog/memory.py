@@ -20,7 +20,7 @@ from typing import NoReturn, Self
 from errors.root import JetrouterError
 from eventlog.appender import MSG_ID_HEADER, AppendFailed
 from eventlog.binding import foreign_party
-from eventlog.events import Event, MalformedMessage, decode_batch, encode_batch
+from eventlog.events import Decode, Event, MalformedMessage, decode_batch, encode_batch
 from eventlog.log import StoredMessage
 from eventlog.names import STREAM_KINDS, Names
 from eventlog.reader import StartPurged
@@ -161,9 +161,9 @@ class MemoryLog:
 
     # --- reading --------------------------------------------------------------------------------
 
-    def reader(self, stream: str, *, start_seq: int = 1, time_decode: bool = True
-               ) -> MemoryReader:
-        return MemoryReader(self._stream(stream), start_seq=start_seq)
+    def reader(self, stream: str, *, start_seq: int = 1, time_decode: bool = True,
+               decode: Decode = decode_batch) -> MemoryReader:
+        return MemoryReader(self._stream(stream), start_seq=start_seq, decode=decode)
 
     async def bounds(self, stream: str) -> tuple[int, int]:
         s = self._stream(stream)
@@ -191,10 +191,12 @@ class MemoryReader:
     """Replays a :class:`MemoryLog` stream from ``start_seq`` and follows it, as
     :class:`eventlog.reader.StreamReader` does a JetStream one."""
 
-    def __init__(self, stream: _Stream, *, start_seq: int = 1) -> None:
+    def __init__(self, stream: _Stream, *, start_seq: int = 1, decode: Decode = decode_batch
+                 ) -> None:
         if start_seq < 1:
             raise ValueError(f"start_seq must be >= 1, got {start_seq}")
         self._s = stream
+        self.decode = decode
         self.stream = stream.name
         self.start_seq = start_seq
         self.last_seq = start_seq - 1
@@ -251,7 +253,7 @@ class MemoryReader:
     def _deliver(self, msg: StoredMessage) -> tuple[int, list[Event]]:
         try:
             check_message(msg.headers, self.stream, msg.seq)
-            events = decode_batch(msg.data)
+            events = self.decode(msg.data)
         except NewerFormat as exc:
             self._fail(exc)  # stays before the message, as the JetStream reader does
         except (MalformedMessage, UnknownFormat) as exc:

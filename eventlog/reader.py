@@ -45,7 +45,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from errors.root import JetrouterError
 from eventlog.binding import foreign_party
-from eventlog.events import Event, MalformedMessage, decode_batch
+from eventlog.events import Decode, Event, MalformedMessage, decode_batch
 from eventlog.raw_inbox import DESCRIPTION, STATUS, RawSubscription, parse_headers, subscribe_raw
 from eventlog.wire import FORMAT_HEADER, NewerFormat, UnknownFormat, check_message
 
@@ -104,6 +104,7 @@ class StreamReader:
         expires: float = 30.0,
         create_timeout: float = 2.0,
         linger: float = 0.0,
+        decode: Decode = decode_batch,
     ) -> None:
         if start_seq < 1:
             raise ValueError(f"start_seq must be >= 1, got {start_seq}")
@@ -126,6 +127,8 @@ class StreamReader:
         self.create_timeout = create_timeout
         self.liveness = 3 * idle_heartbeat
         self.linger = max(0.0, linger)
+        # decode_batch, or a decoder that gives what it gives (eventlog/kv_decode.py)
+        self.decode = decode
 
         self.last_seq = start_seq - 1
         self.pending = 0
@@ -287,7 +290,7 @@ class StreamReader:
             # message is neither applied nor skipped (eventlog/wire.py).
             if header_block is not None and _FORMAT_MARK in header_block:
                 check_message(parse_headers(header_block), self.stream, sseq)
-            events = decode_batch(data)
+            events = self.decode(data)
         except NewerFormat as exc:
             self._fail(exc)
         except (MalformedMessage, UnknownFormat) as exc:

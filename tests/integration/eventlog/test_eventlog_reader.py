@@ -9,9 +9,12 @@ import time
 import msgspec
 import pytest
 
+from eventlog import kv_decode
 from eventlog.appender import Appender
-from eventlog.events import BlocksStored, Event
+from eventlog.events import BlocksStored, Event, decode_batch, encode_batch
+from eventlog.kv_decode import decode_kv_batch
 from eventlog.names import Names
+from eventlog.packed_pairs import PackedPairs
 from eventlog.reader import StartPurged, StreamReader
 from eventlog.wire import EVENT_FORMAT, FORMAT_HEADER, NewerFormat
 from natsops.server import NatsServer
@@ -122,6 +125,30 @@ async def test_malformed_messages_are_counted_and_skipped(js, caplog):
     assert reader.malformed == 2
     logged = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
     assert len(logged) == 2 and "seq 3" in logged[0] and "seq 4" in logged[1]
+
+
+async def test_packed_blocks_read_as_decode_batch_reads_them(js):
+    """A reader decoding with ``decode_kv_batch`` (a replica whose index takes packed blocks)
+    yields events equal to ``decode_batch``'s, and skips the same malformed messages."""
+    _, context = js
+    appender = Appender(context)
+    blocks = [(2**64 - 1 - i, i) for i in range(40)]  # past the small-message cut
+    await appender.append(SUBJECT, [BlocksStored("w1", 1, 0, None, blocks, 1.0)], msg_id="p1")
+    good = encode_batch([BlocksStored("w1", 2, 0, 7, blocks, 2.0)])
+    # the first pair's tokens hash 0 written as -1 (int 8): decode_batch refuses it
+    negative = good.replace(b"\xff\xff\x00\x92", b"\xff\xff\xd0\xff\x92", 1)
+    assert negative != good
+    await context.publish(SUBJECT, negative)
+    await context.publish(SUBJECT, good)
+    read: dict[str, Items] = {}
+    for name, decode in (("batch", decode_batch), ("packed", decode_kv_batch)):
+        async with StreamReader(context, KV, decode=decode) as reader:
+            read[name] = await take(reader, 3)
+            assert reader.malformed == 1
+    assert read["packed"] == read["batch"]
+    assert [len(events) for _, events in read["packed"]] == [1, 0, 1]
+    if kv_decode.AVAILABLE:
+        assert isinstance(read["packed"][0][1][0].blocks, PackedPairs)  # type: ignore[union-attr]
 
 
 async def test_resumes_across_server_restart_without_gaps_or_duplicates(
