@@ -413,12 +413,14 @@ async def _replay_once(js: Any, stream: str, last: int, index: AnyIndex, batches
                        ) -> dict[str, Any]:
     from eventlog.events import BlocksStored
     from eventlog.reader import StreamReader
+    from replicas.core.state_run import kv_decoder
 
     applied = 0
     gc.collect()
     t0, cpu0 = time.perf_counter(), time.process_time()
-    # as the replica's KV follower reads (replicas/runtime/follower.py): no decode timing
-    reader = StreamReader(js, stream, start_seq=1, time_decode=False)
+    # as the replica's KV follower reads (replicas/runtime/follower.py): no decode timing, and
+    # blocks left packed where the index's kernel takes them so
+    reader = StreamReader(js, stream, start_seq=1, time_decode=False, decode=kv_decoder(index))
     try:
         async for seq, events in reader:
             for e in events:

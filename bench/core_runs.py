@@ -24,6 +24,7 @@ from eventlog.reader import StreamReader
 from replicas.core import index_reference
 from replicas.core.index import PrefixIndex, WorkerKey
 from replicas.core.index_run import STORE, KvOp
+from replicas.core.state_run import kv_decoder
 
 RUN_EVENTS = 2048  # what the follower applies at once while catching up (its KV slice)
 AnyIndex = PrefixIndex | index_reference.PrefixIndex
@@ -46,8 +47,9 @@ async def replay_runs(js: Any, stream: str, last: int, index: AnyIndex) -> dict[
     applied = 0
     gc.collect()
     t0 = time.perf_counter()
-    # as the replica's KV follower reads (replicas/runtime/follower.py): no decode timing
-    reader = StreamReader(js, stream, start_seq=1, time_decode=False)
+    # as the replica's KV follower reads (replicas/runtime/follower.py): no decode timing, and
+    # blocks left packed where the index's kernel takes them so
+    reader = StreamReader(js, stream, start_seq=1, time_decode=False, decode=kv_decoder(index))
     try:
         async for first in reader:
             taken = [first, *reader.take_received(RUN_EVENTS - 1)]

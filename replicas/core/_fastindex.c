@@ -174,12 +174,8 @@ static int as_u64(PyObject *v, uint64_t *out)
 
 /* Validate and convert an op's numbers before anything changes. Returns the count of u64s put
  * in *buf (grown as needed), or -1 on error, -2 when Python must apply the op. */
-static Py_ssize_t read_numbers(PyObject *seq, int pairs, uint64_t **buf, Py_ssize_t *cap)
+static int reserve(uint64_t **buf, Py_ssize_t *cap, Py_ssize_t need)
 {
-    if (!PyList_Check(seq) && !PyTuple_Check(seq))
-        return -2;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    Py_ssize_t need = pairs ? 2 * n : n;
     if (need > *cap) {
         uint64_t *grown = PyMem_Realloc(*buf, (size_t)need * 8);
         if (grown == NULL) {
@@ -189,6 +185,38 @@ static Py_ssize_t read_numbers(PyObject *seq, int pairs, uint64_t **buf, Py_ssiz
         *buf = grown;
         *cap = need;
     }
+    return 0;
+}
+
+/* Pairs a reader left packed (eventlog/packed_pairs.py): their `words` are already the u64s,
+ * 16 bytes a pair in native order. Returns the count of u64s, -1 on error, -2 when not packed. */
+static Py_ssize_t read_packed(PyObject *seq, uint64_t **buf, Py_ssize_t *cap)
+{
+    PyObject *words = PyObject_GetAttr(seq, a_words);
+    if (words == NULL) {
+        PyErr_Clear();
+        return -2;
+    }
+    Py_ssize_t need = -2;
+    if (PyBytes_Check(words) && PyBytes_GET_SIZE(words) % 16 == 0) {
+        need = PyBytes_GET_SIZE(words) / 8;
+        if (reserve(buf, cap, need) < 0)
+            need = -1;
+        else
+            memcpy(*buf, PyBytes_AS_STRING(words), (size_t)need * 8);
+    }
+    Py_DECREF(words);
+    return need;
+}
+
+static Py_ssize_t read_numbers(PyObject *seq, int pairs, uint64_t **buf, Py_ssize_t *cap)
+{
+    if (!PyList_Check(seq) && !PyTuple_Check(seq))
+        return pairs ? read_packed(seq, buf, cap) : -2;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t need = pairs ? 2 * n : n;
+    if (reserve(buf, cap, need) < 0)
+        return -1;
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (!pairs) {

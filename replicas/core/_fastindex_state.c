@@ -4,7 +4,7 @@
 
 static PyObject *a_blocks, *a_dups, *a_sums, *a_slots, *a_holders, *a_total;
 static PyObject *a_nodes, *a_rows, *a_rows_free, *a_rows_used;
-PyObject *a_slot_for;
+PyObject *a_slot_for, *a_words;
 
 int state_names(void)
 {
@@ -15,6 +15,7 @@ int state_names(void)
         && (a_holders = PyUnicode_InternFromString("_holders"))
         && (a_total = PyUnicode_InternFromString("_total"))
         && (a_slot_for = PyUnicode_InternFromString("_slot_for"))
+        && (a_words = PyUnicode_InternFromString("words"))
         && (a_nodes = PyUnicode_InternFromString("nodes"))
         && (a_rows = PyUnicode_InternFromString("rows"))
         && (a_rows_free = PyUnicode_InternFromString("rows_free"))

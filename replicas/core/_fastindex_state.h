@@ -30,7 +30,7 @@ int insert1_python(Ctx *c, Table *t, uint64_t key, uint64_t val);
 int hold1(Ctx *c, Py_ssize_t slot, uint64_t seq);
 int unhold1(Ctx *c, Py_ssize_t slot, uint64_t seq);
 
-extern PyObject *a_slot_for;
+extern PyObject *a_slot_for, *a_words; /* a_words: packed pairs' words */
 
 /* The slot's block table, read again only after Python ran (the calls per block stay inline). */
 static inline Table *ctx_table(Ctx *c, Py_ssize_t slot)

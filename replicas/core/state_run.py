@@ -15,6 +15,10 @@ the compact form, ``index_run.py``). Everything else keeps its place in the orde
 
 Approximate mode (its index expires blocks by event time) and the other streams apply message by
 message. Statuses are counted as ``apply`` counts them. Pure: no I/O, clock or randomness.
+
+``kv_decoder`` says how the KV stream's messages should be decoded for a state's index: with each
+``BlocksStored``'s blocks left as u64 words (``eventlog/kv_decode.py``) where the index's compiled
+kernel copies them as they are, else as tuples of ints.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from eventlog import events as ev
+from eventlog import kv_decode
 from eventlog.names import KV
+from replicas.core import index_kernel
+from replicas.core.index import PrefixIndex as CompactIndex
 from replicas.core.index_run import REMOVE, STORE, KvOp, RunResult
 
 _STORED = ev.BlocksStored.__name__
@@ -69,6 +76,16 @@ class RouterState(Protocol):
     def _check_event_id(self, worker_id: str, event_id: int) -> str | None: ...
 
     def _expire(self) -> None: ...
+
+
+def kv_decoder(index: object) -> ev.Decode:
+    """``decode_kv_batch`` for the compact form applying with its kernel (outside approximate
+    mode, whose Python code would iterate the packed pairs), else ``decode_batch``: the same
+    events either way."""
+    if (kv_decode.AVAILABLE and isinstance(index, CompactIndex) and not index.approximate
+            and index_kernel.active() is not None):
+        return kv_decode.decode_kv_batch
+    return ev.decode_batch
 
 
 def apply_many(state: RouterState, stream: str,

@@ -32,6 +32,7 @@ from eventlog.names import CONTROL, KV, ROUTER, STREAM_KINDS, Names
 from eventlog.reader import StartPurged
 from eventlog.wire import NewerFormat
 from replicas.core.state import RouterState, StateConfig
+from replicas.core.state_run import kv_decoder
 from replicas.runtime.replication_cost import ReplicationCost
 from replicas.runtime.tail_prefetch import TailPrefetch, adopt
 from snapshots.store import SnapshotStore
@@ -182,7 +183,8 @@ class StreamFollower:
             return
         if newest and newest[0].positions.get(KV, 0) > self.state.positions[KV]:
             reader = self.log.reader(self.names.stream(KV),
-                                     start_seq=newest[0].positions[KV] + 1, time_decode=False)
+                                     start_seq=newest[0].positions[KV] + 1, time_decode=False,
+                                     decode=kv_decoder(self.state.index))
             self._prefetch = TailPrefetch(reader, _PREFETCH_LIMIT)
 
     async def _drop_prefetch(self) -> None:
@@ -272,7 +274,9 @@ class StreamFollower:
             # Only the router stream's decode time is read (the replication cost of peers'
             # decisions)
             reader = self.log.reader(stream, start_seq=self.state.positions[kind] + 1,
-                                     time_decode=kind == ROUTER)
+                                     time_decode=kind == ROUTER,
+                                     decode=kv_decoder(self.state.index) if kind == KV
+                                     else ev.decode_batch)
         self._readers[kind] = reader
         own = self.names.router_subject(self.replica_id)
         try:

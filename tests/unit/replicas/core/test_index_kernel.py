@@ -21,9 +21,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eventlog import compiled
+from eventlog.packed_pairs import PackedPairs
 from replicas.core import index_kernel
 from replicas.core.index import PrefixIndex
 from replicas.core.index_common import U64
+from replicas.core.index_run import STORE
 from replicas.core.index_table import U64Table
 from tests.unit.replicas.core.kernel_switch import kernel
 from tests.unit.replicas.core.test_index_compact import (
@@ -333,3 +335,42 @@ def test_the_table_calls_refuse_keys_and_values_that_do_not_pair(name: str) -> N
         keys.release()
         vals.release()
     assert np.array_equal(table.keys, before)
+
+
+def packed(ops: list[tuple[object, ...]]) -> list[tuple[object, ...]]:
+    """The same ops with each store's blocks as a KV reader leaves them (kv_decode.py)."""
+    return [(kind, worker, a, PackedPairs.of(b) if kind == "store" else b)  # type: ignore[arg-type]
+            for kind, worker, a, b in ops]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_packed_blocks_leave_the_same_cells(data: st.DataObject) -> None:
+    """Blocks as u64 words (copied by the kernel as they are) or as tuples of ints: the same
+    results and the same cells, one by one and in runs; the Python code iterates them."""
+    ops = data.draw(st.lists(op_strategy(KEYS), max_size=60)) + data.draw(
+        st.lists(st.tuples(st.just("store"), st.sampled_from(KEYS), st.none(),
+                           st.lists(st.tuples(st.one_of(IDS, BIG), TOKENS), min_size=20,
+                                    max_size=70)), max_size=3))
+    cuts = data.draw(st.lists(st.booleans(), min_size=len(ops), max_size=len(ops)))
+    for apply in (apply_each, lambda index, o: apply_in_runs(index, o, cuts)):
+        with kernel(True):
+            as_tuples, as_words = PrefixIndex(), PrefixIndex()
+            assert apply(as_words, packed(ops)) == apply(as_tuples, ops)
+        assert cells(as_words) == cells(as_tuples)
+        assert answers(as_words, KEYS, QUERIES) == answers(as_tuples, KEYS, QUERIES)
+    with kernel(False):
+        python = PrefixIndex()
+        assert apply_each(python, packed(ops)) == apply_each(PrefixIndex(), ops)
+    assert inner_state(python) == inner_state(as_tuples)
+
+
+def test_the_kernel_applies_packed_blocks_itself() -> None:
+    """Packed blocks are copied by the kernel, not handed back to the Python code (which would
+    give the same state, only slower)."""
+    with kernel(True):
+        index = PrefixIndex()
+        ops = [(STORE, KEYS[0], None, PackedPairs.of([(1, 2), (3, 4)])),
+               (STORE, KEYS[0], 3, PackedPairs.of([(5, 6)]))]
+        assert index_kernel.active().apply_ops(index, ops, 0) == ["ok", "ok"]  # type: ignore[union-attr]
+        assert index.total_blocks == 3

@@ -11,9 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eventlog import events as ev
+from eventlog import kv_decode
 from eventlog.hashing import sequence_hashes
 from eventlog.names import CONTROL, KV
+from replicas.core import index_kernel
 from replicas.core.state import RouterState, StateConfig
+from replicas.core.state_run import kv_decoder
 
 # every test twice: the index's Python code, then its compiled kernel (conftest.py)
 pytestmark = pytest.mark.usefixtures("each_index_kernel")
@@ -84,6 +87,25 @@ def test_apply_many_equals_apply_one_message_at_a_time(
     assert summary(many) == summary(one)
     restored = RouterState.decode(many.encode(), config)
     assert restored.digests() == one.digests()
+    # as a replica reads the stream: each message through the decoder its index is given
+    # (blocks as u64 words for the compact form's kernel; every message, however small)
+    read = RouterState(config)
+    decode = kv_decoder(read.index)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kv_decode, "SMALL_MESSAGE", 0)
+        read.apply_many(KV, [(seq, decode(ev.encode_batch(events)) if events else [])
+                             for seq, events in feed])
+    assert summary(read) == summary(one)
+
+
+@pytest.mark.parametrize("config", [StateConfig(), StateConfig(index_form="compact"),
+                                    StateConfig(index_form="compact", approximate=True)],
+                         ids=["reference", "compact", "compact-approximate"])
+def test_the_kv_decoder_packs_blocks_only_for_the_compact_kernel(config: StateConfig) -> None:
+    packs = (config.index_form == "compact" and not config.approximate
+             and index_kernel.active() is not None and kv_decode.AVAILABLE)
+    expected = kv_decode.decode_kv_batch if packs else ev.decode_batch
+    assert kv_decoder(RouterState(config).index) is expected
 
 
 def test_other_streams_and_approximate_mode_apply_message_by_message() -> None:
