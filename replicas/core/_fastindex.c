@@ -87,10 +87,11 @@ static int dups_change(Ctx *c, Py_ssize_t slot, uint64_t seq, int delta)
     return rc;
 }
 
-static int add1(Ctx *c, Py_ssize_t slot, uint64_t block_hash, uint64_t seq)
+/* `free`: the cell probe picked for the absent id, or -1 to have place1 pick it. */
+static int add1(Ctx *c, Py_ssize_t slot, uint64_t block_hash, uint64_t seq, Py_ssize_t free)
 {
     Table *t = ctx_table(c, slot);
-    if (t == NULL || insert1(c, t, block_hash, seq) < 0)
+    if (t == NULL || insert1_probed(c, t, block_hash, seq, free) < 0)
         return -1;
     t = ctx_table(c, slot);
     if (t == NULL)
@@ -124,15 +125,16 @@ static int store1(Ctx *c, Py_ssize_t slot, uint64_t block_hash, uint64_t seq)
     Table *t = ctx_table(c, slot);
     if (t == NULL)
         return -1;
-    Py_ssize_t cell = find1(t, block_hash);
-    if (cell >= 0) {
-        uint64_t was = (uint64_t)get_val(t, cell);
+    Probe p = probe(t, block_hash);
+    if (p.found >= 0) {
+        uint64_t was = (uint64_t)get_val(t, p.found);
         if (was == seq)
             return 0; /* re-announced: nothing changes */
-        if (drop1(c, slot, block_hash, was, cell) < 0) /* the engine reused the id */
+        if (drop1(c, slot, block_hash, was, p.found) < 0) /* the engine reused the id */
             return -1;
+        p.free = -1; /* the drop freed a cell: place1 picks again */
     }
-    return add1(c, slot, block_hash, seq);
+    return add1(c, slot, block_hash, seq, p.free);
 }
 
 /* --- ops ------------------------------------------------------------------------------------ */

@@ -134,6 +134,52 @@ static inline Py_ssize_t place1(Table *t, uint64_t key, uint64_t val)
     return cell;
 }
 
+/* find1 and, for an absent key, the cell place1 would pick without a cuckoo step, from one read
+ * of the two buckets (storing a block looks up a key that is nearly always absent, then places
+ * it: reading both buckets twice more, for their fill and first free way, was the kernel's
+ * largest cost). `free` is -1 when both buckets are full (place1 then tries a cuckoo step). */
+typedef struct {
+    Py_ssize_t found, free;
+} Probe;
+
+static inline Probe probe(const Table *t, uint64_t key)
+{
+    uint64_t h = key * TABLE_M;
+    Py_ssize_t b1 = (Py_ssize_t)(h >> t->s1) * WAYS;
+    Py_ssize_t b2 = (Py_ssize_t)((h >> t->s2) & t->mask) * WAYS;
+    uint64_t e1 = sentinel(t, (uint64_t)(b1 / WAYS)), e2 = sentinel(t, (uint64_t)(b2 / WAYS));
+    int n1 = 0, n2 = 0, free1 = -1, free2 = -1;
+    Probe p = {-1, -1};
+    for (int w = 0; w < WAYS; w++) {
+        uint64_t k = t->keys[b1 + w];
+        if (k == key && t->size) {
+            p.found = b1 + w;
+            return p;
+        }
+        if (k != e1)
+            n1++;
+        else if (free1 < 0)
+            free1 = w;
+    }
+    for (int w = 0; w < WAYS; w++) {
+        uint64_t k = t->keys[b2 + w];
+        if (k == key && t->size) {
+            p.found = b2 + w;
+            return p;
+        }
+        if (k != e2)
+            n2++;
+        else if (free2 < 0)
+            free2 = w;
+    }
+    /* place1's choice: the second bucket when it is the emptier, its first free way */
+    if (n2 < n1)
+        p.free = free2 < 0 ? -1 : b2 + free2;
+    else
+        p.free = free1 < 0 ? -1 : b1 + free1;
+    return p;
+}
+
 static inline void delete1(Table *t, Py_ssize_t cell)
 {
     t->keys[cell] = sentinel(t, (uint64_t)(cell / WAYS));

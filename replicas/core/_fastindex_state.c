@@ -229,9 +229,10 @@ int hold1(Ctx *c, Py_ssize_t slot, uint64_t seq)
     Table *nodes = ctx_nodes(c);
     if (nodes == NULL)
         return -1;
-    Py_ssize_t cell = find1(nodes, seq);
+    Probe p = probe(nodes, seq);
+    Py_ssize_t cell = p.found;
     if (cell < 0)
-        return insert1(c, nodes, seq, (uint64_t)slot) < 0 ? -1 : 0;
+        return insert1_probed(c, nodes, seq, (uint64_t)slot, p.free) < 0 ? -1 : 0;
     int64_t v = get_val(nodes, cell);
     Py_ssize_t word = slot >> 6;
     uint64_t bit = 1ULL << (slot & 63);

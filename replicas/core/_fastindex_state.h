@@ -55,6 +55,19 @@ static inline int insert1(Ctx *c, Table *t, uint64_t key, uint64_t val)
         return 0;
     }
     return insert1_python(c, t, key, val);
+}
+
+/* insert1 of a key `probe` found absent, into the cell it picked (`free`): the same cell. */
+static inline int insert1_probed(Ctx *c, Table *t, uint64_t key, uint64_t val, Py_ssize_t free)
+{
+    if (free < 0 || t->size >= t->limit)
+        return insert1(c, t, key, val);
+    t->keys[free] = key;
+    set_val(t, free, val);
+    t->occ[free] = 1;
+    t->size++;
+    t->dirty = 1;
+    return 0;
 } /* "_slot_for", interned: a root store of a new worker calls it */
 
 #endif
