@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import nats
@@ -160,6 +160,24 @@ async def registered(nc: NATS, worker_id: str = "e1") -> WorkerRegistered:
     return await until(probe, timeout=60, what="WorkerRegistered on the stream")
 
 
+async def bridged_with_a_first_batch(nc: NATS, engine: EngineSim,
+                                     bridges: Callable[..., BridgeProc]) -> list[list[int]]:
+    """A bridge between ``engine`` and NATS as e1, registered, and the engine's first batch on
+    the stream: the prefixes the engine's later steps extend."""
+    shared = prefixes(engine)
+    bridges(engine, nc.connected_url.geturl())
+    await registered(nc)
+    engine.random_step(shared)
+    await until(lambda: caught_up(nc, "e1", engine), timeout=60, what="first batch")
+    return shared
+
+
+async def clears(nc: NATS, worker_id: str = "e1") -> int:
+    """How many ``AllBlocksCleared`` the worker's KV subject holds."""
+    events = all_events(await kv_messages(nc, NAMES.kv_subject(worker_id)))
+    return sum(isinstance(e, AllBlocksCleared) for e in events)
+
+
 async def assert_index_matches_engine(nc: NATS, engine: EngineSim, worker_id: str = "e1") -> None:
     await until(lambda: caught_up(nc, worker_id, engine), timeout=60,
                 what="bridge caught up with the engine")
@@ -273,19 +291,14 @@ async def test_gap_is_filled_from_the_replay_socket(
     the index equals the engine's cache. `array`: SGLang's layout (signed hashes, no topic)."""
     engine = await EngineSim(layout=layout, topic="kv-events" if layout == "map" else "").start()
     try:
-        shared = prefixes(engine)
-        bridges(engine, nc.connected_url.geturl())
-        await registered(nc)
-        engine.random_step(shared)
-        await until(lambda: caught_up(nc, "e1", engine), timeout=60, what="first batch")
+        shared = await bridged_with_a_first_batch(nc, engine, bridges)
         replays = len(engine.replay_requests)
         for _ in range(6):
             engine.random_step(shared, send=False)  # lost on the way: only in the buffer
         engine.random_step(shared)
         await assert_index_matches_engine(nc, engine)
         assert len(engine.replay_requests) > replays
-        events = all_events(await kv_messages(nc, NAMES.kv_subject("e1")))
-        assert not any(isinstance(e, AllBlocksCleared) for e in events)
+        assert await clears(nc) == 0
     finally:
         await engine.stop()
 
@@ -295,11 +308,7 @@ async def test_replay_answer_with_a_hole_is_asked_again_not_cleared(
         nc: NATS, engine: EngineSim, bridges) -> None:  # type: ignore[no-untyped-def]
     """A replay answer missing batches in its middle (the engine's ROUTER socket dropped them
     while the reader was slow) is asked again from the first one missing: no clear."""
-    shared = prefixes(engine)
-    bridges(engine, nc.connected_url.geturl())
-    await registered(nc)
-    engine.random_step(shared)
-    await until(lambda: caught_up(nc, "e1", engine), timeout=60, what="first batch")
+    shared = await bridged_with_a_first_batch(nc, engine, bridges)
     replays = len(engine.replay_requests)
     gap = engine.seq
     for _ in range(6):
@@ -308,8 +317,7 @@ async def test_replay_answer_with_a_hole_is_asked_again_not_cleared(
     engine.random_step(shared)
     await assert_index_matches_engine(nc, engine)
     assert engine.replay_requests[replays:][:2] == [gap, gap + 3]
-    events = all_events(await kv_messages(nc, NAMES.kv_subject("e1")))
-    assert not any(isinstance(e, AllBlocksCleared) for e in events)
+    assert await clears(nc) == 0
 
 
 # How the engine's answer to a resumed bridge's replay from seq 0 comes damaged, and the
@@ -351,8 +359,7 @@ async def test_a_resumed_bridge_rebuilds_its_mirror_past_a_damaged_answer(
     assert sum(len(e.blocks) for e in msgs[-1][2] if isinstance(e, BlocksStored)) == sum(
         map(len, engine.cache.values()))
     await assert_index_matches_engine(nc, engine)
-    events = all_events(await kv_messages(nc, NAMES.kv_subject("e1")))
-    assert sum(isinstance(e, AllBlocksCleared) for e in events) == 1  # the re-announce's own
+    assert await clears(nc) == 1  # the re-announce's own
 
 
 @pytest.mark.timeout(120)
