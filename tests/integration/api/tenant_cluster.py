@@ -14,7 +14,7 @@ import nats
 from eventlog.events import Event, RequestRouted, decode_batch
 from eventlog.names import Names
 from launch.local_cluster import LocalCluster
-from tests.waiting import until
+from tests.integration.registered_cluster import registered_cluster
 
 
 @asynccontextmanager
@@ -27,17 +27,12 @@ async def queued_tenant_cluster(data: Path, namespace: str, keys: dict[str, str]
     queue."""
     keys_file = data / "keys.yaml"
     keys_file.write_text("".join(f"{key}: {tenant}\n" for key, tenant in keys.items()))
-    async with LocalCluster(replicas=replicas, workers=workers, data_dir=data,
-                            namespace=namespace,
-                            router_args=["--api-keys-file", str(keys_file),
-                                         "--router-queue-threshold", "0.0001"],
-                            worker_args=["--perf-model", "linear", "--prefill-ms-per-token",
-                                         f"{prefill_ms_per_token:g}"]) as c:
-        async with httpx.AsyncClient() as h:
-            for url in c.router_urls:
-                await until(lambda u=url: h.get(
-                    f"{u}/admin/workers", headers={"authorization": f"Bearer {c.admin_token}"}),
-                    lambda r: len(r.json()["workers"]) == workers)
+    async with registered_cluster(data, replicas=replicas, workers=workers, namespace=namespace,
+                                  router_args=["--api-keys-file", str(keys_file),
+                                               "--router-queue-threshold", "0.0001"],
+                                  worker_args=["--perf-model", "linear",
+                                               "--prefill-ms-per-token",
+                                               f"{prefill_ms_per_token:g}"]) as c:
         yield c
 
 

@@ -12,7 +12,6 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import anthropic
 import httpx
@@ -21,6 +20,7 @@ import pytest
 import pytest_asyncio
 
 from launch.local_cluster import LocalCluster
+from tests.integration.registered_cluster import admin, registered_cluster, workers
 from tests.waiting import until
 from tokenization import tokens
 from workers.generation import expected_tokens
@@ -36,22 +36,10 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Loc
     # An engine is retired only once its load reports stopped AND its /health fails for
     # --worker-timeout: 5 s rather than the default 10 s, so the test that SIGKILLs an engine
     # waits half as long for its retirement; live engines still answer /health and stay.
-    async with LocalCluster(replicas=2, workers=2, data_dir=Path(data), namespace=NAMESPACE,
-                            router_args=["--worker-timeout", "5"],
-                            worker_args=["--num-gpu-blocks", "2048"]) as c:
-        async with httpx.AsyncClient() as h:
-            for url in c.router_urls:  # every replica has applied both registrations
-                await until(lambda url=url: workers(h, c, url), lambda ws: len(ws) == 2)
+    async with registered_cluster(Path(data), replicas=2, workers=2, namespace=NAMESPACE,
+                                  router_args=["--worker-timeout", "5"],
+                                  worker_args=["--num-gpu-blocks", "2048"]) as c:
         yield c
-
-
-def admin(c: LocalCluster) -> dict[str, str]:
-    return {"authorization": f"Bearer {c.admin_token}"}
-
-
-async def workers(h: httpx.AsyncClient, c: LocalCluster, url: str) -> dict[str, Any]:
-    r = await h.get(f"{url}/admin/workers", headers=admin(c))
-    return {w["worker_id"]: w for w in r.json()["workers"]}
 
 
 def clients(c: LocalCluster) -> list[openai.AsyncOpenAI]:

@@ -30,6 +30,7 @@ from eventlog.hashing import prompt_hashes
 from eventlog.names import ROUTER, Names
 from eventlog.reader import StreamReader
 from launch.local_cluster import LocalCluster
+from tests.integration.registered_cluster import admin, registered_cluster, workers
 from tests.waiting import until
 from tokenization.model_tokenizer import ModelTokenizer
 from workers.tinymodel import WORDS
@@ -44,24 +45,12 @@ NAMESPACE = "mdl"
 async def cluster(tmp_path_factory: pytest.TempPathFactory,
                   tiny_model: Path) -> AsyncIterator[LocalCluster]:
     data = tmp_path_factory.mktemp("model-cluster")
-    async with LocalCluster(replicas=2, workers=2, data_dir=Path(data), namespace=NAMESPACE,
-                            model_path=tiny_model,
-                            router_args=["--kv-cache-block-size", str(BLOCK)],
-                            worker_args=["--num-gpu-blocks", "2048",
-                                         "--kv-cache-block-size", str(BLOCK)]) as c:
-        async with httpx.AsyncClient() as h:
-            for url in c.router_urls:
-                await until(lambda url=url: workers(h, c, url), lambda ws: len(ws) == 2)
+    async with registered_cluster(Path(data), replicas=2, workers=2, namespace=NAMESPACE,
+                                  model_path=tiny_model,
+                                  router_args=["--kv-cache-block-size", str(BLOCK)],
+                                  worker_args=["--num-gpu-blocks", "2048",
+                                               "--kv-cache-block-size", str(BLOCK)]) as c:
         yield c
-
-
-def admin(c: LocalCluster) -> dict[str, str]:
-    return {"authorization": f"Bearer {c.admin_token}"}
-
-
-async def workers(h: httpx.AsyncClient, c: LocalCluster, url: str) -> dict[str, Any]:
-    r = await h.get(f"{url}/admin/workers", headers=admin(c))
-    return {w["worker_id"]: w for w in r.json()["workers"]}
 
 
 async def ledger_row(h: httpx.AsyncClient, c: LocalCluster, url: str,

@@ -19,6 +19,7 @@ import pytest_asyncio
 
 from launch.local_cluster import LocalCluster
 from natsops.server import free_port
+from tests.integration.registered_cluster import admin, registered_cluster, workers
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
@@ -29,21 +30,9 @@ NAMESPACE = "sticky"
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
     data = tmp_path_factory.mktemp("sticky")
-    async with LocalCluster(replicas=2, workers=2, data_dir=Path(data), namespace=NAMESPACE,
-                            worker_args=["--num-gpu-blocks", "2048"]) as c:
-        async with httpx.AsyncClient() as h:
-            for url in c.router_urls:
-                await until(lambda url=url: workers(h, c, url), lambda ws: len(ws) == 2)
+    async with registered_cluster(Path(data), replicas=2, workers=2, namespace=NAMESPACE,
+                                  worker_args=["--num-gpu-blocks", "2048"]) as c:
         yield c
-
-
-def admin(c: LocalCluster) -> dict[str, str]:
-    return {"authorization": f"Bearer {c.admin_token}"}
-
-
-async def workers(h: httpx.AsyncClient, c: LocalCluster, url: str) -> dict[str, Any]:
-    r = await h.get(f"{url}/admin/workers", headers=admin(c))
-    return {w["worker_id"]: w for w in r.json()["workers"]}
 
 
 async def sessions(h: httpx.AsyncClient, c: LocalCluster, url: str) -> dict[str, Any]:
