@@ -1,15 +1,18 @@
 """What the fair-queue end-to-end tests share: a cluster whose one simulated engine computes
-prompts slowly enough that every other request waits in its replica's queue, and readers of
-the queue depth and of the router stream."""
+prompts slowly enough that every other request waits in its replica's queue (and the fixture of
+a module that uses one), and readers of the queue depth and of the router stream."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import nats
+import pytest
+import pytest_asyncio
 
 from eventlog.events import Event, RequestRouted, decode_batch
 from eventlog.names import Names
@@ -34,6 +37,21 @@ async def queued_tenant_cluster(data: Path, namespace: str, keys: dict[str, str]
                                                "--prefill-ms-per-token",
                                                f"{prefill_ms_per_token:g}"]) as c:
         yield c
+
+
+def queued_tenant_cluster_fixture(namespace: str, keys: dict[str, str], *, replicas: int,
+                                  prefill_ms_per_token: float, workers: int = 1) -> Any:
+    """A test module's ``cluster`` fixture: one ``queued_tenant_cluster`` for the module, under
+    a temporary folder named after ``namespace``."""
+
+    @pytest_asyncio.fixture(loop_scope="module", scope="module", name="cluster")
+    async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
+        async with queued_tenant_cluster(Path(tmp_path_factory.mktemp(namespace)), namespace,
+                                         keys, replicas=replicas, workers=workers,
+                                         prefill_ms_per_token=prefill_ms_per_token) as c:
+            yield c
+
+    return cluster
 
 
 async def queue_depth(h: httpx.AsyncClient, url: str) -> float:
