@@ -21,9 +21,10 @@ import openai
 import pytest
 import pytest_asyncio
 
-from eventlog.events import RequestRouted, decode_batch
+from eventlog.events import RequestRouted
 from eventlog.names import Names
 from launch.local_cluster import LocalCluster
+from tests.integration.api.tenant_cluster import decisions
 from tests.integration.registered_cluster import admin, registered_cluster
 from tests.waiting import until
 
@@ -289,19 +290,7 @@ async def test_admin_cli_sets_lists_and_deletes_tenants(cluster: LocalCluster) -
 
 
 async def _routed(c: LocalCluster, tenant: str) -> list[RequestRouted]:
-    nc = await nats.connect(c.nats_url)
-    try:
-        js = nc.jetstream()
-        stream = Names(NAMESPACE).stream("router")
-        info = await js.stream_info(stream)
-        out: list[RequestRouted] = []
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
-            msg = await js.get_msg(stream, seq)
-            out.extend(e for e in decode_batch(msg.data)
-                       if isinstance(e, RequestRouted) and e.tenant == tenant)
-        return out
-    finally:
-        await nc.close()
+    return [e for e in await decisions(c, NAMESPACE) if e.tenant == tenant]
 
 
 async def _cached_blocks(h: httpx.AsyncClient, url: str, c: LocalCluster) -> int:
