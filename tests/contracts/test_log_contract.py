@@ -13,13 +13,14 @@ from collections.abc import AsyncIterator
 import pytest
 
 from eventlog.appender import Appender, AppendFailed
-from eventlog.events import BlocksStored, Event, RequestFinished, decode_batch
+from eventlog.events import RequestFinished, decode_batch
 from eventlog.jetstream_log import JetStreamLog
-from eventlog.log import EventLog, LogReader
+from eventlog.log import EventLog
 from eventlog.memory import MemoryLog
 from eventlog.names import CONTROL, KV, Names
 from eventlog.reader import StartPurged
 from natsops.server import NatsServer
+from tests.log_items import Items, event_ids, stored, take
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,35 +30,10 @@ CONTROL_STREAM = NAMES.stream(CONTROL)
 W1 = NAMES.kv_subject("w1")
 W2 = NAMES.kv_subject("w2")
 
-Items = list[tuple[int, list[Event]]]
-
-
-def stored(event_id: int, worker_id: str = "w1") -> BlocksStored:
-    return BlocksStored(worker_id=worker_id, event_id=event_id, dp_rank=0, parent_hash=None,
-                        blocks=[(event_id, event_id)], ts=1.0)
-
 
 async def append_ids(log: EventLog, ids: range, subject: str = W1) -> list[int]:
     worker = subject.rsplit(".", 1)[1]
     return [await log.append(subject, [stored(i, worker)], f"{worker}-{i}") for i in ids]
-
-
-async def take(reader: LogReader, n: int, timeout: float = 30.0) -> Items:
-    """The next ``n`` items, failing (not hanging) when they do not come within ``timeout``."""
-
-    async def collect() -> Items:
-        out: Items = []
-        async for item in reader:
-            out.append(item)
-            if len(out) == n:
-                break
-        return out
-
-    return await asyncio.wait_for(collect(), timeout)
-
-
-def event_ids(items: Items) -> list[int]:
-    return [e.event_id for _, events in items for e in events]  # type: ignore[union-attr]
 
 
 class EventLogContract:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from tests.vllm.tiny_cluster import started, tiny_cluster
 from workers.vllm import env as vllm_env
 
 
@@ -57,18 +58,8 @@ def vllm_model() -> Path:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def vllm_cluster(vllm_model: Path, vllm_dir: Path) -> AsyncIterator[object]:
-    from launch.vllm_cluster import VllmCluster, router_model_args
-
-    cluster = VllmCluster(
-        python=vllm_env.venv_python(), model_dir=vllm_model,
-        data_dir=vllm_dir / "cluster", engines=2, replicas=2,
-        num_gpu_blocks=256, cache_root=vllm_env.CACHE_ROOT,
-        router_args=router_model_args(vllm_model),
-        # Fast retirement so the engine-kill test does not wait the default 10 s.
-        bridge_args=["--unhealthy-after", "3", "--health-interval", "0.5"],
-        progress=sys.stderr)
-    try:
-        await cluster.start("kv")
+    async with started(tiny_cluster(
+            vllm_model, vllm_dir / "cluster", engines=2, replicas=2,
+            # Fast retirement so the engine-kill test does not wait the default 10 s.
+            bridge_args=["--unhealthy-after", "3", "--health-interval", "0.5"])) as cluster:
         yield cluster
-    finally:
-        await cluster.stop()

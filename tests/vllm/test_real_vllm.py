@@ -10,7 +10,6 @@ under load resumes without losing or repeating a batch.
 from __future__ import annotations
 
 import asyncio
-import random
 import re
 import signal
 from typing import Any
@@ -27,6 +26,7 @@ from eventlog.events import (
     decode_batch,
 )
 from eventlog.names import KV, Names
+from tests.vllm.tiny_cluster import token_ids
 from tests.waiting import until
 from workers.bridge.zmqio import ReplayUnavailable, replay
 
@@ -38,12 +38,6 @@ BLOCK = 32
 WORKER_HEADER = "x-jetrouter-worker"
 REPLICA_HEADER = "x-jetrouter-replica"
 PREDICTED_HEADER = "x-jetrouter-predicted-cached-tokens"
-
-
-def token_ids(seed: int, n: int) -> list[int]:
-    """Random ids clear of the tiny tokenizer's special ids (0..2): a prefix no test shares."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, 2000) for _ in range(n)]
 
 
 def cached(resp: httpx.Response) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,7 +25,7 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from replicas.runtime.canary import CANARY_PROMPT
-from workers.vllm import env as vllm_env
+from tests.vllm.tiny_cluster import started, tiny_cluster, token_ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800),
               pytest.mark.asyncio(loop_scope="module")]
@@ -39,35 +38,21 @@ OUTPUT = 12
 DISAGG = "jetrouter_disaggregated_requests_total"
 
 
-def token_ids(seed: int, n: int) -> list[int]:
-    """Random ids clear of the tiny tokenizer's special ids (0..2): prompts no test shares."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, 2000) for _ in range(n)]
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pd_cluster(vllm_model: Path, vllm_dir: Path) -> AsyncIterator[Any]:
-    from launch.vllm_cluster import VllmCluster, router_model_args
-
-    cluster = VllmCluster(
-        python=vllm_env.venv_python(), model_dir=vllm_model, data_dir=vllm_dir / "cluster",
-        engines=2, replicas=1, num_gpu_blocks=256, cache_root=vllm_env.CACHE_ROOT,
+    cluster = tiny_cluster(
+        vllm_model, vllm_dir / "cluster", engines=2, replicas=1,
         roles=("prefill", "decode"), nixl=True,
         # Canaries far more often and less patient than the defaults (30 s, 5 s): the engines
         # here are busy with long prompts on two shared cores, which must not make them look
         # dead.
-        router_args=[*router_model_args(vllm_model), "--canary-interval", "2",
-                     "--canary-timeout", "2"],
-        bridge_args=["--unhealthy-after", "3", "--health-interval", "0.5"],
-        progress=sys.stderr)
-    try:
-        # No warm-up: the first request's decode hop meets the pair's first NIXL handshake
-        # (over 30 s on this 2-core host), longer than the router's idle timeout; the router
-        # waits for it as a working engine's first byte (api/forward/first_byte.py).
-        await cluster.start("kv")
+        router_args=["--canary-interval", "2", "--canary-timeout", "2"],
+        bridge_args=["--unhealthy-after", "3", "--health-interval", "0.5"])
+    # No warm-up: the first request's decode hop meets the pair's first NIXL handshake (over
+    # 30 s on this 2-core host), longer than the router's idle timeout; the router waits for it
+    # as a working engine's first byte (api/forward/first_byte.py).
+    async with started(cluster):
         yield cluster
-    finally:
-        await cluster.stop()
 
 
 def engine_counts(text: str) -> dict[str, float]:

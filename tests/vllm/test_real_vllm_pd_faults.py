@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import random
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,7 +32,7 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from launch.vllm_cluster import ENGINE_READY_TIMEOUT
-from workers.vllm import env as vllm_env
+from tests.vllm.tiny_cluster import started, tiny_cluster, token_ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600),
               pytest.mark.asyncio(loop_scope="module")]
@@ -53,12 +52,6 @@ HOLD_TIMEOUT = RESTART_TIMEOUT + 120.0
 # leading whitespace), so the router's idle timeout does not cut a hold that restarts an engine.
 HEARTBEAT_S = 2.0
 _HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
-
-
-def token_ids(seed: int, n: int) -> list[int]:
-    """Random ids clear of the tiny tokenizer's special ids (0..2): prompts no test shares."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, 2000) for _ in range(n)]
 
 
 # --- the proxy in front of the prefill engine ------------------------------------------------
@@ -197,25 +190,17 @@ async def proxy() -> AsyncIterator[PrefillProxy]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pd3(vllm_model: Path, vllm_dir: Path, proxy: PrefillProxy) -> AsyncIterator[Any]:
-    from launch.vllm_cluster import VllmCluster, router_model_args
-
-    cluster = VllmCluster(
-        python=vllm_env.venv_python(), model_dir=vllm_model, data_dir=vllm_dir / "cluster",
-        engines=3, replicas=1, num_gpu_blocks=256, cache_root=vllm_env.CACHE_ROOT,
+    cluster = tiny_cluster(
+        vllm_model, vllm_dir / "cluster", engines=3, replicas=1,
         roles=("prefill", "decode", "decode"), nixl=True,
         engine_bridge_args={"e0": ["--advertise-url", proxy.url]},
-        router_args=[*router_model_args(vllm_model), "--canary-interval", "2",
-                     "--canary-timeout", "2"],
-        bridge_args=["--unhealthy-after", "3", "--health-interval", "0.5"],
-        progress=sys.stderr)
+        router_args=["--canary-interval", "2", "--canary-timeout", "2"],
+        bridge_args=["--unhealthy-after", "3", "--health-interval", "0.5"])
     proxy.target = cluster.engines[0].url
-    try:
-        await cluster.start("kv")
+    async with started(cluster):
         await wait_roles(cluster, {"vllm-e0": "prefill", "vllm-e1": "decode",
                                    "vllm-e2": "decode"})
         yield cluster
-    finally:
-        await cluster.stop()
 
 
 # --- helpers ---------------------------------------------------------------------------------

@@ -9,8 +9,6 @@ and the isolated tenant's repeat is predicted exactly as vLLM reuses it.
 from __future__ import annotations
 
 import json
-import random
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,8 +17,8 @@ import httpx
 import pytest
 import pytest_asyncio
 
+from tests.vllm.tiny_cluster import started, tiny_cluster, token_ids
 from tests.waiting import until
-from workers.vllm import env as vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800),
               pytest.mark.asyncio(loop_scope="module")]
@@ -32,26 +30,11 @@ PREDICTED_HEADER = "x-jetrouter-predicted-cached-tokens"
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def tenant_cluster(vllm_model: Path, vllm_dir: Path) -> AsyncIterator[Any]:
-    from launch.vllm_cluster import VllmCluster, router_model_args
-
     keys = vllm_dir / "keys.json"
     keys.write_text(json.dumps({"key-iso": "iso", "key-other": "other"}))
-    cluster = VllmCluster(
-        python=vllm_env.venv_python(), model_dir=vllm_model,
-        data_dir=vllm_dir / "tenants", engines=1, replicas=1,
-        num_gpu_blocks=256, cache_root=vllm_env.CACHE_ROOT,
-        router_args=[*router_model_args(vllm_model), "--api-keys-file", str(keys)],
-        progress=sys.stderr)
-    try:
-        await cluster.start("kv")
+    async with started(tiny_cluster(vllm_model, vllm_dir / "tenants", engines=1, replicas=1,
+                                    router_args=["--api-keys-file", str(keys)])) as cluster:
         yield cluster
-    finally:
-        await cluster.stop()
-
-
-def _ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 2000) for _ in range(n)]
 
 
 async def _complete(h: httpx.AsyncClient, url: str, key: str, prompt: list[int],
@@ -73,7 +56,7 @@ async def _indexed(cluster: Any) -> int:
 async def test_isolated_tenant_cache_is_apart_and_predicted_exactly(tenant_cluster: Any) -> None:
     cluster = tenant_cluster
     url = cluster.router_urls[0]
-    prompt = _ids(41, 6 * BLOCK)
+    prompt = token_ids(41, 6 * BLOCK)
     async with httpx.AsyncClient(timeout=120.0) as h:
         r = await h.put(f"{url}/admin/tenants/iso", json={"isolated": True},
                         headers=cluster.admin_headers())

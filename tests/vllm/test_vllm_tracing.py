@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import pytest
 import pytest_asyncio
 
 from bench.otlp_receiver import HttpReceiver
+from tests.vllm.tiny_cluster import started, tiny_cluster
 from tests.waiting import until
 from workers.vllm import env as vllm_env
 
@@ -56,23 +56,17 @@ async def traced_cluster(vllm_model: Path, vllm_dir: Path, receiver: HttpReceive
                          ) -> AsyncIterator[Any]:
     if not _vllm_can_trace():
         pytest.skip("the vLLM environment has no OpenTelemetry SDK/exporter: vLLM cannot trace")
-    from launch.vllm_cluster import VllmCluster, router_model_args
-
     saved = os.environ.get(PROTOCOL)
     # Both processes inherit it: vLLM's default is grpc, the receiver speaks OTLP/HTTP.
     os.environ[PROTOCOL] = "http/protobuf"
-    cluster = VllmCluster(
-        python=vllm_env.venv_python(), model_dir=vllm_model, data_dir=vllm_dir / "traced",
-        engines=1, replicas=1, num_gpu_blocks=256, cache_root=vllm_env.CACHE_ROOT,
-        router_args=[*router_model_args(vllm_model), "--otlp-traces-endpoint",
-                     receiver.endpoint], progress=sys.stderr)
+    cluster = tiny_cluster(vllm_model, vllm_dir / "traced", engines=1, replicas=1,
+                           router_args=["--otlp-traces-endpoint", receiver.endpoint])
     for engine in cluster.engines:
         engine.extra_args = [*engine.extra_args, "--otlp-traces-endpoint", receiver.endpoint]
     try:
-        await cluster.start("kv")
-        yield cluster
+        async with started(cluster):
+            yield cluster
     finally:
-        await cluster.stop()
         if saved is None:
             os.environ.pop(PROTOCOL, None)
         else:

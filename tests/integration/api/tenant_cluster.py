@@ -1,20 +1,23 @@
 """What the fair-queue end-to-end tests share: a cluster whose one simulated engine computes
-prompts slowly enough that every other request waits in its replica's queue, and readers of
-the queue depth and of the router stream."""
+prompts slowly enough that every other request waits in its replica's queue (and the fixture of
+a module that uses one), and readers of the queue depth and of the router stream."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import nats
+import pytest
+import pytest_asyncio
 
 from eventlog.events import Event, RequestRouted, decode_batch
 from eventlog.names import Names
 from launch.local_cluster import LocalCluster
-from tests.waiting import until
+from tests.integration.registered_cluster import registered_cluster
 
 
 @asynccontextmanager
@@ -27,18 +30,28 @@ async def queued_tenant_cluster(data: Path, namespace: str, keys: dict[str, str]
     queue."""
     keys_file = data / "keys.yaml"
     keys_file.write_text("".join(f"{key}: {tenant}\n" for key, tenant in keys.items()))
-    async with LocalCluster(replicas=replicas, workers=workers, data_dir=data,
-                            namespace=namespace,
-                            router_args=["--api-keys-file", str(keys_file),
-                                         "--router-queue-threshold", "0.0001"],
-                            worker_args=["--perf-model", "linear", "--prefill-ms-per-token",
-                                         f"{prefill_ms_per_token:g}"]) as c:
-        async with httpx.AsyncClient() as h:
-            for url in c.router_urls:
-                await until(lambda u=url: h.get(
-                    f"{u}/admin/workers", headers={"authorization": f"Bearer {c.admin_token}"}),
-                    lambda r: len(r.json()["workers"]) == workers)
+    async with registered_cluster(data, replicas=replicas, workers=workers, namespace=namespace,
+                                  router_args=["--api-keys-file", str(keys_file),
+                                               "--router-queue-threshold", "0.0001"],
+                                  worker_args=["--perf-model", "linear",
+                                               "--prefill-ms-per-token",
+                                               f"{prefill_ms_per_token:g}"]) as c:
         yield c
+
+
+def queued_tenant_cluster_fixture(namespace: str, keys: dict[str, str], *, replicas: int,
+                                  prefill_ms_per_token: float, workers: int = 1) -> Any:
+    """A test module's ``cluster`` fixture: one ``queued_tenant_cluster`` for the module, under
+    a temporary folder named after ``namespace``."""
+
+    @pytest_asyncio.fixture(loop_scope="module", scope="module", name="cluster")
+    async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
+        async with queued_tenant_cluster(Path(tmp_path_factory.mktemp(namespace)), namespace,
+                                         keys, replicas=replicas, workers=workers,
+                                         prefill_ms_per_token=prefill_ms_per_token) as c:
+            yield c
+
+    return cluster
 
 
 async def queue_depth(h: httpx.AsyncClient, url: str) -> float:

@@ -5,14 +5,9 @@ simulated engines as real processes, over real sockets, with the official client
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import anthropic
 import httpx
@@ -21,6 +16,12 @@ import pytest
 import pytest_asyncio
 
 from launch.local_cluster import LocalCluster
+from tests.integration.registered_cluster import (
+    admin,
+    registered_cluster,
+    unsupervised_engine,
+    workers,
+)
 from tests.waiting import until
 from tokenization import tokens
 from workers.generation import expected_tokens
@@ -36,22 +37,10 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Loc
     # An engine is retired only once its load reports stopped AND its /health fails for
     # --worker-timeout: 5 s rather than the default 10 s, so the test that SIGKILLs an engine
     # waits half as long for its retirement; live engines still answer /health and stay.
-    async with LocalCluster(replicas=2, workers=2, data_dir=Path(data), namespace=NAMESPACE,
-                            router_args=["--worker-timeout", "5"],
-                            worker_args=["--num-gpu-blocks", "2048"]) as c:
-        async with httpx.AsyncClient() as h:
-            for url in c.router_urls:  # every replica has applied both registrations
-                await until(lambda url=url: workers(h, c, url), lambda ws: len(ws) == 2)
+    async with registered_cluster(Path(data), replicas=2, workers=2, namespace=NAMESPACE,
+                                  router_args=["--worker-timeout", "5"],
+                                  worker_args=["--num-gpu-blocks", "2048"]) as c:
         yield c
-
-
-def admin(c: LocalCluster) -> dict[str, str]:
-    return {"authorization": f"Bearer {c.admin_token}"}
-
-
-async def workers(h: httpx.AsyncClient, c: LocalCluster, url: str) -> dict[str, Any]:
-    r = await h.get(f"{url}/admin/workers", headers=admin(c))
-    return {w["worker_id"]: w for w in r.json()["workers"]}
 
 
 def clients(c: LocalCluster) -> list[openai.AsyncOpenAI]:
@@ -409,12 +398,7 @@ async def test_a_follow_up_whose_engine_left_gets_a_clear_error(cluster: LocalCl
                                                                 tmp_path: Path) -> None:
     """An engine outside the cluster's supervision (so it stays gone once stopped)."""
     urls = cluster.router_urls
-    with open(tmp_path / "wr.log", "wb") as out:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "api.cli", "worker", "--worker-id", "wr", "--port", "0",
-            "--nats-url", cluster.nats_url, "--namespace", NAMESPACE,
-            "--num-gpu-blocks", "2048", stdout=out, stderr=subprocess.STDOUT)
-    try:
+    async with unsupervised_engine(cluster, "wr", tmp_path, "--num-gpu-blocks", "2048") as proc:
         async with httpx.AsyncClient(timeout=30) as h:
             for url in urls:
                 await until(lambda url=url: workers(h, cluster, url), lambda ws: "wr" in ws)
@@ -434,10 +418,6 @@ async def test_a_follow_up_whose_engine_left_gets_a_clear_error(cluster: LocalCl
                 err = info.value.body
                 assert err["code"] == "previous_response_engine_gone"  # type: ignore[index]
                 assert "wr" in err["message"]  # type: ignore[index]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGKILL)
-        await proc.wait()
 
 
 async def test_an_engine_that_fails_before_answering_is_replaced(cluster: LocalCluster,
@@ -445,12 +425,7 @@ async def test_an_engine_that_fails_before_answering_is_replaced(cluster: LocalC
     """A verbatim-forwarded request (here an embedding) whose engine is dead but not yet
     retired moves to another engine before anything reached the client."""
     urls = cluster.router_urls
-    with open(tmp_path / "wd.log", "wb") as out:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "api.cli", "worker", "--worker-id", "wd", "--port", "0",
-            "--nats-url", cluster.nats_url, "--namespace", NAMESPACE,
-            "--num-gpu-blocks", "2048", stdout=out, stderr=subprocess.STDOUT)
-    try:
+    async with unsupervised_engine(cluster, "wd", tmp_path, "--num-gpu-blocks", "2048") as proc:
         async with httpx.AsyncClient(timeout=30) as h:
             for url in urls:
                 await until(lambda url=url: workers(h, cluster, url), lambda ws: "wd" in ws)
@@ -465,10 +440,6 @@ async def test_an_engine_that_fails_before_answering_is_replaced(cluster: LocalC
             for url in urls:  # retired by the leader; the next tests see two engines again
                 await until(lambda url=url: workers(h, cluster, url),
                             lambda ws: "wd" not in ws, timeout=90)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGKILL)
-        await proc.wait()
 
 
 async def test_z_a_follow_up_survives_a_sigkill_of_the_replica_that_routed_it(

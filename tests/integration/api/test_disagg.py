@@ -18,6 +18,7 @@ import pytest
 import pytest_asyncio
 
 from launch.local_cluster import LocalCluster
+from tests.integration.registered_cluster import admin, registered_cluster, workers
 from tests.waiting import until
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -29,24 +30,12 @@ PREFIX = list(range(1000, 1000 + 8 * 16))  # 8 blocks
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
     data = tmp_path_factory.mktemp("disagg")
-    async with LocalCluster(replicas=2, workers=0, prefill_workers=2, decode_workers=2,
-                            data_dir=Path(data), namespace="dis", restart=False,
-                            router_args=["--canary-interval", "0", "--worker-timeout", "2"],
-                            worker_args=["--num-gpu-blocks", "1024"]) as c:
-        async with httpx.AsyncClient(timeout=30) as h:
-            for url in c.router_urls:
-                await until(lambda u=url: workers(h, c, u), lambda ws: len(ws) == 4,
-                            what="every engine registered")
+    async with registered_cluster(Path(data), replicas=2, workers=0, prefill_workers=2,
+                                  decode_workers=2, namespace="dis", restart=False,
+                                  router_args=["--canary-interval", "0",
+                                               "--worker-timeout", "2"],
+                                  worker_args=["--num-gpu-blocks", "1024"]) as c:
         yield c
-
-
-def admin(c: LocalCluster) -> dict[str, str]:
-    return {"authorization": f"Bearer {c.admin_token}"}
-
-
-async def workers(h: httpx.AsyncClient, c: LocalCluster, url: str) -> dict[str, dict[str, Any]]:
-    r = await h.get(f"{url}/admin/workers", headers=admin(c))
-    return {w["worker_id"]: w for w in r.json()["workers"]}
 
 
 async def ledger(h: httpx.AsyncClient, c: LocalCluster, url: str, request_id: str

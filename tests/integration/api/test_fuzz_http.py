@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from hypothesis import strategies as st
 
 from launch.local_cluster import LocalCluster
 from tests.loop_thread import LoopThread
+from tests.waiting import until_sync
 
 MODEL = "jetrouter-sim"
 pytestmark = pytest.mark.timeout(180)
@@ -35,6 +35,9 @@ FUZZ = settings(max_examples=int(os.environ.get("JETROUTER_FUZZ_EXAMPLES", "150"
                 deadline=None, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
+
+# What a probe meets while a replica is restarting or not ready yet: not an answer, not yet.
+NOT_YET = (httpx.HTTPError, KeyError, ValueError)
 
 
 class Fleet:
@@ -57,7 +60,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     try:
         loop.run(cluster.start())
         f = Fleet(cluster)
-        wait_for(lambda: all(models(f, u) == [MODEL] for u in f.urls), "engine registered")
+        until_sync(lambda: all(models(f, u) == [MODEL] for u in f.urls),
+                   what="engine registered", tolerate=NOT_YET)
         yield f
         f.http.close()
     finally:
@@ -67,22 +71,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 def models(f: Fleet, url: str) -> list[str]:
     return [m["id"] for m in f.http.get(url + "/v1/models").json()["data"]]
-
-
-def wait_for(probe: Any, what: str, timeout: float = 60.0) -> Any:
-    """Poll a synchronous condition with a deadline (these tests have no running loop)."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not met within {timeout}s; last value {last!r}")
 
 
 # --- generators ---------------------------------------------------------------------------------
@@ -194,7 +182,8 @@ def post(f: Fleet, url: str, raw: bytes, headers: dict[str, str] | None = None) 
 def assert_healthy_and_equal(f: Fleet) -> None:
     for url in f.urls:
         assert f.http.get(url + "/health").status_code == 200
-        wait_for(lambda url=url: f.http.get(url + "/ready").status_code == 200, f"{url} ready")
+        until_sync(lambda url=url: f.http.get(url + "/ready").status_code == 200,
+                   what=f"{url} ready", tolerate=NOT_YET)
 
     def equal() -> bool:
         states = [f.http.get(u + "/admin/state", headers=f.auth()).json() for u in f.urls]
@@ -202,7 +191,7 @@ def assert_healthy_and_equal(f: Fleet) -> None:
                 and all(max(s["lag"].values()) == 0 for s in states)
                 and len({s["digests"]["state"] for s in states}) == 1)
 
-    wait_for(equal, "replicas at equal positions with equal digests")
+    until_sync(equal, what="replicas at equal positions with equal digests", tolerate=NOT_YET)
 
 
 # --- tests ------------------------------------------------------------------------------------

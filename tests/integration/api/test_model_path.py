@@ -11,12 +11,8 @@ started with another block size is refused: logged, listed with its reason, neve
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
-import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +26,12 @@ from eventlog.hashing import prompt_hashes
 from eventlog.names import ROUTER, Names
 from eventlog.reader import StreamReader
 from launch.local_cluster import LocalCluster
+from tests.integration.registered_cluster import (
+    admin,
+    registered_cluster,
+    unsupervised_engine,
+    workers,
+)
 from tests.waiting import until
 from tokenization.model_tokenizer import ModelTokenizer
 from workers.tinymodel import WORDS
@@ -44,24 +46,12 @@ NAMESPACE = "mdl"
 async def cluster(tmp_path_factory: pytest.TempPathFactory,
                   tiny_model: Path) -> AsyncIterator[LocalCluster]:
     data = tmp_path_factory.mktemp("model-cluster")
-    async with LocalCluster(replicas=2, workers=2, data_dir=Path(data), namespace=NAMESPACE,
-                            model_path=tiny_model,
-                            router_args=["--kv-cache-block-size", str(BLOCK)],
-                            worker_args=["--num-gpu-blocks", "2048",
-                                         "--kv-cache-block-size", str(BLOCK)]) as c:
-        async with httpx.AsyncClient() as h:
-            for url in c.router_urls:
-                await until(lambda url=url: workers(h, c, url), lambda ws: len(ws) == 2)
+    async with registered_cluster(Path(data), replicas=2, workers=2, namespace=NAMESPACE,
+                                  model_path=tiny_model,
+                                  router_args=["--kv-cache-block-size", str(BLOCK)],
+                                  worker_args=["--num-gpu-blocks", "2048",
+                                               "--kv-cache-block-size", str(BLOCK)]) as c:
         yield c
-
-
-def admin(c: LocalCluster) -> dict[str, str]:
-    return {"authorization": f"Bearer {c.admin_token}"}
-
-
-async def workers(h: httpx.AsyncClient, c: LocalCluster, url: str) -> dict[str, Any]:
-    r = await h.get(f"{url}/admin/workers", headers=admin(c))
-    return {w["worker_id"]: w for w in r.json()["workers"]}
 
 
 async def ledger_row(h: httpx.AsyncClient, c: LocalCluster, url: str,
@@ -190,14 +180,9 @@ async def test_chat_hashes_like_the_engine_and_the_next_turn_reuses_it(
 
 async def test_a_worker_with_another_block_size_is_refused_visibly(
         cluster: LocalCluster, tmp_path: Path) -> None:
-    log_file = tmp_path / "wbad.log"
-    with open(log_file, "wb") as out:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "api.cli", "worker", "--worker-id", "wbad", "--port", "0",
-            "--nats-url", cluster.nats_url, "--namespace", NAMESPACE,
-            "--kv-cache-block-size", str(2 * BLOCK), "--model-path", str(cluster_model(cluster)),
-            stdout=out, stderr=subprocess.STDOUT)
-    try:
+    async with unsupervised_engine(cluster, "wbad", tmp_path,
+                                   "--kv-cache-block-size", str(2 * BLOCK),
+                                   "--model-path", str(cluster_model(cluster))):
         async with httpx.AsyncClient(timeout=30) as h:
             for url in cluster.router_urls:
                 ws = await until(lambda url=url: workers(h, cluster, url),
@@ -216,10 +201,6 @@ async def test_a_worker_with_another_block_size_is_refused_visibly(
         await until(lambda: replica_log.read_text(), lambda t: "worker wbad" in t)
         line = next(x for x in replica_log.read_text().splitlines() if "worker wbad" in x)
         assert "refused: block size 32 differs from the router's --kv-cache-block-size 16" in line
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGKILL)
-        await proc.wait()
 
 
 def cluster_model(cluster: LocalCluster) -> Path:

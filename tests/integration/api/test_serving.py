@@ -19,6 +19,7 @@ from eventlog.events import RequestFinished
 from eventlog.names import ROUTER, Names
 from eventlog.reader import StreamReader
 from launch.local_cluster import LocalCluster
+from tests.integration.registered_cluster import admin, registered_cluster
 from tests.waiting import until
 from tokenization import tokens
 from workers.generation import expected_tokens
@@ -30,23 +31,11 @@ MODEL = "jetrouter-sim"
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
     data = tmp_path_factory.mktemp("cluster")
-    async with LocalCluster(replicas=2, workers=2, data_dir=Path(data), namespace="srv",
-                            worker_args=["--num-gpu-blocks", "2048"]) as c:
-        async with httpx.AsyncClient() as h:
-            for url in c.router_urls:  # every replica has applied both registrations
-                await until(lambda url=url: _n_workers(h, url, c.admin_token), lambda n: n == 2)
+    async with registered_cluster(Path(data), replicas=2, workers=2, namespace="srv",
+                                  worker_args=["--num-gpu-blocks", "2048"]) as c:
         yield c
 
 
-async def _n_workers(h: httpx.AsyncClient, url: str, token: str) -> int:
-    r = await h.get(f"{url}/admin/workers", headers={"authorization": f"Bearer {token}"})
-    return len(r.json()["workers"])
-
-
-
-
-def admin(c: LocalCluster) -> dict[str, str]:
-    return {"authorization": f"Bearer {c.admin_token}"}
 
 
 async def worker_load(h: httpx.AsyncClient, url: str, c: LocalCluster) -> dict[str, tuple]:

@@ -19,6 +19,12 @@ import pytest_asyncio
 
 from launch.local_cluster import LocalCluster
 from natsops.server import free_port
+from tests.integration.registered_cluster import (
+    admin,
+    registered_cluster,
+    unsupervised_engine,
+    workers,
+)
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
@@ -29,21 +35,9 @@ NAMESPACE = "sticky"
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
     data = tmp_path_factory.mktemp("sticky")
-    async with LocalCluster(replicas=2, workers=2, data_dir=Path(data), namespace=NAMESPACE,
-                            worker_args=["--num-gpu-blocks", "2048"]) as c:
-        async with httpx.AsyncClient() as h:
-            for url in c.router_urls:
-                await until(lambda url=url: workers(h, c, url), lambda ws: len(ws) == 2)
+    async with registered_cluster(Path(data), replicas=2, workers=2, namespace=NAMESPACE,
+                                  worker_args=["--num-gpu-blocks", "2048"]) as c:
         yield c
-
-
-def admin(c: LocalCluster) -> dict[str, str]:
-    return {"authorization": f"Bearer {c.admin_token}"}
-
-
-async def workers(h: httpx.AsyncClient, c: LocalCluster, url: str) -> dict[str, Any]:
-    r = await h.get(f"{url}/admin/workers", headers=admin(c))
-    return {w["worker_id"]: w for w in r.json()["workers"]}
 
 
 async def sessions(h: httpx.AsyncClient, c: LocalCluster, url: str) -> dict[str, Any]:
@@ -225,13 +219,7 @@ async def test_a_session_moves_when_its_engine_is_retired(cluster: LocalCluster,
                                                           tmp_path: Path) -> None:
     """An engine outside the cluster's supervision (so it stays gone once stopped)."""
     urls = cluster.router_urls
-    log_file = tmp_path / "wx.log"
-    with open(log_file, "wb") as out:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "api.cli", "worker", "--worker-id", "wx", "--port", "0",
-            "--nats-url", cluster.nats_url, "--namespace", NAMESPACE,
-            "--num-gpu-blocks", "2048", stdout=out, stderr=subprocess.STDOUT)
-    try:
+    async with unsupervised_engine(cluster, "wx", tmp_path, "--num-gpu-blocks", "2048") as proc:
         async with httpx.AsyncClient(timeout=30) as h:
             for url in urls:
                 await until(lambda url=url: workers(h, cluster, url), lambda ws: "wx" in ws)
@@ -263,10 +251,6 @@ async def test_a_session_moves_when_its_engine_is_retired(cluster: LocalCluster,
             engine = (await workers(h, cluster, urls[0]))[moved]["url"]
             opened = (await h.get(engine + "/sessions")).json()["sessions"]
             assert opened["mv"]["turns"] == 2  # re-opened on the new engine, then one more turn
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGKILL)
-        await proc.wait()
 
 
 async def test_a_session_survives_a_replica_sigkill(cluster: LocalCluster) -> None:

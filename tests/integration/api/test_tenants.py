@@ -21,9 +21,11 @@ import openai
 import pytest
 import pytest_asyncio
 
-from eventlog.events import RequestRouted, decode_batch
+from eventlog.events import RequestRouted
 from eventlog.names import Names
 from launch.local_cluster import LocalCluster
+from tests.integration.api.tenant_cluster import decisions
+from tests.integration.registered_cluster import admin, registered_cluster
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
@@ -39,23 +41,11 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Loc
     keys = data / "keys.json"
     keys.write_text(json.dumps(KEYS))
     # Engines at a fifth of the simulated speed: a long stream stays in flight for seconds.
-    async with LocalCluster(replicas=3, workers=2, data_dir=data, namespace=NAMESPACE,
-                            router_args=["--api-keys-file", str(keys)],
-                            worker_args=["--num-gpu-blocks", "2048", "--speedup-ratio", "0.2"]
-                            ) as c:
-        async with httpx.AsyncClient() as h:
-            for url in c.router_urls:
-                await until(lambda url=url: _n_workers(h, url, c), lambda n: n == 2)
+    async with registered_cluster(data, replicas=3, workers=2, namespace=NAMESPACE,
+                                  router_args=["--api-keys-file", str(keys)],
+                                  worker_args=["--num-gpu-blocks", "2048",
+                                               "--speedup-ratio", "0.2"]) as c:
         yield c
-
-
-def admin(c: LocalCluster) -> dict[str, str]:
-    return {"authorization": f"Bearer {c.admin_token}"}
-
-
-async def _n_workers(h: httpx.AsyncClient, url: str, c: LocalCluster) -> int:
-    r = await h.get(f"{url}/admin/workers", headers=admin(c))
-    return len(r.json()["workers"])
 
 
 async def tenant(h: httpx.AsyncClient, url: str, c: LocalCluster, name: str) -> dict[str, Any]:
@@ -300,19 +290,7 @@ async def test_admin_cli_sets_lists_and_deletes_tenants(cluster: LocalCluster) -
 
 
 async def _routed(c: LocalCluster, tenant: str) -> list[RequestRouted]:
-    nc = await nats.connect(c.nats_url)
-    try:
-        js = nc.jetstream()
-        stream = Names(NAMESPACE).stream("router")
-        info = await js.stream_info(stream)
-        out: list[RequestRouted] = []
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
-            msg = await js.get_msg(stream, seq)
-            out.extend(e for e in decode_batch(msg.data)
-                       if isinstance(e, RequestRouted) and e.tenant == tenant)
-        return out
-    finally:
-        await nc.close()
+    return [e for e in await decisions(c, NAMESPACE) if e.tenant == tenant]
 
 
 async def _cached_blocks(h: httpx.AsyncClient, url: str, c: LocalCluster) -> int:

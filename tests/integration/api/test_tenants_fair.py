@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import pytest_asyncio
 
 from launch.local_cluster import LocalCluster
 from tests.integration.api.tenant_cluster import (
     decisions,
     queue_depth,
-    queued_tenant_cluster,
+    queued_tenant_cluster_fixture,
 )
 from tests.waiting import until
 
@@ -32,13 +29,9 @@ MODEL = "jetrouter-sim"
 NAMESPACE = "tenfair"
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
-    # 5 ms per prompt token: a 200-token prompt keeps the engine's prefill busy for a second.
-    async with queued_tenant_cluster(Path(tmp_path_factory.mktemp("tenants-fair")), NAMESPACE,
-                                     {"key-flood": "flood", "key-victim": "victim"}, replicas=1,
-                                     prefill_ms_per_token=5) as c:
-        yield c
+# 5 ms per prompt token: a 200-token prompt keeps the engine's prefill busy for a second.
+cluster = queued_tenant_cluster_fixture(NAMESPACE, {"key-flood": "flood", "key-victim": "victim"},
+                                        replicas=1, prefill_ms_per_token=5)
 
 
 async def test_a_later_tenant_is_not_queued_behind_another_tenants_backlog(

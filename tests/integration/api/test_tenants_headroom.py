@@ -9,19 +9,16 @@ free one while the flood waits — read back from the router stream.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import pytest_asyncio
 
 from eventlog.events import PrefillCompleted, RequestFinished, RequestRouted
 from launch.local_cluster import LocalCluster
 from tests.integration.api.tenant_cluster import (
     queue_depth,
-    queued_tenant_cluster,
+    queued_tenant_cluster_fixture,
     router_events,
 )
 from tests.waiting import until
@@ -32,15 +29,11 @@ NAMESPACE = "tenroom"
 PER_REPLICA = 10
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
-    # 1 ms per prompt token: a 200-token prompt keeps an engine's prefill busy for 200 ms; the
-    # decode steps of the linear model take 8 ms a token. --tenant-headroom is left at its
-    # default, which holds one of two engines.
-    async with queued_tenant_cluster(Path(tmp_path_factory.mktemp("tenants-headroom")),
-                                     NAMESPACE, {"key-flood": "flood", "key-victim": "victim"},
-                                     replicas=2, workers=2, prefill_ms_per_token=1) as c:
-        yield c
+# 1 ms per prompt token: a 200-token prompt keeps an engine's prefill busy for 200 ms; the
+# decode steps of the linear model take 8 ms a token. --tenant-headroom is left at its default,
+# which holds one of two engines.
+cluster = queued_tenant_cluster_fixture(NAMESPACE, {"key-flood": "flood", "key-victim": "victim"},
+                                        replicas=2, workers=2, prefill_ms_per_token=1)
 
 
 def _prompt(n: int) -> list[int]:

@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import pytest_asyncio
 
 from launch.local_cluster import LocalCluster
 from tests.integration.api.tenant_cluster import (
     decisions,
     queue_depth,
-    queued_tenant_cluster,
+    queued_tenant_cluster_fixture,
 )
 from tests.waiting import until
 
@@ -32,13 +29,9 @@ MODEL = "jetrouter-sim"
 NAMESPACE = "tennew"
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
-    # 1 ms per prompt token: the steady tenant's 2000-token warm-up takes about 2 s.
-    async with queued_tenant_cluster(Path(tmp_path_factory.mktemp("tenants-newcomer")), NAMESPACE,
-                                     {"key-steady": "steady", "key-flood": "flood"}, replicas=2,
-                                     prefill_ms_per_token=1) as c:
-        yield c
+# 1 ms per prompt token: the steady tenant's 2000-token warm-up takes about 2 s.
+cluster = queued_tenant_cluster_fixture(NAMESPACE, {"key-steady": "steady", "key-flood": "flood"},
+                                        replicas=2, prefill_ms_per_token=1)
 
 
 async def test_a_new_flood_does_not_take_every_opening_from_a_steady_tenant(

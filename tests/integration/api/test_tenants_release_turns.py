@@ -8,17 +8,14 @@ replicas' queues served in turn.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import openai
 import pytest
-import pytest_asyncio
 
 from eventlog.events import PrefillCompleted, RequestFinished, RequestRouted
 from launch.local_cluster import LocalCluster
 from tests.integration.api.tenant_cluster import (
-    queued_tenant_cluster,
+    queued_tenant_cluster_fixture,
     router_events,
 )
 
@@ -28,14 +25,10 @@ NAMESPACE = "tenturns"
 PER_REPLICA = 8
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
-    # 1 ms per prompt token: a 200-token prompt keeps the engine's prefill busy for 200 ms,
-    # long beside the replication lag the turns' grace has to cover.
-    async with queued_tenant_cluster(Path(tmp_path_factory.mktemp("tenants-turns")), NAMESPACE,
-                                     {"key-a": "a", "key-b": "b"}, replicas=2,
-                                     prefill_ms_per_token=1) as c:
-        yield c
+# 1 ms per prompt token: a 200-token prompt keeps the engine's prefill busy for 200 ms, long
+# beside the replication lag the turns' grace has to cover.
+cluster = queued_tenant_cluster_fixture(NAMESPACE, {"key-a": "a", "key-b": "b"}, replicas=2,
+                                        prefill_ms_per_token=1)
 
 
 async def test_the_engine_gets_one_prompt_per_opening_and_both_queues_are_served(

@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 from launch.local_cluster import LocalCluster
-from tests.waiting import until
+from tests.integration.registered_cluster import registered_cluster
 from tokenization.model_tokenizer import ModelTokenizer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -23,14 +23,8 @@ MODEL = "jetrouter-sim"
 async def cluster(tmp_path_factory: pytest.TempPathFactory,
                   tiny_model: Path) -> AsyncIterator[LocalCluster]:
     data = tmp_path_factory.mktemp("tok-cluster")
-    async with LocalCluster(replicas=2, workers=1, data_dir=Path(data), namespace="tok",
-                            model_path=tiny_model) as c:
-        async with httpx.AsyncClient() as h:
-            for url in c.router_urls:
-                await until(lambda url=url: h.get(
-                    f"{url}/admin/workers",
-                    headers={"authorization": f"Bearer {c.admin_token}"}),
-                    lambda r: len(r.json()["workers"]) == 1)
+    async with registered_cluster(Path(data), replicas=2, workers=1, namespace="tok",
+                                  model_path=tiny_model) as c:
         yield c
 
 

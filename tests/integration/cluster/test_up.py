@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -19,6 +16,7 @@ import pytest
 import natsops.server
 from api import cli
 from launch.local_cluster import LocalCluster
+from tests.waiting import until, until_sync
 
 REPO = Path(__file__).resolve().parents[3]
 needs_serve = pytest.mark.skipif(not (REPO / "api" / "serve.py").exists(),
@@ -40,23 +38,6 @@ def tcp_open(url: str) -> bool:
     except OSError:
         return False
     return True
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    """Like `wait_for`, but yields to the loop (the cluster's supervisors run on it)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def test_up_help_runs() -> None:
@@ -122,7 +103,8 @@ async def test_local_cluster_restarts_a_killed_worker_and_stops_cleanly(tmp_path
             pid = json.loads((data_dir / "cluster.json").read_text())["workers"][0]["pid"]
             return pid not in (None, old) and not pid_alive(old)
 
-        await wait_until(restarted, 20.0, "w0 to be restarted with a new pid in cluster.json")
+        await until(restarted, timeout=20.0,
+                    what="w0 to be restarted with a new pid in cluster.json")
         await cluster.wait_ready(["w0"], timeout=30.0)
         new = cluster.processes["w0"]
         assert new != old and cluster.children["w0"].restarts == 1
@@ -153,10 +135,10 @@ async def test_a_child_whose_port_was_taken_while_down_comes_back_on_a_fresh_por
             # waits WITHOUT yielding to the event loop on purpose: the cluster's supervisor runs
             # on this loop, so it cannot restart w0 on its old port before the port is taken.
             # The kernel frees the port when the process dies, which needs nothing from us.
-            wait_for(lambda: _bound(thief, port), 20.0, "w0's port to be free")
+            until_sync(lambda: _bound(thief, port), timeout=20.0, what="w0's port to be free")
             thief.listen()
-            await wait_until(lambda: cluster.worker_urls[0] != old_url, 20.0,
-                             "w0 to be given a fresh port")
+            await until(lambda: cluster.worker_urls[0] != old_url, timeout=20.0,
+                        what="w0 to be given a fresh port")
             await cluster.wait_ready(["w0"], timeout=30.0)
             assert cluster.children["w0"].restarts == 1
             doc = json.loads((tmp_path / "jr" / "cluster.json").read_text())
@@ -169,10 +151,8 @@ async def test_a_child_whose_port_was_taken_while_down_comes_back_on_a_fresh_por
                                                 "max_tokens": 1})
                     return r.status_code
 
-                deadline = time.monotonic() + 30.0
-                while await served_by_w0() != 200:
-                    assert time.monotonic() < deadline, "no request served after the move"
-                    await asyncio.sleep(0.1)
+                await until(served_by_w0, lambda status: status == 200, timeout=30.0,
+                            what="a request served after the move", interval=0.1)
         finally:
             thief.close()
 
@@ -201,7 +181,7 @@ def test_up_command_exits_0_on_sigterm_and_leaves_nothing(tmp_path: Path) -> Non
             return "Ctrl-C stops everything" in out_path.read_text()
 
         # The banner comes after every replica's /ready and every worker's /health were 200.
-        wait_for(banner_printed, 45.0, "`jetrouter up` to print its banner")
+        until_sync(banner_printed, timeout=45.0, what="`jetrouter up` to print its banner")
         doc = json.loads((data_dir / "cluster.json").read_text())
         for url in ([r["url"] + "/ready" for r in doc["replicas"]]
                     + [w["url"] + "/health" for w in doc["workers"]]):

@@ -15,22 +15,15 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from eventlog.appender import Appender, AppendFailed
-from eventlog.events import BlocksStored
 from eventlog.names import Names
 from eventlog.reader import StreamReader
 from eventlog.streams import ensure_streams
 from natsops.server import NatsCluster, NatsServer, _http_json
+from tests.log_items import stored
 
 NAMES = Names("jr")
 KV = NAMES.stream("kv")
 SUBJECT = NAMES.kv_subject("w1")
-
-
-def stored(event_id: int) -> BlocksStored:
-    return BlocksStored(
-        worker_id="w1", event_id=event_id, dp_rank=0, parent_hash=None,
-        blocks=[(event_id, event_id)], ts=1.0,
-    )  # fmt: skip
 
 
 def connected_index(cluster: NatsCluster, nc: NATS) -> int:

@@ -11,13 +11,14 @@ import pytest
 
 from eventlog import kv_decode
 from eventlog.appender import Appender
-from eventlog.events import BlocksStored, Event, decode_batch, encode_batch
+from eventlog.events import BlocksStored, decode_batch, encode_batch
 from eventlog.kv_decode import decode_kv_batch
 from eventlog.names import Names
 from eventlog.packed_pairs import PackedPairs
 from eventlog.reader import StartPurged, StreamReader
 from eventlog.wire import EVENT_FORMAT, FORMAT_HEADER, NewerFormat
 from natsops.server import NatsServer
+from tests.log_items import Items, event_ids, stored, take
 from tests.waiting import until
 
 NAMES = Names("jr")
@@ -25,37 +26,9 @@ KV = NAMES.stream("kv")
 SUBJECT = NAMES.kv_subject("w1")
 
 
-def stored(event_id: int) -> BlocksStored:
-    return BlocksStored(
-        worker_id="w1", event_id=event_id, dp_rank=0, parent_hash=None,
-        blocks=[(event_id, event_id)], ts=1.0,
-    )  # fmt: skip
-
-
 async def append_range(appender: Appender, ids: range) -> None:
     for i in ids:
         await appender.append(SUBJECT, [stored(i)], msg_id=f"w1-{i}")
-
-
-Items = list[tuple[int, list[Event]]]
-
-
-async def take(reader: StreamReader, n: int, timeout: float = 60.0) -> Items:
-    """The next ``n`` items, failing (not hanging) if they do not come within ``timeout``."""
-
-    async def collect() -> Items:
-        out = []
-        async for item in reader:
-            out.append(item)
-            if len(out) == n:
-                break
-        return out
-
-    return await asyncio.wait_for(collect(), timeout)
-
-
-def event_ids(items: Items) -> list[int]:
-    return [e.event_id for _, events in items for e in events]  # type: ignore[union-attr]
 
 
 async def test_replays_then_follows_live_in_order(js):

@@ -25,6 +25,7 @@ from replicas.core.health import (
 )
 from replicas.core.state import RouterState
 from replicas.runtime.canary import CanaryChecker, report_passive
+from tests.port_stub import PortIdentity
 from workers.procs import WorkerProcess
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,37 +57,25 @@ async def urls(workers: dict[str, WorkerProcess]) -> AsyncIterator[dict[str, str
             await h.post(f"{url}/fault", json={"action": "clear"})
 
 
-class Port:
+class Port(PortIdentity):
     """The replica port the checker sees: a RouterState with the simulated workers registered,
     leadership from the test, and the control-stream appends recorded (the checker's output)."""
 
     def __init__(self, urls: Mapping[str, str], leader: Callable[[], bool],
                  statuses: Mapping[str, str], names: Names) -> None:
-        self._names = names
+        self.rid, self.port_names = "r1", names
         self.state = RouterState()
         self.state.apply(KV, 1, [ev.WorkerRegistered(w, url, MODEL, self.state.config.block_size,
                                                      1000, 8192, 1.0)
                                  for w, url in urls.items()])
         self.state.health.update(statuses)  # what the control stream says before we lead
-        self.leader = leader
+        self.leads = leader
         self.appended: list[tuple[str, ev.Event, str | None]] = []
         self.on_append: Callable[[ev.Event], None] = lambda _: None
 
     @property
-    def replica_id(self) -> str:
-        return "r1"
-
-    @property
-    def names(self) -> Names:
-        return self._names
-
-    @property
-    def ready(self) -> bool:
-        return True
-
-    @property
-    def is_leader(self) -> bool:
-        return self.leader()
+    def is_leader(self) -> bool:  # asked of the test at each round: leadership changes
+        return self.leads()
 
     async def append(self, subject: str, event: ev.Event, msg_id: str | None) -> int:
         self.appended.append((subject, event, msg_id))

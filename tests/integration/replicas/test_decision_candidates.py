@@ -17,6 +17,7 @@ import pytest_asyncio
 
 from cluster.admin_cli import show_request
 from launch.local_cluster import LocalCluster
+from tests.integration.registered_cluster import registered_cluster
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
@@ -28,13 +29,9 @@ ROWS = 4
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
     data = tmp_path_factory.mktemp("cluster")
-    async with LocalCluster(replicas=2, workers=ENGINES, engines_per_process=ENGINES,
-                            data_dir=Path(data), namespace="dc",
-                            router_args=["--decision-candidates", str(ROWS)]) as c:
-        async with httpx.AsyncClient() as h:
-            for url in c.router_urls:
-                await until(lambda url=url: _get(h, c, url, "/admin/workers"),
-                            lambda d: len(d["workers"]) == ENGINES, timeout=60)
+    async with registered_cluster(Path(data), replicas=2, workers=ENGINES,
+                                  engines_per_process=ENGINES, namespace="dc",
+                                  router_args=["--decision-candidates", str(ROWS)]) as c:
         yield c
 
 

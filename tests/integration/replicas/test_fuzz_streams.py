@@ -30,6 +30,7 @@ from eventlog.names import CONTROL, KV, ROUTER, Names
 from launch.local_cluster import LocalCluster
 from tests.fuzz_events import pack, payloads
 from tests.loop_thread import LoopThread
+from tests.waiting import until_sync
 
 pytestmark = pytest.mark.timeout(180)
 NS = "fs"
@@ -42,6 +43,9 @@ FUZZ = settings(max_examples=int(os.environ.get("JETROUTER_FUZZ_EXAMPLES", "120"
                 phases=[Phase.explicit, Phase.reuse, Phase.generate],
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
+
+# What a probe meets while a replica is restarting or not ready yet: not an answer, not yet.
+NOT_YET = (httpx.HTTPError, KeyError, ValueError)
 
 
 class Fleet:
@@ -76,8 +80,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         loop.run(cluster.start())
         nc = loop.run(nats.connect(cluster.nats_url))
         f = Fleet(cluster, loop, nc)
-        wait_for(lambda: all(f.state(u)["workers"] == 1 for u in cluster.router_urls),
-                 "engine registered")
+        until_sync(lambda: all(f.state(u)["workers"] == 1 for u in cluster.router_urls),
+                   what="engine registered", tolerate=NOT_YET)
         yield f
         f.http.close()
     finally:
@@ -85,22 +89,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             loop.run(nc.close())
         loop.run(cluster.stop())
         loop.close()
-
-
-def wait_for(probe: Any, what: str, timeout: float = 60.0) -> Any:
-    """Poll a synchronous condition with a deadline (these tests have no running loop)."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not met within {timeout}s; last value {last!r}")
 
 
 # --- generators ---------------------------------------------------------------------------------
@@ -122,7 +110,8 @@ def assert_alive_ready_equal(f: Fleet, killed: tuple[str, ...] = ()) -> None:
         expected = 1 if name in killed else 0  # our own SIGKILL counts as one exit
         assert child.exits == expected, f"{name} exited (code {child.last_returncode})"
     for url in f.cluster.router_urls:
-        wait_for(lambda url=url: f.http.get(url + "/ready").status_code == 200, f"{url} ready")
+        until_sync(lambda url=url: f.http.get(url + "/ready").status_code == 200,
+                   what=f"{url} ready", tolerate=NOT_YET)
 
     def equal() -> list[dict[str, Any]] | None:
         states = [f.state(u) for u in f.cluster.router_urls]
@@ -130,7 +119,7 @@ def assert_alive_ready_equal(f: Fleet, killed: tuple[str, ...] = ()) -> None:
                 and all(max(s["lag"].values()) == 0 for s in states))
         return states if same else None
 
-    states = wait_for(equal, "replicas at equal positions")
+    states = until_sync(equal, what="replicas at equal positions", tolerate=NOT_YET)
     digests = [s["digests"] for s in states]
     assert all(d == digests[0] for d in digests), digests
 
@@ -159,8 +148,9 @@ def test_absurd_and_garbage_stream_messages_are_skipped_or_harmless(fleet: Fleet
             last[kind] = fleet.publish(f"{NS}.{kind}.{token}", payload)
             kinds_seen.add(kind)
         for kind, seq in last.items():
-            wait_for(lambda kind=kind, seq=seq: applied_everywhere(fleet, kind, seq),
-                     f"{kind} seq {seq} applied by every replica", timeout=30)
+            until_sync(lambda kind=kind, seq=seq: applied_everywhere(fleet, kind, seq),
+                       timeout=30, what=f"{kind} seq {seq} applied by every replica",
+                       tolerate=NOT_YET)
         for name, child in fleet.cluster.children.items():
             assert child.exits == 0, f"{name} exited (code {child.last_returncode})"
 
@@ -174,7 +164,8 @@ def test_absurd_and_garbage_stream_messages_are_skipped_or_harmless(fleet: Fleet
              "priority": 0, "ts": 1.0}]
     for event, kind in zip(huge, (KV, ROUTER), strict=True):
         seq = fleet.publish(f"{NS}.{kind}.w0", pack([event]))
-        wait_for(lambda kind=kind, seq=seq: applied_everywhere(fleet, kind, seq), "huge applied")
+        until_sync(lambda kind=kind, seq=seq: applied_everywhere(fleet, kind, seq),
+                   what="huge applied", tolerate=NOT_YET)
     assert kinds_seen == {KV, ROUTER, CONTROL}
     assert_alive_ready_equal(fleet)
     malformed = [fleet.state(u)["malformed_messages"] for u in fleet.cluster.router_urls]
@@ -188,6 +179,7 @@ def test_a_restarted_replica_agrees_after_the_fuzz(fleet: Fleet) -> None:
     child = fleet.cluster.children["r1"]
     old = child.pid
     fleet.cluster.kill("r1", signal.SIGKILL)
-    wait_for(lambda: child.pid not in (None, old) and child.running, "r1 restarted")
+    until_sync(lambda: child.pid not in (None, old) and child.running, what="r1 restarted",
+               tolerate=NOT_YET)
     assert_alive_ready_equal(fleet, killed=("r1",))
     assert tracebacks(fleet) == []

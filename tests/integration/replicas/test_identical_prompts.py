@@ -21,6 +21,7 @@ import pytest
 import pytest_asyncio
 
 from launch.local_cluster import LocalCluster
+from tests.integration.registered_cluster import admin, registered_cluster
 from tests.waiting import until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(240)]
@@ -33,17 +34,9 @@ PROMPTS = [[7000 + 100 * p + i for i in range(48)] for p in range(4)]  # 3 block
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LocalCluster]:
     data = tmp_path_factory.mktemp("identical")
-    async with LocalCluster(replicas=2, workers=2, data_dir=Path(data), namespace="same",
-                            worker_args=["--speedup-ratio", "2"]) as c:
-        async with httpx.AsyncClient() as h:
-            for url in c.router_urls:
-                await until(lambda url=url: h.get(f"{url}/admin/workers", headers=admin(c)),
-                            lambda r: len(r.json()["workers"]) == 2)
+    async with registered_cluster(Path(data), replicas=2, workers=2, namespace="same",
+                                  worker_args=["--speedup-ratio", "2"]) as c:
         yield c
-
-
-def admin(c: LocalCluster) -> dict[str, str]:
-    return {"authorization": f"Bearer {c.admin_token}"}
 
 
 async def one_client(h: httpx.AsyncClient, url: str, rng: random.Random) -> list[str]:

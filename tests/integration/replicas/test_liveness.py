@@ -13,7 +13,6 @@ import contextlib
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import nats
 import pytest
@@ -31,6 +30,7 @@ from replicas.core.state import RouterState
 from replicas.runtime.liveness import Heartbeat, Liveness, liveness_subject
 from tests.divergence_hook import inject_divergence
 from tests.port_stub import PortIdentity
+from tests.waiting import until
 from workers.procs import WorkerProcess
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,20 +39,6 @@ NAMES = Names("jr")
 INTERVAL = 0.25
 TIMEOUT = 1.5
 SLACK = 4.0  # "within timeout + a few seconds"
-
-
-async def until(probe: Callable[[], Awaitable[Any] | Any], timeout: float = 60.0) -> Any:
-    """Poll until `probe()` is truthy; fail with the last value at the deadline."""
-    deadline = time.monotonic() + timeout
-    value: Any = None
-    while time.monotonic() < deadline:
-        value = probe()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout}s; last value {value!r}")
 
 
 class Node(PortIdentity):
@@ -82,7 +68,7 @@ class Node(PortIdentity):
         return None
 
     async def wait_applied(self, kind: str, seq: int, timeout: float = 10.0) -> None:
-        await until(lambda: self.state.positions[kind] >= seq, timeout)
+        await until(lambda: self.state.positions[kind] >= seq, timeout=timeout)
 
     async def _follow(self, kind: str) -> None:
         reader = StreamReader(self.js, NAMES.stream(kind), idle_heartbeat=0.5)

@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import nats
@@ -160,6 +160,26 @@ async def registered(nc: NATS, worker_id: str = "e1") -> WorkerRegistered:
     return await until(probe, timeout=60, what="WorkerRegistered on the stream")
 
 
+async def bridged_after_steps(nc: NATS, engine: EngineSim, bridges: Callable[..., BridgeProc],
+                             steps: int) -> tuple[list[list[int]], BridgeProc]:
+    """A bridge between ``engine`` and NATS as e1, registered, and the engine's first ``steps``
+    batches on the stream: (the prefixes the engine's steps extend, the bridge)."""
+    shared = prefixes(engine)
+    bridge = bridges(engine, nc.connected_url.geturl())
+    await registered(nc)
+    for _ in range(steps):
+        engine.random_step(shared)
+    await until(lambda: caught_up(nc, "e1", engine), timeout=60,
+                what=f"the engine's first {steps} batches appended")
+    return shared, bridge
+
+
+async def clears(nc: NATS, worker_id: str = "e1") -> int:
+    """How many ``AllBlocksCleared`` the worker's KV subject holds."""
+    events = all_events(await kv_messages(nc, NAMES.kv_subject(worker_id)))
+    return sum(isinstance(e, AllBlocksCleared) for e in events)
+
+
 async def assert_index_matches_engine(nc: NATS, engine: EngineSim, worker_id: str = "e1") -> None:
     await until(lambda: caught_up(nc, worker_id, engine), timeout=60,
                 what="bridge caught up with the engine")
@@ -273,19 +293,14 @@ async def test_gap_is_filled_from_the_replay_socket(
     the index equals the engine's cache. `array`: SGLang's layout (signed hashes, no topic)."""
     engine = await EngineSim(layout=layout, topic="kv-events" if layout == "map" else "").start()
     try:
-        shared = prefixes(engine)
-        bridges(engine, nc.connected_url.geturl())
-        await registered(nc)
-        engine.random_step(shared)
-        await until(lambda: caught_up(nc, "e1", engine), timeout=60, what="first batch")
+        shared, _ = await bridged_after_steps(nc, engine, bridges, 1)
         replays = len(engine.replay_requests)
         for _ in range(6):
             engine.random_step(shared, send=False)  # lost on the way: only in the buffer
         engine.random_step(shared)
         await assert_index_matches_engine(nc, engine)
         assert len(engine.replay_requests) > replays
-        events = all_events(await kv_messages(nc, NAMES.kv_subject("e1")))
-        assert not any(isinstance(e, AllBlocksCleared) for e in events)
+        assert await clears(nc) == 0
     finally:
         await engine.stop()
 
@@ -295,11 +310,7 @@ async def test_replay_answer_with_a_hole_is_asked_again_not_cleared(
         nc: NATS, engine: EngineSim, bridges) -> None:  # type: ignore[no-untyped-def]
     """A replay answer missing batches in its middle (the engine's ROUTER socket dropped them
     while the reader was slow) is asked again from the first one missing: no clear."""
-    shared = prefixes(engine)
-    bridges(engine, nc.connected_url.geturl())
-    await registered(nc)
-    engine.random_step(shared)
-    await until(lambda: caught_up(nc, "e1", engine), timeout=60, what="first batch")
+    shared, _ = await bridged_after_steps(nc, engine, bridges, 1)
     replays = len(engine.replay_requests)
     gap = engine.seq
     for _ in range(6):
@@ -308,8 +319,7 @@ async def test_replay_answer_with_a_hole_is_asked_again_not_cleared(
     engine.random_step(shared)
     await assert_index_matches_engine(nc, engine)
     assert engine.replay_requests[replays:][:2] == [gap, gap + 3]
-    events = all_events(await kv_messages(nc, NAMES.kv_subject("e1")))
-    assert not any(isinstance(e, AllBlocksCleared) for e in events)
+    assert await clears(nc) == 0
 
 
 # How the engine's answer to a resumed bridge's replay from seq 0 comes damaged, and the
@@ -330,12 +340,7 @@ async def test_a_resumed_bridge_rebuilds_its_mirror_past_a_damaged_answer(
     re-announce is the whole cache; what a damaged answer brought is kept and the rest asked for
     from where it stopped (the re-announce was a clear only: seen in CI under load)."""
     asked, setting = DAMAGED_ANSWERS[damage]
-    shared = prefixes(engine)
-    bridge = bridges(engine, nc.connected_url.geturl())
-    await registered(nc)
-    for _ in range(8):
-        engine.random_step(shared)
-    await until(lambda: caught_up(nc, "e1", engine), timeout=60, what="caught up")
+    _, bridge = await bridged_after_steps(nc, engine, bridges, 8)
     bridge.kill()
     replays = len(engine.replay_requests)
     for name, value in setting.items():
@@ -351,19 +356,13 @@ async def test_a_resumed_bridge_rebuilds_its_mirror_past_a_damaged_answer(
     assert sum(len(e.blocks) for e in msgs[-1][2] if isinstance(e, BlocksStored)) == sum(
         map(len, engine.cache.values()))
     await assert_index_matches_engine(nc, engine)
-    events = all_events(await kv_messages(nc, NAMES.kv_subject("e1")))
-    assert sum(isinstance(e, AllBlocksCleared) for e in events) == 1  # the re-announce's own
+    assert await clears(nc) == 1  # the re-announce's own
 
 
 @pytest.mark.timeout(120)
 async def test_unreplayable_gap_clears_instead_of_guessing(
         nc: NATS, engine: EngineSim, bridges) -> None:  # type: ignore[no-untyped-def]
-    shared = prefixes(engine)
-    bridges(engine, nc.connected_url.geturl())
-    await registered(nc)
-    for _ in range(5):
-        engine.random_step(shared)
-    await until(lambda: caught_up(nc, "e1", engine), timeout=60, what="caught up")
+    shared, _ = await bridged_after_steps(nc, engine, bridges, 5)
     for _ in range(3):
         engine.random_step(shared, send=False)
     engine.buffer.clear()  # the engine's replay buffer no longer has them
@@ -526,11 +525,7 @@ async def test_bridge_sigkill_under_load_loses_nothing_and_applies_nothing_twice
 @pytest.mark.timeout(120)
 async def test_unhealthy_engine_is_retired_and_registered_again(
         nc: NATS, engine: EngineSim, bridges) -> None:  # type: ignore[no-untyped-def]
-    shared = prefixes(engine)
-    bridges(engine, nc.connected_url.geturl())
-    await registered(nc)
-    engine.random_step(shared)
-    await until(lambda: caught_up(nc, "e1", engine), timeout=60, what="caught up")
+    await bridged_after_steps(nc, engine, bridges, 1)
     engine.healthy = False
     events = await until(lambda: kv_messages(nc, NAMES.kv_subject("e1")),
                          lambda m: isinstance(all_events(m)[-1], WorkerRetired),

@@ -3,9 +3,7 @@ re-announce, load gauges, retirement on SIGTERM."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from collections.abc import Callable
 
 import httpx
@@ -23,6 +21,7 @@ from eventlog.events import (
 )
 from eventlog.hashing import tokens_hashes
 from eventlog.names import Names
+from tests.waiting import until
 from tokenization.tokens import encode
 from workers.procs import WorkerProcess
 
@@ -47,11 +46,8 @@ class KvFeed:
 
     async def wait_for(self, predicate: Callable[[list[Event]], bool],
                        timeout: float = 60.0) -> list[Event]:
-        deadline = time.monotonic() + timeout
-        while not predicate(self.events):
-            assert time.monotonic() < deadline, f"events so far: {self.events}"
-            await asyncio.sleep(0.02)
-        return self.events
+        return await until(lambda: self.events, predicate, timeout=timeout, interval=0.02,
+                           what=f"the events wanted on {self.subject}")
 
 
 def stored_pairs(events: list[Event]) -> list[tuple[int | None, int, int]]:

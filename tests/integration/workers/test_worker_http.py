@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from tests.waiting import until
 from tokenization.tokens import chat_prompt, decode, encode
 from workers.faults import CRASH_EXIT_CODE
 from workers.generation import expected_tokens
@@ -31,13 +32,6 @@ def client(url: str) -> openai.AsyncOpenAI:
 def expected_text(prompt: str | list[int], n: int) -> str:
     ids = encode(prompt) if isinstance(prompt, str) else prompt
     return decode(expected_tokens(ids, n))
-
-
-async def wait_until(predicate, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 async def test_completion_text_usage_and_prefix_cache(worker: WorkerProcess) -> None:
@@ -134,18 +128,18 @@ async def test_client_disconnect_aborts_and_frees_blocks(worker: WorkerProcess) 
         async def freed() -> bool:
             load = await _load(http)
             return load["num_running"] == 0 and load["active_decode_blocks"] == 0
-        await wait_until(freed)
+        await until(freed, what="the request dropped")
         # The same for a non-streaming request.
         task = asyncio.create_task(http.post("/v1/completions",
                                              json={**body, "stream": False}))
 
         async def running() -> bool:
             return (await _load(http))["num_running"] == 1
-        await wait_until(running)
+        await until(running, what="the request running")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await wait_until(freed)
+        await until(freed, what="the request dropped")
 
 
 async def _fault(url: str, **body: object) -> dict:  # type: ignore[type-arg]
@@ -181,7 +175,7 @@ async def test_hang_stops_tokens_until_cleared(worker: WorkerProcess) -> None:
             async def queued() -> bool:
                 load = await _load(http)
                 return load["num_waiting"] + load["num_running"] == 1
-            await wait_until(queued)
+            await until(queued, what="the request queued")
         done, _ = await asyncio.wait({task}, timeout=1.0)
         assert not done, "a hung worker answered"
     finally:

@@ -24,8 +24,9 @@ MODEL = "tiny"
 
 
 def worker(worker_id: str, url: str, role: Role = Role.BOTH,
-           kind: EngineKind = EngineKind.VLLM, bootstrap_port: int = 0) -> WorkerRegistered:
-    return WorkerRegistered(worker_id, url, MODEL, BLOCK_SIZE, 4096, 8192, time.time(),
+           kind: EngineKind = EngineKind.VLLM, bootstrap_port: int = 0,
+           model: str = MODEL) -> WorkerRegistered:
+    return WorkerRegistered(worker_id, url, model, BLOCK_SIZE, 4096, 8192, time.time(),
                             role=role, engine_kind=kind, bootstrap_port=bootstrap_port)
 
 

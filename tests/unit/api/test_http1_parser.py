@@ -32,7 +32,12 @@ def drain(parser: ResponseParser, heads: list[Head], body: list[bytes]) -> int:
 
 
 def parse(pieces: list[bytes], *, eof: bool = False) -> Outcome:
-    parser = ResponseParser()
+    return feed(ResponseParser(), pieces, eof=eof)
+
+
+def feed(parser: ResponseParser, pieces: list[bytes], *, eof: bool = False) -> Outcome:
+    """``pieces`` fed to ``parser`` in turn (then the end of input, with ``eof``), every event
+    drained after each."""
     heads: list[Head] = []
     body: list[bytes] = []
     ends = 0
@@ -62,16 +67,11 @@ CHUNKED_BODY = b"data: a\n\ndata: bcd\n"
 @pytest.mark.parametrize("pieces", splits(CHUNKED))
 def test_chunked_with_extensions_and_trailers(pieces: list[bytes]) -> None:
     parser = ResponseParser()
-    heads: list[Head] = []
-    body: list[bytes] = []
-    ends = 0
-    for piece in pieces:
-        parser.feed(piece)
-        ends += drain(parser, heads, body)
+    heads, body, ends = feed(parser, pieces)
     assert [(h.status, h.reason, h.framing, h.keep_alive) for h in heads] == [
         (200, "OK", Framing.CHUNKED, True)]
     assert heads[0].headers["content-type"] == "text/event-stream"
-    assert b"".join(body) == CHUNKED_BODY
+    assert body == CHUNKED_BODY
     assert ends == 1
     assert parser.trailers == {"x-checksum": "abc", "x-other": "1"}
     assert parser.buffered == 0 and parser.in_head

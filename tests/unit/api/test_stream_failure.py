@@ -8,54 +8,35 @@ turns the engine's events into the client's.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from api.app import AppConfig, create_app
 from api.forward.continuation import Continuation
-from eventlog.events import WorkerRegistered
-from eventlog.memory import MemoryLog
-from eventlog.names import KV, Names
-from replicas.core.state import StateConfig
-from replicas.runtime.replica import Replica, ReplicaConfig
+from eventlog.events import EngineKind
+from replicas.runtime.replica import Replica
+from tests.unit.api.pd_router import BLOCK_SIZE, router_on_a_socket, worker
 from tests.unit.api.test_app import ENGINE, MODEL, simulated_engine
 from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
 
-NAMES = Names("jr")
-
 
 @contextlib.asynccontextmanager
-async def router_on_a_socket(engine_url: str) -> AsyncIterator[tuple[str, Replica]]:
-    log = MemoryLog()
-    replica = Replica(ReplicaConfig("r1", "", state=StateConfig(block_size=ENGINE.block_size),
-                                    seed=3, durable=False, canary_interval=0), log=log)
-    app = create_app(replica, AppConfig(ready_wait=0))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           access_log=False, lifespan="on"))
-    serving = asyncio.create_task(server.serve())
-    try:
-        await until(lambda: server.started or serving.done(), timeout=20, what="router started")
-        assert server.started, "the router did not start"
-        seq = await log.append(NAMES.kv_subject("w1"), [WorkerRegistered(
-            "w1", engine_url, MODEL, ENGINE.block_size, ENGINE.num_gpu_blocks,
-            ENGINE.max_num_batched_tokens, time.time())], "w1.registered")
-        await replica.wait_applied(KV, seq)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}", replica
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serving, 20)
+async def router_before_an_engine() -> AsyncIterator[tuple[str, Replica]]:
+    """A simulated engine registered as w1, and a router on a socket in front of it: (the
+    router's URL, its replica)."""
+    # What pd_router.worker registers: EngineConfig's defaults.
+    assert (ENGINE.block_size, ENGINE.num_gpu_blocks, ENGINE.max_num_batched_tokens) == (
+        BLOCK_SIZE, 4096, 8192)
+    async with simulated_engine("w1") as engine, router_on_a_socket(
+            [worker("w1", engine, kind=EngineKind.JETROUTER, model=MODEL)]) as served:
+        yield served
 
 
 @pytest.fixture
@@ -81,7 +62,7 @@ def stream_failures(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]
 
 async def test_a_raw_client_reads_an_error_event_and_a_complete_body(
         fault_after_first_token: None, caplog: pytest.LogCaptureFixture) -> None:
-    async with simulated_engine("w1") as engine, router_on_a_socket(engine) as (url, replica):
+    async with router_before_an_engine() as (url, replica):
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             async with client.stream("POST", "/v1/completions", json={
                     "model": MODEL, "max_tokens": 16, "stream": True,
@@ -103,7 +84,7 @@ async def test_a_raw_client_reads_an_error_event_and_a_complete_body(
 
 async def test_the_openai_client_raises_the_error_event(
         fault_after_first_token: None, caplog: pytest.LogCaptureFixture) -> None:
-    async with simulated_engine("w1") as engine, router_on_a_socket(engine) as (url, _):
+    async with router_before_an_engine() as (url, _):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         stream = await client.completions.create(model=MODEL, prompt="Tell me about routers.",
                                                  max_tokens=16, stream=True)
@@ -119,7 +100,7 @@ async def test_the_openai_client_raises_the_error_event(
 
 async def test_a_non_streamed_request_answers_500_with_openai_error_json(
         fault_after_first_token: None) -> None:
-    async with simulated_engine("w1") as engine, router_on_a_socket(engine) as (url, _):
+    async with router_before_an_engine() as (url, _):
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             response = await client.post("/v1/completions", json={
                 "model": MODEL, "max_tokens": 16, "prompt": "Tell me about routers."})
@@ -142,7 +123,7 @@ async def test_a_passthrough_stream_ends_with_an_error_event_too(
         real(self, payload)
 
     monkeypatch.setattr(Passthrough, "_on_payload", failing)
-    async with simulated_engine("w1") as engine, router_on_a_socket(engine) as (url, _):
+    async with router_before_an_engine() as (url, _):
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             async with client.stream("POST", "/v1/completions", json={
                     "model": MODEL, "max_tokens": 16, "stream": True, "n": 2,

@@ -16,28 +16,13 @@ import msgspec
 from eventlog import events as ev
 from eventlog.names import KV, ROUTER
 from replicas.core.state import RouterState, WorkerInfo
+from tests.unit.compat.earlier_worker_registered import PreviousWorkerRegistered
 
 # The keys a worker's snapshot entry had before bootstrap_port: the release before builds
 # WorkerInfo(**entry) from exactly these.
 PREVIOUS_WORKER_KEYS = {"worker_id", "url", "model", "block_size", "kv_total_blocks",
                         "max_num_batched_tokens", "dp_size", "registered_ts", "loras", "role",
                         "engine_kind"}
-
-
-class PreviousWorkerRegistered(msgspec.Struct, frozen=True, tag="WorkerRegistered"):
-    """WorkerRegistered as the release before bootstrap_port declared it."""
-
-    worker_id: str
-    url: str
-    model: str
-    block_size: int
-    kv_total_blocks: int
-    max_num_batched_tokens: int
-    ts: float
-    dp_size: int = 1
-    loras: list[str] = []
-    role: str = "both"
-    engine_kind: str = "jetrouter"
 
 
 class PreviousRequestRouted(msgspec.Struct, frozen=True, tag="RequestRouted"):

@@ -6,10 +6,7 @@ same errors; and ``JETROUTER_PURE_PYTHON`` turns the compiled code off."""
 
 from __future__ import annotations
 
-import os
 import struct
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -25,6 +22,7 @@ from eventlog.hashing import (
     tokens_hashes,
     tokens_hashes_python,
 )
+from tests.pure_python import printed_with_pure_python
 
 pytestmark = pytest.mark.skipif(not compiled.available(),
                                 reason="the compiled hashing is not built here")
@@ -106,10 +104,7 @@ def test_inputs_it_declines_take_the_python_code() -> None:
 
 def test_environment_variable_forces_the_python_code() -> None:
     probe = "from eventlog import compiled; print(compiled.available(), compiled.active())"
-    env = {**os.environ, compiled.PURE_ENV: "1"}
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
-                         check=True, timeout=60).stdout.split()
-    assert out == ["True", "None"]
+    assert printed_with_pure_python(probe) == ["True", "None"]
 
 
 def test_use_compiled_switches_at_run_time() -> None:

@@ -20,30 +20,15 @@ from replicas.core.selection import (
     RoutingMode,
     Selector,
 )
+from tests.unit.replicas.core.candidate_strategies import candidate_lists, load, small
 
-small = st.integers(min_value=0, max_value=40)
-load = st.one_of(st.integers(min_value=0, max_value=5000),
-                 st.floats(min_value=0, max_value=5000, allow_nan=False, width=32))
-
-
-@st.composite
-def candidate_lists(draw: st.DrawFn) -> list[Candidate]:
-    rows = []
-    for w in range(draw(st.integers(min_value=0, max_value=12))):
-        for rank in range(draw(st.integers(min_value=1, max_value=3))):
-            rows.append(Candidate(
-                worker=(f"w{w:02d}", rank),
-                overlap_blocks=draw(small),
-                tree_size=draw(st.sampled_from([0, 5, 9])),  # few values: ties happen
-                active_prefill_tokens=draw(load),
-                active_decode_blocks=draw(load),
-                new_request_blocks=draw(small),
-                kv_total_blocks=draw(st.sampled_from([0, 100, 1000])),
-                max_num_batched_tokens=draw(st.sampled_from([256, 2048])),
-                weight=draw(st.sampled_from([1.0, 1.0, 0.5, 0.0])),
-            ))
-    order = draw(st.permutations(range(len(rows))))
-    return [rows[i] for i in order]
+candidates = candidate_lists(
+    workers=st.integers(min_value=0, max_value=12), ranks=st.integers(min_value=1, max_value=3),
+    tree_size=st.sampled_from([0, 5, 9]),  # few values: ties happen
+    active_prefill_tokens=load, active_decode_blocks=load,
+    kv_total_blocks=st.sampled_from([0, 100, 1000]),
+    max_num_batched_tokens=st.sampled_from([256, 2048]),
+    weight=st.sampled_from([1.0, 1.0, 0.5, 0.0]))
 
 
 thresholds = st.builds(
@@ -55,7 +40,7 @@ thresholds = st.builds(
 
 
 @settings(max_examples=120, deadline=None)
-@given(cands=candidate_lists(), isl_blocks=small, weight=st.sampled_from([0, 1, 1.0, 8.0, 2.5]),
+@given(cands=candidates, isl_blocks=small, weight=st.sampled_from([0, 1, 1.0, 8.0, 2.5]),
        queue_weight=st.sampled_from([None, 0.0, 1.0, 3]), th=thresholds,
        mode=st.sampled_from([RoutingMode.KV] * 4 + list(RoutingMode)),
        temperature=st.sampled_from([0.0, 0.0, 0.7]), seed=st.integers(0, 2**16),

@@ -25,6 +25,7 @@ from replicas.core.selection import (
     Selector,
     cheapest_first,
 )
+from tests.unit.replicas.core.candidate_strategies import candidate_lists, load
 
 BS = 16
 ISL = 10 * BS
@@ -108,33 +109,19 @@ def test_columns_build_only_the_rows_they_keep(monkeypatch: pytest.MonkeyPatch) 
     assert (rows[0][0], rows[0][1]) == d.worker
 
 
-small = st.integers(min_value=0, max_value=40)
-load = st.one_of(st.integers(min_value=0, max_value=5000),
-                 st.floats(min_value=0, max_value=5000, allow_nan=False, width=32))
-
-
-@st.composite
-def candidate_lists(draw: st.DrawFn) -> list[Candidate]:
-    rows = []
-    for w in range(draw(st.integers(min_value=1, max_value=40))):
-        for rank in range(draw(st.integers(min_value=1, max_value=2))):
-            rows.append(Candidate(
-                worker=(f"w{w:02d}", rank),
-                overlap_blocks=draw(small),
-                tree_size=draw(st.sampled_from([0, 5])),
-                active_prefill_tokens=draw(st.sampled_from([0, 0, 100.0])) or draw(load),
-                active_decode_blocks=draw(st.sampled_from([0.0, 8.0])),  # few values: ties
-                new_request_blocks=draw(small),
-                kv_total_blocks=1000,
-                max_num_batched_tokens=2048,
-                weight=draw(st.sampled_from([1.0, 1.0, 0.5])),
-            ))
-    order = draw(st.permutations(range(len(rows))))
-    return [rows[i] for i in order]
+candidates = candidate_lists(
+    workers=st.integers(min_value=1, max_value=40), ranks=st.integers(min_value=1, max_value=2),
+    tree_size=st.sampled_from([0, 5]),
+    # A third of the ranks at exactly 100 prompt tokens in flight, the rest at any load.
+    active_prefill_tokens=st.sampled_from([0, 0, 100.0]).flatmap(
+        lambda v: st.just(v) if v else load),
+    active_decode_blocks=st.sampled_from([0.0, 8.0]),  # few values: ties
+    kv_total_blocks=st.just(1000), max_num_batched_tokens=st.just(2048),
+    weight=st.sampled_from([1.0, 1.0, 0.5]))
 
 
 @settings(max_examples=150, deadline=None)
-@given(cands=candidate_lists(), limit=st.sampled_from([1, 2, 3, 8, 16]),
+@given(cands=candidates, limit=st.sampled_from([1, 2, 3, 8, 16]),
        mode=st.sampled_from([RoutingMode.KV, RoutingMode.KV, RoutingMode.ROUND_ROBIN,
                              RoutingMode.RANDOM]),
        queue_weight=st.sampled_from([None, 1.0]), seed=st.integers(0, 2**16))

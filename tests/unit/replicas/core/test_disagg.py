@@ -14,6 +14,7 @@ from eventlog.names import KV, ROUTER
 from replicas.core import disagg
 from replicas.core.selection import Candidate, Decision, RoutingConfig, Selector
 from replicas.core.state import RouterState, StateConfig
+from tests.unit.compat.earlier_worker_registered import BareWorkerRegistered
 
 BS = 16
 
@@ -105,16 +106,7 @@ def test_state_charges_each_phase_its_own_load() -> None:
 
 
 def test_old_events_decode_as_aggregated_both() -> None:
-    class OldRegistered(msgspec.Struct, tag="WorkerRegistered"):
-        worker_id: str
-        url: str
-        model: str
-        block_size: int
-        kv_total_blocks: int
-        max_num_batched_tokens: int
-        ts: float
-
-    raw = msgspec.msgpack.encode([OldRegistered("w", "http://w", "m", BS, 10, 10, 1.0)])
+    raw = msgspec.msgpack.encode([BareWorkerRegistered("w", "http://w", "m", BS, 10, 10, 1.0)])
     (event,) = ev.decode_batch(raw)
     assert isinstance(event, ev.WorkerRegistered) and event.role == "both"
     state = RouterState(StateConfig(block_size=BS))

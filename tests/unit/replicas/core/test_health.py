@@ -52,30 +52,30 @@ def test_breaker_success_resets_the_consecutive_count() -> None:
     assert b.state == BreakerState.CLOSED
 
 
-def test_half_open_lets_exactly_one_trial_through() -> None:
+def half_open() -> CircuitBreaker:
+    """A breaker (3 failures, 60 s) opened by failures at 0-2 s, its trial let through at 62 s."""
     b = CircuitBreaker(failure_threshold=3, recovery_timeout=60.0)
     for t in (0.0, 1.0, 2.0):
         b.record_failure(t)
     assert b.allow(62.0)
+    return b
+
+
+def test_half_open_lets_exactly_one_trial_through() -> None:
+    b = half_open()
     assert b.state == BreakerState.HALF_OPEN
     assert not b.allow(62.0) and not b.allow(63.0)
 
 
 def test_half_open_success_closes() -> None:
-    b = CircuitBreaker(failure_threshold=3, recovery_timeout=60.0)
-    for t in (0.0, 1.0, 2.0):
-        b.record_failure(t)
-    assert b.allow(62.0)
+    b = half_open()
     b.record_success(62.1)
     assert b.state == BreakerState.CLOSED and b.failures == 0
     assert b.allow(62.2) and b.allow(62.3)
 
 
 def test_half_open_failure_reopens_for_another_timeout() -> None:
-    b = CircuitBreaker(failure_threshold=3, recovery_timeout=60.0)
-    for t in (0.0, 1.0, 2.0):
-        b.record_failure(t)
-    assert b.allow(62.0)
+    b = half_open()
     b.record_failure(62.5)
     assert b.state == BreakerState.OPEN
     assert not b.allow(122.0)

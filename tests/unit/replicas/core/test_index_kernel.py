@@ -10,9 +10,6 @@ the kernel off.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -20,13 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eventlog import compiled
 from eventlog.packed_pairs import PackedPairs
 from replicas.core import index_kernel
 from replicas.core.index import PrefixIndex
 from replicas.core.index_common import U64
 from replicas.core.index_run import STORE
 from replicas.core.index_table import U64Table
+from tests.pure_python import printed_with_pure_python
 from tests.unit.replicas.core.kernel_switch import kernel
 from tests.unit.replicas.core.test_index_compact import (
     BIG,
@@ -302,10 +299,7 @@ def test_a_table_from_its_cells_is_the_same_either_way(dtype: type) -> None:
 
 def test_environment_variable_turns_the_kernel_off() -> None:
     probe = "from replicas.core import index_kernel as k; print(k.available(), k.active())"
-    env = {**os.environ, compiled.PURE_ENV: "1"}
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
-                         check=True, timeout=60).stdout.split()
-    assert out == ["True", "None"]
+    assert printed_with_pure_python(probe) == ["True", "None"]
 
 
 def test_use_compiled_switches_at_run_time() -> None:

@@ -43,6 +43,17 @@ def _dispatcher(port: Port, **flags: object) -> tuple[Dispatcher, Background]:
     return Dispatcher(port, cfg, random.Random(1), bg), bg
 
 
+async def first_progress_held() -> tuple[GatedPort, Dispatcher, Background]:
+    """Request q1 routed by a dispatcher that tracks output blocks, its first progress (16
+    tokens) held at the port's gate: (the port, the dispatcher, its background tasks)."""
+    port = GatedPort()
+    d, bg = _dispatcher(port, track_output_blocks=True)
+    await d.route(RouteRequest("q1", "m", TOKENS))
+    d.output_progress("q1", 16)
+    await until(lambda: port.waiting, lambda n: n == 1)
+    return port, d, bg
+
+
 async def test_decisions_carry_the_flags_and_the_osl_hint() -> None:
     port = Port()
     d, _ = _dispatcher(port, track_output_blocks=True, prefill_load_model="linear")
@@ -56,11 +67,7 @@ async def test_decisions_carry_the_flags_and_the_osl_hint() -> None:
 
 
 async def test_progress_appends_coalesce_to_the_newest_count() -> None:
-    port = GatedPort()
-    d, bg = _dispatcher(port, track_output_blocks=True)
-    await d.route(RouteRequest("q1", "m", TOKENS))
-    d.output_progress("q1", 16)
-    await until(lambda: port.waiting, lambda n: n == 1)
+    port, d, bg = await first_progress_held()
     for count in (32, 48, 64):  # while the first is on its way
         d.output_progress("q1", count)
     port.gate.set()
@@ -71,11 +78,7 @@ async def test_progress_appends_coalesce_to_the_newest_count() -> None:
 
 
 async def test_a_finished_request_sends_no_more_progress() -> None:
-    port = GatedPort()
-    d, bg = _dispatcher(port, track_output_blocks=True)
-    await d.route(RouteRequest("q1", "m", TOKENS))
-    d.output_progress("q1", 16)
-    await until(lambda: port.waiting, lambda n: n == 1)
+    port, d, bg = await first_progress_held()
     d.output_progress("q1", 32)
     d.finished("q1", "ok", 40)
     port.gate.set()
