@@ -142,36 +142,32 @@ typedef struct {
     Py_ssize_t found, free;
 } Probe;
 
+/* One bucket of probe: the key's cell, or -1 with the bucket's fill and first free way. */
+static inline Py_ssize_t probe_bucket(const Table *t, Py_ssize_t b, uint64_t key, int *fill,
+                                      int *free_way)
+{
+    uint64_t empty = sentinel(t, (uint64_t)(b / WAYS));
+    for (int w = 0; w < WAYS; w++) {
+        uint64_t k = t->keys[b + w];
+        if (k == key && t->size)
+            return b + w;
+        if (k != empty)
+            (*fill)++;
+        else if (*free_way < 0)
+            *free_way = w;
+    }
+    return -1;
+}
+
 static inline Probe probe(const Table *t, uint64_t key)
 {
     uint64_t h = key * TABLE_M;
     Py_ssize_t b1 = (Py_ssize_t)(h >> t->s1) * WAYS;
     Py_ssize_t b2 = (Py_ssize_t)((h >> t->s2) & t->mask) * WAYS;
-    uint64_t e1 = sentinel(t, (uint64_t)(b1 / WAYS)), e2 = sentinel(t, (uint64_t)(b2 / WAYS));
     int n1 = 0, n2 = 0, free1 = -1, free2 = -1;
-    Probe p = {-1, -1};
-    for (int w = 0; w < WAYS; w++) {
-        uint64_t k = t->keys[b1 + w];
-        if (k == key && t->size) {
-            p.found = b1 + w;
-            return p;
-        }
-        if (k != e1)
-            n1++;
-        else if (free1 < 0)
-            free1 = w;
-    }
-    for (int w = 0; w < WAYS; w++) {
-        uint64_t k = t->keys[b2 + w];
-        if (k == key && t->size) {
-            p.found = b2 + w;
-            return p;
-        }
-        if (k != e2)
-            n2++;
-        else if (free2 < 0)
-            free2 = w;
-    }
+    Probe p = {probe_bucket(t, b1, key, &n1, &free1), -1};
+    if (p.found >= 0 || (p.found = probe_bucket(t, b2, key, &n2, &free2)) >= 0)
+        return p;
     /* place1's choice: the second bucket when it is the emptier, its first free way */
     if (n2 < n1)
         p.free = free2 < 0 ? -1 : b2 + free2;
