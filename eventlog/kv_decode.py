@@ -61,7 +61,8 @@ SMALL_MESSAGE = 384
 
 
 def decode_kv_batch(data: bytes) -> list[ev.Event]:
-    """``decode_batch(data)``, with each ``BlocksStored.blocks`` a ``PackedPairs``."""
+    """``decode_batch(data)``, with each ``BlocksStored.blocks`` a ``PackedPairs`` when the
+    message has ``SMALL_MESSAGE`` bytes or more (a list of tuples, as always, below that)."""
     if _kvwire is None or len(data) < SMALL_MESSAGE:
         return ev.decode_batch(data)
     try:
