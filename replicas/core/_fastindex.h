@@ -87,15 +87,6 @@ static inline Py_ssize_t find1(const Table *t, uint64_t key)
 
 /* Occupancy read from the keys, which a lookup has just brought into the cache: an empty cell
  * of bucket B holds B's sentinel, and no key that may live in B equals it (index_table.py). */
-static inline int used(const Table *t, Py_ssize_t b)
-{
-    uint64_t empty = sentinel(t, (uint64_t)(b / WAYS));
-    int n = 0;
-    for (int w = 0; w < WAYS; w++)
-        n += t->keys[b + w] != empty;
-    return n;
-}
-
 static inline int first_free(const Table *t, Py_ssize_t b)
 {
     uint64_t empty = sentinel(t, (uint64_t)(b / WAYS));
@@ -115,24 +106,6 @@ static inline void prefetch(const Table *t, uint64_t key)
 
 /* _relocate1: one cuckoo step, or -1 (_fastindex_table.c: rarely needed). */
 Py_ssize_t relocate1(Table *t, uint64_t key, uint64_t val);
-
-/* _place1: the emptier bucket's first free cell, else a cuckoo step; -1 when both fail. */
-static inline Py_ssize_t place1(Table *t, uint64_t key, uint64_t val)
-{
-    uint64_t h = key * TABLE_M;
-    Py_ssize_t b1 = (Py_ssize_t)(h >> t->s1) * WAYS;
-    Py_ssize_t b2 = (Py_ssize_t)((h >> t->s2) & t->mask) * WAYS;
-    if (used(t, b2) < used(t, b1))
-        b1 = b2;
-    int way = first_free(t, b1);
-    if (way < 0)
-        return relocate1(t, key, val);
-    Py_ssize_t cell = b1 + way;
-    t->keys[cell] = key;
-    set_val(t, cell, val);
-    t->occ[cell] = 1;
-    return cell;
-}
 
 /* find1 and, for an absent key, the cell place1 would pick without a cuckoo step, from one read
  * of the two buckets (storing a block looks up a key that is nearly always absent, then places
@@ -174,6 +147,23 @@ static inline Probe probe(const Table *t, uint64_t key)
     else
         p.free = free1 < 0 ? -1 : b1 + free1;
     return p;
+}
+
+/* A key into a free cell. */
+static inline Py_ssize_t place_at(Table *t, Py_ssize_t cell, uint64_t key, uint64_t val)
+{
+    t->keys[cell] = key;
+    set_val(t, cell, val);
+    t->occ[cell] = 1;
+    return cell;
+}
+
+/* _place1 (for an absent key): the emptier bucket's first free cell, else a cuckoo step; -1
+ * when both fail. */
+static inline Py_ssize_t place1(Table *t, uint64_t key, uint64_t val)
+{
+    Probe p = probe(t, key);
+    return p.free < 0 ? relocate1(t, key, val) : place_at(t, p.free, key, val);
 }
 
 static inline void delete1(Table *t, Py_ssize_t cell)

@@ -62,9 +62,7 @@ static inline int insert1_probed(Ctx *c, Table *t, uint64_t key, uint64_t val, P
 {
     if (free < 0 || t->size >= t->limit)
         return insert1(c, t, key, val);
-    t->keys[free] = key;
-    set_val(t, free, val);
-    t->occ[free] = 1;
+    place_at(t, free, key, val);
     t->size++;
     t->dirty = 1;
     return 0;

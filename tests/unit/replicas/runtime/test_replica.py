@@ -11,10 +11,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from eventlog.events import BlocksStored, RequestFinished, RequestRouted, WorkerRegistered
+from eventlog import kv_decode
+from eventlog.events import (
+    BlocksStored,
+    RequestFinished,
+    RequestRouted,
+    WorkerRegistered,
+    decode_batch,
+)
 from eventlog.hashing import tokens_hashes
 from eventlog.memory import MemoryLog
 from eventlog.names import KV, ROUTER, Names
+from replicas.core import index_kernel
 from replicas.core.state import StateConfig
 from replicas.runtime.replica import DecisionNotRecorded, Replica, ReplicaConfig, RouteRequest
 from tests.waiting import until
@@ -98,6 +106,30 @@ async def test_replays_the_log_then_routes_to_the_worker_with_the_longest_prefix
     assert isinstance(recorded[0], RequestRouted)
     assert (recorded[0].request_id, recorded[0].worker_id, recorded[0].replica_id) == (
         "q1", "long", "r1")
+
+
+async def test_a_compact_replica_reads_long_kv_messages_as_packed_words(log: MemoryLog) -> None:
+    """With the compact index's kernel, the replica's KV reader leaves a long message's blocks as
+    u64 words (eventlog/kv_decode.py), and routes by them as by tuples."""
+    prompt = list(range(5000, 5000 + 30 * BS))
+    hashes = tokens_hashes(prompt, BS)
+    await log.append(NAMES.kv_subject("w"), [
+        WorkerRegistered("w", "http://w", MODEL, BS, 1000, 8192, 1.0),
+        BlocksStored("w", 1, 0, None, [(9000 + i, h) for i, h in enumerate(hashes)], 1.0)], "w.1")
+    replica = Replica(ReplicaConfig("r1", "", state=StateConfig(block_size=BS,
+                                                                index_form="compact"),
+                                    seed=7, durable=False, canary_interval=0), log=log)
+    await replica.start()
+    try:
+        await replica.wait_ready(10)
+        packs = index_kernel.active() is not None and kv_decode.AVAILABLE
+        reader = replica.follower._readers[KV]
+        assert reader.decode is (kv_decode.decode_kv_batch if packs  # type: ignore[attr-defined]
+                                 else decode_batch)
+        routed = await replica.route(RouteRequest("q1", MODEL, prompt))
+        assert (routed.worker_id, routed.overlap_blocks) == ("w", 30)
+    finally:
+        await replica.stop()
 
 
 async def test_a_decision_counts_at_once_and_leaves_the_overlay_once_applied(
