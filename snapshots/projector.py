@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from eventlog.connect import NatsOptions, add_nats_arguments, connect, options_from_args
 from eventlog.names import Names
+from leanhttp.loop import run as run_loop
 from snapshots.projections import ProjectionFeeder, Projections
 
 log = logging.getLogger("jetrouter.projector")
@@ -79,8 +80,8 @@ def main() -> None:
     add_nats_arguments(p)  # the replica's own identity; literal secrets come in the environment
     args = p.parse_args()
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(project(options_from_args(args), args.namespace, args.database_url,
-                        args.ledger_retention, args.parent))
+    run_loop(project(options_from_args(args), args.namespace, args.database_url,
+                     args.ledger_retention, args.parent))
 
 
 if __name__ == "__main__":
