@@ -16,7 +16,11 @@ fault on any replica for the other faults (a dead engine's request fails only if
 failed too, which the report shows).
 
 Leak check: the RSS of every long-lived process is read after a warm-up without faults, once no
-process grew more than 1% over 30 s (at most 5 minutes), and again at the end. Kill faults spare
+process grew more than 1% over 30 s and the leader has purged the router stream at least once (at
+most 5 minutes), and again at the end. The purge matters for the NATS servers: their memory rises
+with a stream's size and jumps when a purge rewrites its files, then stays near that level (Go
+keeps its heap), so a baseline read before the first purge judged a nats-server that had levelled
+off as one that grew by a third. Kill faults spare
 one *sentinel* replica and engine (``r0``, ``w0``) so that at least those live through the whole
 soak (``nats-kill`` always takes the router stream's leader, the hard case); processes restarted
 during the soak are reported with both figures but not judged.
@@ -50,6 +54,7 @@ from cluster.chaos_scenarios import (
     wait_for,
 )
 from eventlog.names import ROUTER
+from eventlog.streams import stream_bounds
 
 FAULT_KINDS = ("replica-kill", "replica-stop", "nats-kill", "worker-kill", "bridge-kill")
 SENTINELS = ("r0", "w0")  # never SIGKILLed: their RSS spans the whole soak
@@ -184,12 +189,22 @@ async def warm_up(probe: Probe, t: Timing, concurrency: int,
         while time.monotonic() + sample <= deadline:
             await asyncio.sleep(sample)  # the sampling period of the reading, not a sync
             now = memory(probe)
-            if grew(last, now) <= WARMUP_SETTLED_PCT:
+            if grew(last, now) <= WARMUP_SETTLED_PCT and await router_stream_purged(probe):
                 return now, True
             last = now
         return memory(probe), False
     finally:
         await warm.stop()
+
+
+async def router_stream_purged(probe: Probe) -> bool:
+    """Whether the leader has purged the router stream since it was created (its first
+    sequence moved past 1); False while the stream cannot be read (an election)."""
+    try:
+        first, _ = await stream_bounds(probe.js, probe.names.stream(ROUTER))
+    except Exception:  # nats-py's timeouts and API errors alike: ask again next sample
+        return False
+    return first > 1
 
 
 # --- faults -------------------------------------------------------------------------------------
