@@ -20,7 +20,7 @@ Membership is *flat* and the counters are the compact form's (both described in 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,7 +42,6 @@ from replicas.core.index_common import (
     OverlapScores,
     WorkerKey,
     live_rows,
-    membership_mix,
 )
 from replicas.core.index_reference_capture import MapsCapture
 from replicas.core.index_reference_match import match_groups, record, slot_indices
@@ -85,39 +84,8 @@ class PrefixIndex(WorkerSlots):
         self._set_gaps(slot, 0)
 
     def _release(self, slot: int, block_hash: int, entry: Entry) -> None:
-        """Drop one block id's membership (the caller already popped it from the slot's map)."""
-        seq = entry & MASK64
-        parent = (entry >> 64) - 1
-        self._sums[slot] -= membership_mix(block_hash, seq)
-        self._total -= 1
-        dups = self._dups[slot]
-        extra = dups.get(seq)
-        if extra:  # another block id of this worker still maps to the same node
-            if extra == 1:
-                del dups[seq]
-            else:
-                dups[seq] = extra - 1
-            return
-        nodes = self._nodes
-        bit = 1 << slot
-        mask = nodes[seq] ^ bit
-        if mask:
-            nodes[seq] = mask
-        else:
-            del nodes[seq]
-        if self.approximate:
-            self._expiry.pop((slot, seq), None)
-        kids = self._kids[slot]
-        gaps = self._gaps[slot] + kids.get(seq, 0)  # its held children lose their parent
-        if parent != _ROOT:
-            left = kids.get(parent, 0) - 1
-            if left > 0:
-                kids[parent] = left
-            else:
-                kids.pop(parent, None)
-            if not nodes.get(parent, 0) & bit:
-                gaps -= 1  # it was itself a child without its parent
-        self._set_gaps(slot, gaps)
+        """Drop one block id's membership (the caller already took it from the slot's map)."""
+        self._release_ids(slot, (block_hash,), {block_hash: entry}.pop)
 
     def _set_gaps(self, slot: int, gaps: int) -> None:
         gaps = max(gaps, 0)  # only a 64-bit hash collision could drive it negative
@@ -223,16 +191,17 @@ class PrefixIndex(WorkerSlots):
             unknown = len(block_hashes)
         else:
             self._sizes_changed()
-            unknown = self._remove_from_slot(slot, block_hashes)
+            unknown = self._release_ids(slot, block_hashes, self._blocks[slot].pop)
         self._count("removed", "ok")
         if unknown:
             self._count("removed", "block_not_found", unknown)
         return unknown
 
-    def _remove_from_slot(self, slot: int, block_hashes: Sequence[int]) -> int:
-        """``_release`` for a batch of block ids, inlined with locals (the replay hot path for
-        evictions); returns how many ids the slot did not hold."""
-        pop = self._blocks[slot].pop
+    def _release_ids(self, slot: int, block_hashes: Iterable[int],
+                     pop: Callable[[int, None], Entry | None]) -> int:
+        """Drop the membership of each block id that ``pop`` takes from the slot's map (with
+        its entry; ``None``: an id the slot does not hold), inlined with locals (the replay hot
+        path for evictions); returns how many ids the slot did not hold."""
         dups = self._dups[slot]
         kids = self._kids[slot]
         nodes = self._nodes
@@ -396,7 +365,6 @@ class PrefixIndex(WorkerSlots):
         entry = self._blocks[slot].pop(seq)
         self._expiry.pop((slot, seq), None)
         self._release(slot, seq, entry)
-        self._sums[slot] &= MASK64
 
     # --- snapshots ---------------------------------------------------------------------------
     #
