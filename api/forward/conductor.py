@@ -127,6 +127,18 @@ class Conductor:
             return refused
         return raw, request_object(raw)
 
+    async def opened_for_model(self, request: Request
+                               ) -> tuple[bytes, dict[str, Any], str] | Response:
+        """:meth:`opened` for a route the body must name a model to (ApiError 400 without):
+        the raw body, its JSON object and the model."""
+        opened = await self.opened(request)
+        if isinstance(opened, Response):
+            return opened
+        raw, body = opened
+        model = model_of(body)
+        assert model is not None
+        return raw, body, model
+
     # --- one request, top-down -------------------------------------------------------------
 
     async def serve(self, endpoint: str, parsed: ParsedRequest, raw: bytes,
