@@ -16,6 +16,7 @@ by), else by an engine serving the model, as ``/tokenize`` is (:mod:`api.routes.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -72,6 +73,16 @@ def as_anthropic(resp: Response) -> Response:
     return Response(anthropic_error_body(resp.status_code, message),
                     status_code=resp.status_code, media_type="application/json",
                     headers=headers)
+
+
+async def in_anthropic_shape(answer: Callable[[bytes, Request], Awaitable[Response]],
+                             request: Request) -> Response:
+    """``answer`` to the request's body, its errors (raised or returned) in Anthropic's shape."""
+    raw = await read_body(request)
+    try:
+        return as_anthropic(await answer(raw, request))
+    except ApiError as exc:
+        return as_anthropic(exc.response())
 
 
 def _body(raw: bytes) -> dict[str, Any]:
@@ -139,18 +150,10 @@ def messages_routes(conductor: Conductor) -> APIRouter:
 
     @router.post(PATH)
     async def messages(request: Request) -> Response:
-        raw = await read_body(request)
-        try:
-            return as_anthropic(await create(raw, request))
-        except ApiError as exc:
-            return as_anthropic(exc.response())
+        return await in_anthropic_shape(create, request)
 
     @router.post(COUNT_PATH)
     async def count_tokens(request: Request) -> Response:
-        raw = await read_body(request)
-        try:
-            return as_anthropic(await count(raw, request))
-        except ApiError as exc:
-            return as_anthropic(exc.response())
+        return await in_anthropic_shape(count, request)
 
     return router
