@@ -374,11 +374,14 @@ async def _without_usage_chunk(raw: bytes, payload: bytes | None) -> bytes:
     return raw
 
 
-def request_object(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request body, or ApiError 400."""
+def request_object(raw: bytes, *,
+                   not_an_object: str = "Invalid request body: expected a JSON object.",
+                   ) -> dict[str, Any]:
+    """The JSON object of a request body, or ApiError 400 (``not_an_object`` for valid JSON
+    that is not an object)."""
     body = decode_json(raw)
     if not isinstance(body, dict):
-        raise ApiError(400, "Invalid request body: expected a JSON object.")
+        raise ApiError(400, not_an_object)
     refuse_handoff_fields(body)  # only the router speaks the KV hand-off
     return body
 

@@ -24,9 +24,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from api.errors import ApiError
-from api.forward.conductor import PRIORITY_LEVEL, Conductor, model_of
-from api.handoff_fields import refuse_handoff_fields
-from api.openai_schema import MAX_TOKEN_COUNT, decode_json
+from api.forward.conductor import PRIORITY_LEVEL, Conductor, model_of, request_object
+from api.openai_schema import MAX_TOKEN_COUNT
 from api.tokenizer import encode_chat
 from leanhttp.hotpath import read_body
 from replicas.core.shedding import PriorityTier
@@ -40,6 +39,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 _decode = msgspec.json.Decoder()
+_NOT_AN_OBJECT = "the request body must be a JSON object"
 
 
 def anthropic_error_body(status: int, message: str) -> bytes:
@@ -85,14 +85,6 @@ async def in_anthropic_shape(answer: Callable[[bytes, Request], Awaitable[Respon
         return as_anthropic(exc.response())
 
 
-def _body(raw: bytes) -> dict[str, Any]:
-    body = decode_json(raw)
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    refuse_handoff_fields(body)  # only the router speaks the KV hand-off
-    return body
-
-
 def prompt_ids(conductor: Conductor, body: dict[str, Any]) -> list[int]:
     try:
         ids = encode_chat(conductor.tokenizer, anthropic_messages(body), body)
@@ -121,7 +113,7 @@ def messages_routes(conductor: Conductor) -> APIRouter:
         refused = await conductor.admit(request)
         if refused is not None:
             return refused
-        body = _body(raw)
+        body = request_object(raw, not_an_object=_NOT_AN_OBJECT)
         model = model_of(body)
         assert model is not None
         expected_osl = _max_tokens(body)
@@ -139,7 +131,7 @@ def messages_routes(conductor: Conductor) -> APIRouter:
         refused = await conductor.admit(request)
         if refused is not None:
             return refused
-        body = _body(raw)
+        body = request_object(raw, not_an_object=_NOT_AN_OBJECT)
         model = model_of(body)
         if not conductor.cfg.has_model_path:
             return await conductor.unrouted(COUNT_PATH, raw, model)
