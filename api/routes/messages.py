@@ -75,12 +75,20 @@ def as_anthropic(resp: Response) -> Response:
                     headers=headers)
 
 
-async def in_anthropic_shape(answer: Callable[[bytes, Request], Awaitable[Response]],
+async def in_anthropic_shape(conductor: Conductor,
+                             answer: Callable[[bytes, dict[str, Any], str], Awaitable[Response]],
                              request: Request) -> Response:
-    """``answer`` to the request's body, its errors (raised or returned) in Anthropic's shape."""
+    """``answer`` to a request this replica takes (its raw body, the body's JSON object and the
+    model it names), its errors (raised or returned) in Anthropic's shape."""
     raw = await read_body(request)
     try:
-        return as_anthropic(await answer(raw, request))
+        refused = await conductor.admit(request)
+        if refused is not None:
+            return as_anthropic(refused)
+        body = request_object(raw, not_an_object=_NOT_AN_OBJECT)
+        model = model_of(body)
+        assert model is not None
+        return as_anthropic(await answer(raw, body, model))
     except ApiError as exc:
         return as_anthropic(exc.response())
 
@@ -109,13 +117,7 @@ def _max_tokens(body: dict[str, Any]) -> int:
 def messages_routes(conductor: Conductor) -> APIRouter:
     router = APIRouter()
 
-    async def create(raw: bytes, request: Request) -> Response:
-        refused = await conductor.admit(request)
-        if refused is not None:
-            return refused
-        body = request_object(raw, not_an_object=_NOT_AN_OBJECT)
-        model = model_of(body)
-        assert model is not None
+    async def create(raw: bytes, body: dict[str, Any], model: str) -> Response:
         expected_osl = _max_tokens(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -127,12 +129,7 @@ def messages_routes(conductor: Conductor) -> APIRouter:
         return await conductor.relay("messages", req, PATH, raw, stream=stream,
                                      error_shape=anthropic_error_shape)
 
-    async def count(raw: bytes, request: Request) -> Response:
-        refused = await conductor.admit(request)
-        if refused is not None:
-            return refused
-        body = request_object(raw, not_an_object=_NOT_AN_OBJECT)
-        model = model_of(body)
+    async def count(raw: bytes, body: dict[str, Any], model: str) -> Response:
         if not conductor.cfg.has_model_path:
             return await conductor.unrouted(COUNT_PATH, raw, model)
         if model not in conductor.replica.models():
@@ -142,10 +139,10 @@ def messages_routes(conductor: Conductor) -> APIRouter:
 
     @router.post(PATH)
     async def messages(request: Request) -> Response:
-        return await in_anthropic_shape(create, request)
+        return await in_anthropic_shape(conductor, create, request)
 
     @router.post(COUNT_PATH)
     async def count_tokens(request: Request) -> Response:
-        return await in_anthropic_shape(count, request)
+        return await in_anthropic_shape(conductor, count, request)
 
     return router
