@@ -82,21 +82,18 @@ def _bad(message: str, param: str | None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+# JSON types as error messages name them; bool before int (a bool is an int to isinstance)
+_TYPE_NAMES: tuple[tuple[type, str], ...] = (
+    (bool, "a boolean"), (int, "an integer"), (float, "a decimal"), (str, "a string"),
+    (list, "an array"), (dict, "an object"))
+
+
 def _type_name(value: object) -> str:
     if value is None:
         return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a decimal"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
+    for kind, name in _TYPE_NAMES:
+        if isinstance(value, kind):
+            return name
     return type(value).__name__
 
 

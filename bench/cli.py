@@ -285,6 +285,27 @@ def _add_trace_arguments(p: argparse.ArgumentParser, suppress: bool) -> None:
                  "tokenizer_config.json); default: byte tokens")
 
 
+# The verbs beside `core` and `trace`, in --help order: each one's help line and the modules whose
+# add_arguments declare its flags; the first module's run() runs it.
+_VERBS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "scale": ("aggregate req/s as replicas are added (1, 2, 4, ...), per-replica CPU and "
+              "replication share, digests equal", ("bench.scale",)),
+    "overhead": ("router overhead (TTFT vs direct) and routing throughput: one replica, one fast "
+                 "simulated worker", ("bench.overhead", "bench.overhead_tracing")),
+    "faults": ("engine and replica faults under steady load: client-visible failures and extra "
+               "latency per fault", ("bench.faults",)),
+    "durability": ("snapshot size, take and restore times, and SIGKILL-to-ready with a 1M-block "
+                   "state", ("bench.durability",)),
+    "restart": ("SIGKILL a replica: time to ready and to routing right again, cold restart vs "
+                "the pre-imported standby", ("bench.restart",)),
+    "routesim": ("routing quality on the trace without processes: engine schedulers in virtual "
+                 "time, the real cost model", ("bench.routesim",)),
+    "tenants": ("tenant limits across 3 replicas (fleet-wide vs per-replica, SIGKILL "
+                "mid-flood), victim TTFT and Jain's index with FCFS and fair queueing",
+                ("bench.tenants",)),
+}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = __doc__
@@ -302,29 +323,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         core_p.set_defaults(_core_missing=True)
     else:
         core.add_arguments(core_p)
-    scale_p = sub.add_parser("scale", help="aggregate req/s as replicas are added (1, 2, 4, ...), "
-                             "per-replica CPU and replication share, digests equal")
-    importlib.import_module("bench.scale").add_arguments(scale_p)
-    overhead_p = sub.add_parser("overhead", help="router overhead (TTFT vs direct) and routing "
-                                "throughput: one replica, one fast simulated worker")
-    importlib.import_module("bench.overhead").add_arguments(overhead_p)
-    importlib.import_module("bench.overhead_tracing").add_arguments(overhead_p)
-    faults_p = sub.add_parser("faults", help="engine and replica faults under steady load: "
-                              "client-visible failures and extra latency per fault")
-    importlib.import_module("bench.faults").add_arguments(faults_p)
-    durability_p = sub.add_parser("durability", help="snapshot size, take and restore times, "
-                                  "and SIGKILL-to-ready with a 1M-block state")
-    importlib.import_module("bench.durability").add_arguments(durability_p)
-    restart_p = sub.add_parser("restart", help="SIGKILL a replica: time to ready and to routing "
-                               "right again, cold restart vs the pre-imported standby")
-    importlib.import_module("bench.restart").add_arguments(restart_p)
-    routesim_p = sub.add_parser("routesim", help="routing quality on the trace without "
-                                "processes: engine schedulers in virtual time, the real cost model")
-    importlib.import_module("bench.routesim").add_arguments(routesim_p)
-    tenants_p = sub.add_parser("tenants", help="tenant limits across 3 replicas (fleet-wide vs "
-                               "per-replica, SIGKILL mid-flood), victim TTFT and Jain's index "
-                               "with FCFS and fair queueing")
-    importlib.import_module("bench.tenants").add_arguments(tenants_p)
+    for verb, (help_line, modules) in _VERBS.items():
+        verb_p = sub.add_parser(verb, help=help_line)
+        for module in modules:
+            importlib.import_module(module).add_arguments(verb_p)
     trace_p = sub.add_parser("trace", help="replay a trace against routers (the default)")
     _add_trace_arguments(trace_p, suppress=True)
     _add_trace_arguments(p, suppress=False)
@@ -456,24 +458,13 @@ async def _run_trace(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "bench_kind", None) == "core":
+    kind = getattr(args, "bench_kind", None)
+    if kind == "core":
         if getattr(args, "_core_missing", False):
             raise _cli_error("`bench core` is not available (bench/core.py is missing)")
         return int(importlib.import_module("bench.core").run(args) or 0)
-    if getattr(args, "bench_kind", None) == "overhead":
-        if args.otlp_traces_endpoint:  # twice: tracing off, then on
-            return int(importlib.import_module("bench.overhead_tracing").run(args) or 0)
-        return int(importlib.import_module("bench.overhead").run(args) or 0)
-    if getattr(args, "bench_kind", None) == "scale":
-        return int(importlib.import_module("bench.scale").run(args) or 0)
-    if getattr(args, "bench_kind", None) == "faults":
-        return int(importlib.import_module("bench.faults").run(args) or 0)
-    if getattr(args, "bench_kind", None) == "restart":
-        return int(importlib.import_module("bench.restart").run(args) or 0)
-    if getattr(args, "bench_kind", None) == "durability":
-        return int(importlib.import_module("bench.durability").run(args) or 0)
-    if getattr(args, "bench_kind", None) == "tenants":
-        return int(importlib.import_module("bench.tenants").run(args) or 0)
-    if getattr(args, "bench_kind", None) == "routesim":
-        return int(importlib.import_module("bench.routesim").run(args) or 0)
+    if kind == "overhead" and args.otlp_traces_endpoint:  # twice: tracing off, then on
+        return int(importlib.import_module("bench.overhead_tracing").run(args) or 0)
+    if kind in _VERBS:
+        return int(importlib.import_module(_VERBS[kind][1][0]).run(args) or 0)
     return asyncio.run(_run_trace(args))

@@ -124,11 +124,15 @@ async def run_workload(urls: list[str], convs: list[list[list[int]]], max_tokens
 
 
 def engine_counts(text: str) -> dict[str, float]:
+    """A vLLM engine's NIXL transfers (``transfers``, ``failed_transfers``) and prompt tokens by
+    source (``local_compute``, ``local_cache_hit``, ``external_kv_transfer``), flattened."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "vllm:nixl_xfer_time_seconds_count":
                 out["transfers"] = out.get("transfers", 0.0) + s.value
+            elif s.name == "vllm:nixl_num_failed_transfers_total":
+                out["failed_transfers"] = out.get("failed_transfers", 0.0) + s.value
             elif s.name == "vllm:prompt_tokens_by_source_total":
                 key = s.labels.get("source", "?")
                 out[key] = out.get(key, 0.0) + s.value

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 
 import nats
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
 
 from eventlog import events as ev
 from eventlog.events import encode_batch
@@ -74,13 +76,19 @@ async def direct(msgs: list[list[ev.Event]], decisions: int, group: int, tmp: Pa
           f"{len(msgs) / elapsed:8.0f} messages/s  ({rows} rows)")
 
 
+async def _connected(server: NatsServer) -> tuple[NatsClient, JetStreamContext, Names]:
+    """A connection to ``server``, its JetStream context and the ``jr`` streams, made."""
+    nc = await nats.connect(server.url)
+    js = nc.jetstream()
+    names = Names("jr")
+    await ensure_streams(js, names)
+    return nc, js, names
+
+
 async def fed(msgs: list[list[ev.Event]], decisions: int, tmp: Path) -> None:
     server = NatsServer(store_dir=tmp / "nats").start()
     try:
-        nc = await nats.connect(server.url)
-        js = nc.jetstream()
-        names = Names("jr")
-        await ensure_streams(js, names)
+        nc, js, names = await _connected(server)
         subject = names.router_subject("r1")
         for start in range(0, len(msgs), 500):
             acks = [js.publish(subject, encode_batch(m)) for m in msgs[start:start + 500]]
@@ -108,10 +116,7 @@ async def live(msgs: list[list[ev.Event]], rate: float, seconds: float, tmp: Pat
     feeder's lag behind the stream and its transaction sizes."""
     server = NatsServer(store_dir=tmp / "nats-live").start()
     try:
-        nc = await nats.connect(server.url)
-        js = nc.jetstream()
-        names = Names("jr")
-        await ensure_streams(js, names)
+        nc, js, names = await _connected(server)
         projections = Projections(default_url(tmp / "live"))
         await projections.start()
         feeder = ProjectionFeeder(js, names, projections)

@@ -284,6 +284,16 @@ def _pid_changed(cluster: LocalCluster, name: str, old: int) -> Callable[[], Awa
     return check
 
 
+async def _kill_one(probe: Probe, victim: str, res: ScenarioResult) -> Callable[
+        [], Awaitable[bool]]:
+    """SIGKILL ``victim`` and wait until it is reaped; returns whether it is back (a new pid)."""
+    res.victim = victim
+    res.fault_at = res.fault_end = time.monotonic()
+    old = probe.c.kill(victim, signal.SIGKILL)
+    await _reaped(probe, [victim], res)
+    return _pid_changed(probe.c, victim, old)
+
+
 async def _child_ready(probe: Probe, name: str) -> bool:
     child = probe.c.children[name]
     if not child.running:
@@ -298,11 +308,7 @@ async def _child_ready(probe: Probe, name: str) -> bool:
 async def fault_replica_kill(probe: Probe, t: Timing, res: ScenarioResult) -> Callable[
         [], Awaitable[bool]]:
     victim = await probe.leader() or probe.replicas[0]  # the leader: the harder case
-    res.victim = victim
-    res.fault_at = res.fault_end = time.monotonic()
-    old = probe.c.kill(victim, signal.SIGKILL)
-    await _reaped(probe, [victim], res)
-    changed = _pid_changed(probe.c, victim, old)
+    changed = await _kill_one(probe, victim, res)
 
     async def back() -> bool:
         return await changed() and await _child_ready(probe, victim)
@@ -373,11 +379,7 @@ async def await_declared_lost(probe: Probe, victim: str, t: Timing) -> str | Non
 async def fault_worker_kill(probe: Probe, t: Timing, res: ScenarioResult) -> Callable[
         [], Awaitable[bool]]:
     victim = probe.workers[0]
-    res.victim = victim
-    res.fault_at = res.fault_end = time.monotonic()
-    old = probe.c.kill(victim, signal.SIGKILL)
-    await _reaped(probe, [victim], res)
-    changed = _pid_changed(probe.c, victim, old)
+    changed = await _kill_one(probe, victim, res)
 
     async def back() -> bool:
         return (await changed() and await _child_ready(probe, victim)

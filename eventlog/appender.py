@@ -34,6 +34,19 @@ log = logging.getLogger(__name__)
 MSG_ID_HEADER = "Nats-Msg-Id"
 
 
+def encode_append(events: Sequence[Event], msg_id: str,
+                  headers: dict[str, str] | None) -> tuple[bytes, dict[str, str] | None]:
+    """What an ``append`` of ``events`` hands its ``append_raw`` (every log adapter's): the
+    encoded batch and ``headers`` with the batch's format header added. Refuses an empty
+    ``msg_id``."""
+    if not msg_id:
+        raise ValueError("msg_id must be non-empty: it is what makes a retried append safe")
+    marked = format_headers(events)  # None for format 1: no header (eventlog/wire.py)
+    if marked is not None:
+        headers = {**marked, **(headers or {})}
+    return encode_batch(list(events)), headers
+
+
 class AppendFailed(JetrouterError, RuntimeError):
     """An append that did not reach the stream after every retry (or failed for good)."""
 
@@ -118,12 +131,8 @@ class Appender:
         """Append ``events`` as one message; return its stream sequence (the original one when
         the stream already holds ``msg_id`` within its duplicate window). ``headers`` are stored
         with the message (a bridge keeps its resume point there)."""
-        if not msg_id:
-            raise ValueError("msg_id must be non-empty: it is what makes a retried append safe")
-        marked = format_headers(events)  # None for format 1: no header (eventlog/wire.py)
-        if marked is not None:
-            headers = {**marked, **(headers or {})}
-        return await self.append_raw(subject, encode_batch(list(events)), msg_id, headers)
+        payload, headers = encode_append(events, msg_id, headers)
+        return await self.append_raw(subject, payload, msg_id, headers)
 
     async def append_raw(self, subject: str, payload: bytes, msg_id: str,
                          extra_headers: dict[str, str] | None = None) -> int:

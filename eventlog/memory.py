@@ -18,13 +18,13 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn, Self
 
 from errors.root import JetrouterError
-from eventlog.appender import MSG_ID_HEADER, AppendFailed
+from eventlog.appender import MSG_ID_HEADER, AppendFailed, encode_append
 from eventlog.binding import foreign_party
-from eventlog.events import Decode, Event, MalformedMessage, decode_batch, encode_batch
+from eventlog.events import Decode, Event, MalformedMessage, decode_batch
 from eventlog.log import StoredMessage
 from eventlog.names import STREAM_KINDS, Names
 from eventlog.reader import StartPurged
-from eventlog.wire import NewerFormat, UnknownFormat, check_message, format_headers
+from eventlog.wire import NewerFormat, UnknownFormat, check_message
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +121,8 @@ class MemoryLog:
 
     async def append(self, subject: str, events: Sequence[Event], msg_id: str,
                      headers: dict[str, str] | None = None) -> int:
-        if not msg_id:
-            raise ValueError("msg_id must be non-empty: it is what makes a retried append safe")
-        marked = format_headers(events)  # None for format 1: no header (eventlog/wire.py)
-        if marked is not None:
-            headers = {**marked, **(headers or {})}
-        return await self.append_raw(subject, encode_batch(list(events)), msg_id, headers)
+        payload, headers = encode_append(events, msg_id, headers)
+        return await self.append_raw(subject, payload, msg_id, headers)
 
     async def append_raw(self, subject: str, payload: bytes, msg_id: str,
                          extra_headers: dict[str, str] | None = None) -> int:

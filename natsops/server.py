@@ -157,7 +157,25 @@ def go_max_procs(environ: dict[str, str] | None = None, cpus: int | None = None)
     return str(max(1, (cpus if cpus is not None else os.cpu_count() or 1) // 4))
 
 
-class NatsServer:
+class _StartedInWith:
+    """``with`` starts the server(s) and cleans up after (killed, the dirs it made removed)."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def cleanup(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.cleanup()
+
+
+class NatsServer(_StartedInWith):
     """One ``nats-server -js`` process on loopback (``GOMAXPROCS``: :func:`go_max_procs`).
 
     ``port``/``monitor_port`` default to free ports picked now, so ``url`` is known before
@@ -349,20 +367,12 @@ class NatsServer:
     async def astop(self, timeout: float = 5.0) -> None:
         await asyncio.to_thread(self.stop, timeout)
 
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.cleanup()
-
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"NatsServer({self.url}, {state}, store={self.store_dir})"
 
 
-class NatsCluster:
+class NatsCluster(_StartedInWith):
     """``size`` JetStream servers clustered over loopback routes, each with its own store dir."""
 
     def __init__(
@@ -495,11 +505,3 @@ class NatsCluster:
             server.kill()
         if self._own_base:
             shutil.rmtree(self.base_dir, ignore_errors=True)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.cleanup()

@@ -127,6 +127,18 @@ class Conductor:
             return refused
         return raw, request_object(raw)
 
+    async def opened_for_model(self, request: Request
+                               ) -> tuple[bytes, dict[str, Any], str] | Response:
+        """:meth:`opened` for a route the body must name a model to (ApiError 400 without):
+        the raw body, its JSON object and the model."""
+        opened = await self.opened(request)
+        if isinstance(opened, Response):
+            return opened
+        raw, body = opened
+        model = model_of(body)
+        assert model is not None
+        return raw, body, model
+
     # --- one request, top-down -------------------------------------------------------------
 
     async def serve(self, endpoint: str, parsed: ParsedRequest, raw: bytes,
@@ -362,11 +374,14 @@ async def _without_usage_chunk(raw: bytes, payload: bytes | None) -> bytes:
     return raw
 
 
-def request_object(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request body, or ApiError 400."""
+def request_object(raw: bytes, *,
+                   not_an_object: str = "Invalid request body: expected a JSON object.",
+                   ) -> dict[str, Any]:
+    """The JSON object of a request body, or ApiError 400 (``not_an_object`` for valid JSON
+    that is not an object)."""
     body = decode_json(raw)
     if not isinstance(body, dict):
-        raise ApiError(400, "Invalid request body: expected a JSON object.")
+        raise ApiError(400, not_an_object)
     refuse_handoff_fields(body)  # only the router speaks the KV hand-off
     return body
 

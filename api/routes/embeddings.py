@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from api.errors import ApiError
-from api.forward.conductor import PRIORITY_LEVEL, Conductor, model_of
+from api.forward.conductor import PRIORITY_LEVEL, Conductor
 from api.openai_schema import MAX_TOKEN_ID
 from api.tokenizer import encode_prompt
 from replicas.core.shedding import PriorityTier
@@ -72,12 +72,10 @@ def embeddings_routes(conductor: Conductor) -> APIRouter:
 
     @router.post(PATH)
     async def embeddings(request: Request) -> Response:
-        opened = await conductor.opened(request)
+        opened = await conductor.opened_for_model(request)
         if isinstance(opened, Response):
             return opened
-        raw, body = opened
-        model = model_of(body)
-        assert model is not None
+        raw, body, model = opened
         ids = input_ids(conductor, body)
         req = RouteRequest(request_id=conductor.new_request_id(), model=model,
                            token_ids=[t for one in ids for t in one], expected_osl=1,

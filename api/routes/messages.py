@@ -16,6 +16,7 @@ by), else by an engine serving the model, as ``/tokenize`` is (:mod:`api.routes.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -23,9 +24,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from api.errors import ApiError
-from api.forward.conductor import PRIORITY_LEVEL, Conductor, model_of
-from api.handoff_fields import refuse_handoff_fields
-from api.openai_schema import MAX_TOKEN_COUNT, decode_json
+from api.forward.conductor import PRIORITY_LEVEL, Conductor, model_of, request_object
+from api.openai_schema import MAX_TOKEN_COUNT
 from api.tokenizer import encode_chat
 from leanhttp.hotpath import read_body
 from replicas.core.shedding import PriorityTier
@@ -39,6 +39,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 _decode = msgspec.json.Decoder()
+_NOT_AN_OBJECT = "the request body must be a JSON object"
 
 
 def anthropic_error_body(status: int, message: str) -> bytes:
@@ -74,12 +75,22 @@ def as_anthropic(resp: Response) -> Response:
                     headers=headers)
 
 
-def _body(raw: bytes) -> dict[str, Any]:
-    body = decode_json(raw)
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    refuse_handoff_fields(body)  # only the router speaks the KV hand-off
-    return body
+async def in_anthropic_shape(conductor: Conductor,
+                             answer: Callable[[bytes, dict[str, Any], str], Awaitable[Response]],
+                             request: Request) -> Response:
+    """``answer`` to a request this replica takes (its raw body, the body's JSON object and the
+    model it names), its errors (raised or returned) in Anthropic's shape."""
+    raw = await read_body(request)
+    try:
+        refused = await conductor.admit(request)
+        if refused is not None:
+            return as_anthropic(refused)
+        body = request_object(raw, not_an_object=_NOT_AN_OBJECT)
+        model = model_of(body)
+        assert model is not None
+        return as_anthropic(await answer(raw, body, model))
+    except ApiError as exc:
+        return as_anthropic(exc.response())
 
 
 def prompt_ids(conductor: Conductor, body: dict[str, Any]) -> list[int]:
@@ -106,13 +117,7 @@ def _max_tokens(body: dict[str, Any]) -> int:
 def messages_routes(conductor: Conductor) -> APIRouter:
     router = APIRouter()
 
-    async def create(raw: bytes, request: Request) -> Response:
-        refused = await conductor.admit(request)
-        if refused is not None:
-            return refused
-        body = _body(raw)
-        model = model_of(body)
-        assert model is not None
+    async def create(raw: bytes, body: dict[str, Any], model: str) -> Response:
         expected_osl = _max_tokens(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -124,12 +129,7 @@ def messages_routes(conductor: Conductor) -> APIRouter:
         return await conductor.relay("messages", req, PATH, raw, stream=stream,
                                      error_shape=anthropic_error_shape)
 
-    async def count(raw: bytes, request: Request) -> Response:
-        refused = await conductor.admit(request)
-        if refused is not None:
-            return refused
-        body = _body(raw)
-        model = model_of(body)
+    async def count(raw: bytes, body: dict[str, Any], model: str) -> Response:
         if not conductor.cfg.has_model_path:
             return await conductor.unrouted(COUNT_PATH, raw, model)
         if model not in conductor.replica.models():
@@ -139,18 +139,10 @@ def messages_routes(conductor: Conductor) -> APIRouter:
 
     @router.post(PATH)
     async def messages(request: Request) -> Response:
-        raw = await read_body(request)
-        try:
-            return as_anthropic(await create(raw, request))
-        except ApiError as exc:
-            return as_anthropic(exc.response())
+        return await in_anthropic_shape(conductor, create, request)
 
     @router.post(COUNT_PATH)
     async def count_tokens(request: Request) -> Response:
-        raw = await read_body(request)
-        try:
-            return as_anthropic(await count(raw, request))
-        except ApiError as exc:
-            return as_anthropic(exc.response())
+        return await in_anthropic_shape(conductor, count, request)
 
     return router

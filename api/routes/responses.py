@@ -26,7 +26,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from api.errors import ApiError, error_response
-from api.forward.conductor import PRIORITY_LEVEL, Conductor, model_of
+from api.forward.conductor import PRIORITY_LEVEL, Conductor
 from api.forward.passthrough import Passthrough
 from api.openai_schema import MAX_TOKEN_COUNT
 from api.tokenizer import encode_chat
@@ -158,12 +158,10 @@ def responses_routes(conductor: Conductor) -> APIRouter:
 
     @router.post(PATH)
     async def responses(request: Request) -> Response:
-        opened = await conductor.opened(request)
+        opened = await conductor.opened_for_model(request)
         if isinstance(opened, Response):
             return opened
-        raw, body = opened
-        model = model_of(body)
-        assert model is not None
+        raw, body, model = opened
         stream = _flag(body, "stream", False)
         store = _flag(body, "store", True)
         expected_osl = _expected_osl(body)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from itertools import chain
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +49,6 @@ from replicas.core.index_common import (
     live_rows,
     membership_mix,
     mix_sum,
-    worker_weight,
 )
 from replicas.core.index_holders import NodeHolders
 from replicas.core.index_run import REMOVE, STORE, KvOp, RunResult
@@ -96,73 +96,22 @@ class PrefixIndex(ApproximateMode):
     # longer ones as arrays (a fixed ~100 us of numpy calls, then well under 1 us a block).
     small_event = 24
 
-    def __init__(
-        self,
-        *,
-        approximate: bool = False,
-        ttl_secs: float = 120.0,
-        max_tree_size: int = 2**20,
-        prune_target_ratio: float = 0.8,
-    ) -> None:
-        self.approximate = approximate
-        self.ttl_secs = float(ttl_secs)
-        self.max_tree_size = int(max_tree_size)
-        self.prune_target_ratio = float(prune_target_ratio)
-        self.counters: dict[tuple[str, str], int] = {}
+    def __init__(self, **settings: Any) -> None:
+        """``settings``: ``WorkerSlots``'s (approximate mode's and its limits)."""
+        super().__init__(**settings)
         self._holders = NodeHolders()
-        self._slots: dict[WorkerKey, int] = {}
-        self._keys: list[WorkerKey | None] = []  # slot -> worker key
-        self._free: list[int] = []  # released slots (heap: lowest reused first)
         self._blocks: list[U64Table] = []  # slot -> {block_hash: seq}
-        self._dups: list[dict[int, int]] = []  # slot -> {seq: block ids beyond the first}
-        self._sums: list[int] = []  # slot -> sum of membership mixes mod 2**64
-        self._weights: list[int] = []  # slot -> digest weight of its worker key
-        self._total = 0
-        self._sizes_cache: dict[WorkerKey, int] | None = None
-        self._columns_cache: LiveRows | None = None
-        # bumped whenever a slot's block count may change / a slot changes hands
-        self._sizes_epoch = self._slots_epoch = 0
-        self._expiry: dict[tuple[int, int], tuple[float, int]] = {}
-        self._heap: list[tuple[float, int, str, int, int]] = []
 
-    # --- bookkeeping -------------------------------------------------------------------------
-
-    def _count(self, event_type: str, status: str, n: int = 1) -> None:
-        key = (event_type, status)
-        self.counters[key] = self.counters.get(key, 0) + n
-
-    def _slot_for(self, worker: WorkerKey) -> int:
-        slot = self._slots.get(worker)
-        if slot is not None:
-            return slot
-        worker = (str(worker[0]), int(worker[1]))
-        if self._free:
-            slot = heapq.heappop(self._free)
-            self._keys[slot] = worker
-            self._blocks[slot] = U64Table.with_bits(U64, _SLOT_TABLE_BITS)
-            self._weights[slot] = worker_weight(worker)
-        else:
-            slot = len(self._keys)
-            self._keys.append(worker)
-            self._blocks.append(U64Table.with_bits(U64, _SLOT_TABLE_BITS))
-            self._dups.append({})
-            self._sums.append(0)
-            self._weights.append(worker_weight(worker))
+    def _open_slot(self, slot: int, fresh: bool) -> None:
+        table = U64Table.with_bits(U64, _SLOT_TABLE_BITS)
+        if fresh:
+            self._blocks.append(table)
             self._holders.widen(slot)
-        self._slots[worker] = slot
-        self._slots_epoch += 1
-        return slot
+        else:
+            self._blocks[slot] = table
 
-    def _free_slot(self, slot: int) -> None:
-        worker = self._keys[slot]
-        assert worker is not None
-        del self._slots[worker]
-        self._keys[slot] = None
+    def _empty_slot(self, slot: int) -> None:
         self._blocks[slot] = U64Table(U64)
-        self._dups[slot] = {}
-        self._sums[slot] = 0
-        heapq.heappush(self._free, slot)
-        self._slots_epoch += 1
 
     # --- membership primitives ---------------------------------------------------------------
 
@@ -381,21 +330,6 @@ class PrefixIndex(ApproximateMode):
         self._total -= table.size
         self._free_slot(slot)
 
-    def clear(self, worker: WorkerKey) -> None:
-        """Apply AllBlocksCleared for one dp rank of a worker."""
-        slot = self._slots.get(worker)
-        if slot is not None:
-            self._sizes_changed()
-            self._clear_slot(slot)
-        self._count("cleared", "ok")
-
-    def remove_worker(self, worker_id: str) -> None:
-        """Forget every dp rank of a worker (retired or lost)."""
-        for worker, slot in sorted(self._slots.items()):
-            if worker[0] == worker_id:
-                self._sizes_changed()
-                self._clear_slot(slot)
-
     # --- queries -----------------------------------------------------------------------------
 
     def find_matches(self, seq_hashes: Sequence[int]) -> OverlapScores:
@@ -452,10 +386,6 @@ class PrefixIndex(ApproximateMode):
             self._sizes_cache = sizes
         return sizes
 
-    def _sizes_changed(self) -> None:
-        self._sizes_cache = None
-        self._sizes_epoch += 1
-
     def _live_columns(self) -> LiveRows:
         """The keys holding any block (in slot order), their tree sizes and rows; the keys and
         rows kept, the same list, while the same slots of the same workers hold blocks."""
@@ -472,33 +402,15 @@ class PrefixIndex(ApproximateMode):
         return 0 if slot is None else self._blocks[slot].size
 
     @property
-    def total_blocks(self) -> int:
-        """Block ids held, summed over worker keys."""
-        return self._total
-
-    @property
     def node_count(self) -> int:
         """Distinct sequence hashes held by anyone (shared prefixes count once)."""
         return self._holders.nodes.size
-
-    @property
-    def digest(self) -> int:
-        """Order-independent digest of every (worker key, block_hash, seq hash) membership."""
-        total = 0
-        for slot, worker in enumerate(self._keys):
-            if worker is not None:
-                total += self._weights[slot] * (self._sums[slot] & MASK64)
-        return total & MASK64
 
     def nbytes(self) -> int:
         """Bytes of the index's arrays (what ``bench core`` compares with RSS growth)."""
         return self._holders.nbytes() + sum(t.nbytes() for t in self._blocks)
 
     # --- snapshots (index_codec.py) -----------------------------------------------------------
-
-    def to_plain(self) -> dict[str, object]:
-        """Lists/dicts/ints/strs/floats/bytes only (msgspec-encodable), deterministic."""
-        return self.plain_encoder(copy=False)()
 
     def plain_encoder(self, *, copy: bool = True) -> Callable[[], dict[str, object]]:
         """Capture the index now and return a function that builds its plain form (v6, the

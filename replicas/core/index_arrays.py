@@ -209,26 +209,39 @@ def checked_columns(obj: dict[str, Any], names: tuple[str, ...],
     return columns
 
 
-def restore(index: Any, obj: dict[str, Any]) -> None:
-    """Fill a fresh compact ``PrefixIndex`` from a v6 plain form (module docstring; v4 and v5:
-    ``index_arrays_legacy.restore``)."""
-    cols = checked_columns(obj, _COLUMNS, xxhash.xxh3_64_intdigest)
+def owned_rows(obj: dict[str, Any], names: tuple[str, ...]) -> tuple[
+        dict[str, Any], list[tuple[str, int, int, int, int]], int, np.ndarray, np.ndarray]:
+    """v5's and v6's columns (checked), slots, row count, which rows own their node (``own``)
+    and the owned nodes' sequence hashes."""
+    cols = checked_columns(obj, names, xxhash.xxh3_64_intdigest)
     slots = slot_rows(obj)
     total = sum(n for *_, n in slots)
     if len(cols["own"]) != (total + 7) // 8:
-        raise ValueError("malformed v6 PrefixIndex (column lengths)")
+        raise ValueError(f"malformed v{obj['version']} PrefixIndex (column lengths)")
     own = np.unpackbits(np.frombuffer(cols["own"], dtype=np.uint8), count=total,
                         bitorder="little").view(bool)
-    owned = np.frombuffer(cols["seqs"], dtype=U64)
+    return cols, slots, total, own, np.frombuffer(cols["seqs"], dtype=U64)
+
+
+def check_shared_rows(obj: dict[str, Any], shared: np.ndarray, total: int,
+                      own: np.ndarray) -> None:
+    """v5's and v6's shared nodes: owned rows, in increasing order."""
+    if len(shared) and (int(shared.max()) >= total or not own[shared].all()
+                        or (len(shared) > 1 and int(np.diff(shared).min()) <= 0)):
+        raise ValueError(f"malformed v{obj['version']} PrefixIndex (shared nodes)")
+
+
+def restore(index: Any, obj: dict[str, Any]) -> None:
+    """Fill a fresh compact ``PrefixIndex`` from a v6 plain form (module docstring; v4 and v5:
+    ``index_arrays_legacy.restore``)."""
+    cols, slots, total, own, owned = owned_rows(obj, _COLUMNS)
     refs = np.frombuffer(cols["refs"], dtype=_ordinal_dtype(len(owned)))
     shared = np.frombuffer(cols["shared_rows"], dtype=U64).astype(np.int64)
     if int(np.count_nonzero(own)) != len(owned) or len(refs) != total - len(owned):
         raise ValueError("malformed v6 PrefixIndex (column lengths)")
     if len(refs) and int(refs.max()) >= len(owned):
         raise ValueError("malformed v6 PrefixIndex (a row's node has no owner)")
-    if len(shared) and (int(shared.max()) >= total or not own[shared].all()
-                        or (len(shared) > 1 and int(np.diff(shared).min()) <= 0)):
-        raise ValueError("malformed v6 PrefixIndex (shared nodes)")
+    check_shared_rows(obj, shared, total, own)
     words = int(obj["words"])
     masks = np.frombuffer(cols["shared_masks"], dtype=U64)
     if len(masks) != len(shared) * words:

@@ -15,12 +15,13 @@ import zlib
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from replicas.core.index_arrays import (
     PLAIN_VERSION_V4,
     U32,
+    check_shared_rows,
     checked_columns,
+    owned_rows,
     place_slots,
     restore_dup_columns,
     row_seqs,
@@ -45,14 +46,7 @@ def restore(index: Any, obj: dict[str, Any]) -> None:
 
 
 def _restore_v5(index: Any, obj: dict[str, Any]) -> None:
-    cols = checked_columns(obj, _COLUMNS_V5, xxhash.xxh3_64_intdigest)
-    slots = slot_rows(obj)
-    total = sum(n for *_, n in slots)
-    if len(cols["own"]) != (total + 7) // 8:
-        raise ValueError("malformed v5 PrefixIndex (column lengths)")
-    own = np.unpackbits(np.frombuffer(cols["own"], dtype=np.uint8), count=total,
-                        bitorder="little").view(bool)
-    owned = np.frombuffer(cols["seqs"], dtype=U64)
+    cols, slots, total, own, owned = owned_rows(obj, _COLUMNS_V5)
     packed = np.frombuffer(cols["codes"], dtype=np.uint8)
     codes = np.empty(2 * len(packed), dtype=np.uint8)
     codes[0::2] = packed & np.uint8(15)
@@ -63,9 +57,7 @@ def _restore_v5(index: Any, obj: dict[str, Any]) -> None:
     if (int(np.count_nonzero(own)) != len(owned) or len(packed) != (len(owned) + 1) // 2
             or len(refs) != total - len(owned)):
         raise ValueError("malformed v5 PrefixIndex (column lengths)")
-    if len(shared) and (int(shared.max()) >= total or not own[shared].all()
-                        or (len(shared) > 1 and int(np.diff(shared).min()) <= 0)):
-        raise ValueError("malformed v5 PrefixIndex (shared nodes)")
+    check_shared_rows(obj, shared, total, own)
     nodes, shared_cells = _place_owners(U64Table.with_bits(np.int32, node_bits), slots, own,
                                         owned, codes, shared)
     node_keys = nodes.keys.reshape(-1)

@@ -20,7 +20,8 @@ Membership is *flat* and the counters are the compact form's (both described in 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -41,13 +42,12 @@ from replicas.core.index_common import (
     OverlapScores,
     WorkerKey,
     live_rows,
-    membership_mix,
-    worker_weight,
 )
 from replicas.core.index_reference_capture import MapsCapture
 from replicas.core.index_reference_match import match_groups, record, slot_indices
-from replicas.core.index_reference_restore import restore_expiry, restore_slot
+from replicas.core.index_reference_restore import restore_slot
 from replicas.core.index_run import STORE, KvOp, RunResult
+from replicas.core.index_slots import WorkerSlots
 
 Entry = int  # a held block: seq | (parent seq + 1) << 64 (a root's parent is _ROOT, so: seq)
 
@@ -56,106 +56,36 @@ _ROOT = -1  # parent of a root block in the gap bookkeeping (sequence hashes are
 _SHARED_INTS = 256  # CPython keeps one object for each int from -5 to this
 
 
-class PrefixIndex:
-    def __init__(
-        self,
-        *,
-        approximate: bool = False,
-        ttl_secs: float = 120.0,
-        max_tree_size: int = 2**20,
-        prune_target_ratio: float = 0.8,
-    ) -> None:
-        self.approximate = approximate
-        self.ttl_secs = float(ttl_secs)
-        self.max_tree_size = int(max_tree_size)
-        self.prune_target_ratio = float(prune_target_ratio)
-        self.counters: dict[tuple[str, str], int] = {}
+class PrefixIndex(WorkerSlots):
+    def __init__(self, **settings: Any) -> None:
+        """``settings``: ``WorkerSlots``'s (approximate mode's and its limits)."""
+        super().__init__(**settings)
         self._nodes: dict[int, int] = {}  # seq hash -> bitmask of slots holding it
-        self._slots: dict[WorkerKey, int] = {}
-        self._keys: list[WorkerKey | None] = []  # slot -> worker key
-        self._free: list[int] = []  # released slots (heap: lowest reused first)
         # slot -> {block_hash: entry}; entries are ints, not tuples, so that a million of them
         # cost the garbage collector nothing
         self._blocks: list[dict[int, Entry]] = []
-        self._dups: list[dict[int, int]] = []  # slot -> {seq: block ids beyond the first}
-        self._sums: list[int] = []  # slot -> sum of membership mixes (mod 2**64, lazily)
-        self._weights: list[int] = []  # slot -> digest weight of its worker key
-        self._total = 0
         # Gap tracking, so find_matches can bisect: a slot is "clean" when every node it holds
         # has its parent held too (then holding block i implies holding blocks 0..i).
         self._kids: list[dict[int, int]] = []  # slot -> {seq: held nodes whose parent is seq}
         self._gaps: list[int] = []  # slot -> held nodes whose parent it does not hold
         self._gappy = 0  # bitmask of slots with gaps
-        self._sizes_cache: dict[WorkerKey, int] | None = None
-        self._columns_cache: LiveRows | None = None
-        # bumped whenever a slot's block count may change / a slot changes hands
-        self._sizes_epoch = self._slots_epoch = 0
-        # approximate mode: (slot, seq) -> (expiry, depth); heap of (expiry, -depth, id, rank, seq)
-        self._expiry: dict[tuple[int, int], tuple[float, int]] = {}
-        self._heap: list[tuple[float, int, str, int, int]] = []
 
     # --- bookkeeping -------------------------------------------------------------------------
 
-    def _count(self, event_type: str, status: str, n: int = 1) -> None:
-        key = (event_type, status)
-        self.counters[key] = self.counters.get(key, 0) + n
-
-    def _slot_for(self, worker: WorkerKey) -> int:
-        slot = self._slots.get(worker)
-        if slot is not None:
-            return slot
-        worker = (str(worker[0]), int(worker[1]))
-        if self._free:
-            slot = heapq.heappop(self._free)
-            self._keys[slot] = worker
-            self._weights[slot] = worker_weight(worker)
-        else:
-            slot = len(self._keys)
-            self._keys.append(worker)
+    def _open_slot(self, slot: int, fresh: bool) -> None:
+        if fresh:  # a freed slot kept its emptied tables
             self._blocks.append({})
-            self._dups.append({})
-            self._sums.append(0)
             self._kids.append({})
             self._gaps.append(0)
-            self._weights.append(worker_weight(worker))
-        self._slots[worker] = slot
-        self._slots_epoch += 1
-        return slot
+
+    def _empty_slot(self, slot: int) -> None:
+        self._blocks[slot] = {}
+        self._kids[slot] = {}
+        self._set_gaps(slot, 0)
 
     def _release(self, slot: int, block_hash: int, entry: Entry) -> None:
-        """Drop one block id's membership (the caller already popped it from the slot's map)."""
-        seq = entry & MASK64
-        parent = (entry >> 64) - 1
-        self._sums[slot] -= membership_mix(block_hash, seq)
-        self._total -= 1
-        dups = self._dups[slot]
-        extra = dups.get(seq)
-        if extra:  # another block id of this worker still maps to the same node
-            if extra == 1:
-                del dups[seq]
-            else:
-                dups[seq] = extra - 1
-            return
-        nodes = self._nodes
-        bit = 1 << slot
-        mask = nodes[seq] ^ bit
-        if mask:
-            nodes[seq] = mask
-        else:
-            del nodes[seq]
-        if self.approximate:
-            self._expiry.pop((slot, seq), None)
-        kids = self._kids[slot]
-        gaps = self._gaps[slot] + kids.get(seq, 0)  # its held children lose their parent
-        if parent != _ROOT:
-            left = kids.get(parent, 0) - 1
-            if left > 0:
-                kids[parent] = left
-            else:
-                kids.pop(parent, None)
-            if not nodes.get(parent, 0) & bit:
-                gaps -= 1  # it was itself a child without its parent
-        self._set_gaps(slot, gaps)
+        """Drop one block id's membership (the caller already took it from the slot's map)."""
+        self._release_ids(slot, (block_hash,), {block_hash: entry}.pop)
 
     def _set_gaps(self, slot: int, gaps: int) -> None:
         gaps = max(gaps, 0)  # only a 64-bit hash collision could drive it negative
@@ -164,19 +94,6 @@ class PrefixIndex:
             self._gappy |= 1 << slot
         else:
             self._gappy &= ~(1 << slot)
-
-    def _free_slot(self, slot: int) -> None:
-        worker = self._keys[slot]
-        assert worker is not None
-        del self._slots[worker]
-        self._keys[slot] = None
-        self._blocks[slot] = {}
-        self._dups[slot] = {}
-        self._sums[slot] = 0
-        self._kids[slot] = {}
-        self._set_gaps(slot, 0)
-        heapq.heappush(self._free, slot)
-        self._slots_epoch += 1
 
     # --- KV events ---------------------------------------------------------------------------
 
@@ -274,16 +191,17 @@ class PrefixIndex:
             unknown = len(block_hashes)
         else:
             self._sizes_changed()
-            unknown = self._remove_from_slot(slot, block_hashes)
+            unknown = self._release_ids(slot, block_hashes, self._blocks[slot].pop)
         self._count("removed", "ok")
         if unknown:
             self._count("removed", "block_not_found", unknown)
         return unknown
 
-    def _remove_from_slot(self, slot: int, block_hashes: Sequence[int]) -> int:
-        """``_release`` for a batch of block ids, inlined with locals (the replay hot path for
-        evictions); returns how many ids the slot did not hold."""
-        pop = self._blocks[slot].pop
+    def _release_ids(self, slot: int, block_hashes: Iterable[int],
+                     pop: Callable[[int, None], Entry | None]) -> int:
+        """Drop the membership of each block id that ``pop`` takes from the slot's map (with
+        its entry; ``None``: an id the slot does not hold), inlined with locals (the replay hot
+        path for evictions); returns how many ids the slot did not hold."""
         dups = self._dups[slot]
         kids = self._kids[slot]
         nodes = self._nodes
@@ -354,21 +272,6 @@ class PrefixIndex:
         self._total -= len(bmap)
         self._free_slot(slot)
 
-    def clear(self, worker: WorkerKey) -> None:
-        """Apply AllBlocksCleared for one dp rank of a worker."""
-        slot = self._slots.get(worker)
-        if slot is not None:
-            self._sizes_changed()
-            self._clear_slot(slot)
-        self._count("cleared", "ok")
-
-    def remove_worker(self, worker_id: str) -> None:
-        """Forget every dp rank of a worker (retired or lost)."""
-        for worker, slot in sorted(self._slots.items()):
-            if worker[0] == worker_id:
-                self._sizes_changed()
-                self._clear_slot(slot)
-
     # --- queries -----------------------------------------------------------------------------
 
     def find_matches(self, seq_hashes: Sequence[int]) -> OverlapScores:
@@ -386,10 +289,6 @@ class PrefixIndex:
         for slots, matched in match_groups(self._nodes.get, self._gappy, seq_hashes):
             lengths[slot_indices(slots)] = matched
         return MatchColumns(workers, lengths[live], sizes, rows)
-
-    def _sizes_changed(self) -> None:
-        self._sizes_cache = None
-        self._sizes_epoch += 1
 
     def _tree_sizes(self) -> dict[WorkerKey, int]:
         sizes = self._sizes_cache
@@ -416,23 +315,9 @@ class PrefixIndex:
         return 0 if slot is None else len(self._blocks[slot])
 
     @property
-    def total_blocks(self) -> int:
-        """Block ids held, summed over worker keys."""
-        return self._total
-
-    @property
     def node_count(self) -> int:
         """Distinct sequence hashes held by anyone (shared prefixes count once)."""
         return len(self._nodes)
-
-    @property
-    def digest(self) -> int:
-        """Order-independent digest of every (worker key, block_hash, seq hash) membership."""
-        total = 0
-        for slot, worker in enumerate(self._keys):
-            if worker is not None:
-                total += self._weights[slot] * (self._sums[slot] & MASK64)
-        return total & MASK64
 
     # --- approximate mode --------------------------------------------------------------------
 
@@ -476,56 +361,10 @@ class PrefixIndex:
         if len(heap) > 4 * max(len(expiry_map), 1024):
             self._compact_heap()
 
-    def _pop_live(self, until: float | None = None) -> tuple[int, int] | None:
-        """Pop the earliest heap entry that is still current (and expires at or before ``until``
-        when given); stale entries (refreshed or already dropped) are discarded on the way."""
-        heap = self._heap
-        while heap and (until is None or heap[0][0] <= until):
-            expires, _neg_depth, worker_id, dp_rank, seq = heapq.heappop(heap)
-            slot = self._slots.get((worker_id, dp_rank))
-            if slot is None:
-                continue
-            current = self._expiry.get((slot, seq))
-            if current is None or current[0] != expires:
-                continue
-            return slot, seq
-        return None
-
     def _drop_entry(self, slot: int, seq: int) -> None:
         entry = self._blocks[slot].pop(seq)
         self._expiry.pop((slot, seq), None)
         self._release(slot, seq, entry)
-        self._sums[slot] &= MASK64
-
-    def expire(self, now: float) -> int:
-        """Drop approximate-mode entries whose expiry is at or before event time ``now``."""
-        dropped = 0
-        while (entry := self._pop_live(now)) is not None:
-            self._drop_entry(*entry)
-            dropped += 1
-        if dropped:
-            self._sizes_changed()
-            self._count("expired", "ok", dropped)
-        return dropped
-
-    def _prune(self) -> None:
-        target = int(self.max_tree_size * self.prune_target_ratio)
-        pruned = 0
-        while self._total > target:
-            entry = self._pop_live()
-            if entry is None:
-                break
-            self._drop_entry(*entry)
-            pruned += 1
-        self._count("pruned", "ok", pruned)
-
-    def _compact_heap(self) -> None:
-        keys = self._keys
-        self._heap = [
-            (expires, -depth, *keys[slot], seq)  # type: ignore[misc]
-            for (slot, seq), (expires, depth) in self._expiry.items()
-        ]
-        heapq.heapify(self._heap)
 
     # --- snapshots ---------------------------------------------------------------------------
     #
@@ -534,10 +373,6 @@ class PrefixIndex:
     # arrays of engine block ids and sequence hashes, plus the parents compressed by *kind*
     # (a chain is stored in order, so most blocks' parent is the previous row's sequence hash;
     # only the others carry an explicit parent). v1 (flat int lists) is still read.
-
-    def to_plain(self) -> dict[str, object]:
-        """Lists/dicts/ints/strs/floats/bytes only (msgspec-encodable), deterministic."""
-        return self.plain_encoder(copy=False)()
 
     def plain_encoder(self, *, copy: bool = True) -> Callable[[], dict[str, object]]:
         """Capture the index now and return a function that builds its plain form later.
@@ -573,8 +408,8 @@ class PrefixIndex:
             held.append((slot, restore_slot(index, slot, block_hashes, seqs, parents, roots)))
         index._nodes = node_masks(held)
         for row in obj["expiry"]:
-            restore_expiry(index, (str(row[0]), int(row[1])),
-                           *(expiry_v1(row[2]) if legacy else expiry_v2(*row[2:])))
+            index._restore_expiry((str(row[0]), int(row[1])),
+                                  *(expiry_v1(row[2]) if legacy else expiry_v2(*row[2:])))
         heapq.heapify(index._heap)
         index.counters = {(t, s): int(n) for t, s, n in obj["counters"]}
         return index

@@ -1,15 +1,12 @@
 """How the reference form (``index_reference.py``) rebuilds one worker slot from its snapshot
 columns: child counts with ``np.unique``, gaps by checking only rows that are neither roots nor
 chained against the slot's sorted set, the digest sum in wrapping ``uint64`` arithmetic, and the
-packed entries (in approximate mode, the entries' expiry too). Kept apart only so that the
-reference module stays readable in one sitting; ``self`` is that module's ``PrefixIndex``
-(typed loosely: the two must not import each other).
+packed entries. Kept apart only so that the reference module stays readable in one sitting;
+``self`` is that module's ``PrefixIndex`` (typed loosely: the two must not import each other).
 """
 
 from __future__ import annotations
 
-from itertools import repeat
-from operator import neg
 from typing import Any
 
 import numpy as np
@@ -61,13 +58,3 @@ def restore_slot(self: Any, slot: int, block_hashes: np.ndarray, seqs: np.ndarra
         self._sums[slot] = int(mixes.sum(dtype=np.uint64))
     self._total += n
     return held
-
-
-def restore_expiry(self: Any, worker: tuple[str, int], seqs: list[int], expires: list[float],
-                   depths: list[int]) -> None:
-    """Approximate mode: the expiry entries and heap rows of one restored worker key."""
-    slot = self._slots[worker]
-    self._expiry.update(zip(zip(repeat(slot), seqs), zip(expires, depths, strict=True),
-                            strict=False))  # repeat() is endless
-    self._heap.extend(zip(expires, map(neg, depths), repeat(worker[0]), repeat(worker[1]),
-                          seqs, strict=False))

@@ -224,8 +224,11 @@ class RouterState:
         # replica replaying them after a restart ended with another health map than its peers.
         return "ok" if known else "unknown_worker"
 
-    def _check_event_id(self, worker_id: str, event_id: int) -> str | None:
-        """None if the event should apply; else the status to count it under."""
+    def _skip_kv_event(self, worker_id: str, event_id: int) -> str | None:
+        """None if the worker's KV event should apply; else the status to count it under (a
+        refused worker, a repeated ``event_id``). ``apply_many`` checks its runs with it too."""
+        if worker_id in self.refused_workers:
+            return "refused_worker"
         last = self.last_event_id.get(worker_id)
         if last is not None and event_id <= last:
             return "duplicate_event_id"
@@ -245,9 +248,7 @@ class RouterState:
                 f"--kv-cache-block-size {self.config.block_size}")
 
     def _blocks_stored(self, e: ev.BlocksStored) -> str:
-        if e.worker_id in self.refused_workers:
-            return "refused_worker"
-        skip = self._check_event_id(e.worker_id, e.event_id)
+        skip = self._skip_kv_event(e.worker_id, e.event_id)
         if skip:
             return skip
         if e.medium is not None:
@@ -257,9 +258,7 @@ class RouterState:
         return self.index.store((e.worker_id, e.dp_rank), e.parent_hash, e.blocks)
 
     def _blocks_removed(self, e: ev.BlocksRemoved) -> str:
-        if e.worker_id in self.refused_workers:
-            return "refused_worker"
-        skip = self._check_event_id(e.worker_id, e.event_id)
+        skip = self._skip_kv_event(e.worker_id, e.event_id)
         if skip:
             return skip
         if e.medium is not None:
@@ -268,9 +267,7 @@ class RouterState:
         return "block_not_found" if unknown else "ok"
 
     def _all_blocks_cleared(self, e: ev.AllBlocksCleared) -> str:
-        if e.worker_id in self.refused_workers:
-            return "refused_worker"
-        skip = self._check_event_id(e.worker_id, e.event_id)
+        skip = self._skip_kv_event(e.worker_id, e.event_id)
         if skip:
             return skip
         self.index.clear((e.worker_id, e.dp_rank))

@@ -24,7 +24,7 @@ kernel copies them as they are, else as tuples of ints.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from eventlog import events as ev
@@ -66,14 +66,11 @@ class RouterState(Protocol):
     @property
     def stats(self) -> _Stats: ...
 
-    @property
-    def refused_workers(self) -> Mapping[str, object]: ...
-
     def apply(self, stream: str, seq: int, events: Sequence[ev.Event]) -> bool: ...
 
     def _apply_event(self, stream: str, event: ev.Event) -> None: ...
 
-    def _check_event_id(self, worker_id: str, event_id: int) -> str | None: ...
+    def _skip_kv_event(self, worker_id: str, event_id: int) -> str | None: ...
 
     def _expire(self) -> None: ...
 
@@ -94,8 +91,8 @@ def apply_many(state: RouterState, stream: str,
         for seq, events in messages:
             state.apply(stream, seq, events)
         return
-    positions, stats, refused = state.positions, state.stats, state.refused_workers
-    check_event_id = state._check_event_id
+    positions, stats = state.positions, state.stats
+    skip_kv_event = state._skip_kv_event
     run: list[KvOp] = []
     kinds: list[str] = []  # each run op's event type, for its status count
     stored, removed = ev.BlocksStored, ev.BlocksRemoved
@@ -118,10 +115,7 @@ def apply_many(state: RouterState, stream: str,
             if e.ts > state.now:
                 state.now = e.ts
             name = t.__name__
-            if e.worker_id in refused:
-                stats.bump(KV, name, "refused_worker")
-                continue
-            skip = check_event_id(e.worker_id, e.event_id)
+            skip = skip_kv_event(e.worker_id, e.event_id)
             if skip:
                 stats.bump(KV, name, skip)
                 continue

@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.demo_vllm_disagg import engine_counts
 from replicas.runtime.canary import CANARY_PROMPT
 from tests.vllm.tiny_cluster import started, tiny_cluster, token_ids
 
@@ -53,21 +53,6 @@ async def pd_cluster(vllm_model: Path, vllm_dir: Path) -> AsyncIterator[Any]:
     # as a working engine's first byte (api/forward/first_byte.py).
     async with started(cluster):
         yield cluster
-
-
-def engine_counts(text: str) -> dict[str, float]:
-    """The decode engine's transfer and prompt-source counters, flattened."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "vllm:nixl_xfer_time_seconds_count":
-                out["transfers"] = out.get("transfers", 0.0) + s.value
-            elif s.name == "vllm:nixl_num_failed_transfers_total":
-                out["failed_transfers"] = out.get("failed_transfers", 0.0) + s.value
-            elif s.name == "vllm:prompt_tokens_by_source_total":
-                key = "tokens_" + s.labels.get("source", "?")
-                out[key] = out.get(key, 0.0) + s.value
-    return out
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -173,11 +158,11 @@ async def test_disaggregated_tokens_equal_aggregated_and_arrive_by_transfer(
     assert moved["transfers"] == PROMPTS, moved
     assert moved.get("failed_transfers", 0.0) == 0, moved
     total = sum(len(p) for p in prompts)
-    assert moved["tokens_external_kv_transfer"] >= total - PROMPTS, (moved, total)
-    assert moved.get("tokens_local_compute", 0.0) <= PROMPTS + canary_tokens, \
+    assert moved["external_kv_transfer"] >= total - PROMPTS, (moved, total)
+    assert moved.get("local_compute", 0.0) <= PROMPTS + canary_tokens, \
         (moved, canary_tokens)
     # The reference really was computed by the decode engine, not transferred.
-    assert computed.get("transfers", 0.0) == 0 and computed["tokens_local_compute"] >= \
+    assert computed.get("transfers", 0.0) == 0 and computed["local_compute"] >= \
         total - PROMPTS * BLOCK, computed
 
 
