@@ -194,16 +194,16 @@ async def run_soak_cluster(args: argparse.Namespace, t: Timing, data_dir: Path) 
 
     # A soak runs long enough for the streams to matter: the leader snapshots and purges as a
     # production deployment would (so restarted replicas also load snapshots mid-soak). At the
-    # soak's ~100 router messages a second this is a snapshot about every minute, so the warm-up
-    # sees a purge before it reads the RSS baseline (chaos_soak.warm_up) and faults keep landing
-    # during snapshots and purges.
-    extra = ["--router-snapshot-threshold", "5000"]
+    # soak's ~100 router messages a second this is a snapshot about every minute, so faults keep
+    # landing during snapshots and purges, and the router stream's size is judged by it.
+    threshold = 5000
+    extra = ["--router-snapshot-threshold", str(threshold)]
     async with chaos_cluster(data_dir, t, extra_router_args=extra) as cluster, \
             ChaosSession(cluster) as session:
         assert session.probe is not None and session.follower is not None
         report = await run_soak(session.probe, session.follower, t, duration=args.soak,
                                 fault_interval=args.fault_interval, seed=args.seed,
-                                progress=progress)
+                                progress=progress, snapshot_threshold=threshold)
     print(format_report(report))
     bad = soak_verdict(report)
     if args.json is not None:
