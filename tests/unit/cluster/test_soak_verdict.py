@@ -29,12 +29,6 @@ def test_a_grown_replica_fails_and_a_grown_nats_server_is_only_reported() -> Non
     assert rows == {"r0": "+12.0%", "jetrouter-n2": "+33.0% (NATS server: not judged)"}
 
 
-def test_records_without_the_judged_flag_are_judged() -> None:
-    r = report(rss={"w0": {"start_kib": 1, "end_kib": 2, "same_process": True,
-                           "growth_pct": 100.0}})
-    assert soak_verdict(r) == ["w0: RSS grew 100.0% (> 10%)"]
-
-
 def test_the_router_stream_must_stay_within_a_few_snapshot_intervals() -> None:
     bound = STREAM_SNAPSHOT_SPANS * 5000
     ok = report(router_stream={"first_seq": 90_001, "last_seq": 90_000 + bound,
