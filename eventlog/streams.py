@@ -165,7 +165,11 @@ async def create_placed(
     connection from then on. ``exists()``: what was to be created, if it exists by now (looked
     up whenever a create goes unanswered)."""
     replicas = wanted
-    deadline = time.monotonic() + placement_wait
+    # The wait starts at the first refusal to place, not at the first attempt: attempts that
+    # went unanswered (no meta leader yet) are not time the cluster had to place anything, and a
+    # cluster whose members join one by one once a quorum forms would otherwise get a stream one
+    # replica short, for good.
+    deadline: float | None = None
     delay = 0.05
     while True:
         try:
@@ -175,6 +179,8 @@ async def create_placed(
         except APIError as exc:
             if exc.err_code not in _PLACEMENT_ERRORS or replicas == 1:
                 raise
+            if deadline is None:
+                deadline = time.monotonic() + placement_wait
             if exc.err_code == _ERR_NOT_CLUSTERED and step_down:
                 replicas = 1
             elif time.monotonic() < deadline:
