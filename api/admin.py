@@ -13,9 +13,12 @@ from fastapi.responses import Response
 from api.errors import ApiError
 from api.openai_schema import decode_json
 from eventlog.events import MAX_COUNT
+from eventlog.names import CONTROL
 from replicas.runtime.replica import Replica
 
 _json = msgspec.json.Encoder()
+# How long a snapshot listing waits for the projector to catalogue what this replica has seen.
+LISTING_WAIT = 2.0
 
 
 def _json_response(obj: object, status: int = 200) -> Response:
@@ -133,11 +136,20 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
         d = replica.leader
         return d.threshold if d is not None else replica.state.snapshot_threshold
 
+    # The control-stream position of the last snapshot or reset this replica's admin API
+    # made: a listing asked for afterwards shows it (read your own writes, across the
+    # projector child that writes the catalogue).
+    control_written = [0]
+
     async def leader_call(verb: str, payload: dict[str, Any]) -> dict[str, Any]:
         from replicas.runtime.leader import LeaderOperationFailed, NoLeader
 
         try:
-            return await durability().request(verb, payload)
+            result = await durability().request(verb, payload)
+            seq = result.get("control_seq")
+            if isinstance(seq, int):
+                control_written[0] = max(control_written[0], seq)
+            return result
         except NoLeader as exc:
             raise ApiError(503, f"{exc}; retry in a few seconds",
                            type="service_unavailable") from None
@@ -155,6 +167,10 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
     async def admin_snapshots(request: Request) -> Response:
         check_admin(request)
         if replica.projections is not None:
+            # Everything this replica has seen or written on the control stream is listed,
+            # unless the projector is further behind than LISTING_WAIT.
+            seen = max(control_written[0], replica.follower.stream_last[CONTROL])
+            await replica.projections.reached(CONTROL, seen, LISTING_WAIT)
             rows = await replica.projections.snapshots()
         else:
             rows = [msgspec.structs.asdict(m) if isinstance(m, msgspec.Struct) else vars(m)

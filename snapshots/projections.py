@@ -46,6 +46,7 @@ DEFAULT_LEDGER_RETENTION = 7 * 86400.0
 # How long the ledger may trail the stream to save transactions; the admin views read it, no
 # routing decision does.
 DEFAULT_BATCH_WINDOW = 0.1
+POSITION_POLL = 0.02
 # A stream leader election lasts 4-9 s (docs/decisions/0031-election-is-the-floor.md).
 MAX_READ_RETRY_DELAY = 2.0
 
@@ -114,6 +115,18 @@ class Projections:
         view = self._view(stream_kind)
         async with self._engine_or_fail().connect() as conn:
             return (await read_tracking(conn, view.projection, view.stream)).seq
+
+    async def reached(self, stream_kind: str, seq: int, within: float) -> bool:
+        """Whether ``stream_kind``'s projection has applied ``seq``, waiting up to ``within``
+        seconds for it. The projector is another process writing the same database, so its
+        progress is read, not awaited: a read every ``POSITION_POLL`` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while await self.position(stream_kind) < seq:
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(POSITION_POLL)
+        return True
 
     async def apply(self, stream_kind: str, seq: int, batch: Sequence[ev.Event]) -> bool:
         """Apply one stream message; False (nothing written) when ``seq`` is at or below the

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import secrets
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -267,6 +269,34 @@ async def test_request_shows_the_decision_with_candidates(
     assert "request_id" in out and request_id in out
     assert "candidates (1, * = chosen)" in out
     assert any(line.lstrip().startswith("* ") and "w0" in line for line in out.splitlines())
+
+
+def projector_pid(c: LocalCluster) -> int:
+    """The replica's one child process: its SQL projector, which writes the snapshot catalogue."""
+    pid = c.processes["r0"]
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+async def test_snapshot_listed_at_once_while_the_projector_lags(
+        cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    """`snapshots` right after `snapshot` lists it: the listing waits for the projector child
+    to catalogue what its replica has written, rather than showing an older catalogue."""
+    projector = projector_pid(cluster)
+    os.kill(projector, signal.SIGSTOP)
+    try:
+        code, out, err = await admin(capsys, *with_file(cluster, "--json", "snapshot"))
+        skip_if_missing(code, err, "POST /admin/snapshot")
+        assert code == 0, err
+        snapshot_id = json.loads(out)["snapshot_id"]
+        # The projector resumes while the listing is being answered.
+        asyncio.get_running_loop().call_later(0.3, os.kill, projector, signal.SIGCONT)
+        code, out, err = await admin(capsys, *with_file(cluster, "--json", "snapshots"))
+    finally:
+        os.kill(projector, signal.SIGCONT)
+    assert code == 0, err
+    assert json.loads(out)["snapshots"][0]["snapshot_id"] == snapshot_id
 
 
 async def test_snapshot_then_listed_then_reset_with_yes(

@@ -3,6 +3,7 @@ real nats-server stream. Events are built directly; no mocks."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import sqlite3
 from collections.abc import Sequence
@@ -98,6 +99,23 @@ async def test_resumes_from_tracking_position_after_reopen(tmp_path: Path) -> No
         assert [s["snapshot_id"] for s in await p.snapshots()] == ["s1"]
     finally:
         await p.close()
+
+
+async def test_reached_follows_another_processs_writes_or_gives_up(tmp_path: Path) -> None:
+    """The admin listing's wait: positions written through another connection to the same
+    database (the projector child's) are seen; past ``within`` the answer is False."""
+    writer = await opened(tmp_path)
+    reader = await opened(tmp_path)
+    try:
+        assert await reader.reached(CONTROL, 0, 0.0) is True
+        assert await reader.reached(CONTROL, 7, 0.05) is False
+        waiting = asyncio.create_task(reader.reached(CONTROL, 7, 60.0))
+        await writer.apply(CONTROL, 7, [taken("s1", 3.0)])
+        assert await waiting is True
+        assert [s["snapshot_id"] for s in await reader.snapshots()] == ["s1"]
+    finally:
+        await reader.close()
+        await writer.close()
 
 
 class FailsBeforeCommit(Projections):
