@@ -29,8 +29,12 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
-from packaging.markers import default_environment
-from packaging.requirements import Requirement
+try:
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+except ImportError:  # an environment without the dev tools: pip carries its own copy
+    from pip._vendor.packaging.markers import default_environment  # type: ignore[no-redef]
+    from pip._vendor.packaging.requirements import Requirement  # type: ignore[no-redef]
 
 PROJECT = "jetrouter"
 ROOT = Path(__file__).resolve().parents[1]
