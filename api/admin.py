@@ -13,11 +13,12 @@ from fastapi.responses import Response
 from api.errors import ApiError
 from api.openai_schema import decode_json
 from eventlog.events import MAX_COUNT
-from eventlog.names import CONTROL
+from eventlog.names import CONTROL, ROUTER
 from replicas.runtime.replica import Replica
 
 _json = msgspec.json.Encoder()
-# How long a snapshot listing waits for the projector to catalogue what this replica has seen.
+# How long a snapshot listing or a decision lookup waits for the projector to write what this
+# replica has seen.
 LISTING_WAIT = 2.0
 
 
@@ -169,7 +170,7 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
         if replica.projections is not None:
             # Everything this replica has seen or written on the control stream is listed,
             # unless the projector is further behind than LISTING_WAIT.
-            seen = max(control_written[0], replica.follower.stream_last[CONTROL])
+            seen = max(control_written[0], replica.seen(CONTROL))
             await replica.projections.reached(CONTROL, seen, LISTING_WAIT)
             rows = await replica.projections.snapshots()
         else:
@@ -225,6 +226,11 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
             raise ApiError(503, "the decision ledger is disabled on this replica",
                            type="service_unavailable")
         row = await replica.projections.request(request_id)
+        if row is None:
+            # Not in the ledger yet, perhaps: the projector writes it a moment after the
+            # request was answered. Asked again once it has what this replica has seen.
+            await replica.projections.reached(ROUTER, replica.seen(ROUTER), LISTING_WAIT)
+            row = await replica.projections.request(request_id)
         if row is None:
             raise ApiError(404, f"no routing decision recorded for request {request_id!r}",
                            param="request_id")

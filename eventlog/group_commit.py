@@ -75,6 +75,7 @@ class GroupCommit:
         self._timer: asyncio.TimerHandle | None = None
         self._sent = 0
         self.messages = 0  # messages appended (acked)
+        self.last_seq = 0  # the stream sequence of the last of them
         self.events = 0  # events in them
         self.folded = 0  # PrefillCompleted events folded into their RequestFinished
 
@@ -140,6 +141,7 @@ class GroupCommit:
                     _settle(item.future, exc=exc)
                 continue
             self.messages += 1
+            self.last_seq = max(self.last_seq, seq)
             self.events += sum(1 for item in taken if item.event is not None)
             for item in taken:
                 _settle(item.future, seq=seq)

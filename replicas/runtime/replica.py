@@ -462,6 +462,12 @@ class Replica:
     def lag(self) -> dict[str, int]:
         return self.follower.lag()
 
+    def seen(self, kind: str) -> int:
+        """The last sequence of stream ``kind`` this replica knows to exist: delivered to it, or
+        (the router stream) acknowledged to its own appends, which its answers already reflect."""
+        written = self.router_log.last_seq if kind == ROUTER and self.router_log else 0
+        return max(self.follower.stream_last[kind], written)
+
     def blocked_streams(self) -> dict[str, str]:
         """Streams stopped at a message in a newer format (kind -> why); see follower.py."""
         return dict(self.follower.blocked)

@@ -271,6 +271,26 @@ async def test_request_shows_the_decision_with_candidates(
     assert any(line.lstrip().startswith("* ") and "w0" in line for line in out.splitlines())
 
 
+async def test_request_found_at_once_while_the_projector_lags(
+        cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    """`admin request ID` right after the request was answered finds its decision: the lookup
+    waits for the projector child to write what its replica has seen."""
+    projector = projector_pid(cluster)
+    os.kill(projector, signal.SIGSTOP)
+    try:
+        async with httpx.AsyncClient(timeout=20) as h:
+            r = await h.post(cluster.router_urls[0] + "/v1/completions",
+                             json={"model": "jetrouter-sim", "prompt": "at once", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        request_id = r.json()["id"].removeprefix("cmpl-")
+        asyncio.get_running_loop().call_later(0.3, os.kill, projector, signal.SIGCONT)
+        code, out, err = await admin(capsys, *with_file(cluster, "--json", "request", request_id))
+    finally:
+        os.kill(projector, signal.SIGCONT)
+    assert code == 0, err
+    assert json.loads(out)["request_id"] == request_id
+
+
 def projector_pid(c: LocalCluster) -> int:
     """The replica's one child process: its SQL projector, which writes the snapshot catalogue."""
     pid = c.processes["r0"]

@@ -46,6 +46,7 @@ async def test_concurrent_appends_share_messages_once_each_in_order(js) -> None:
     assert [e for _, e in landed] == sent
     assert [s for s, _ in landed] == list(seqs)  # each caller got its message's sequence
     assert log.messages == last and log.events == len(sent)
+    assert log.last_seq == last  # what a lookup waits for the ledger to reach
     headers = (await context.get_msg(ROUTER, last)).headers
     assert headers is not None and headers["Nats-Msg-Id"] == f"a.boot1.{last}"
 
