@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import time
 from typing import Any
@@ -137,11 +138,6 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
         d = replica.leader
         return d.threshold if d is not None else replica.state.snapshot_threshold
 
-    # The control-stream position of the last snapshot or reset this replica's admin API
-    # made: a listing asked for afterwards shows it (read your own writes, across the
-    # projector child that writes the catalogue).
-    control_written = [0]
-
     async def leader_call(verb: str, payload: dict[str, Any]) -> dict[str, Any]:
         from replicas.runtime.leader import LeaderOperationFailed, NoLeader
 
@@ -149,7 +145,10 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
             result = await durability().request(verb, payload)
             seq = result.get("control_seq")
             if isinstance(seq, int):
-                control_written[0] = max(control_written[0], seq)
+                # Answered once this replica has the operation's control message too (the
+                # leader may be another replica), so what is asked of it next reflects it.
+                with contextlib.suppress(TimeoutError):
+                    await replica.wait_applied(CONTROL, seq, LISTING_WAIT)
             return result
         except NoLeader as exc:
             raise ApiError(503, f"{exc}; retry in a few seconds",
@@ -168,10 +167,10 @@ def admin_router(replica: Replica, cfg: Any) -> APIRouter:
     async def admin_snapshots(request: Request) -> Response:
         check_admin(request)
         if replica.projections is not None:
-            # Everything this replica has seen or written on the control stream is listed,
-            # unless the projector is further behind than LISTING_WAIT.
-            seen = max(control_written[0], replica.seen(CONTROL))
-            await replica.projections.reached(CONTROL, seen, LISTING_WAIT)
+            # Everything this replica has seen of the control stream is listed (the projector
+            # child writes the catalogue), unless the projector is behind by more than
+            # LISTING_WAIT.
+            await replica.projections.reached(CONTROL, replica.seen(CONTROL), LISTING_WAIT)
             rows = await replica.projections.snapshots()
         else:
             rows = [msgspec.structs.asdict(m) if isinstance(m, msgspec.Struct) else vars(m)
