@@ -57,6 +57,10 @@ def test_from_a_baseline_still_growing_the_second_halfs_rate_decides() -> None:
     leak = {"r0": rss(14.0, late=12.5)}  # a leak goes on growing at its rate
     assert soak_verdict(report(rss=leak, warmup_levelled=False)) == [
         "r0: RSS grew 12.5% at the second half's rate (> 10%)"]
+    # Memory given back in the first half and taken again in the second: the whole run's
+    # smaller growth stands (a leak shows in both figures).
+    regrown = {"r0": rss(3.0, late=12.0)}
+    assert soak_verdict(report(rss=regrown, warmup_levelled=False)) == []
     # From a levelled-off baseline the whole run's growth is judged, as before.
     assert soak_verdict(report(rss=tail, warmup_levelled=True)) == [
         "r0: RSS grew 10.6% (> 10%)"]
