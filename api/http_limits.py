@@ -15,12 +15,22 @@ Two guards, both below the application so that nothing is parsed or routed befor
   keep-alive timer, so a client trickling one header byte every few seconds (slowloris) would
   hold a connection, and with it a file descriptor, forever. Once the request is complete the
   timer stops: generation may stream for minutes and is bounded elsewhere.
+
+  The same protocol keeps uvicorn's idle keep-alive timeout from cutting a request that has
+  already arrived: uvloop (libuv) runs the timers that fell due while a step of the loop ran
+  long (a burst of stream messages, a busy host's CPU) before it reads the sockets again, so
+  the timer would close a connection with the client's next request waiting unread in it, and
+  the client would see a reset. When bytes are waiting the connection stays open; they are
+  read in the same turn of the loop.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
+import fcntl
 import logging
+import termios
 from typing import Any
 
 from starlette.requests import ClientDisconnect
@@ -109,6 +119,19 @@ class BodySizeLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+def bytes_waiting(transport: asyncio.BaseTransport) -> bool:
+    """Whether the transport's socket has received bytes the loop has not read yet."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    waiting = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, waiting, True)
+    except OSError:  # closed meanwhile, or not a socket that can tell
+        return False
+    return waiting[0] > 0
+
+
 def _read_timeout_protocol(base: type[Any]) -> type[Any]:
     class RequestReadTimeoutProtocol(base):  # type: ignore[misc, valid-type]
         """uvicorn's HTTP protocol plus a deadline for reading each request (module doc);
@@ -149,6 +172,10 @@ def _read_timeout_protocol(base: type[Any]) -> type[Any]:
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_read_timer()
             super().connection_lost(exc)
+
+        def timeout_keep_alive_handler(self) -> None:
+            if not bytes_waiting(self.transport):  # else: a request arrived (module doc)
+                super().timeout_keep_alive_handler()
 
         def send_400_response(self, msg: str) -> None:
             # uvicorn's answer to bytes that are not HTTP (bad header characters, a broken
