@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from errors.root import JetrouterError
+from launch.children import children_of
 from leanhttp.loop import run as run_loop
 
 DEFAULT_CONCURRENCY = (1, 16, 64)
@@ -142,15 +143,6 @@ def proc_cpu_seconds(pid: int) -> float | None:
         return (int(fields[11]) + int(fields[12])) / _CLK_TCK
     except (OSError, IndexError, ValueError):
         return None
-
-
-def children_of(pid: int) -> list[int]:
-    """Direct children of a process (Linux /proc), [] if unreadable."""
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(x) for x in text.split()]
 
 
 def _cmdline(pid: int) -> bytes:

@@ -47,6 +47,7 @@ from typing import Any
 import httpx
 
 from bench.overhead import RawConnection, UnexpectedStatus, proc_cpu_seconds, split_url
+from launch.children import children_of
 from settings.flags import CliError
 
 MODEL = "jetrouter-sim"
@@ -172,18 +173,6 @@ def _load_process(plan: LoadPlan, out: Any) -> None:
     counts = asyncio.run(main())
     counts["cpu_s"] = cpu.get("end", 0.0) - cpu.get("start", 0.0)
     out.put(counts)
-
-
-def children_of(pid: int) -> list[int]:
-    """Direct children of ``pid`` (Linux /proc), for the replica's projector child."""
-    found: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found.extend(int(x) for x in f.read().split())
-    except OSError:
-        pass
-    return found
 
 
 def _nats_pids(cluster: Any) -> list[int]:

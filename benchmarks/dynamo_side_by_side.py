@@ -54,10 +54,10 @@ from bench.overhead import (
     CpuMeter,
     PhaseResult,
     _wait_for_model,
-    children_of,
     closed_loop,
     machine,
 )
+from launch.children import children_of
 from launch.local_cluster import LocalCluster
 from leanhttp.loop import run as run_loop
 from natsops.server import NatsServer, free_port

@@ -53,6 +53,7 @@ from cluster.chaos_scenarios import (
 )
 from eventlog.names import ROUTER
 from eventlog.streams import stream_bounds
+from launch.children import children_of
 
 FAULT_KINDS = ("replica-kill", "replica-stop", "nats-kill", "worker-kill", "bridge-kill")
 SENTINELS = ("r0", "w0")  # never SIGKILLed: their RSS spans the whole soak
@@ -132,14 +133,6 @@ def rss_kib(pid: int) -> int | None:
     return None
 
 
-def _children_of(pid: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(x) for x in text.split()]
-
-
 def long_lived(probe: Probe) -> dict[str, int]:
     """name → pid of every process the soak cares about: replicas and their projector
     children, engines (and bridges), NATS servers."""
@@ -148,7 +141,7 @@ def long_lived(probe: Probe) -> dict[str, int]:
         if child.pid is None or not child.running:
             continue
         out[name] = child.pid
-        for k, sub in enumerate(_children_of(child.pid)):
+        for k, sub in enumerate(children_of(child.pid)):
             out[f"{name}/child{k}"] = sub
     for server in nats_servers(probe):
         if server.proc is not None and server.proc.poll() is None:

@@ -20,6 +20,20 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def children_of(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc; every thread's, since any thread may fork),
+    [] when the process is gone or /proc cannot tell. How benches, soaks and tests find a
+    replica's projector child."""
+    found: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found.extend(int(x) for x in f.read().split())
+    except OSError:
+        pass
+    return found
+
+
 @dataclass
 class Child:
     """One supervised child process (a replica, a worker, or a host of several simulated

@@ -9,6 +9,7 @@ disabled (503, e.g. the decision ledger before the projections are wired in).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -16,7 +17,7 @@ import secrets
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import pytest
 import pytest_asyncio
 
 from api import cli
+from launch.children import children_of
 from launch.local_cluster import LocalCluster
 from natsops.server import free_ports
 from tests.waiting import until
@@ -271,50 +273,52 @@ async def test_request_shows_the_decision_with_candidates(
     assert any(line.lstrip().startswith("* ") and "w0" in line for line in out.splitlines())
 
 
+def projector_pid(c: LocalCluster) -> int:
+    """The replica's one child process: its SQL projector, which writes the snapshot catalogue."""
+    (child,) = children_of(c.processes["r0"])
+    return child
+
+
+@contextlib.contextmanager
+def projector_lagging(c: LocalCluster) -> Iterator[Callable[[], object]]:
+    """The projector stopped (SIGSTOP) while the block writes; the block calls the yielded
+    function right before its read, which resumes the projector 0.3 s into that read."""
+    projector = projector_pid(c)
+    os.kill(projector, signal.SIGSTOP)
+    try:
+        yield lambda: asyncio.get_running_loop().call_later(0.3, os.kill, projector,
+                                                           signal.SIGCONT)
+    finally:
+        os.kill(projector, signal.SIGCONT)
+
+
 async def test_request_found_at_once_while_the_projector_lags(
         cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
     """`admin request ID` right after the request was answered finds its decision: the lookup
     waits for the projector child to write what its replica has seen."""
-    projector = projector_pid(cluster)
-    os.kill(projector, signal.SIGSTOP)
-    try:
+    with projector_lagging(cluster) as resume_during_read:
         async with httpx.AsyncClient(timeout=20) as h:
             r = await h.post(cluster.router_urls[0] + "/v1/completions",
                              json={"model": "jetrouter-sim", "prompt": "at once", "max_tokens": 2})
             assert r.status_code == 200, r.text
         request_id = r.json()["id"].removeprefix("cmpl-")
-        asyncio.get_running_loop().call_later(0.3, os.kill, projector, signal.SIGCONT)
+        resume_during_read()
         code, out, err = await admin(capsys, *with_file(cluster, "--json", "request", request_id))
-    finally:
-        os.kill(projector, signal.SIGCONT)
     assert code == 0, err
     assert json.loads(out)["request_id"] == request_id
-
-
-def projector_pid(c: LocalCluster) -> int:
-    """The replica's one child process: its SQL projector, which writes the snapshot catalogue."""
-    pid = c.processes["r0"]
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    assert len(children) == 1, children
-    return int(children[0])
 
 
 async def test_snapshot_listed_at_once_while_the_projector_lags(
         cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
     """`snapshots` right after `snapshot` lists it: the listing waits for the projector child
     to catalogue what its replica has written, rather than showing an older catalogue."""
-    projector = projector_pid(cluster)
-    os.kill(projector, signal.SIGSTOP)
-    try:
+    with projector_lagging(cluster) as resume_during_read:
         code, out, err = await admin(capsys, *with_file(cluster, "--json", "snapshot"))
         skip_if_missing(code, err, "POST /admin/snapshot")
         assert code == 0, err
         snapshot_id = json.loads(out)["snapshot_id"]
-        # The projector resumes while the listing is being answered.
-        asyncio.get_running_loop().call_later(0.3, os.kill, projector, signal.SIGCONT)
+        resume_during_read()
         code, out, err = await admin(capsys, *with_file(cluster, "--json", "snapshots"))
-    finally:
-        os.kill(projector, signal.SIGCONT)
     assert code == 0, err
     assert json.loads(out)["snapshots"][0]["snapshot_id"] == snapshot_id
 

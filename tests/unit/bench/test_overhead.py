@@ -11,13 +11,13 @@ import sys
 from bench.overhead import (
     PhaseResult,
     RawConnection,
-    children_of,
     closed_loop,
     percentile,
     proc_cpu_seconds,
     prompt_body,
     split_url,
 )
+from launch.children import children_of
 
 
 async def _serve(chunked: bool) -> tuple[asyncio.Server, int, list[bytes]]:
